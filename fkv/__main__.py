@@ -1,0 +1,3 @@
+from fkv.cli import main
+
+raise SystemExit(main())

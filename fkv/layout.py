@@ -1,0 +1,423 @@
+"""The layout algebra: the one module that knows axes, stride orders, shapes, strides and offsets.
+
+Everything else in fkv (kernels, launchers, references, the handshake planner, tests) asks this
+module for permutations, offsets and strides; nothing else branches on ``layout == "NHD"``.
+
+Canonical axis names (outermost-first letters of the engine vocabulary):
+
+====== =========================================
+``L``  layers (only in a cross-layer buffer)
+``B``  blocks
+``two`` the K/V selector (absent for MLA)
+``N``  tokens in a block
+``H``  KV heads held by this rank (absent for MLA)
+``C``  channels: head_size (MLA: latent + rope)
+====== =========================================
+
+A backend's *logical shape* is the order its kernels index by; a *stride order* ``p`` says physical
+dim ``k`` is logical dim ``p[k]`` (SPEC.md §1).  A spec allocates its physical shape contiguously and
+views it with the inverse permutation.
+
+>>> spec = KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128)
+>>> spec.logical_shape, spec.stride_order, spec.physical_shape
+((4, 2, 16, 8, 128), (0, 1, 3, 2, 4), (4, 2, 8, 16, 128))
+>>> spec.element_strides
+(32768, 16384, 128, 2048, 1)
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from typing import Any
+
+import attrs
+
+from fkv.errors import FkvError, field_error
+
+__all__ = [
+    "AXES",
+    "BACKENDS",
+    "DTYPES",
+    "KVCacheSpec",
+    "Layout",
+    "rearrange_pattern",
+]
+
+AXES = ("L", "B", "two", "N", "H", "C")
+BACKENDS = ("triton", "flashinfer", "flash_attn", "mla")
+#: torch dtype name -> bytes per element
+DTYPES = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+
+class Layout(enum.StrEnum):
+    """Where the heads sit relative to the tokens of a block: ``NHD`` (token-major) or ``HND``."""
+
+    NHD = "NHD"
+    HND = "HND"
+
+    def __repr__(self) -> str:
+        return f"Layout.{self.value}"
+
+    @classmethod
+    def parse(cls, value: Layout | str) -> Layout:
+        """Normalize a layout name or an engine alias.
+
+        >>> Layout.parse("hnd"), Layout.parse("LBNHC"), Layout.parse("BHLNC")
+        (Layout.HND, Layout.NHD, Layout.HND)
+        """
+        if isinstance(value, Layout):
+            return value
+        if not isinstance(value, str):
+            raise field_error("layout", value, f"a Layout or one of {_ALIAS_HELP}")
+        key = value.strip().upper()
+        if key in _ALIASES:
+            return _ALIASES[key]
+        if key in _FOREIGN_ALIASES:
+            raise FkvError(f"'layout' alias {value!r} {_FOREIGN_ALIASES[key]}")
+        raise field_error("layout", value, f"in ('NHD', 'HND') or an alias in {_ALIAS_HELP}")
+
+
+# Engine vocabulary (SPEC.md §1).  Letters are outermost-first; the K/V selector is not named.
+_ALIASES = {
+    "NHD": Layout.NHD,
+    "HND": Layout.HND,
+    "LBNHC": Layout.NHD,  # per-layer NHD
+    "LBHNC": Layout.HND,  # per-layer HND
+    "BLNHC": Layout.NHD,  # cross-layer, blocks first, NHD: fkv's NHD + cross_layer
+    "BHLNC": Layout.HND,  # cross-layer, blocks first, heads outside layers: fkv's HND + cross_layer
+}
+_FOREIGN_ALIASES = {
+    "BLHNC": "(cross-layer, layers outside heads) is not an fkv order; fkv's cross-layer HND is "
+    "'BHLNC' (blocks, heads, layers, tokens, channels): use layout='HND' with cross_layer=True",
+    "LHBNC": "(heads outside blocks) is not an fkv order; use layout='HND' (per layer: blocks, "
+    "heads, tokens, channels) and convert with fkv.ops.convert",
+}
+_ALIAS_HELP = "('NHD', 'HND', 'LBNHC', 'LBHNC', 'BLNHC', 'BHLNC')"
+
+# Logical axes of one layer, per backend family (SPEC.md §1 table).
+_LOGICAL_AXES = {
+    "triton": ("B", "two", "N", "H", "C"),
+    "flashinfer": ("B", "two", "N", "H", "C"),
+    "flash_attn": ("two", "B", "N", "H", "C"),
+    "mla": ("B", "N", "C"),
+}
+# (backend, layout, cross_layer) -> stride order, exactly the SPEC.md §1 table.
+_STRIDE_ORDERS = {
+    ("blocks_first", Layout.NHD, False): (0, 1, 2, 3, 4),
+    ("blocks_first", Layout.HND, False): (0, 1, 3, 2, 4),
+    ("blocks_first", Layout.NHD, True): (1, 0, 2, 3, 4, 5),
+    ("blocks_first", Layout.HND, True): (1, 2, 4, 0, 3, 5),
+    ("flash_attn", Layout.NHD, False): (0, 1, 2, 3, 4),
+    ("flash_attn", Layout.HND, False): (0, 1, 3, 2, 4),
+    ("flash_attn", Layout.NHD, True): (2, 0, 1, 3, 4, 5),
+    ("flash_attn", Layout.HND, True): (2, 4, 0, 1, 3, 5),
+    ("mla", Layout.NHD, False): (0, 1, 2),
+    ("mla", Layout.NHD, True): (1, 0, 2, 3),
+}
+_FAMILY = {"triton": "blocks_first", "flashinfer": "blocks_first", "flash_attn": "flash_attn", "mla": "mla"}
+
+
+def _check_positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise field_error(attribute.name, value, "a positive int")
+
+
+def _check_backend(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in BACKENDS:
+        raise field_error("backend", value, f"in {BACKENDS}")
+
+
+def _normalize_dtype(value: Any) -> Any:
+    # Accept torch dtypes (``torch.bfloat16``) without importing torch: their str() is "torch.<name>".
+    if not isinstance(value, str):
+        value = str(value)
+    return value.removeprefix("torch.")
+
+
+def _check_dtype(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in DTYPES:
+        raise field_error("dtype", value, f"in {tuple(DTYPES)}")
+
+
+def _normalize_layout(value: Any, self_: Any) -> Layout:
+    layout = Layout.parse(value)
+    # MLA has no head dim: the layout is meaningless and normalized so equal caches compare equal.
+    return Layout.NHD if getattr(self_, "backend", None) == "mla" else layout
+
+
+def _check_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise field_error(attribute.name, value, "a bool")
+
+
+@attrs.frozen(kw_only=True, repr=False)
+class KVCacheSpec:
+    """The memory layout of one rank's paged KV cache, as an immutable, hashable value.
+
+    Shapes per backend (one layer; ``cross_layer`` prepends ``L`` to the stride order):
+
+    - triton, flashinfer: logical ``(NB, 2, N, H, D)``; NHD physical ``(NB, 2, N, H, D)``,
+      HND physical ``(NB, 2, H, N, D)``.
+    - flash_attn: logical ``(2, NB, N, H, D)``; HND physical ``(2, NB, H, N, D)``.
+    - mla: logical ``(NB, N, D)`` (one latent vector per token; ``num_kv_heads`` must be 1).
+
+    >>> KVCacheSpec(backend="flash_attn", layout="HND", num_blocks=2, block_size=16,
+    ...             num_kv_heads=8, head_size=128, num_layers=4, cross_layer=True).physical_shape
+    (2, 8, 4, 2, 16, 128)
+    """
+
+    backend: str = attrs.field(default="triton", validator=_check_backend)
+    layout: Layout = attrs.field(
+        default=Layout.NHD, converter=attrs.Converter(_normalize_layout, takes_self=True)
+    )
+    num_blocks: int = attrs.field(validator=_check_positive_int)
+    block_size: int = attrs.field(validator=_check_positive_int)
+    num_kv_heads: int = attrs.field(validator=_check_positive_int)
+    head_size: int = attrs.field(validator=_check_positive_int)
+    dtype: str = attrs.field(default="bfloat16", converter=_normalize_dtype, validator=_check_dtype)
+    num_layers: int = attrs.field(default=1, validator=_check_positive_int)
+    cross_layer: bool = attrs.field(default=False, validator=_check_bool)
+
+    def __attrs_post_init__(self) -> None:
+        if self.backend == "mla" and self.num_kv_heads != 1:
+            raise field_error(
+                "num_kv_heads", self.num_kv_heads, "1 for backend 'mla' (one latent vector per token)",
+                "pass num_kv_heads=1 and the latent width (e.g. 576) as head_size",
+            )
+
+    def __repr__(self) -> str:
+        extra = ""
+        if self.num_layers != 1:
+            extra += f", num_layers={self.num_layers}"
+        if self.cross_layer:
+            extra += ", cross_layer=True"
+        return (
+            f"KVCacheSpec(backend={self.backend!r}, layout={self.layout.value!r}, "
+            f"num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, dtype={self.dtype!r}{extra})"
+        )
+
+    # -- derived values (all pure, cached per spec) -------------------------------------------
+    @property
+    def family(self) -> str:
+        """``"blocks_first"`` (triton, flashinfer), ``"flash_attn"`` (K/V first) or ``"mla"``."""
+        return _FAMILY[self.backend]
+
+    @property
+    def is_mla(self) -> bool:
+        return self.backend == "mla"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype]
+
+    @property
+    def logical_axes(self) -> tuple[str, ...]:
+        """Axis names of one layer's logical view, e.g. ``('B', 'two', 'N', 'H', 'C')``."""
+        return _LOGICAL_AXES[self.backend]
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        """One layer's logical shape, e.g. triton ``(NB, 2, N, H, D)``; mla ``(NB, N, D)``."""
+        return tuple(self.axis_sizes[a] for a in self.logical_axes)
+
+    @property
+    def stride_order(self) -> tuple[int, ...]:
+        """SPEC.md §1 permutation; with ``cross_layer`` the one-longer tuple over ``(L, *logical)``."""
+        return _STRIDE_ORDERS[(self.family, self.layout, self.cross_layer)]
+
+    @property
+    def physical_axes(self) -> tuple[str, ...]:
+        """Axis names of the allocated buffer, outermost first (with ``L`` when cross_layer)."""
+        return _physical_axes(self.backend, self.layout, self.cross_layer)
+
+    @property
+    def physical_shape(self) -> tuple[int, ...]:
+        """Shape of the allocated buffer: one layer's, or all layers' when ``cross_layer``."""
+        return tuple(self.axis_sizes[a] for a in self.physical_axes)
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        sizes = {"L": self.num_layers, "B": self.num_blocks, "two": 2, "N": self.block_size,
+                 "H": self.num_kv_heads, "C": self.head_size}
+        if self.is_mla:
+            del sizes["two"], sizes["H"]
+        return sizes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer (K and V together)."""
+        kv = 1 if self.is_mla else 2
+        return kv * self.block_size * self.num_kv_heads * self.head_size * self.itemsize
+
+    @property
+    def num_regions(self) -> int:
+        """Registered regions: one per layer, or one buffer for all layers when ``cross_layer``."""
+        return 1 if self.cross_layer else self.num_layers
+
+    @property
+    def region_bytes(self) -> int:
+        """Bytes of one region (a layer's buffer, or the one cross-layer buffer)."""
+        return math.prod(self.physical_shape) * self.itemsize
+
+    @property
+    def axis_strides(self) -> dict[str, int]:
+        """Element stride of every axis in the buffer that holds it (``L`` present when cross_layer)."""
+        return _axis_strides(self.backend, self.layout, self.cross_layer, tuple(self.physical_shape))
+
+    @property
+    def element_strides(self) -> tuple[int, ...]:
+        """Strides (elements) of one layer's logical view, as ``fkv.allocate`` returns it."""
+        st = self.axis_strides
+        return tuple(st[a] for a in self.logical_axes)
+
+    @property
+    def layer_stride(self) -> int:
+        """Elements between consecutive layers inside the cross-layer buffer (0 when per-layer)."""
+        return self.axis_strides["L"] if self.cross_layer else 0
+
+    def evolve(self, **changes: Any) -> KVCacheSpec:
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        unknown = set(changes) - {f.name for f in attrs.fields(KVCacheSpec)}
+        if unknown:
+            raise FkvError(f"evolve: unknown field(s) {sorted(unknown)}; fields are "
+                           f"{[f.name for f in attrs.fields(KVCacheSpec)]}")
+        return attrs.evolve(self, **changes)
+
+    # -- addressing -------------------------------------------------------------------------
+    def region_and_offset(self, *, layer: Any = 0, block: Any = 0, kv: Any = 0, token: Any = 0,
+                          head: Any = 0, channel: Any = 0) -> tuple[Any, Any]:
+        """(region index, byte offset inside that region) of one element; numpy arrays broadcast.
+
+        >>> s = KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128)
+        >>> s.region_and_offset(block=1, kv=1, head=4)
+        (0, 114688)
+        """
+        st = self.axis_strides
+        off = block * st["B"] + token * st["N"] + channel * st["C"]
+        if not self.is_mla:
+            off = off + kv * st["two"] + head * st["H"]
+        if self.cross_layer:
+            return 0 * layer, (off + layer * st["L"]) * self.itemsize
+        return layer, off * self.itemsize
+
+    def span(self, **ranges: tuple[int, int] | int) -> tuple[int, int] | None:
+        """Byte ``(offset, length)`` of a box of elements inside one region, or None if not contiguous.
+
+        ``ranges`` maps axis names (``L B two N H C``) to an index or a ``(start, stop)`` range; an
+        axis not named is taken whole (``L`` defaults to layer 0 of its region).
+
+        >>> s = KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128)
+        >>> s.span(B=0, two=0, H=(4, 8))   # heads 4..7 of block 0's K half
+        (16384, 16384)
+        >>> s.evolve(layout="NHD").span(B=0, two=0, H=(4, 8)) is None
+        True
+        """
+        sizes = self.axis_sizes
+        unknown = set(ranges) - set(sizes)
+        if unknown:
+            raise FkvError(f"span: axes {sorted(unknown)} are not axes of {self.backend!r} "
+                           f"(axes: {tuple(sizes)})")
+        box: dict[str, tuple[int, int]] = {}
+        for axis in self.physical_axes:
+            r = ranges.get(axis, (0, 1) if axis == "L" else (0, sizes[axis]))
+            lo, hi = (r, r + 1) if isinstance(r, int) else r
+            if not 0 <= lo < hi <= sizes[axis]:
+                raise FkvError(f"span: {axis}={r!r} outside [0, {sizes[axis]})")
+            box[axis] = (lo, hi)
+        st = self.axis_strides
+        offset = sum(box[a][0] * st[a] for a in box)
+        # Contiguous iff, innermost outward: full axes, then at most one partial axis, then extent 1.
+        partial_seen = False
+        for axis in reversed(self.physical_axes):
+            lo, hi = box[axis]
+            if partial_seen and hi - lo != 1:
+                return None
+            if hi - lo != sizes[axis]:
+                partial_seen = True
+        length = math.prod(hi - lo for lo, hi in box.values())
+        return offset * self.itemsize, length * self.itemsize
+
+    def same_bytes(self, other: KVCacheSpec) -> bool:
+        """True when both specs put every element at the same byte (size-1 axes make NHD == HND)."""
+        return (self.logical_axes == other.logical_axes and self.physical_shape == other.physical_shape
+                and self.dtype == other.dtype
+                and _squeezed_order(self) == _squeezed_order(other))
+
+
+def _squeezed_order(spec: KVCacheSpec) -> tuple[str, ...]:
+    sizes = spec.axis_sizes
+    return tuple(a for a in spec.physical_axes if sizes[a] != 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _physical_axes(backend: str, layout: Layout, cross_layer: bool) -> tuple[str, ...]:
+    logical = _LOGICAL_AXES[backend]
+    if cross_layer:
+        logical = ("L", *logical)
+    order = _STRIDE_ORDERS[(_FAMILY[backend], layout, cross_layer)]
+    return tuple(logical[i] for i in order)
+
+
+@functools.lru_cache(maxsize=4096)
+def _axis_strides(backend: str, layout: Layout, cross_layer: bool,
+                  physical_shape: tuple[int, ...]) -> dict[str, int]:
+    axes = _physical_axes(backend, layout, cross_layer)
+    strides: dict[str, int] = {}
+    step = 1
+    for axis, size in zip(reversed(axes), reversed(physical_shape)):
+        strides[axis] = step
+        step *= size
+    return {a: strides[a] for a in axes}
+
+
+def _side_axes(spec: KVCacheSpec) -> tuple[str, ...]:
+    """Axes of one side of a rearrange pattern: the cross-layer buffer, or the stack of layers."""
+    axes = spec.physical_axes
+    return axes if spec.cross_layer else ("L", *axes)
+
+
+def _geometry(spec: KVCacheSpec) -> dict[str, Any]:
+    return {"num_blocks": spec.num_blocks, "block_size": spec.block_size,
+            "num_kv_heads": spec.num_kv_heads, "head_size": spec.head_size,
+            "dtype": spec.dtype, "num_layers": spec.num_layers, "mla": spec.is_mla}
+
+
+def check_same_geometry(src: KVCacheSpec, dst: KVCacheSpec, what: str = "rearrange") -> None:
+    """Raise FkvError naming every geometry field where ``src`` and ``dst`` differ."""
+    a, b = _geometry(src), _geometry(dst)
+    diffs = [f"{k}: src {a[k]!r}, dst {b[k]!r}" for k in a if a[k] != b[k]]
+    if diffs:
+        raise FkvError(f"{what}: src and dst must have the same geometry; they differ in "
+                       + "; ".join(diffs))
+
+
+@functools.lru_cache(maxsize=1024)
+def rearrange_pattern(src: KVCacheSpec, dst: KVCacheSpec) -> str:
+    """The einops pattern taking all of ``src``'s layers to all of ``dst``'s, in physical order.
+
+    A per-layer side is the stack of its layer buffers (leading ``L``); a cross-layer side is its
+    one buffer.
+
+    >>> nhd = KVCacheSpec(layout="NHD", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128)
+    >>> rearrange_pattern(nhd, nhd.evolve(layout="HND"))
+    'L B two N H C -> L B two H N C'
+    """
+    if not isinstance(src, KVCacheSpec) or not isinstance(dst, KVCacheSpec):
+        raise FkvError(f"rearrange_pattern takes two KVCacheSpec (got {type(src).__name__}, "
+                       f"{type(dst).__name__})")
+    check_same_geometry(src, dst)
+    return f"{' '.join(_side_axes(src))} -> {' '.join(_side_axes(dst))}"

@@ -1,0 +1,31 @@
+"""Triton kernels over any layout (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+
+``write_kv``, ``convert``, ``gather``, ``scatter``, ``paged_attention``; ``fkv.ops.reference`` holds
+pure torch/einops versions of each with the same signatures.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["convert", "gather", "paged_attention", "reference", "scatter", "write_kv"]
+
+_LAZY = {
+    "write_kv": ("fkv.ops.write", "write_kv"),
+    "convert": ("fkv.ops.convert", "convert"),
+    "gather": ("fkv.ops.convert", "gather"),
+    "scatter": ("fkv.ops.convert", "scatter"),
+    "paged_attention": ("fkv.ops.attention", "paged_attention"),
+    "reference": ("fkv.ops.reference", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        mod = importlib.import_module(module)
+        value = mod if attr is None else getattr(mod, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fkv.ops' has no attribute {name!r}")

@@ -1,0 +1,120 @@
+"""Tensors for a spec: allocation in physical order viewed logically, and layout inference.
+
+This module imports torch; ``import fkv`` reaches it lazily (``fkv.allocate``, ``fkv.infer_spec``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fkv.errors import FkvError, field_error
+from fkv.layout import DTYPES, KVCacheSpec, Layout
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["allocate", "infer_spec", "torch_dtype", "require_torch"]
+
+
+def require_torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - torch is a declared dependency
+        raise FkvError("this part of fkv needs torch: pip install torch") from e
+    return torch
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a spec dtype name."""
+    torch = require_torch()
+    if name not in DTYPES:
+        raise field_error("dtype", name, f"in {tuple(DTYPES)}")
+    return getattr(torch, name)
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(order.index(i) for i in range(len(order)))
+
+
+def allocate(spec: KVCacheSpec, device: Any = "cpu") -> list[torch.Tensor]:
+    """``num_layers`` logical views (``spec.logical_shape`` each) whose strides encode the order.
+
+    The physical shape is allocated contiguously and viewed with the inverse permutation (SPEC.md
+    §1). With ``cross_layer=True`` every view is ``buffer_view[l]`` of one shared buffer.
+
+    >>> from fkv import KVCacheSpec
+    >>> spec = KVCacheSpec(layout="HND", num_blocks=2, block_size=16, num_kv_heads=8, head_size=128)
+    >>> (view,) = allocate(spec)
+    >>> tuple(view.shape), view.stride()
+    ((2, 2, 16, 8, 128), (32768, 16384, 128, 2048, 1))
+    """
+    torch = require_torch()
+    if not isinstance(spec, KVCacheSpec):
+        raise field_error("spec", spec, "a KVCacheSpec")
+    dtype = torch_dtype(spec.dtype)
+    inv = _inverse(spec.stride_order)
+    if spec.cross_layer:
+        buffer = torch.empty(spec.physical_shape, dtype=dtype, device=device)
+        full = buffer.permute(inv)
+        return [full[layer] for layer in range(spec.num_layers)]
+    return [torch.empty(spec.physical_shape, dtype=dtype, device=device).permute(inv)
+            for _ in range(spec.num_layers)]
+
+
+def _matches(expected: tuple[int, ...], shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    # A size-1 dim's stride says nothing about the layout: never decide by it.
+    return all(size == 1 or e == s for e, size, s in zip(expected, shape, strides))
+
+
+def infer_spec(tensor: torch.Tensor, *, backend: str, dtype: Any = None,
+               num_layers: int = 1) -> KVCacheSpec:
+    """Derive the spec of one layer's cache view from its real strides (never from a string).
+
+    ``tensor`` is one layer's logical view (``backend``'s logical shape), or a whole cross-layer
+    buffer's view with a leading layers dim. When two layouts give the same strides (a size-1 dim,
+    e.g. one KV head per rank: NHD == HND) they are byte-identical and NHD is returned.
+
+    >>> from fkv import KVCacheSpec, allocate
+    >>> spec = KVCacheSpec(layout="HND", num_blocks=2, block_size=16, num_kv_heads=8, head_size=128)
+    >>> infer_spec(allocate(spec)[0], backend="triton").layout
+    Layout.HND
+    """
+    require_torch()
+    probe = KVCacheSpec(backend=backend, num_blocks=1, block_size=1,
+                        num_kv_heads=1, head_size=1)  # validates the backend name
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    ndim = len(probe.logical_axes)
+    name = str(tensor.dtype).removeprefix("torch.")
+    if dtype is not None and str(dtype).removeprefix("torch.") != name:
+        raise field_error("dtype", str(dtype).removeprefix("torch."),
+                          f"the tensor's dtype {name!r}")
+    whole = len(shape) == ndim + 1
+    if whole:
+        num_layers = shape[0]
+    elif len(shape) != ndim:
+        raise FkvError(f"infer_spec: backend {backend!r} has logical axes {probe.logical_axes}; "
+                       f"a tensor of shape {shape} has {len(shape)} dims (expected {ndim}, or "
+                       f"{ndim + 1} for a cross-layer buffer with its layers dim)")
+    sizes = dict(zip(probe.logical_axes, shape[1:] if whole else shape))
+    if not probe.is_mla and sizes["two"] != 2:
+        raise FkvError(f"infer_spec: the K/V dim of a {backend!r} cache must have size 2 "
+                       f"(shape {shape})")
+    for layout in (Layout.NHD, Layout.HND):
+        for cross in (False, True) if not whole else (True,):
+            try:
+                spec = KVCacheSpec(backend=backend, layout=layout, num_blocks=sizes["B"],
+                                   block_size=sizes["N"], num_kv_heads=sizes.get("H", 1),
+                                   head_size=sizes["C"], dtype=name, num_layers=num_layers,
+                                   cross_layer=cross)
+            except FkvError as e:
+                raise FkvError(f"infer_spec: {e}") from None
+            expected = spec.element_strides
+            if whole:
+                expected = (spec.layer_stride, *expected)
+            if _matches(expected, shape, strides):
+                return spec
+    raise FkvError(
+        f"infer_spec: strides {strides} of a {backend!r} cache of shape {shape} match no fkv "
+        f"layout (NHD or HND, per-layer or cross-layer with num_layers={num_layers}); allocate "
+        f"caches with fkv.allocate, or pass num_layers= for a layer view of a cross-layer buffer"
+    )
