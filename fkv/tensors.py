@@ -118,3 +118,38 @@ def infer_spec(tensor: torch.Tensor, *, backend: str, dtype: Any = None,
         f"layout (NHD or HND, per-layer or cross-layer with num_layers={num_layers}); allocate "
         f"caches with fkv.allocate, or pass num_layers= for a layer view of a cross-layer buffer"
     )
+
+
+def wrap(buffer: torch.Tensor, spec: KVCacheSpec, byte_offset: int = 0) -> list[torch.Tensor]:
+    """Logical views of ``spec`` laid over existing memory, like ``allocate`` but without allocating.
+
+    ``buffer`` is any contiguous tensor (typically uint8); the views start ``byte_offset`` bytes in.
+    A per-layer spec's layers lie one after another (``spec.region_bytes`` each), a cross-layer
+    spec's one buffer is ``spec.region_bytes`` long. Used for staging buffers and registered memory.
+
+    >>> import torch
+    >>> from fkv import KVCacheSpec
+    >>> spec = KVCacheSpec(layout="HND", num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
+    >>> raw = torch.zeros(2 * spec.region_bytes, dtype=torch.uint8)
+    >>> [tuple(v.shape) for v in wrap(raw, spec.evolve(num_layers=2))]
+    [(2, 2, 4, 2, 8), (2, 2, 4, 2, 8)]
+    """
+    torch = require_torch()
+    if not buffer.is_contiguous():
+        raise FkvError("wrap: 'buffer' must be contiguous")
+    flat = buffer.reshape(-1).view(torch.uint8)
+    total = spec.region_bytes * spec.num_regions
+    if byte_offset < 0 or byte_offset + total > flat.numel():
+        raise FkvError(f"wrap: spec needs {total} bytes at offset {byte_offset}, but the buffer "
+                       f"holds {flat.numel()} bytes")
+    dtype = torch_dtype(spec.dtype)
+    inv = _inverse(spec.stride_order)
+
+    def region(i: int) -> torch.Tensor:
+        start = byte_offset + i * spec.region_bytes
+        return flat[start:start + spec.region_bytes].view(dtype).view(spec.physical_shape).permute(inv)
+
+    if spec.cross_layer:
+        full = region(0)
+        return [full[layer] for layer in range(spec.num_layers)]
+    return [region(layer) for layer in range(spec.num_layers)]

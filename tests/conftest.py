@@ -27,12 +27,17 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_interp = pytest.mark.skip(reason="CUDA present: kernels run on the GPU (gpu marker), "
+                                   "not in the CPU interpreter")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        if "interpreter" in item.keywords and HAS_CUDA:
+            item.add_marker(skip_interp)
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(params=[pytest.param("cpu", marks=pytest.mark.interpreter),
+                        pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request: pytest.FixtureRequest) -> str:
-    """Run a kernel test on CPU (interpreter) and, under the gpu marker, on CUDA."""
+    """Kernel tests take this: CPU under the Triton interpreter (CI), or CUDA under ``gpu``."""
     return request.param
