@@ -353,7 +353,7 @@ class KVCacheSpec:
 
     def same_bytes(self, other: KVCacheSpec) -> bool:
         """True when both specs put every element at the same byte (size-1 axes make NHD == HND)."""
-        return (self.logical_axes == other.logical_axes and self.physical_shape == other.physical_shape
+        return (self.logical_axes == other.logical_axes and self.axis_sizes == other.axis_sizes
                 and self.dtype == other.dtype
                 and _squeezed_order(self) == _squeezed_order(other))
 

@@ -1,0 +1,318 @@
+"""The layout algebra: the SPEC.md §1 table, normalization, validation, addressing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from inline_snapshot import snapshot
+
+import fkv
+from fkv import FkvError, KVCacheSpec, Layout, rearrange_pattern
+
+
+def _spec(**kw):
+    base = dict(num_blocks=5, block_size=16, num_kv_heads=8, head_size=128)
+    base.update(kw)
+    return KVCacheSpec(**base)
+
+
+def _table() -> dict[str, tuple]:
+    rows = {}
+    for backend in ("triton", "flashinfer", "flash_attn", "mla"):
+        for layout in ("NHD", "HND"):
+            for cross in (False, True):
+                s = KVCacheSpec(backend=backend, layout=layout, num_blocks=7, block_size=16,
+                                num_kv_heads=1 if backend == "mla" else 8,
+                                head_size=576 if backend == "mla" else 128, num_layers=3,
+                                cross_layer=cross)
+                rows[f"{backend} {layout}{' +layers' if cross else ''}"] = (
+                    s.logical_shape, s.stride_order, s.physical_shape)
+    return rows
+
+
+def test_spec_table_matches_spec_md():
+    # NB=7, L=3, N=16, H=8, D=128 (mla: D=576): SPEC.md §1, every backend × layout × cross_layer.
+    assert _table() == snapshot(
+        {
+            "triton NHD": ((7, 2, 16, 8, 128), (0, 1, 2, 3, 4), (7, 2, 16, 8, 128)),
+            "triton NHD +layers": ((7, 2, 16, 8, 128), (1, 0, 2, 3, 4, 5), (7, 3, 2, 16, 8, 128)),
+            "triton HND": ((7, 2, 16, 8, 128), (0, 1, 3, 2, 4), (7, 2, 8, 16, 128)),
+            "triton HND +layers": ((7, 2, 16, 8, 128), (1, 2, 4, 0, 3, 5), (7, 2, 8, 3, 16, 128)),
+            "flashinfer NHD": ((7, 2, 16, 8, 128), (0, 1, 2, 3, 4), (7, 2, 16, 8, 128)),
+            "flashinfer NHD +layers": ((7, 2, 16, 8, 128), (1, 0, 2, 3, 4, 5), (7, 3, 2, 16, 8, 128)),
+            "flashinfer HND": ((7, 2, 16, 8, 128), (0, 1, 3, 2, 4), (7, 2, 8, 16, 128)),
+            "flashinfer HND +layers": ((7, 2, 16, 8, 128), (1, 2, 4, 0, 3, 5), (7, 2, 8, 3, 16, 128)),
+            "flash_attn NHD": ((2, 7, 16, 8, 128), (0, 1, 2, 3, 4), (2, 7, 16, 8, 128)),
+            "flash_attn NHD +layers": ((2, 7, 16, 8, 128), (2, 0, 1, 3, 4, 5), (7, 3, 2, 16, 8, 128)),
+            "flash_attn HND": ((2, 7, 16, 8, 128), (0, 1, 3, 2, 4), (2, 7, 8, 16, 128)),
+            "flash_attn HND +layers": ((2, 7, 16, 8, 128), (2, 4, 0, 1, 3, 5), (7, 8, 3, 2, 16, 128)),
+            "mla NHD": ((7, 16, 576), (0, 1, 2), (7, 16, 576)),
+            "mla NHD +layers": ((7, 16, 576), (1, 0, 2, 3), (7, 3, 16, 576)),
+            "mla HND": ((7, 16, 576), (0, 1, 2), (7, 16, 576)),
+            "mla HND +layers": ((7, 16, 576), (1, 0, 2, 3), (7, 3, 16, 576)),
+        }
+    )
+
+
+def test_worked_strides_and_page_bytes():
+    # SPEC.md §1 worked strides (bf16, N=16, H=8, D=128).
+    assert _spec(layout="NHD").element_strides == (32768, 16384, 1024, 128, 1)
+    assert _spec(layout="HND").element_strides == (32768, 16384, 128, 2048, 1)
+    assert _spec().page_bytes == 65536
+    assert _spec(num_kv_heads=4).page_bytes == 32768
+    assert _spec(dtype="float8_e4m3fn").page_bytes == 32768
+    assert KVCacheSpec(backend="mla", num_blocks=2, block_size=16, num_kv_heads=1,
+                       head_size=576).page_bytes == 16 * 576 * 2
+
+
+@pytest.mark.parametrize(("alias", "layout"), [
+    ("NHD", Layout.NHD), ("nhd", Layout.NHD), (" Hnd ", Layout.HND), ("LBNHC", Layout.NHD),
+    ("lbhnc", Layout.HND), ("BLNHC", Layout.NHD), ("BHLNC", Layout.HND), (Layout.HND, Layout.HND),
+])
+def test_layout_aliases(alias, layout):
+    assert Layout.parse(alias) is layout
+    assert _spec(layout=alias).layout is layout
+
+
+def test_normalization_makes_equal_specs_equal_and_hashable():
+    a = _spec(layout="hnd", dtype="bfloat16")
+    b = _spec(layout=Layout.HND, dtype="torch.bfloat16")
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    m1 = KVCacheSpec(backend="mla", layout="HND", num_blocks=2, block_size=16, num_kv_heads=1,
+                     head_size=576)
+    m2 = m1.evolve(layout="NHD")
+    assert m1 == m2 and m1.layout is Layout.NHD
+    assert repr(a) == snapshot(
+        "KVCacheSpec(backend='triton', layout='HND', num_blocks=5, block_size=16, num_kv_heads=8, head_size=128, dtype='bfloat16')"
+    )
+
+
+def test_same_bytes_treats_size_one_dims_as_ambiguous():
+    assert _spec(num_kv_heads=1, layout="NHD").same_bytes(_spec(num_kv_heads=1, layout="HND"))
+    assert not _spec(layout="NHD").same_bytes(_spec(layout="HND"))
+    assert _spec(block_size=1, layout="NHD").same_bytes(_spec(block_size=1, layout="HND"))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(backend="vllm"), r"'backend' must be in \('triton', 'flashinfer', 'flash_attn', 'mla'\) \(got 'vllm'\)"),
+    (dict(layout="NDH"), r"'layout' must be in \('NHD', 'HND'\) or an alias in .* \(got 'NDH'\)"),
+    (dict(layout=3), r"'layout' must be a Layout or one of .* \(got 3\)"),
+    (dict(layout="BLHNC"), r"'layout' alias 'BLHNC' \(cross-layer, layers outside heads\) is not an fkv order.*'BHLNC'"),
+    (dict(layout="LHBNC"), r"'layout' alias 'LHBNC' \(heads outside blocks\) is not an fkv order"),
+    (dict(num_blocks=0), r"'num_blocks' must be a positive int \(got 0\)"),
+    (dict(block_size=16.0), r"'block_size' must be a positive int \(got 16.0\)"),
+    (dict(num_kv_heads=True), r"'num_kv_heads' must be a positive int \(got True\)"),
+    (dict(head_size=-1), r"'head_size' must be a positive int \(got -1\)"),
+    (dict(dtype="int8"), r"'dtype' must be in \('bfloat16', 'float16', 'float32', 'float8_e4m3fn', 'float8_e5m2'\) \(got 'int8'\)"),
+    (dict(num_layers=0), r"'num_layers' must be a positive int \(got 0\)"),
+    (dict(cross_layer="yes"), r"'cross_layer' must be a bool \(got 'yes'\)"),
+    (dict(backend="mla"), r"'num_kv_heads' must be 1 for backend 'mla' .*\(got 8\); pass num_kv_heads=1"),
+])
+def test_validation_errors(kwargs, match):
+    with pytest.raises(FkvError, match=match):
+        _spec(**kwargs)
+
+
+def test_keyword_only_and_evolve_errors():
+    with pytest.raises(TypeError):
+        KVCacheSpec("triton")  # type: ignore[misc]
+    with pytest.raises(FkvError, match=r"evolve: unknown field\(s\) \['heads'\]"):
+        _spec().evolve(heads=4)
+    with pytest.raises(FkvError, match=r"'block_size' must be a positive int \(got 0\)"):
+        _spec().evolve(block_size=0)
+    with pytest.raises(FkvError, match=r"rearrange: src and dst must have the same geometry; "
+                       r"they differ in num_kv_heads: src 8, dst 4"):
+        rearrange_pattern(_spec(), _spec(num_kv_heads=4))
+    with pytest.raises(FkvError, match=r"rearrange_pattern takes two KVCacheSpec \(got str"):
+        rearrange_pattern("NHD", _spec())  # type: ignore[arg-type]
+
+
+def test_patterns_snapshot():
+    nhd = _spec(num_layers=2)
+    assert rearrange_pattern(nhd, nhd.evolve(layout="HND")) == "L B two N H C -> L B two H N C"
+    assert {
+        name: rearrange_pattern(nhd, nhd.evolve(**kw)) for name, kw in {
+            "flash_attn HND": dict(backend="flash_attn", layout="HND"),
+            "triton HND + layers": dict(layout="HND", cross_layer=True),
+            "flash_attn HND + layers": dict(backend="flash_attn", layout="HND", cross_layer=True),
+        }.items()
+    } == snapshot({
+        "flash_attn HND": "L B two N H C -> L two B H N C",
+        "triton HND + layers": "L B two N H C -> B two H L N C",
+        "flash_attn HND + layers": "L B two N H C -> B H L two N C",
+    })
+
+
+def test_span_and_offsets_match_worked_example_a():
+    # SPEC.md §5 example A: P TP=1 page 65536 B, D rank t reads heads [4t, 4t+4).
+    p = _spec(layout="HND")
+    assert p.span(B=0, two=0, H=(0, 4)) == (0, 16384)
+    assert p.span(B=0, two=1, H=(0, 4)) == (32768, 16384)
+    assert p.span(B=0, two=0, H=(4, 8)) == (16384, 16384)
+    assert p.span(B=0, two=1, H=(4, 8)) == (49152, 16384)
+    assert p.span(B=3) == (3 * 65536, 65536)
+    assert p.span(B=(2, 5)) == (2 * 65536, 3 * 65536)
+    assert p.evolve(layout="NHD").span(B=0, two=0, H=(0, 4)) is None
+    assert p.evolve(layout="NHD").span(B=0, two=0, N=3, H=(4, 8)) == (3 * 2048 + 1024, 1024)
+    assert p.region_and_offset(block=0, kv=1, head=4) == (0, 49152)
+    cross = p.evolve(num_layers=3, cross_layer=True)
+    # phys (NB, 2, H, L, N, D): layer 2's K tokens of head 1 in block 1.
+    assert cross.region_and_offset(layer=2, block=1, kv=0, head=1) == (
+        0, (1 * 2 * 8 * 3 * 16 * 128 + 1 * 3 * 16 * 128 + 2 * 16 * 128) * 2)
+    with pytest.raises(FkvError, match=r"span: H=\(4, 9\) outside \[0, 8\)"):
+        p.span(H=(4, 9))
+    with pytest.raises(FkvError, match=r"span: axes \['X'\] are not axes of 'triton'"):
+        p.span(X=1)
+
+
+def test_import_fkv_is_pure_and_fast():
+    code = ("import sys, time; t = time.perf_counter(); import fkv; "
+            "fkv.KVCacheSpec(num_blocks=1, block_size=1, num_kv_heads=1, head_size=1); "
+            "import fkv.connector; "
+            "print([m for m in ('torch', 'triton', 'nixl', 'zmq') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- hypothesis: the algebra against real memory -----------------------------------------------
+
+torch = pytest.importorskip("torch")
+einops = pytest.importorskip("einops")
+
+
+@st.composite
+def geometries(draw, mla=None):
+    is_mla = draw(st.booleans()) if mla is None else mla
+    return dict(
+        num_blocks=draw(st.integers(1, 4)), block_size=draw(st.integers(1, 5)),
+        num_kv_heads=1 if is_mla else draw(st.integers(1, 4)), head_size=draw(st.integers(1, 6)),
+        num_layers=draw(st.integers(1, 3)), dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+        _mla=is_mla,
+    )
+
+
+@st.composite
+def specs_of(draw, geometry):
+    geometry = dict(geometry)
+    is_mla = geometry.pop("_mla")
+    backend = "mla" if is_mla else draw(st.sampled_from(["triton", "flashinfer", "flash_attn"]))
+    return KVCacheSpec(backend=backend, layout=draw(st.sampled_from(["NHD", "HND"])),
+                       cross_layer=draw(st.booleans()), **geometry)
+
+
+@st.composite
+def spec_pairs(draw):
+    g = draw(geometries())
+    return draw(specs_of(g)), draw(specs_of(g))
+
+
+def _memory(views, spec):
+    """The real bytes behind fkv.allocate's views, as the pattern's side: stack or one buffer."""
+    if spec.cross_layer:
+        storage = views[0].untyped_storage()
+        buf = torch.empty(0, dtype=views[0].dtype).set_(storage)
+        assert views[0].data_ptr() == buf.data_ptr()
+        assert all(v.untyped_storage().data_ptr() == storage.data_ptr() for v in views)
+        return buf.view(spec.physical_shape)
+    phys = [v.permute(spec.stride_order) for v in views]
+    assert all(p.is_contiguous() for p in phys)
+    return torch.stack(phys)
+
+
+def _filled(spec, logical):
+    views = fkv.allocate(spec)
+    for view, values in zip(views, logical):
+        view.copy_(values if spec.family != "flash_attn" else values.transpose(0, 1))
+    return views
+
+
+def _logical_values(spec, seed):
+    # One canonical logical tensor per layer: (B, two, N, H, C) or mla (B, N, C).
+    g = torch.Generator().manual_seed(seed)
+    shape = (spec.num_blocks, spec.block_size, spec.head_size) if spec.is_mla else (
+        spec.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
+    return torch.randn((spec.num_layers, *shape), generator=g).to(getattr(torch, spec.dtype))
+
+
+@given(spec_pairs(), st.integers(0, 2**16))
+def test_pattern_moves_real_memory(pair, seed):
+    src, dst = pair
+    values = _logical_values(src, seed)
+    src_mem = _memory(_filled(src, values), src)
+    dst_mem = _memory(_filled(dst, values), dst)
+    pattern = rearrange_pattern(src, dst)
+    assert torch.equal(einops.rearrange(src_mem, pattern), dst_mem)
+    back = einops.rearrange(einops.rearrange(src_mem, pattern), rearrange_pattern(dst, src))
+    assert torch.equal(back, src_mem)
+
+
+@given(st.data())
+def test_allocate_and_infer_round_trip(data):
+    g = data.draw(geometries())
+    spec = data.draw(specs_of(g))
+    views = fkv.allocate(spec)
+    for v in views:
+        v.copy_(torch.randn(v.shape))
+    assert len(views) == spec.num_layers
+    for v in views:
+        assert tuple(v.shape) == spec.logical_shape
+        assert v.stride() == spec.element_strides
+        assert str(v.dtype) == f"torch.{spec.dtype}"
+    if spec.cross_layer:
+        assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+    else:
+        assert len({v.untyped_storage().data_ptr() for v in views}) == spec.num_layers
+    got = fkv.infer_spec(views[0], backend=spec.backend, num_layers=spec.num_layers)
+    assert got.same_bytes(spec) or spec.cross_layer
+    if spec.num_kv_heads > 1 and spec.block_size > 1:
+        assert got.layout == spec.layout
+    if spec.cross_layer and spec.num_layers > 1:
+        full = torch.stack(views)  # copy: per-layer stride order of the stack
+        whole = views[0].as_strided((spec.num_layers, *spec.logical_shape),
+                                    (spec.layer_stride, *spec.element_strides))
+        inferred = fkv.infer_spec(whole, backend=spec.backend)
+        assert inferred.cross_layer and inferred.num_layers == spec.num_layers
+        assert inferred.same_bytes(spec) and torch.equal(whole, full)
+
+
+def test_infer_spec_errors_name_the_strides():
+    spec = _spec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
+    view = fkv.allocate(spec)[0]
+    with pytest.raises(FkvError, match=r"infer_spec: strides \(128, 64, 1, 32, 4\) of a 'triton' "
+                       r"cache of shape \(2, 2, 4, 2, 8\) match no fkv layout"):
+        fkv.infer_spec(view.transpose(2, 4).contiguous().transpose(2, 4), backend="triton")
+    with pytest.raises(FkvError, match=r"'backend' must be in .* \(got 'vllm'\)"):
+        fkv.infer_spec(view, backend="vllm")
+    with pytest.raises(FkvError, match=r"has logical axes \('B', 'N', 'C'\); a tensor of shape "
+                       r"\(2, 2, 4, 2, 8\) has 5 dims"):
+        fkv.infer_spec(view, backend="mla")
+    with pytest.raises(FkvError, match=r"'dtype' must be the tensor's dtype 'bfloat16' \(got 'float16'\)"):
+        fkv.infer_spec(view, backend="triton", dtype="float16")
+    assert fkv.infer_spec(view, backend="triton", dtype=torch.bfloat16) == spec
+
+
+def test_wrap_views_existing_memory():
+    spec = _spec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8, layout="HND",
+                 num_layers=2, dtype="float32")
+    raw = torch.zeros(64 + 2 * spec.region_bytes, dtype=torch.uint8)
+    views = fkv.tensors.wrap(raw, spec, byte_offset=64)
+    views[1][1, 1, 3, 1, 7] = 1.0
+    off = 64 + spec.region_bytes + spec.region_and_offset(block=1, kv=1, token=3, head=1, channel=7)[1]
+    assert raw[off:off + 4].view(torch.float32).item() == 1.0
+    with pytest.raises(FkvError, match=r"wrap: spec needs 4096 bytes at offset 64, but the buffer holds 4096"):
+        fkv.tensors.wrap(raw[:4096], spec, byte_offset=64)
+
+
+def test_cli_show(capsys):
+    from fkv.cli import main
+
+    assert main(["show", "--layout", "HND", "--blocks", "4", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "(0, 1, 3, 2, 4)" in out and "(4, 2, 8, 16, 128)" in out and "65,536" in out
+    assert "L B two H N C -> L two B N H C" in out
+    assert main(["show", "--layout", "NDH"]) == 2
+    assert "'layout' must be in ('NHD', 'HND')" in capsys.readouterr().out
