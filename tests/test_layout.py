@@ -303,8 +303,8 @@ def test_wrap_views_existing_memory():
     views[1][1, 1, 3, 1, 7] = 1.0
     off = 64 + spec.region_bytes + spec.region_and_offset(block=1, kv=1, token=3, head=1, channel=7)[1]
     assert raw[off:off + 4].view(torch.float32).item() == 1.0
-    with pytest.raises(FkvError, match=r"wrap: spec needs 4096 bytes at offset 64, but the buffer holds 4096"):
-        fkv.tensors.wrap(raw[:4096], spec, byte_offset=64)
+    with pytest.raises(FkvError, match=r"wrap: spec needs 2048 bytes at offset 64, but the buffer holds 2048"):
+        fkv.tensors.wrap(raw[:2048], spec, byte_offset=64)
 
 
 def test_cli_show(capsys):
