@@ -1,0 +1,156 @@
+"""The one Triton kernel behind ``move``, ``convert``, ``gather`` and ``scatter``, and its launcher.
+
+Every op of :mod:`fkv.ops.convert` copies tokens of one layer between two paged views: token ``i``
+lives in source block ``src_ids[i // SRC_BLOCK_SIZE]`` slot ``i % SRC_BLOCK_SIZE`` and goes to
+destination block ``dst_ids[i // DST_BLOCK_SIZE]`` slot ``i % DST_BLOCK_SIZE``. A program moves one
+tile of ``TILE_T`` tokens x ``TILE_H`` heads x ``HEAD_SIZE`` channels of the K or the V half.
+
+The channel axis is innermost (stride 1) in every fkv layout, so every ``(token, head)`` row of a
+tile is one contiguous run of ``HEAD_SIZE`` elements on both sides; the tile's dim order follows the
+source (``[H, T, C]`` when the source keeps heads outside tokens, ``[T, H, C]`` otherwise) so the
+rows a warp loads are adjacent in the source. Each token looks up its own block on each side, so the
+same kernel re-chunks between block sizes, gathers random blocks and converts whole caches.
+
+Constexprs (one compile per variant): the two block sizes and the presence of id lists, the number
+of heads moved, the head size, the tile sizes and the tile order. Strides, head offsets and the token
+count are runtime values taken from the layout algebra (``fkv.ops._spec.cache_strides``). Payloads
+are moved as same-width integers (a bit-exact copy for any dtype, fp8 included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from fkv.errors import FkvError
+from fkv.layout import KVCacheSpec
+from fkv.ops._spec import cache_constexprs, cache_strides
+
+__all__ = ["launch_move", "tile_config"]
+
+#: Bytes one program moves (upper bound). 16 KiB keeps ~64 payload registers per thread at 4 warps
+#: and enough programs resident per SM to cover DRAM latency.
+MAX_TILE_BYTES = 16384
+#: Upper bound on the tokens of one tile.
+MAX_TILE_T = 32
+NUM_WARPS = 4
+
+
+@triton.jit
+def _move_kernel(
+    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, num_tokens,
+    src_stride_block, src_stride_kv, src_stride_token, src_stride_head,
+    dst_stride_block, dst_stride_kv, dst_stride_token, dst_stride_head,
+    src_head_start, dst_head_start,
+    SRC_BLOCK_SIZE: tl.constexpr, DST_BLOCK_SIZE: tl.constexpr,
+    SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    TILE_T: tl.constexpr, TILE_H: tl.constexpr, HEADS_OUTER: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    kv = tl.program_id(1).to(tl.int64)
+    pid_h = tl.program_id(2)
+
+    t = pid_t * TILE_T + tl.arange(0, TILE_T)
+    t_ok = t < num_tokens
+    if SRC_IDS:
+        src_block = tl.load(src_ids_ptr + t // SRC_BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+    else:
+        src_block = (t // SRC_BLOCK_SIZE).to(tl.int64)
+    if DST_IDS:
+        dst_block = tl.load(dst_ids_ptr + t // DST_BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+    else:
+        dst_block = (t // DST_BLOCK_SIZE).to(tl.int64)
+    # Element offset of each token's row start (int64: caches exceed 2**31 elements).
+    src_row = (src_block * src_stride_block + kv * src_stride_kv
+               + (t % SRC_BLOCK_SIZE) * src_stride_token)
+    dst_row = (dst_block * dst_stride_block + kv * dst_stride_kv
+               + (t % DST_BLOCK_SIZE) * dst_stride_token)
+
+    h = pid_h * TILE_H + tl.arange(0, TILE_H)
+    h_ok = h < NUM_HEADS
+    src_head = (src_head_start + h) * src_stride_head
+    dst_head = (dst_head_start + h) * dst_stride_head
+    c = tl.arange(0, HEAD_PAD)
+    c_ok = c < HEAD_SIZE
+
+    if HEADS_OUTER:  # tile [H, T, C]
+        src_off = src_row[None, :, None] + src_head[:, None, None] + c[None, None, :]
+        dst_off = dst_row[None, :, None] + dst_head[:, None, None] + c[None, None, :]
+        mask = h_ok[:, None, None] & t_ok[None, :, None] & c_ok[None, None, :]
+    else:  # tile [T, H, C]
+        src_off = src_row[:, None, None] + src_head[None, :, None] + c[None, None, :]
+        dst_off = dst_row[:, None, None] + dst_head[None, :, None] + c[None, None, :]
+        mask = t_ok[:, None, None] & h_ok[None, :, None] & c_ok[None, None, :]
+    x = tl.load(src_ptr + src_off, mask=mask)
+    tl.store(dst_ptr + dst_off, x, mask=mask)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def tile_config(num_tokens: int, num_heads: int, head_size: int, itemsize: int, *,
+                max_tile_bytes: int = MAX_TILE_BYTES) -> tuple[int, int, int]:
+    """``(TILE_T, TILE_H, HEAD_PAD)`` for a move: a tile of at most ``max_tile_bytes`` payload.
+
+    >>> tile_config(262144, 8, 128, 2)     # whole-cache convert, bf16, H=8, D=128
+    (16, 4, 128)
+    >>> tile_config(13, 1, 576, 2)         # MLA latent (padded to 1024 lanes)
+    (8, 1, 1024)
+    """
+    head_pad = _pow2(head_size)
+    elems = max(1, max_tile_bytes // itemsize)
+    tile_t = min(_pow2(num_tokens), MAX_TILE_T, max(1, elems // (head_pad * min(_pow2(num_heads), 4))))
+    tile_h = min(_pow2(num_heads), max(1, elems // (tile_t * head_pad)))
+    return tile_t, tile_h, head_pad
+
+
+def launch_move(src: Any, src_spec: KVCacheSpec, src_ids: Any, src_head_start: int,
+                dst: Any, dst_spec: KVCacheSpec, dst_ids: Any, dst_head_start: int,
+                num_heads: int, num_tokens: int, *, max_tile_bytes: int = MAX_TILE_BYTES,
+                num_warps: int = NUM_WARPS) -> None:
+    """Launch the kernel on validated inputs (``fkv.ops.convert`` checks everything first).
+
+    ``src``/``dst`` are one layer's logical views of their specs; ``src_ids``/``dst_ids`` are
+    int tensors on the views' device, or None for the identity (block ``j`` is block ``j``).
+    """
+    if num_tokens <= 0:
+        return
+    sc, dc = cache_constexprs(src_spec), cache_constexprs(dst_spec)
+    ss, ds = cache_strides(src_spec), cache_strides(dst_spec)
+    tile_t, tile_h, head_pad = tile_config(num_tokens, num_heads, sc["HEAD_SIZE"], src_spec.itemsize,
+                                           max_tile_bytes=max_tile_bytes)
+    if ss["stride_dim"] != 1 or ds["stride_dim"] != 1:
+        raise FkvError(f"move: the channel axis must be innermost on both sides (stride_dim "
+                       f"{ss['stride_dim']} and {ds['stride_dim']}); fkv layouts always have it")
+    kv_halves = 1 if sc["IS_MLA"] else 2
+    grid = (triton.cdiv(num_tokens, tile_t), kv_halves, triton.cdiv(num_heads, tile_h))
+    # Same-width integers: a bit-exact copy for every dtype (fp8 included, NaN payloads kept).
+    as_int = _INT_VIEW[src_spec.itemsize]
+    src_int, dst_int = src.view(as_int), dst.view(as_int)
+    _move_kernel[grid](
+        src_int, dst_int,
+        src_int if src_ids is None else src_ids,  # a placeholder the kernel never reads
+        src_int if dst_ids is None else dst_ids,
+        num_tokens,
+        ss["stride_block"], ss["stride_kv"], ss["stride_token"], ss["stride_head"],
+        ds["stride_block"], ds["stride_kv"], ds["stride_token"], ds["stride_head"],
+        src_head_start, dst_head_start,
+        SRC_BLOCK_SIZE=sc["BLOCK_SIZE"], DST_BLOCK_SIZE=dc["BLOCK_SIZE"],
+        SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None,
+        NUM_HEADS=num_heads, HEAD_SIZE=sc["HEAD_SIZE"], HEAD_PAD=head_pad,
+        TILE_T=tile_t, TILE_H=tile_h, HEADS_OUTER=sc["HEADS_OUTER"],
+        num_warps=num_warps,
+    )
+
+
+def _int_views() -> dict[int, Any]:
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+_INT_VIEW = _int_views()

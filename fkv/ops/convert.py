@@ -1,0 +1,464 @@
+"""Layout conversion and transfer staging: ``move``, ``convert``, ``gather``, ``scatter``.
+
+All four are thin uses of one Triton kernel (:mod:`fkv.ops._move_kernel`) that copies the tokens of
+a request between two paged views of one layer, each laid out per its own :class:`KVCacheSpec`:
+token ``i`` lives in source block ``src_block_ids[i // N_src]`` slot ``i % N_src`` and lands in
+destination block ``dst_block_ids[i // N_dst]`` slot ``i % N_dst``. So one call converts layouts
+(NHD <-> HND, blocks-first <-> K/V-first, per-layer <-> cross-layer), selects a contiguous range
+of heads, and re-chunks between block sizes.
+
+Shapes (one layer's logical view, as ``fkv.allocate`` returns it):
+
+- triton / flashinfer: ``(NB, 2, N, H, D)``; flash_attn: ``(2, NB, N, H, D)``; mla: ``(NB, N, D)``
+- staging (``gather`` output, ``scatter`` input): ``[n, 2, h, N, D]`` (K/V, heads, tokens, dim:
+  canonical HND, contiguous) for K/V backends, ``[n, N, D]`` for mla.
+
+Every input is checked before anything launches or is written; bad input raises
+:class:`fkv.FkvError` naming the argument, the value and what was expected. Block ids may be a
+sequence, a numpy array or an int tensor on the CPU or the cache's device; ids on a GPU are range-
+checked with one device sync (cached per tensor until it is modified in place).
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fkv.errors import FkvError, field_error
+from fkv.layout import KVCacheSpec, Layout, check_same_geometry
+from fkv.ops._spec import check_cache
+from fkv.tensors import _inverse, allocate, require_torch, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["convert", "gather", "move", "scatter", "staging_spec"]
+
+
+# -- the public ops -------------------------------------------------------------------------------
+def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
+         dst: torch.Tensor, dst_spec: KVCacheSpec, dst_block_ids: Any, *,
+         src_heads: tuple[int, int] | None = None, dst_heads: tuple[int, int] | None = None,
+         num_tokens: int | None = None) -> None:
+    """Copy one request's tokens of one layer from ``src`` (per ``src_spec``) into ``dst``.
+
+    Token ``i`` lives in block ``src_block_ids[i // src_spec.block_size]`` slot
+    ``i % src_spec.block_size`` and goes to block ``dst_block_ids[i // dst_spec.block_size]`` slot
+    ``i % dst_spec.block_size``: the block sizes may differ (re-chunking, e.g. 4 <-> 8), as may the
+    layouts and backends. ``num_tokens`` defaults to ``len(src_block_ids) * src_spec.block_size``
+    and must fit both id lists. ``src_heads=(a, b)`` / ``dst_heads=(c, d)`` pick contiguous head
+    ranges of equal length (default: all heads). K and V both move (MLA: the latent). This is the
+    re-chunking API; ``gather``/``scatter`` expose it too (``block_size=``, ``num_tokens=``).
+
+    ``src``, ``dst``: one layer's logical view each (e.g. ``(NB, 2, N, H, D)`` for triton,
+    ``(2, NB, N, H, D)`` for flash_attn, ``(NB, N, D)`` for mla). ``dst`` must not overlap the
+    source tokens.
+
+    >>> import torch, fkv
+    >>> a = fkv.KVCacheSpec(layout="NHD", num_blocks=4, block_size=4, num_kv_heads=2, head_size=8)
+    >>> b = a.evolve(layout="HND", block_size=8, num_blocks=2)
+    >>> (src,), (dst,) = fkv.allocate(a), fkv.allocate(b)
+    >>> _ = src.copy_(torch.randn(src.shape))
+    >>> move(src, a, [3, 1, 2], dst, b, [1, 0], num_tokens=10)   # 10 tokens: 4-blocks -> 8-blocks
+    >>> torch.equal(dst[1, :, 5], src[1, :, 1]) and torch.equal(dst[0, :, 1], src[2, :, 1])
+    True
+    """
+    _launch(_check_move(src, src_spec, src_block_ids, dst, dst_spec, dst_block_ids,
+                        src_heads=src_heads, dst_heads=dst_heads, num_tokens=num_tokens))
+
+
+def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any = None,
+            block_ids: Any = None) -> Any:
+    """Convert all layers of a cache from ``src_spec``'s layout to ``dst_spec``'s (same geometry).
+
+    Any pair: NHD <-> HND, blocks-first (triton, flashinfer) <-> K/V-first (flash_attn),
+    per-layer <-> cross-layer. ``src`` is the list of ``num_layers`` logical views that
+    ``fkv.allocate(src_spec)`` returns (a single tensor when ``num_layers == 1``). Returns ``dst``
+    views of the same kind: newly allocated with ``fkv.allocate(dst_spec)`` on ``src``'s device, or
+    ``out`` (checked against ``dst_spec``; must not overlap ``src``). ``block_ids=`` converts only
+    those blocks, in place in ``out`` (e.g. the blocks a transfer just landed); the others are left
+    as they are.
+
+    >>> import torch, fkv
+    >>> nhd = fkv.KVCacheSpec(layout="NHD", num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
+    >>> src = fkv.allocate(nhd)
+    >>> _ = src[0].copy_(torch.randn(src[0].shape))
+    >>> (dst,) = convert(src, nhd, nhd.evolve(layout="HND"))
+    >>> dst.stride(), torch.equal(dst, src[0])
+    ((128, 64, 8, 32, 1), True)
+    """
+    src_layers, out_layers, ids, single = _check_convert(src, src_spec, dst_spec, out, block_ids)
+    if out_layers is None:
+        out_layers = allocate(dst_spec, device=src_layers[0].device)
+        out = out_layers[0] if single else out_layers
+    heads = src_spec.num_kv_heads
+    for s, d in zip(src_layers, out_layers):
+        _launch(_Move(s, src_spec, ids.tensor, 0, d, dst_spec, ids.tensor, 0, heads,
+                      ids.count * src_spec.block_size))
+    return out
+
+
+def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
+           heads: tuple[int, int] | None = None, out: torch.Tensor | None = None,
+           num_tokens: int | None = None, block_size: int | None = None) -> torch.Tensor:
+    """Pack blocks (and a head range) of one layer into a contiguous staging buffer.
+
+    Returns ``[n, 2, h, N, D]`` (K/V, heads, tokens, dim: canonical HND) for K/V backends,
+    ``[n, N, D]`` for mla, where ``h = b - a`` for ``heads=(a, b)`` (default all heads). Works from
+    any layout. Re-chunking: with ``block_size=Ns`` the staging blocks hold ``Ns`` tokens (token
+    ``i`` goes to staging block ``i // Ns`` slot ``i % Ns``) and ``n = ceil(num_tokens / Ns)``;
+    ``num_tokens`` defaults to ``len(block_ids) * spec.block_size``. Staging slots past
+    ``num_tokens`` are zero when gather allocates, untouched in ``out``.
+
+    >>> import torch, fkv
+    >>> spec = fkv.KVCacheSpec(layout="NHD", num_blocks=8, block_size=4, num_kv_heads=4, head_size=8)
+    >>> (cache,) = fkv.allocate(spec)
+    >>> _ = cache.copy_(torch.randn(cache.shape))
+    >>> st = gather(cache, spec, [5, 2], heads=(2, 4))
+    >>> tuple(st.shape), torch.equal(st[0, 1, 0], cache[5, 1, :, 2])
+    ((2, 2, 2, 4, 8), True)
+    """
+    m, staging = _check_gather(cache, spec, block_ids, heads, out, num_tokens, block_size)
+    _launch(m)
+    return staging
+
+
+def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
+            heads: tuple[int, int] | None = None, num_tokens: int | None = None,
+            block_size: int | None = None) -> None:
+    """The inverse of :func:`gather`: write a staging buffer into blocks (and heads) of one layer.
+
+    ``staging`` is ``[n, 2, h, Ns, D]`` (mla ``[n, Ns, D]``), contiguous, with ``Ns = block_size``
+    (default ``spec.block_size``) and ``n = ceil(num_tokens / Ns)``; ``num_tokens`` defaults to
+    ``len(block_ids) * spec.block_size``. Only the selected heads of the tokens moved are written.
+
+    >>> import torch, fkv
+    >>> spec = fkv.KVCacheSpec(layout="HND", num_blocks=8, block_size=4, num_kv_heads=4, head_size=8)
+    >>> (cache,) = fkv.allocate(spec)
+    >>> staging = torch.randn(2, 2, 2, 4, 8, dtype=torch.bfloat16)
+    >>> scatter(staging, cache, spec, [6, 1], heads=(0, 2))
+    >>> torch.equal(cache[1, 0, :, 1], staging[1, 0, 1])
+    True
+    """
+    m = _check_scatter(staging, cache, spec, block_ids, heads, num_tokens, block_size)
+    _launch(m)
+
+
+def staging_spec(spec: KVCacheSpec, num_blocks: int, *, num_heads: int | None = None,
+                 block_size: int | None = None) -> KVCacheSpec:
+    """The spec whose physical buffer is a staging tensor of ``spec``'s cache (one layer).
+
+    K/V backends: canonical HND blocks-first, physical ``[n, 2, h, N, D]``; mla: ``[n, N, D]``.
+
+    >>> s = KVCacheSpec(backend="flash_attn", num_blocks=9, block_size=16, num_kv_heads=8,
+    ...                 head_size=128)
+    >>> staging_spec(s, 3, num_heads=4).physical_shape
+    (3, 2, 4, 16, 128)
+    """
+    return spec.evolve(
+        backend="mla" if spec.is_mla else "triton", layout=Layout.HND, num_blocks=num_blocks,
+        block_size=spec.block_size if block_size is None else block_size,
+        num_kv_heads=spec.num_kv_heads if num_heads is None else num_heads,
+        num_layers=1, cross_layer=False,
+    )
+
+
+# -- validation (shared with fkv.ops.reference._convert) -----------------------------------------
+@dataclass(frozen=True)
+class _Ids:
+    tensor: Any  # int tensor on the cache's device, or None for the identity 0..count-1
+    count: int
+
+
+@dataclass(frozen=True)
+class _Move:
+    """One validated move: everything the kernel (or the reference) needs."""
+
+    src: Any
+    src_spec: KVCacheSpec
+    src_ids: Any
+    src_head_start: int
+    dst: Any
+    dst_spec: KVCacheSpec
+    dst_ids: Any
+    dst_head_start: int
+    num_heads: int
+    num_tokens: int
+
+
+def _launch(m: _Move) -> None:
+    from fkv.ops._move_kernel import launch_move
+
+    launch_move(m.src, m.src_spec, m.src_ids, m.src_head_start, m.dst, m.dst_spec, m.dst_ids,
+                m.dst_head_start, m.num_heads, m.num_tokens)
+
+
+def _check_spec(spec: Any, name: str) -> None:
+    if not isinstance(spec, KVCacheSpec):
+        raise field_error(name, type(spec).__name__, "a KVCacheSpec")
+
+
+def _is_tensor(x: Any) -> bool:
+    torch = require_torch()
+    return isinstance(x, torch.Tensor)
+
+
+def _layers(x: Any, spec: KVCacheSpec, name: str) -> tuple[list[Any], bool]:
+    """The per-layer views of a cache argument (a list, or one tensor when num_layers == 1)."""
+    if _is_tensor(x):
+        if spec.num_layers != 1:
+            raise FkvError(f"{name!r} is one tensor but the spec has num_layers={spec.num_layers}; "
+                           f"pass the list of {spec.num_layers} layer views fkv.allocate returns")
+        check_cache(x, spec, name)
+        return [x], True
+    if not isinstance(x, (list, tuple)):
+        raise field_error(name, type(x).__name__, "a list of layer views (as fkv.allocate returns) "
+                          "or one tensor when num_layers == 1")
+    if len(x) != spec.num_layers:
+        raise FkvError(f"{name!r} holds {len(x)} layer views but the spec has "
+                       f"num_layers={spec.num_layers}")
+    for i, view in enumerate(x):
+        if not _is_tensor(view):
+            raise field_error(f"{name}[{i}]", type(view).__name__, "a tensor")
+        check_cache(view, spec, f"{name}[{i}]")
+        if view.device != x[0].device:
+            raise FkvError(f"{name!r}: layer {i} is on {view.device} but layer 0 on {x[0].device}; "
+                           f"all layers must be on one device")
+    return list(x), False
+
+
+def _check_device(t: Any, device: Any, name: str, other: str) -> None:
+    if t.device != device:
+        raise FkvError(f"{name!r} is on {t.device} but {other!r} is on {device}; "
+                       f"move them to one device")
+
+
+def _heads(heads: Any, spec: KVCacheSpec, name: str) -> tuple[int, int]:
+    total = spec.num_kv_heads
+    if heads is None:
+        return 0, total
+    expected = (f"a (start, stop) pair of ints with 0 <= start < stop <= {total} "
+                f"(a contiguous range of this rank's {total} heads)")
+    try:
+        a, b = (operator.index(v) for v in heads)
+        if any(isinstance(v, bool) for v in heads):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise field_error(name, heads, expected) from None
+    if not 0 <= a < b <= total:
+        raise field_error(name, tuple(heads), expected)
+    return a, b
+
+
+# Range checks of ids that live on a GPU need a device sync; remember the bounds of each id tensor
+# until it is freed or modified in place (its version counter moves).
+_BOUNDS: dict[int, tuple[Any, int, int, int]] = {}
+
+
+def _bounds(t: Any) -> tuple[int, int]:
+    torch = require_torch()
+    if t.device.type == "cpu":
+        lo, hi = torch.aminmax(t)
+        return int(lo), int(hi)
+    key = id(t)
+    hit = _BOUNDS.get(key)
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        return hit[2], hit[3]
+    lo, hi = (int(v) for v in torch.stack(torch.aminmax(t)).tolist())
+    if len(_BOUNDS) > 1024:
+        _BOUNDS.clear()
+    ref = weakref.ref(t, lambda _r, key=key: _BOUNDS.pop(key, None))
+    _BOUNDS[key] = (ref, t._version, lo, hi)
+    return lo, hi
+
+
+def _block_ids(ids: Any, spec: KVCacheSpec, name: str, device: Any) -> _Ids:
+    """Validate block ids against ``spec.num_blocks``; None means every block in order."""
+    if isinstance(ids, _Ids):
+        return ids
+    torch = require_torch()
+    if ids is None:
+        return _Ids(None, spec.num_blocks)
+    expected = "a 1-D sequence or tensor of int block ids"
+    if isinstance(ids, torch.Tensor):
+        t = ids
+    else:
+        try:
+            t = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise field_error(name, ids, expected) from None
+        if t.numel() == 0:
+            t = t.to(torch.int64)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.dim() != 1:
+        shown = ids if not isinstance(ids, torch.Tensor) else f"tensor {t.dtype} {tuple(t.shape)}"
+        raise field_error(name, shown, expected)
+    n = t.numel()
+    if n:
+        lo, hi = _bounds(t)
+        if lo < 0 or hi >= spec.num_blocks:
+            bad = lo if lo < 0 else hi
+            raise FkvError(f"{name!r} holds block id {bad} but the cache has num_blocks="
+                           f"{spec.num_blocks} (valid ids: 0..{spec.num_blocks - 1})")
+    if t.dtype not in (torch.int32, torch.int64):
+        t = t.to(torch.int64)
+    return _Ids(t.to(device).contiguous(), n)
+
+
+def _num_tokens(num_tokens: Any, default: int, capacity: dict[str, int]) -> int:
+    if num_tokens is None:
+        num_tokens = default
+    try:
+        if isinstance(num_tokens, bool):
+            raise TypeError
+        value = operator.index(num_tokens)
+    except TypeError:
+        raise field_error("num_tokens", num_tokens, "a non-negative int") from None
+    if value < 0:
+        raise field_error("num_tokens", value, "a non-negative int")
+    for what, cap in capacity.items():
+        if value > cap:
+            raise FkvError(f"'num_tokens' is {value} but {what} hold only {cap} tokens; pass "
+                           f"more block ids or fewer tokens")
+    return value
+
+
+def _check_move(src: Any, src_spec: Any, src_block_ids: Any, dst: Any, dst_spec: Any,
+                dst_block_ids: Any, *, src_heads: Any, dst_heads: Any, num_tokens: Any,
+                names: tuple[str, str] = ("src_block_ids", "dst_block_ids"),
+                head_names: tuple[str, str] = ("src_heads", "dst_heads")) -> _Move:
+    _check_spec(src_spec, "src_spec")
+    _check_spec(dst_spec, "dst_spec")
+    for what in ("is_mla", "head_size", "dtype"):
+        a, b = getattr(src_spec, what), getattr(dst_spec, what)
+        if a != b:
+            label = "MLA cache" if what == "is_mla" else what
+            raise FkvError(f"move: src and dst must agree on {label}: src_spec.{what} is {a!r}, "
+                           f"dst_spec.{what} is {b!r}")
+    if not _is_tensor(src):
+        raise field_error("src", type(src).__name__, "one layer's cache view (a tensor)")
+    if not _is_tensor(dst):
+        raise field_error("dst", type(dst).__name__, "one layer's cache view (a tensor)")
+    check_cache(src, src_spec, "src")
+    check_cache(dst, dst_spec, "dst")
+    _check_device(dst, src.device, "dst", "src")
+    sa, sb = _heads(src_heads, src_spec, head_names[0])
+    da, db = _heads(dst_heads, dst_spec, head_names[1])
+    if sb - sa != db - da:
+        raise FkvError(f"{head_names[0]!r} {(sa, sb)} selects {sb - sa} heads but "
+                       f"{head_names[1]!r} {(da, db)} selects {db - da}; both ranges must "
+                       f"have the same length")
+    sids = _block_ids(src_block_ids, src_spec, names[0], src.device)
+    dids = _block_ids(dst_block_ids, dst_spec, names[1], src.device)
+    cap_src, cap_dst = sids.count * src_spec.block_size, dids.count * dst_spec.block_size
+    n = _num_tokens(num_tokens, cap_src, {f"the {sids.count} {names[0]}": cap_src,
+                                          f"the {dids.count} {names[1]}": cap_dst})
+    return _Move(src, src_spec, sids.tensor, sa, dst, dst_spec, dids.tensor, da, sb - sa, n)
+
+
+def _extent(t: Any) -> tuple[int, int]:
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + span * t.element_size()
+
+
+def _check_no_overlap(a: list[Any], b: list[Any], what: str) -> None:
+    spans = sorted([(*_extent(t), 0) for t in a if t.numel()] + [(*_extent(t), 1) for t in b if t.numel()])
+    reach = [0, 0]  # furthest end seen so far per side
+    for start, end, side in spans:
+        if start < reach[1 - side]:
+            raise FkvError(f"{what}: 'out' overlaps 'src' in memory; a layout conversion permutes "
+                           f"elements, so it cannot run in place: pass a separate out")
+        reach[side] = max(reach[side], end)
+
+
+def _check_convert(src: Any, src_spec: Any, dst_spec: Any, out: Any,
+                   block_ids: Any) -> tuple[list[Any], list[Any] | None, _Ids, bool]:
+    _check_spec(src_spec, "src_spec")
+    _check_spec(dst_spec, "dst_spec")
+    check_same_geometry(src_spec, dst_spec, "convert")
+    src_layers, single = _layers(src, src_spec, "src")
+    device = src_layers[0].device
+    out_layers = None
+    if out is None:
+        if block_ids is not None:
+            raise FkvError("convert: block_ids= converts those blocks in place into an existing "
+                           "cache; pass out=<the destination's layer views> too")
+    else:
+        out_layers, _ = _layers(out, dst_spec, "out")
+        for t in out_layers:
+            _check_device(t, device, "out", "src")
+        _check_no_overlap(src_layers, out_layers, "convert")
+    ids = _block_ids(block_ids, src_spec, "block_ids", device)
+    return src_layers, out_layers, ids, single
+
+
+def _check_staging(staging: Any, stage: KVCacheSpec, name: str, device: Any, heads: tuple[int, int],
+                   what: str) -> Any:
+    """Check a staging tensor against its spec; return its logical view (for the kernel)."""
+    if not _is_tensor(staging):
+        raise field_error(name, type(staging).__name__, "a tensor")
+    dims = "[n, N, D]" if stage.is_mla else "[n, 2, h, N, D]"
+    if tuple(staging.shape) != stage.physical_shape:
+        raise FkvError(f"{name!r} has shape {tuple(staging.shape)} but {what} "
+                       f"{stage.num_blocks} staging blocks of {stage.block_size} tokens, heads "
+                       f"{heads} needs {dims} = {stage.physical_shape}")
+    dtype = torch_dtype(stage.dtype)
+    if staging.dtype != dtype:
+        raise FkvError(f"{name!r} has dtype {staging.dtype} but the cache's dtype is {dtype}")
+    if not staging.is_contiguous():
+        raise FkvError(f"{name!r} must be contiguous (strides {staging.stride()}); "
+                       f"pass staging.contiguous()")
+    _check_device(staging, device, name, "cache")
+    return staging.permute(_inverse(stage.stride_order))
+
+
+def _staging_geometry(cache: Any, spec: Any, block_ids: Any, heads: Any, num_tokens: Any,
+                      block_size: Any) -> tuple[_Ids, tuple[int, int], int, KVCacheSpec]:
+    _check_spec(spec, "spec")
+    if not _is_tensor(cache):
+        raise field_error("cache", type(cache).__name__, "one layer's cache view (a tensor)")
+    check_cache(cache, spec, "cache")
+    a, b = _heads(heads, spec, "heads")
+    ids = _block_ids(block_ids, spec, "block_ids", cache.device)
+    if block_size is None:
+        block_size = spec.block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise field_error("block_size", block_size, "a positive int (tokens per staging block)")
+    cap = ids.count * spec.block_size
+    n = _num_tokens(num_tokens, cap, {f"the {ids.count} block_ids": cap})
+    # A spec needs num_blocks >= 1; zero tokens are handled by the callers (empty staging).
+    stage = staging_spec(spec, max(1, -(-n // block_size)), num_heads=b - a, block_size=block_size)
+    return ids, (a, b), n, stage
+
+
+def _check_gather(cache: Any, spec: Any, block_ids: Any, heads: Any, out: Any, num_tokens: Any,
+                  block_size: Any) -> tuple[_Move, Any]:
+    torch = require_torch()
+    ids, (a, b), n, stage = _staging_geometry(cache, spec, block_ids, heads, num_tokens, block_size)
+    shape = stage.physical_shape if n else (0, *stage.physical_shape[1:])
+    if out is None:
+        make = torch.zeros if n % stage.block_size else torch.empty
+        out = make(shape, dtype=torch_dtype(spec.dtype), device=cache.device)
+    if n == 0:
+        _check_empty(out, shape, "out")
+        return _Move(cache, spec, ids.tensor, a, cache, spec, None, 0, b - a, 0), out
+    view = _check_staging(out, stage, "out", cache.device, (a, b), "gathering into")
+    return _Move(cache, spec, ids.tensor, a, view, stage, None, 0, b - a, n), out
+
+
+def _check_scatter(staging: Any, cache: Any, spec: Any, block_ids: Any, heads: Any,
+                   num_tokens: Any, block_size: Any) -> _Move:
+    ids, (a, b), n, stage = _staging_geometry(cache, spec, block_ids, heads, num_tokens, block_size)
+    if n == 0:
+        _check_empty(staging, (0, *stage.physical_shape[1:]), "staging")
+        return _Move(cache, spec, None, a, cache, spec, ids.tensor, a, b - a, 0)
+    view = _check_staging(staging, stage, "staging", cache.device, (a, b), "scattering from")
+    return _Move(view, stage, None, 0, cache, spec, ids.tensor, a, b - a, n)
+
+
+def _check_empty(t: Any, shape: tuple[int, ...], name: str) -> None:
+    if not _is_tensor(t) or tuple(t.shape) != shape:
+        raise FkvError(f"{name!r} must have shape {shape} for zero tokens "
+                       f"(got {tuple(getattr(t, 'shape', ())) or type(t).__name__})")

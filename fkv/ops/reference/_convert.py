@@ -1,0 +1,135 @@
+"""Pure torch/einops references of ``fkv.ops.convert``: ``move``, ``convert``, ``gather``, ``scatter``.
+
+Same signatures and the same input checks as the kernels (shared validation), but the data movement
+is the obvious one: ``einops.rearrange`` between logical axes for whole-cache conversion, and
+advanced indexing token by token (``block_ids[i // N]``, slot ``i % N``) for everything else.
+Payloads move as same-width integers, so every copy is bit-exact (fp8 and NaN payloads included).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import einops
+
+from fkv.layout import KVCacheSpec
+from fkv.ops.convert import _check_convert, _check_gather, _check_move, _check_scatter, _Move
+from fkv.tensors import allocate, require_torch
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["convert", "gather", "move", "scatter"]
+
+#: Canonical order of one layer's axes (blocks, K/V, tokens, heads, channels); MLA lacks two and H.
+_CANONICAL = ("B", "two", "N", "H", "C")
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    torch = require_torch()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _canonical(view: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
+    """A view of one layer with axes in canonical order: ``(B, two, N, H, C)``; mla ``(B, N, C)``."""
+    axes = spec.logical_axes
+    return _as_int(view).permute([axes.index(a) for a in _CANONICAL if a in axes])
+
+
+def _run(m: _Move) -> None:
+    torch = require_torch()
+    if m.num_tokens == 0:
+        return
+    device = m.src.device
+    i = torch.arange(m.num_tokens, device=device)
+
+    def where(ids: Any, spec: KVCacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = i // spec.block_size
+        return (blocks if ids is None else ids.to(torch.int64)[blocks]), i % spec.block_size
+
+    src_block, src_slot = where(m.src_ids, m.src_spec)
+    dst_block, dst_slot = where(m.dst_ids, m.dst_spec)
+    src, dst = _canonical(m.src, m.src_spec), _canonical(m.dst, m.dst_spec)
+    if m.src_spec.is_mla:
+        dst[dst_block, dst_slot] = src[src_block, src_slot]  # [T, C]
+        return
+    sh = slice(m.src_head_start, m.src_head_start + m.num_heads)
+    dh = slice(m.dst_head_start, m.dst_head_start + m.num_heads)
+    # Advanced indices split by a slice put the token dim first: both sides are [T, 2, h, C].
+    dst[dst_block, :, dst_slot, dh] = src[src_block, :, src_slot, sh]
+
+
+def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
+         dst: torch.Tensor, dst_spec: KVCacheSpec, dst_block_ids: Any, *,
+         src_heads: tuple[int, int] | None = None, dst_heads: tuple[int, int] | None = None,
+         num_tokens: int | None = None) -> None:
+    """Reference of :func:`fkv.ops.convert.move` (token ``i``: ``ids[i // N]`` slot ``i % N``).
+
+    >>> import torch, fkv
+    >>> a = fkv.KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=1, head_size=2)
+    >>> (src,), (dst,) = fkv.allocate(a), fkv.allocate(a.evolve(block_size=8, num_blocks=1))
+    >>> _ = src.copy_(torch.arange(32.).view(2, 2, 4, 1, 2))
+    >>> move(src, a, [1, 0], dst, a.evolve(block_size=8, num_blocks=1), [0])
+    >>> dst[0, 0, :, 0, 0].tolist()
+    [16.0, 18.0, 20.0, 22.0, 0.0, 2.0, 4.0, 6.0]
+    """
+    _run(_check_move(src, src_spec, src_block_ids, dst, dst_spec, dst_block_ids,
+                     src_heads=src_heads, dst_heads=dst_heads, num_tokens=num_tokens))
+
+
+def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any = None,
+            block_ids: Any = None) -> Any:
+    """Reference of :func:`fkv.ops.convert.convert`: ``einops.rearrange`` per layer.
+
+    >>> import torch, fkv
+    >>> s = fkv.KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
+    >>> src = fkv.allocate(s)
+    >>> _ = src[0].copy_(torch.randn(src[0].shape))
+    >>> (dst,) = convert(src, s, s.evolve(backend="flash_attn", layout="HND"))
+    >>> torch.equal(dst[1, 0], src[0][0, 1])
+    True
+    """
+    src_layers, out_layers, ids, single = _check_convert(src, src_spec, dst_spec, out, block_ids)
+    if out_layers is None:
+        out_layers = allocate(dst_spec, device=src_layers[0].device)
+        out = out_layers[0] if single else out_layers
+    pattern = f"{' '.join(src_spec.logical_axes)} -> {' '.join(dst_spec.logical_axes)}"
+    for s, d in zip(src_layers, out_layers):
+        if ids.tensor is None:
+            _as_int(d).copy_(einops.rearrange(_as_int(s), pattern))
+        else:
+            _canonical(d, dst_spec)[ids.tensor] = _canonical(s, src_spec)[ids.tensor]
+    return out
+
+
+def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
+           heads: tuple[int, int] | None = None, out: torch.Tensor | None = None,
+           num_tokens: int | None = None, block_size: int | None = None) -> torch.Tensor:
+    """Reference of :func:`fkv.ops.convert.gather` (staging ``[n, 2, h, N, D]``; mla ``[n, N, D]``).
+
+    >>> import torch, fkv
+    >>> s = fkv.KVCacheSpec(num_blocks=4, block_size=2, num_kv_heads=2, head_size=2)
+    >>> (cache,) = fkv.allocate(s)
+    >>> _ = cache.copy_(torch.arange(64.).view(4, 2, 2, 2, 2))
+    >>> gather(cache, s, [3], heads=(1, 2))[0, 0].tolist()
+    [[[50.0, 51.0], [54.0, 55.0]]]
+    """
+    m, staging = _check_gather(cache, spec, block_ids, heads, out, num_tokens, block_size)
+    _run(m)
+    return staging
+
+
+def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
+            heads: tuple[int, int] | None = None, num_tokens: int | None = None,
+            block_size: int | None = None) -> None:
+    """Reference of :func:`fkv.ops.convert.scatter`, the inverse of :func:`gather`.
+
+    >>> import torch, fkv
+    >>> s = fkv.KVCacheSpec(num_blocks=4, block_size=2, num_kv_heads=2, head_size=2)
+    >>> (cache,) = fkv.allocate(s)
+    >>> _ = cache.zero_()
+    >>> scatter(torch.ones(1, 2, 1, 2, 2, dtype=torch.bfloat16), cache, s, [2], heads=(0, 1))
+    >>> cache[2, :, :, 0].sum().item(), cache[2, :, :, 1].sum().item()
+    (8.0, 0.0)
+    """
+    _run(_check_scatter(staging, cache, spec, block_ids, heads, num_tokens, block_size))
