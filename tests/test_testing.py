@@ -1,0 +1,234 @@
+"""fkv.testing: spec/engine-pair strategies, assert_kv_equal, snapshot_value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from inline_snapshot import snapshot
+
+import fkv
+from fkv import FkvError, KVCacheSpec
+from fkv.testing import assert_kv_equal, engine_pairs, heads_per_rank, snapshot_value, specs, token_major
+
+
+def _filled(spec: KVCacheSpec, seed: int = 0) -> list[torch.Tensor]:
+    """A cache whose every element is distinct-ish random data (never zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    caches = fkv.allocate(spec)
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=g).to(c.dtype))
+    return caches
+
+
+def _copy_logical(src: list[torch.Tensor], src_spec: KVCacheSpec, dst_spec: KVCacheSpec):
+    """Copy logical contents into another layout/backend (flash_attn swaps the K/V and block dims)."""
+    dst = fkv.allocate(dst_spec)
+    for s, d in zip(src, dst):
+        d.copy_(s if src_spec.logical_axes == dst_spec.logical_axes else s.transpose(0, 1))
+    return dst
+
+
+# -- specs() ------------------------------------------------------------------------------------
+
+@settings(max_examples=60)
+@given(specs())
+def test_specs_are_valid_and_small(spec):
+    assert isinstance(spec, KVCacheSpec)
+    assert spec.region_bytes * spec.num_regions <= 1 << 20
+    if spec.is_mla:
+        assert spec.num_kv_heads == 1
+
+
+@settings(max_examples=30)
+@given(specs(backend="flash_attn", layout=("HND", "LBHNC"), dtype="float16",
+             num_blocks=st.integers(3, 4), cross_layer=True, max_bytes=None))
+def test_specs_honor_constraints(spec):
+    assert (spec.backend, spec.layout, spec.dtype, spec.cross_layer) == (
+        "flash_attn", fkv.Layout.HND, "float16", True)
+    assert spec.num_blocks in (3, 4)
+
+
+def test_specs_reject_unknown_or_empty_constraints():
+    with pytest.raises(FkvError, match=r"specs: unknown constraint\(s\) \['heads'\]"):
+        specs(heads=4)
+    with pytest.raises(FkvError, match="'layout' must be a value, a non-empty collection"):
+        specs(layout=())
+
+
+# -- engine_pairs() -----------------------------------------------------------------------------
+
+@settings(max_examples=60)
+@given(engine_pairs())
+def test_engine_pairs_follow_spec_section_4(pair):
+    (p_engine, p_spec), (d_engine, d_spec) = pair
+    assert pair.prefill == (p_engine, p_spec) and pair.decode == (d_engine, d_spec)
+    for engine, spec in pair:
+        assert spec.num_kv_heads == (1 if spec.is_mla else
+                                     max(1, engine.total_num_kv_heads // engine.tp_size))
+        assert 0 <= engine.tp_rank < engine.tp_size
+    assert p_engine.tp_rank == 0
+    big, small = max(p_engine.tp_size, d_engine.tp_size), min(p_engine.tp_size, d_engine.tp_size)
+    assert big % small == 0
+    # The hashed model facts agree; the per-side ones may not.
+    for field in ("backend", "head_size", "dtype", "num_layers"):
+        assert getattr(p_spec, field) == getattr(d_spec, field)
+    for field in ("total_num_kv_heads", "model", "model_dtype", "protocol"):
+        assert getattr(p_engine, field) == getattr(d_engine, field)
+
+
+@settings(max_examples=20)
+@given(engine_pairs(backend="triton", total_num_kv_heads=8, prefill_tp=1, decode_tp=2,
+                    prefill_layout="HND", decode_layout="NHD", block_size=16, cross_layer=False))
+def test_engine_pairs_honor_constraints(pair):
+    (p_engine, p_spec), (d_engine, d_spec) = pair
+    assert (p_engine.tp_size, d_engine.tp_size) == (1, 2)
+    assert (p_spec.num_kv_heads, d_spec.num_kv_heads) == (8, 4)
+    assert (p_spec.layout, d_spec.layout) == (fkv.Layout.HND, fkv.Layout.NHD)
+
+
+def test_heads_per_rank():
+    assert [heads_per_rank(8, tp) for tp in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+
+
+# -- assert_kv_equal ----------------------------------------------------------------------------
+
+@settings(max_examples=25)
+@given(specs(backend=("triton", "flashinfer", "flash_attn"), dtype=("bfloat16", "float32"),
+             max_bytes=1 << 16),
+       st.sampled_from(["triton", "flashinfer", "flash_attn"]), st.sampled_from(["NHD", "HND"]),
+       st.booleans())
+def test_equal_contents_in_any_layout_compare_equal(spec, backend, layout, cross):
+    other = spec.evolve(backend=backend, layout=layout, cross_layer=cross)
+    a = _filled(spec)
+    assert_kv_equal(a, spec, _copy_logical(a, spec, other), other)
+
+
+@settings(max_examples=25)
+@given(specs(backend=("triton", "flash_attn"), dtype=("bfloat16", "float8_e4m3fn"),
+             num_kv_heads=(2, 4), max_bytes=1 << 15), st.data())
+def test_first_difference_is_located_exactly(spec, data):
+    other = spec.evolve(layout="HND" if spec.layout == "NHD" else "NHD")
+    a = _filled(spec, seed=1)
+    b = _copy_logical(a, spec, other)
+    layer = data.draw(st.integers(0, spec.num_layers - 1))
+    blk = data.draw(st.integers(0, spec.num_blocks - 1))
+    kv = data.draw(st.integers(0, 1))
+    slot = data.draw(st.integers(0, spec.block_size - 1))
+    head = data.draw(st.integers(0, spec.num_kv_heads - 1))
+    ch = data.draw(st.integers(0, spec.head_size - 1))
+    index = (kv, blk) if spec.backend == "flash_attn" else (blk, kv)
+    view = b[layer][index][slot, head]
+    view[ch] = torch.tensor(-3.0 if float(view[ch].float()) > 0 else 3.0).to(view.dtype)
+    token = blk * spec.block_size + slot
+    with pytest.raises(AssertionError, match=(
+            rf"^KV caches differ first at layer {layer}, token {token} \(a: block {blk} slot {slot}; "
+            rf"b: block {blk} slot {slot}\), {'KV'[kv]}, head {head}, channel {ch}: a=\S+ "
+            rf"b={'-3.0' if float(view[ch].float()) < 0 else '3.0'} \(1 of \d+ elements of "
+            rf"layer {layer} differ\)$")):
+        assert_kv_equal(a, spec, b, other)
+
+
+def test_request_tokens_across_block_sizes_and_head_slices():
+    # A prefill cache (HND, N=4, 8 heads) and a decode rank's cache (NHD, N=8, heads 4..7 only):
+    # the request's 12 tokens live in blocks [5, 2, 0] on one side and [1, 3] on the other.
+    p_spec = KVCacheSpec(layout="HND", num_blocks=6, block_size=4, num_kv_heads=8, head_size=16,
+                         dtype="float32", num_layers=2)
+    d_spec = KVCacheSpec(layout="NHD", num_blocks=4, block_size=8, num_kv_heads=4, head_size=16,
+                         dtype="float32", num_layers=2)
+    p = _filled(p_spec, seed=2)
+    d = fkv.allocate(d_spec)
+    for pl, dl in zip(p, d):
+        dl.fill_(float("nan"))
+        tokens = token_major(pl, p_spec, [5, 2, 0], heads=(4, 8))  # [12, 2, 4, 16]
+        for i in range(12):
+            dl[[1, 3][i // 8], :, i % 8] = tokens[i]
+    assert_kv_equal(p, p_spec, d, d_spec, block_ids_a=[5, 2, 0], block_ids_b=[1, 3],
+                    num_tokens=12, heads_a=(4, 8))
+    d[1][3, 1, 2, 0, 9] += 1.0  # token 10 = decode block 3 slot 2 = prefill block 0 slot 2, V
+    with pytest.raises(AssertionError, match=(
+            r"layer 1, token 10 \(a: block 0 slot 2; b: block 3 slot 2\), V, head 0 "
+            r"\(a head 4, b head 0\), channel 9: a=\S+ b=\S+ \(1 of 1536 elements")):
+        assert_kv_equal(p, p_spec, d, d_spec, block_ids_a=[5, 2, 0], block_ids_b=[1, 3],
+                        num_tokens=12, heads_a=(4, 8))
+    # Only the request's tokens count: the NaN-poisoned rest of the decode cache is not compared.
+    assert_kv_equal(p, p_spec, d, d_spec, block_ids_a=[5, 2, 0], block_ids_b=[1, 3],
+                    num_tokens=10, heads_a=(4, 8))
+
+
+def test_tolerance_mode_and_nan_poison():
+    spec = KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+    a = _filled(spec, seed=3)
+    b = [a[0].clone()]
+    b[0][1, 0, 0, 0, 0] += 1e-4
+    with pytest.raises(AssertionError, match=r"token 4 .*, K, head 0, channel 0"):
+        assert_kv_equal(a, spec, b, spec)
+    assert_kv_equal(a, spec, b, spec, atol=1e-3)
+    with pytest.raises(AssertionError, match=r"max abs diff 0\.0001"):
+        assert_kv_equal(a, spec, b, spec, atol=1e-6)
+    a[0][0, 1].fill_(float("nan"))
+    b[0][0, 1].fill_(float("nan"))
+    assert_kv_equal(a, spec, b, spec, atol=1e-3)  # NaN poison matches itself in both modes
+    bf = spec.evolve(dtype="bfloat16")
+    c = [a[0].to(torch.bfloat16)]
+    assert_kv_equal(a, spec, c, bf, atol=1e-2, rtol=1e-2)
+
+
+def test_mla_caches_compare_by_token():
+    spec = KVCacheSpec(backend="mla", num_blocks=3, block_size=4, num_kv_heads=1, head_size=24,
+                       dtype="bfloat16", num_layers=2, cross_layer=True)
+    flat = spec.evolve(cross_layer=False)
+    a = _filled(spec, seed=4)
+    b = _copy_logical(a, spec, flat)
+    assert_kv_equal(a, spec, b, flat)
+    b[1][2, 3, 7] += 1
+    with pytest.raises(AssertionError, match=r"^KV caches differ first at layer 1, token 11 "
+                       r"\(a: block 2 slot 3; b: block 2 slot 3\), channel 7: "):
+        assert_kv_equal(a, spec, b, flat)
+
+
+def test_bad_inputs_name_the_field():
+    spec = KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+    a = _filled(spec)
+    with pytest.raises(FkvError, match=r"differ in geometry, .*num_blocks: a 2, b 3"):
+        assert_kv_equal(a, spec, _filled(spec.evolve(num_blocks=3)), spec.evolve(num_blocks=3))
+    with pytest.raises(FkvError, match=r"dtype: a 'float32', b 'bfloat16'; pass atol/rtol"):
+        bf = spec.evolve(dtype="bfloat16")
+        assert_kv_equal(a, spec, _filled(bf), bf)
+    with pytest.raises(FkvError, match=r"'b' has 2 layer view\(s\) but spec_b has num_layers=1"):
+        assert_kv_equal(a, spec, a + a, spec)
+    with pytest.raises(FkvError, match=r"b\[0\] has shape \(2, 2, 4, 2, 8\) but spec_b .* logical "
+                       r"shape \(2, 2, 4, 4, 8\)"):
+        assert_kv_equal(a, spec, a, spec.evolve(num_kv_heads=4))
+    with pytest.raises(FkvError, match=r"'block_ids_b' must be a block id in \[0, 2\) \(got 7\)"):
+        assert_kv_equal(a, spec, a, spec, block_ids_a=[0], block_ids_b=[7])
+    with pytest.raises(FkvError, match=r"'heads_a' must be a range \(lo, hi\) inside \[0, 2\]"):
+        assert_kv_equal(a, spec, a, spec, heads_a=(1, 3))
+    with pytest.raises(FkvError, match=r"'num_tokens' must be at most 4"):
+        assert_kv_equal(a, spec, a, spec, block_ids_a=[0], block_ids_b=[1], num_tokens=5)
+    # A single layer view is accepted for a one-layer spec.
+    assert_kv_equal(a[0], spec, a, spec)
+
+
+# -- snapshot_value -----------------------------------------------------------------------------
+
+def test_snapshot_value_of_specs_and_patterns():
+    spec = KVCacheSpec(layout="LBHNC", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128,
+                       num_layers=2)
+    assert snapshot_value({"spec": spec, "layout": spec.layout,
+                           "pattern": fkv.rearrange_pattern(spec, spec.evolve(layout="NHD")),
+                           "shapes": [spec.logical_shape, spec.physical_shape]}) == snapshot(
+        {
+            "spec": "KVCacheSpec(backend='triton', layout='HND', num_blocks=4, block_size=16, "
+            "num_kv_heads=8, head_size=128, dtype='bfloat16', num_layers=2)",
+            "layout": "HND",
+            "pattern": "L B two H N C -> L B two N H C",
+            "shapes": [(4, 2, 16, 8, 128), (4, 2, 8, 16, 128)],
+        }
+    )
+    import numpy as np
+
+    assert snapshot_value(np.arange(6, dtype=np.int64).reshape(2, 3)) == [(0, 1, 2), (3, 4, 5)]
+    with pytest.raises(FkvError, match=r"snapshot_value: no plain form for a 'object'"):
+        snapshot_value(object())
