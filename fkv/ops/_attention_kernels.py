@@ -1,0 +1,228 @@
+"""Triton kernels of ``fkv.ops.paged_attention`` (pointers, strides and constexprs only).
+
+One kernel serves decode and varlen prefill. A program owns ``BLOCK_Q`` query tokens of one
+sequence times ``HEADS_PER_PROG`` query heads that share one KV head (GQA packing: the rows of the
+score tile are (query token, head) pairs, so each K/V tile is read once for all of them), and one
+segment of the sequence's keys (``split_len`` tokens; flash-decoding when there are several).
+Keys are walked in tiles of ``TILE_N`` tokens, several pages per tile; element ``(token t, dim d)``
+of KV head ``h`` is at ``block_table[t // BLOCK_SIZE] * stride_block + (t % BLOCK_SIZE) *
+STRIDE_TOKEN + h * stride_head + d`` (K) and ``+ stride_kv`` (V), so the layout is fixed by the
+stride constexprs of the spec and every layout compiles its own variant once.
+
+Scores live in the base-2 domain (``log2(e)`` folded into the scale). Tiles entirely visible to
+every row skip the causal/window mask; the rest are masked. With several splits each program
+writes a normalized partial output and its base-2 log-sum-exp; ``_reduce_splits_kernel`` merges.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["_paged_attention_kernel", "_reduce_splits_kernel"]
+
+_NEG_INIT = -1.0e30  # finite row-max start: fully masked rows give exp2(-inf - m) = 0, never NaN
+
+
+@triton.jit
+def _tanh(x):
+    # Portable across Triton versions: 1 - 2 / (exp(2x) + 1) saturates correctly at +-1.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, q_pos, start, hi,
+    cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, window, score_mult, softcap_mult,
+    BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One key tile [start, start + TILE_N): online-softmax update of (acc, l_i, m_i)."""
+    t = start + tl.arange(0, TILE_N)
+    d = tl.arange(0, HEAD_PAD)
+    if MASKED:
+        t_ok = t < hi
+        blk = tl.load(bt_row_ptr + t // BLOCK_SIZE, mask=t_ok, other=0)
+    else:
+        blk = tl.load(bt_row_ptr + t // BLOCK_SIZE)
+    row = blk.to(tl.int64) * stride_block + (t % BLOCK_SIZE) * STRIDE_TOKEN + head_off
+    k_ptrs = cache_ptr + row[:, None] + d[None, :]
+    if MASKED:
+        kv_mask = t_ok[:, None] & (d[None, :] < HEAD_SIZE)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0)
+    elif HEAD_PAD != HEAD_SIZE:
+        d_mask = (d < HEAD_SIZE)[None, :]
+        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
+        v = tl.load(k_ptrs + stride_kv, mask=d_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(k_ptrs + stride_kv)
+    k = k.to(q.dtype)
+    if DOT_F32:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if USE_SOFTCAP:
+        s = softcap_mult * _tanh(qk * score_mult)
+    else:
+        s = qk * score_mult
+    if MASKED:
+        visible = (t[None, :] <= q_pos[:, None]) & t_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (t[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    # P is rounded to the input dtype like FlashAttention does (bf16/fp16 tensor-core dot).
+    p = p.to(q.dtype)
+    v = v.to(q.dtype)
+    if DOT_F32:
+        acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(p, v, acc, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    scale, softcap, window, num_seqs, num_tiles, num_q_heads, split_len,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    stride_bt, stride_block, stride_kv, stride_head,
+    # spec constexprs (fkv.ops._spec.cache_constexprs) and the token stride of the layout
+    HEADS_OUTER: tl.constexpr, IS_MLA: tl.constexpr, CACHE_FP8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    STRIDE_TOKEN: tl.constexpr,
+    # launch configuration
+    HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
+    HEAD_CHUNKS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    VARLEN: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Longest query tiles first (they come last in each sequence): better tail balance in prefill.
+    tile = num_tiles - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_CHUNKS
+    chunk = tl.program_id(1) % HEAD_CHUNKS
+    split = tl.program_id(2)
+
+    if VARLEN:
+        # Sequence b owns tiles [qsl[b] // BLOCK_Q + b, ...): find the last b starting <= tile.
+        lo = tile * 0
+        hi = lo + num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            ok = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        seq = lo
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_tile = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    else:
+        seq = tile
+        q_start = tile
+        q_len = 1
+        q_tile = 0
+    if q_tile >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_PAD)
+    qi = r // HEADS_PER_PROG
+    hh = chunk * HEADS_PER_PROG + r % HEADS_PER_PROG
+    row_ok = (r < BLOCK_Q * HEADS_PER_PROG) & (q_tile + qi < q_len) & (hh < GROUP)
+    hq = kv_head * GROUP + hh
+    tok = (q_start + q_tile + qi).to(tl.int64)
+    q_pos = seq_len - q_len + q_tile + qi
+    io_mask = row_ok[:, None] & (d[None, :] < HEAD_SIZE)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + hq[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=io_mask, other=0.0)
+
+    # s = q.k * scale * k_scale; softcap: s = c * tanh(s / c); then in base 2: s * log2(e).
+    score_mult = scale
+    if CACHE_FP8:
+        score_mult = score_mult * tl.load(k_scale_ptr)
+    softcap_mult = softcap * 1.4426950408889634
+    if USE_SOFTCAP:
+        score_mult = score_mult / softcap
+    else:
+        score_mult = score_mult * 1.4426950408889634
+
+    # Key range of this program: causal (and window) range of the tile, cut to this split.
+    first_pos = seq_len - q_len + q_tile
+    last_pos = tl.minimum(first_pos + BLOCK_Q - 1, seq_len - 1)
+    kv_lo = split * split_len
+    kv_hi = tl.minimum(last_pos + 1, kv_lo + split_len)
+    if USE_WINDOW:
+        kv_lo = tl.maximum(kv_lo, first_pos - window + 1)
+        kv_lo = tl.maximum(kv_lo, 0)
+    # Tiles in [u_lo, u_hi) are visible to every row: no mask. Before and after: masked.
+    u_lo = tl.cdiv(kv_lo, TILE_N) * TILE_N
+    if USE_WINDOW:
+        u_lo = tl.maximum(u_lo, tl.cdiv(tl.maximum(last_pos - window + 1, 0), TILE_N) * TILE_N)
+    u_hi = tl.maximum((tl.minimum(first_pos + 1, kv_hi) // TILE_N) * TILE_N, u_lo)
+    a_lo = (kv_lo // TILE_N) * TILE_N
+    a_hi = tl.minimum(u_lo, kv_hi)
+
+    head_off = kv_head.to(tl.int64) * stride_head
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
+    for start in range(a_lo, a_hi, TILE_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
+            stride_kv, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE,
+            HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION)
+    for start in range(u_lo, u_hi, TILE_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
+            stride_kv, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE,
+            HEAD_PAD, TILE_N, False, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION)
+    for start in range(u_hi, kv_hi, TILE_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
+            stride_kv, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE,
+            HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if CACHE_FP8:
+        o = o * tl.load(v_scale_ptr)
+    if SPLIT:
+        part = (tok * num_q_heads + hq) * tl.num_programs(2) + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + d[None, :], o, mask=io_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # -inf: no visible key
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + tok[:, None] * stride_ot + hq[:, None] * stride_oh + d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_q_heads, num_splits,
+    stride_ot, stride_oh, stride_od,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """Merge the per-split partial outputs of one (query token, query head) by their weights."""
+    tok = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_PAD)
+    base = (tok * num_q_heads + hq) * num_splits
+    s_ok = s < num_splits
+    lse = tl.load(part_lse_ptr + base + s, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    mask = s_ok[:, None] & (d[None, :] < HEAD_SIZE)
+    o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_SIZE + d[None, :], mask=mask, other=0.0)
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + tok * stride_ot + hq * stride_oh + d * stride_od,
+             res.to(out_ptr.dtype.element_ty), mask=d < HEAD_SIZE)

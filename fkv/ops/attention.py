@@ -1,0 +1,422 @@
+"""``fkv.ops.paged_attention``: causal attention over a paged KV cache of any layout (Triton).
+
+Three thin layers: the kernels (``fkv.ops._attention_kernels``), a pure configuration function
+(:func:`attention_config`: tiles, warps, stages and the flash-decoding split count from the shapes
+alone, never from values or timing), and the launcher below, which checks every input against the
+spec before anything launches. ``fkv.ops.reference.paged_attention`` shares the checks.
+
+MLA caches (``backend="mla"``, logical ``(NB, N, D)``) are read as multi-query attention over the
+latent: every query head attends to the one latent row per token, which is both key and value
+(``stride_kv == 0``), so the output is ``[T, Hq, D]``. That is exactly the absorbed-weights MLA
+decode when the query is already projected into the latent space (``q = [q_nope @ W_UK, q_rope]``):
+the value part is ``out[..., :kv_lora_rank]`` (the remaining rope channels of the output are the
+same weighted average over the rope part of the latent, and are usually dropped); ``scale``
+defaults to ``1/sqrt(D)`` and should be passed explicitly for MLA models.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Any, NamedTuple
+
+import attrs
+import torch
+
+from fkv.errors import FkvError, field_error
+from fkv.layout import KVCacheSpec
+from fkv.ops._spec import cache_constexprs, cache_strides, check_cache
+
+__all__ = ["AttentionConfig", "attention_config", "check_attention_inputs", "paged_attention"]
+
+_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_MAX_HEAD_SIZE = 1024
+#: flash-decoding: aim for this many programs per SM, with at least this many keys per split.
+_PROGRAMS_PER_SM = 16
+_MIN_SPLIT_TOKENS = 512
+
+
+@attrs.frozen(kw_only=True)
+class AttentionConfig:
+    """Launch configuration of the attention kernel (one compiled variant per distinct value).
+
+    - ``block_q``: query tokens of one sequence per program (1 for decode).
+    - ``heads_per_program``: query heads of one KV head per program (GQA packing; all of them
+      unless the tile would be too large, then the group is split into chunks).
+    - ``tile_n``: keys per inner-loop iteration (several pages).
+    - ``num_splits``: key segments per (query tile, KV head), reduced afterwards (flash-decoding).
+    - ``num_warps``, ``num_stages``: Triton launch options.
+    """
+
+    block_q: int = attrs.field(validator=attrs.validators.ge(1))
+    heads_per_program: int = attrs.field(validator=attrs.validators.ge(1))
+    tile_n: int = attrs.field(validator=attrs.validators.ge(16))
+    num_splits: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    num_warps: int = attrs.field(default=4, validator=attrs.validators.in_((1, 2, 4, 8, 16)))
+    num_stages: int = attrs.field(default=2, validator=attrs.validators.ge(1))
+
+    def __attrs_post_init__(self) -> None:
+        if self.tile_n & (self.tile_n - 1):
+            raise field_error("tile_n", self.tile_n, "a power of two >= 16")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=4096)
+def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_kv_heads: int,
+                     head_size: int, max_context: int, itemsize: int, num_sms: int,
+                     varlen: bool) -> AttentionConfig:
+    """The default launch configuration: a pure function of the shapes (no autotuning).
+
+    ``max_context`` is the block-table capacity in tokens (``max_blocks * block_size``): the split
+    count never depends on ``seq_lens`` values, so choosing it needs no device sync. Decode (and
+    varlen batches whose mean query length is small) splits each sequence so that about
+    ``16 * num_sms`` programs run, each over at least 512 keys.
+
+    >>> c = attention_config(num_seqs=8, num_q_tokens=8, num_q_heads=32, num_kv_heads=8,
+    ...                      head_size=128, max_context=32768, itemsize=2, num_sms=132, varlen=False)
+    >>> c.block_q, c.heads_per_program, c.num_splits
+    (1, 4, 32)
+    """
+    group = num_q_heads // num_kv_heads
+    head_pad = _pow2(max(head_size, 16))
+    # Rows (query token x head pairs) per program, bounded by the accumulator's register budget.
+    rows_cap = 128 if head_pad <= 128 else 64 if head_pad <= 256 else 16
+    tile_n = 64 if head_pad <= 128 else 32 if head_pad <= 256 else 16
+    if itemsize >= 4:
+        rows_cap, tile_n = max(16, rows_cap // 2), max(16, tile_n // 2)
+    heads = min(group, rows_cap)
+    if varlen:
+        mean_q = max(1, -(-num_q_tokens // max(num_seqs, 1)))
+        block_q = max(1, min(_pow2(mean_q), rows_cap // heads))
+    else:
+        block_q = 1
+    rows = _pow2(max(16, block_q * heads))
+    chunks = -(-group // heads)
+    tiles = num_seqs if not varlen else num_q_tokens // block_q + num_seqs
+    programs = max(1, tiles * num_kv_heads * chunks)
+    want = -(-(_PROGRAMS_PER_SM * num_sms) // programs)
+    most = max(1, -(-max_context // max(_MIN_SPLIT_TOKENS, tile_n)))
+    splits = max(1, min(want, most))
+    big = rows >= 128
+    return AttentionConfig(
+        block_q=block_q, heads_per_program=heads, tile_n=tile_n, num_splits=splits,
+        num_warps=8 if big or head_pad > 256 else 4,
+        num_stages=1 if head_pad > 256 else 3 if head_pad <= 128 else 2,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # CPU (Triton interpreter): small grids
+
+
+class Problem(NamedTuple):
+    """Derived sizes of a checked call."""
+
+    num_seqs: int
+    num_q_tokens: int
+    num_q_heads: int
+    group: int
+    varlen: bool
+    max_context: int
+    scale: float
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _check_index(name: str, t: Any, ndim: int, device: torch.device) -> None:
+    if not _is_tensor(t):
+        raise field_error(name, type(t).__name__, "a torch.Tensor")
+    if t.dim() != ndim:
+        raise FkvError(f"{name!r} must have {ndim} dim(s) (got shape {tuple(t.shape)})")
+    if t.dtype not in _INDEX_DTYPES:
+        raise field_error(f"{name}.dtype", str(t.dtype), "torch.int32 or torch.int64")
+    if t.device != device:
+        raise FkvError(f"{name!r} is on {t.device} but 'q' is on {device}; move it to {device}")
+
+
+def _check_scale_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = torch.full((1,), float(value), dtype=torch.float32, device=device)
+    if not _is_tensor(value) or value.numel() != 1 or value.dtype != torch.float32:
+        raise field_error(name, value if not _is_tensor(value) else
+                          f"tensor {tuple(value.shape)} {value.dtype}",
+                          "a float or a float32 tensor of one element")
+    if value.device != device:
+        raise FkvError(f"{name!r} is on {value.device} but 'q' is on {device}")
+    return value
+
+
+def check_attention_inputs(q: Any, cache: Any, spec: KVCacheSpec, block_table: Any, seq_lens: Any,
+                           *, query_start_loc: Any = None, scale: Any = None,
+                           sliding_window: Any = None, softcap: Any = None, k_scale: Any = None,
+                           v_scale: Any = None, out: Any = None) -> Problem:
+    """Check shapes, dtypes, devices and options of a ``paged_attention`` call (no device sync).
+
+    Raises FkvError naming the field, the value and what was expected.
+    """
+    check_cache(cache, spec)
+    if not _is_tensor(q):
+        raise field_error("q", type(q).__name__, "a torch.Tensor [total_q_tokens, Hq, D]")
+    if q.dim() != 3 or q.shape[2] != spec.head_size:
+        raise FkvError(f"'q' must have shape [total_q_tokens, Hq, {spec.head_size}] (head_size of "
+                       f"the spec) (got {tuple(q.shape)})")
+    if q.dtype not in _Q_DTYPES:
+        raise field_error("q.dtype", str(q.dtype), "torch.bfloat16, torch.float16 or torch.float32")
+    if not spec.is_fp8 and str(q.dtype).removeprefix("torch.") != spec.dtype:
+        raise FkvError(f"'q.dtype' is {q.dtype} but the cache holds {spec.dtype!r}; q must have the "
+                       f"cache's dtype (only fp8 caches take a q of another dtype)")
+    if spec.head_size > _MAX_HEAD_SIZE:
+        raise field_error("spec.head_size", spec.head_size, f"<= {_MAX_HEAD_SIZE} for attention")
+    device = q.device
+    if cache.device != device:
+        raise FkvError(f"'cache' is on {cache.device} but 'q' is on {device}")
+    num_q_heads, hkv = q.shape[1], spec.num_kv_heads
+    if num_q_heads < hkv or num_q_heads % hkv:
+        raise FkvError(f"'q' has {num_q_heads} query heads, which must be a positive multiple of "
+                       f"the cache's {hkv} KV heads (GQA: query head h uses KV head h // (Hq/Hkv))")
+    _check_index("block_table", block_table, 2, device)
+    _check_index("seq_lens", seq_lens, 1, device)
+    num_seqs = block_table.shape[0]
+    if seq_lens.shape[0] != num_seqs:
+        raise FkvError(f"'seq_lens' has {seq_lens.shape[0]} entries but 'block_table' has "
+                       f"{num_seqs} rows; both need one per sequence")
+    if block_table.shape[1] < 1 and num_seqs:
+        raise FkvError("'block_table' must have at least one column (got shape "
+                       f"{tuple(block_table.shape)})")
+    if query_start_loc is None:
+        varlen = False
+        if q.shape[0] != num_seqs:
+            raise FkvError(f"decode (query_start_loc=None) takes one query per sequence: 'q' has "
+                           f"{q.shape[0]} tokens but there are {num_seqs} sequences; pass "
+                           f"query_start_loc for prefill")
+    else:
+        varlen = True
+        _check_index("query_start_loc", query_start_loc, 1, device)
+        if query_start_loc.shape[0] != num_seqs + 1:
+            raise FkvError(f"'query_start_loc' must have num_seqs + 1 = {num_seqs + 1} cumulative "
+                           f"offsets (got {query_start_loc.shape[0]})")
+    if scale is None:
+        scale = 1.0 / math.sqrt(spec.head_size)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+            math.isfinite(scale) and scale > 0):
+        raise field_error("scale", scale, "a positive finite float (or None for 1/sqrt(head_size))")
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, int) or sliding_window < 1):
+        raise field_error("sliding_window", sliding_window, "a positive int or None")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not (math.isfinite(softcap) and softcap > 0)):
+        raise field_error("softcap", softcap, "a positive finite float or None")
+    if spec.is_fp8:
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is None:
+                raise FkvError(f"{name!r} is required for an fp8 cache ({spec.dtype}): pass the "
+                               f"per-tensor float32 scale the cache was written with")
+            _check_scale_tensor(name, value, device)
+    elif k_scale is not None or v_scale is not None:
+        raise FkvError(f"'k_scale'/'v_scale' apply only to fp8 caches, but spec.dtype is "
+                       f"{spec.dtype!r}; drop them")
+    if out is not None:
+        if not _is_tensor(out) or tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+            got = f"{tuple(out.shape)} {out.dtype}" if _is_tensor(out) else type(out).__name__
+            raise field_error("out", got, f"a tensor of q's shape {tuple(q.shape)} and dtype {q.dtype}")
+        if out.device != device:
+            raise FkvError(f"'out' is on {out.device} but 'q' is on {device}")
+    return Problem(num_seqs=num_seqs, num_q_tokens=q.shape[0], num_q_heads=num_q_heads,
+                   group=num_q_heads // hkv, varlen=varlen,
+                   max_context=block_table.shape[1] * spec.block_size, scale=float(scale))
+
+
+def check_attention_values(spec: KVCacheSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                           query_start_loc: torch.Tensor | None, num_q_tokens: int) -> None:
+    """Check the values of the index tensors with one device sync (skipped during graph capture).
+
+    Every block id a sequence uses (the first ``ceil(seq_len / block_size)`` of its row) must be in
+    ``[0, num_blocks)``; ``seq_lens`` within the block table's capacity; ``query_start_loc`` starts
+    at 0, never decreases, ends at ``num_q_tokens``, and no sequence has more queries than tokens.
+    """
+    if seq_lens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    n = spec.block_size
+    lens = seq_lens.to(torch.int64)
+    cap = block_table.shape[1] * n
+    used = torch.arange(block_table.shape[1], device=lens.device)[None, :] < ((lens + n - 1) // n)[:, None]
+    bt = block_table.to(torch.int64)
+    bad_block = ((bt < 0) | (bt >= spec.num_blocks)) & used
+    checks = [lens < 0, lens > cap, bad_block.any(1)]
+    if query_start_loc is None:
+        checks.append(lens < 1)
+    else:
+        qsl = query_start_loc.to(torch.int64)
+        q_lens = qsl[1:] - qsl[:-1]
+        checks += [q_lens < 0, q_lens > lens]
+    flags = torch.stack(checks)  # [num_checks, B]
+    summary = torch.cat([flags.any(1).to(torch.int64), flags.to(torch.int64).argmax(1)])
+    extra = []
+    if query_start_loc is not None:
+        extra = [query_start_loc[0].to(torch.int64), query_start_loc[-1].to(torch.int64)]
+    values = torch.cat([summary, torch.stack(extra)]) if extra else summary
+    v = values.tolist()  # the one sync
+    k = len(checks)
+    hit, where = v[:k], v[k:2 * k]
+    if query_start_loc is not None:
+        first, last = v[2 * k], v[2 * k + 1]
+        if first != 0 or last != num_q_tokens:
+            raise FkvError(f"'query_start_loc' must run from 0 to total_q_tokens={num_q_tokens} "
+                           f"(got {first} ... {last})")
+    if hit[0]:
+        b = where[0]
+        raise field_error(f"seq_lens[{b}]", int(seq_lens[b]), "a non-negative token count")
+    if hit[1]:
+        b = where[1]
+        raise FkvError(f"'seq_lens[{b}]' is {int(seq_lens[b])} tokens but the block table holds "
+                       f"{block_table.shape[1]} blocks of {n} = {cap} tokens per sequence")
+    if hit[2]:
+        b = where[2]
+        row = bad_block[b].nonzero()[0, 0].item()
+        raise FkvError(f"'block_table[{b}, {row}]' is {int(block_table[b, row])}, outside the "
+                       f"cache's [0, {spec.num_blocks}) blocks (sequence {b} uses its first "
+                       f"{-(-int(seq_lens[b]) // n)} entries)")
+    if query_start_loc is None:
+        if hit[3]:
+            raise field_error(f"seq_lens[{where[3]}]", int(seq_lens[where[3]]),
+                              ">= 1 in decode (the query's own token is in the cache)")
+    else:
+        if hit[3]:
+            b = where[3]
+            raise FkvError(f"'query_start_loc' decreases at sequence {b} "
+                           f"({int(query_start_loc[b])} -> {int(query_start_loc[b + 1])})")
+        if hit[4]:
+            b = where[4]
+            raise FkvError(f"sequence {b} has {int(query_start_loc[b + 1] - query_start_loc[b])} "
+                           f"queries but 'seq_lens[{b}]' is {int(seq_lens[b])}; the queries are the "
+                           f"last tokens of the sequence, so seq_len must include them")
+
+
+def _interpreted(device: torch.device) -> bool:
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                    query_start_loc: torch.Tensor | None = None, scale: float | None = None,
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    k_scale: Any = None, v_scale: Any = None, out: torch.Tensor | None = None,
+                    check_values: bool = True, config: AttentionConfig | None = None) -> torch.Tensor:
+    """Causal attention of ``q`` over one layer of a paged KV cache, any backend and layout.
+
+    Shapes: ``q`` ``[T, Hq, D]`` (bf16, fp16 or fp32); ``cache`` one layer's logical view of
+    ``spec`` (triton/flashinfer ``(NB, 2, N, H, D)``, flash_attn ``(2, NB, N, H, D)``, mla
+    ``(NB, N, D)``; NHD or HND, per-layer or cross-layer); ``block_table`` ``[B, max_blocks]``
+    int32; ``seq_lens`` ``[B]`` tokens per sequence (context plus queries). Returns ``[T, Hq, D]``
+    in q's dtype (written into ``out`` when given).
+
+    - decode: ``query_start_loc=None``, one query per sequence (``T == B``), at position
+      ``seq_len - 1``.
+    - prefill / chunked prefill: ``query_start_loc`` ``[B + 1]`` cumulative query offsets; the
+      queries of sequence b are its last ``qsl[b+1] - qsl[b]`` tokens.
+    - query head h reads KV head ``h // (Hq / Hkv)``; ``sliding_window=W``: position p sees keys
+      ``p-W+1 .. p``; ``softcap=c``: scores (after ``scale``, default ``1/sqrt(D)``) become
+      ``c * tanh(s / c)``; fp8 caches need ``k_scale``/``v_scale`` (float32, one element).
+    - MLA: multi-query attention over the latent, which is both key and value (module docstring).
+    - ``check_values=False`` skips the one device sync that validates block ids, ``seq_lens`` and
+      ``query_start_loc`` values (use it in hot loops once inputs are known good; it is skipped
+      automatically during CUDA graph capture). ``config`` overrides :func:`attention_config`.
+
+    >>> import torch, fkv
+    >>> spec = fkv.KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=2,
+    ...                        head_size=64, dtype="float32")
+    >>> (cache,) = fkv.allocate(spec)
+    >>> _ = cache.copy_(torch.randn(cache.shape))
+    >>> q = torch.randn(2, 4, 64)                         # decode: 2 sequences, 4 query heads
+    >>> bt = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    >>> out = paged_attention(q, cache, spec, bt, torch.tensor([20, 7], dtype=torch.int32))
+    >>> out.shape
+    torch.Size([2, 4, 64])
+    """
+    prob = check_attention_inputs(q, cache, spec, block_table, seq_lens,
+                                  query_start_loc=query_start_loc, scale=scale,
+                                  sliding_window=sliding_window, softcap=softcap,
+                                  k_scale=k_scale, v_scale=v_scale, out=out)
+    if config is not None and not isinstance(config, AttentionConfig):
+        raise field_error("config", config, "an AttentionConfig or None")
+    device = q.device
+    if spec.is_fp8:
+        k_scale = _check_scale_tensor("k_scale", k_scale, device)
+        v_scale = _check_scale_tensor("v_scale", v_scale, device)
+    if check_values:
+        check_attention_values(spec, block_table, seq_lens, query_start_loc, prob.num_q_tokens)
+    if out is None:
+        out = torch.empty_like(q)
+    if prob.num_q_tokens == 0 or prob.num_seqs == 0:
+        return out
+    if config is None:
+        config = attention_config(
+            num_seqs=prob.num_seqs, num_q_tokens=prob.num_q_tokens, num_q_heads=prob.num_q_heads,
+            num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, max_context=prob.max_context,
+            itemsize=q.element_size(), num_sms=_num_sms(device), varlen=prob.varlen)
+    _launch(q, cache, spec, block_table, seq_lens, query_start_loc, prob, config,
+            sliding_window, softcap, k_scale, v_scale, out)
+    return out
+
+
+def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table: torch.Tensor,
+            seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None, prob: Problem,
+            config: AttentionConfig, sliding_window: int | None, softcap: float | None,
+            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, out: torch.Tensor) -> None:
+    from fkv.ops._attention_kernels import _paged_attention_kernel, _reduce_splits_kernel
+
+    head_size = spec.head_size
+    head_pad = _pow2(max(head_size, 16))
+    heads = min(config.heads_per_program, prob.group)
+    chunks = -(-prob.group // heads)
+    block_q = config.block_q if prob.varlen else 1
+    tile_n = config.tile_n
+    split_len = -(-(-(-prob.max_context // config.num_splits)) // tile_n) * tile_n
+    num_splits = -(-prob.max_context // split_len)
+    num_tiles = prob.num_q_tokens // block_q + prob.num_seqs if prob.varlen else prob.num_seqs
+    strides = cache_strides(spec)
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty((prob.num_q_tokens, prob.num_q_heads, num_splits, head_size),
+                               dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((prob.num_q_tokens, prob.num_q_heads, num_splits),
+                               dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    dummy = seq_lens
+    grid = (num_tiles, spec.num_kv_heads * chunks, num_splits)
+    _paged_attention_kernel[grid](
+        q, cache, block_table, seq_lens,
+        query_start_loc if query_start_loc is not None else dummy,
+        k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
+        out, part_out, part_lse,
+        prob.scale, float(softcap or 1.0), int(sliding_window or 0), prob.num_seqs, num_tiles,
+        prob.num_q_heads, split_len,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        block_table.stride(0), strides["stride_block"], strides["stride_kv"], strides["stride_head"],
+        **cache_constexprs(spec),
+        STRIDE_TOKEN=strides["stride_token"],
+        HEAD_PAD=head_pad, GROUP=prob.group, HEADS_PER_PROG=heads, HEAD_CHUNKS=chunks,
+        BLOCK_Q=block_q, BLOCK_M=_pow2(max(16, block_q * heads)), TILE_N=tile_n,
+        VARLEN=prob.varlen, SPLIT=split, USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None, DOT_F32=_interpreted(q.device) and q.dtype == torch.bfloat16,
+        PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        _reduce_splits_kernel[(prob.num_q_tokens, prob.num_q_heads)](
+            part_out, part_lse, out, prob.num_q_heads, num_splits,
+            out.stride(0), out.stride(1), out.stride(2),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=_pow2(max(num_splits, 2)),
+            num_warps=4,
+        )
