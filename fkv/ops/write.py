@@ -1,0 +1,256 @@
+"""``write_kv``: reshape-and-cache into any paged layout, one Triton variant per layout.
+
+Three thin layers (STYLE.md):
+
+1. ``_write_kv_kernel``: sees only pointers, strides and ``tl.constexpr``. One program writes one
+   tile of ``BLOCK_T`` consecutive tokens × ``HEAD_TILE`` heads × the whole head of either K or V
+   (grid axis 1 picks the half; MLA has one). In HND (``HEADS_OUTER``) the tile is arranged
+   ``[heads, tokens, dim]`` so that, for a run of consecutive slots, every head's rows land as one
+   contiguous stretch of its (head, block) page tile; in NHD it is ``[tokens, heads, dim]``, one
+   contiguous stretch per token. Loads read whole head rows of ``key``/``value`` (any strides).
+2. :func:`write_tiling`: a pure, cached function of the spec giving the tile sizes and
+   ``num_warps`` (no autotuning), and :func:`write_constexprs`: the spec's constexprs
+   (``fkv.ops._spec.cache_constexprs`` plus the in-page strides), so each layout compiles once.
+3. :func:`write_kv`: checks tensors against the spec (FkvError before launch), then launches with
+   keyword arguments. No per-token Python work and no host sync when ``validate=False``, so the
+   call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import triton
+import triton.language as tl
+
+from fkv.errors import FkvError
+from fkv.layout import KVCacheSpec
+from fkv.ops._spec import cache_constexprs, cache_strides
+from fkv.ops.reference._write import check_slots, check_write_inputs
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["WriteTiling", "write_constexprs", "write_kv", "write_tiling"]
+
+# Per-call integers that must not multiply variants: the token count changes every step.
+_DO_NOT_SPECIALIZE = ("num_tokens",)
+# Elements of one program's tile (one K or V half): 8192 bf16 = 16 KiB read + 16 KiB written.
+_TILE_ELEMENTS = 8192
+# fp8 dtype -> (largest finite value, mantissa bits, smallest normal exponent)
+_FP8 = {"float8_e4m3fn": (448.0, 3, -6), "float8_e5m2": (57344.0, 2, -14)}
+
+
+@triton.jit
+def _arrange(tok, head, dim, HEADS_OUTER: tl.constexpr):
+    """Broadcast-add per-token, per-head and per-dim offsets into the tile's 3-D arrangement."""
+    if HEADS_OUTER:
+        out = head[:, None, None] + tok[None, :, None] + dim[None, None, :]
+    else:
+        out = tok[:, None, None] + head[None, :, None] + dim[None, None, :]
+    return out
+
+
+@triton.jit
+def _arrange_mask(tok, head, dim, HEADS_OUTER: tl.constexpr):
+    if HEADS_OUTER:
+        out = head[:, None, None] & tok[None, :, None] & dim[None, None, :]
+    else:
+        out = tok[:, None, None] & head[None, :, None] & dim[None, None, :]
+    return out
+
+
+@triton.jit
+def _round_to_fp8_grid(y, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
+                       FP8_MIN_EXP: tl.constexpr):
+    """Round float32 ``y`` to the nearest fp8 value (ties to even), saturating at ``FP8_MAX``.
+
+    The result is exactly representable, so the final cast does no rounding of its own: the same
+    bits on every GPU and in the CPU interpreter (whose own fp8 downcast does not carry a rounded
+    mantissa into the exponent). Adding then subtracting ``1.5 * 2**(ulp_exp + 23)`` makes the
+    float32 adder round ``y`` to a multiple of the fp8 ulp ``2**ulp_exp``.
+    """
+    y = tl.clamp(y, -2.0 * FP8_MAX, 2.0 * FP8_MAX)
+    exp = ((y.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+    ulp_exp = tl.maximum(exp, FP8_MIN_EXP) - FP8_MANT
+    magic = (((ulp_exp + 150).to(tl.uint32) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    rounded = (y + magic) - magic
+    # A value that rounds to zero keeps its sign (-0.0), as a direct cast would.
+    sign = y.to(tl.uint32, bitcast=True) & 0x80000000
+    rounded = (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.clamp(rounded, -FP8_MAX, FP8_MAX)
+
+
+@triton.jit
+def _copy_half(src_ptr, src_tok, stride_h, stride_d, dst_ptr, dst_off, mask, scale_ptr,
+               h, d, HEADS_OUTER: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+               FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr):
+    src_off = _arrange(src_tok, h * stride_h, d * stride_d, HEADS_OUTER)
+    x = tl.load(src_ptr + src_off, mask=mask, eviction_policy="evict_first")
+    if QUANT:
+        scale = tl.load(scale_ptr)
+        y = tl.math.div_rn(x.to(tl.float32), scale)
+        x = _round_to_fp8_grid(y, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+    tl.store(dst_ptr + dst_off, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=_DO_NOT_SPECIALIZE)
+def _write_kv_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    num_tokens, num_slots,
+    key_stride_t, key_stride_h, key_stride_d,
+    value_stride_t, value_stride_h, value_stride_d,
+    stride_block, stride_kv,
+    STRIDE_TOKEN: tl.constexpr, STRIDE_HEAD: tl.constexpr, STRIDE_DIM: tl.constexpr,
+    HEADS_OUTER: tl.constexpr, IS_MLA: tl.constexpr, CACHE_FP8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    QUANT: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+    BLOCK_T: tl.constexpr, HEAD_TILE: tl.constexpr, D_PAD: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    half = tl.program_id(1)
+    h = tl.program_id(2) * HEAD_TILE + tl.arange(0, HEAD_TILE)
+    d = tl.arange(0, D_PAD)
+    in_range = t < num_tokens
+    slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
+    # Padding (negative) and out-of-cache slots write nothing, validated or not.
+    ok = in_range & (slot >= 0) & (slot < num_slots)
+    block = slot // BLOCK_SIZE
+    dst_tok = block * stride_block + (slot - block * BLOCK_SIZE) * STRIDE_TOKEN
+    dst_off = _arrange(dst_tok, h * STRIDE_HEAD, d * STRIDE_DIM, HEADS_OUTER)
+    mask = _arrange_mask(ok, h < NUM_HEADS, d < HEAD_SIZE, HEADS_OUTER)
+    t64 = t.to(tl.int64)
+    if half == 0:
+        _copy_half(key_ptr, t64 * key_stride_t, key_stride_h, key_stride_d, cache_ptr, dst_off,
+                   mask, k_scale_ptr, h, d, HEADS_OUTER, QUANT, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+    else:
+        _copy_half(value_ptr, t64 * value_stride_t, value_stride_h, value_stride_d,
+                   cache_ptr + stride_kv, dst_off, mask, v_scale_ptr, h, d, HEADS_OUTER, QUANT,
+                   FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+
+
+class WriteTiling(NamedTuple):
+    """Tile and launch shape of ``write_kv`` for one spec (a pure function of it)."""
+
+    block_t: int    # consecutive tokens per program
+    head_tile: int  # heads per program
+    d_pad: int      # head_size rounded up to a power of two
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=None)
+def write_tiling(spec: KVCacheSpec) -> WriteTiling:
+    """Tile sizes and ``num_warps`` for ``spec``: about 8192 elements per program, no autotune.
+
+    >>> from fkv import KVCacheSpec
+    >>> write_tiling(KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=8, head_size=128))
+    WriteTiling(block_t=8, head_tile=8, d_pad=128, num_warps=4)
+    """
+    d_pad = triton.next_power_of_2(spec.head_size)
+    h_pad = triton.next_power_of_2(spec.num_kv_heads)
+    head_tile = max(1, min(h_pad, _TILE_ELEMENTS // d_pad))
+    block_t = max(1, _TILE_ELEMENTS // (head_tile * d_pad))
+    elements = block_t * head_tile * d_pad
+    num_warps = max(1, min(8, elements // 2048))
+    return WriteTiling(block_t, head_tile, d_pad, num_warps)
+
+
+@functools.lru_cache(maxsize=None)
+def write_constexprs(spec: KVCacheSpec, quantize: bool) -> dict[str, Any]:
+    """Every constexpr of the kernel for ``spec``: the layout's (``cache_constexprs``), the in-page
+    strides, fp8 handling and the tiling. Equal specs give equal dicts, hence one compiled variant.
+    """
+    st = cache_strides(spec)
+    tiling = write_tiling(spec)
+    fp8_max, fp8_mant, fp8_min_exp = _FP8.get(spec.dtype, (0.0, 0, 0))
+    return {
+        **cache_constexprs(spec),
+        "STRIDE_TOKEN": st["stride_token"],
+        "STRIDE_HEAD": st["stride_head"],
+        "STRIDE_DIM": st["stride_dim"],
+        "QUANT": quantize,
+        "FP8_MAX": fp8_max,
+        "FP8_MANT": fp8_mant,
+        "FP8_MIN_EXP": fp8_min_exp,
+        "BLOCK_T": tiling.block_t,
+        "HEAD_TILE": tiling.head_tile,
+        "D_PAD": tiling.d_pad,
+        "num_warps": tiling.num_warps,
+    }
+
+
+def _grid(spec: KVCacheSpec, num_tokens: int) -> tuple[int, int, int]:
+    tiling = write_tiling(spec)
+    return (triton.cdiv(num_tokens, tiling.block_t), 1 if spec.is_mla else 2,
+            triton.cdiv(spec.num_kv_heads, tiling.head_tile))
+
+
+def _launch_args(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, spec: KVCacheSpec, *,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 validate: bool | None = None) -> tuple[tuple[int, int, int], dict[str, Any]] | None:
+    """Check everything, then return ``(grid, kwargs)`` for the kernel (None: nothing to write)."""
+    if not isinstance(spec, KVCacheSpec):
+        raise FkvError(f"'spec' must be a KVCacheSpec (got {type(spec).__name__})")
+    ins = check_write_inputs(key, value, cache, slot_mapping, spec, k_scale, v_scale)
+    if cache.device.type != "cuda" and isinstance(_write_kv_kernel, triton.runtime.jit.JITFunction):
+        raise FkvError(f"'cache' is on {cache.device}: the Triton kernel runs on CUDA tensors, or "
+                       f"on CPU with TRITON_INTERPRET=1 set before triton is imported; or use "
+                       f"fkv.ops.reference.write_kv")
+    if validate is None:
+        validate = slot_mapping.device.type == "cpu"
+    if validate:
+        check_slots(slot_mapping, spec)
+    if ins.num_tokens == 0:
+        return None
+    k = ins.key
+    v = k if ins.value is None else ins.value
+    st = cache_strides(spec)
+    kwargs = dict(
+        key_ptr=k, value_ptr=v, cache_ptr=cache, slot_ptr=slot_mapping,
+        k_scale_ptr=ins.k_scale if ins.quantize else k,
+        v_scale_ptr=(ins.v_scale if ins.v_scale is not None else ins.k_scale) if ins.quantize else k,
+        num_tokens=ins.num_tokens, num_slots=spec.num_blocks * spec.block_size,
+        key_stride_t=k.stride(0), key_stride_h=k.stride(1), key_stride_d=k.stride(2),
+        value_stride_t=v.stride(0), value_stride_h=v.stride(1), value_stride_d=v.stride(2),
+        stride_block=st["stride_block"], stride_kv=st["stride_kv"],
+        **write_constexprs(spec, ins.quantize),
+    )
+    return _grid(spec, ins.num_tokens), kwargs
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
+             slot_mapping: torch.Tensor, spec: KVCacheSpec, *, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None, validate: bool | None = None) -> None:
+    """Write each token's K and V (MLA: its latent) into its slot of one layer's paged cache.
+
+    Token ``t`` goes to block ``slot_mapping[t] // N``, offset ``slot_mapping[t] % N``; the
+    addresses come from the spec's strides, so every layout is written correctly.
+
+    - ``key``, ``value``: ``[T, H, D]`` with any strides (e.g. slices of a fused QKV tensor).
+      MLA: ``key`` is the latent, ``[T, D]`` or ``[T, 1, D]``; ``value`` is ignored (pass None).
+    - ``cache``: one layer's logical view of ``spec`` (from ``fkv.allocate``, also a cross-layer
+      layer view): triton/flashinfer ``(NB, 2, N, H, D)``, flash_attn ``(2, NB, N, H, D)``, mla
+      ``(NB, N, D)``; NHD or HND strides.
+    - ``slot_mapping``: ``[T]`` int64 (or int32); negative = padding (nothing written). It may be
+      shorter than ``key`` (extra rows are ignored), never longer.
+    - fp8 ``spec.dtype`` fed with bf16/fp16/fp32: stored value is ``x / k_scale`` (``v_scale``),
+      saturated to the fp8 range; ``k_scale``/``v_scale`` are float32 tensors of one element.
+      Input already in the cache's fp8 dtype is stored unchanged.
+    - ``validate``: raise FkvError naming the first slot ``>= num_blocks * block_size``. Default:
+      on for CPU tensors, off for CUDA (checking needs a device sync). Such slots are never written
+      either way (masked in the kernel); with ``validate=False`` the call is CUDA-graph capturable.
+
+    >>> import torch
+    >>> from fkv import KVCacheSpec, allocate
+    >>> spec = KVCacheSpec(layout="HND", num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
+    >>> (cache,) = allocate(spec)
+    >>> k, v = torch.randn(3, 2, 8).bfloat16(), torch.randn(3, 2, 8).bfloat16()
+    >>> write_kv(k, v, cache, torch.tensor([5, -1, 0]), spec)  # doctest: +SKIP
+    """
+    launch = _launch_args(key, value, cache, slot_mapping, spec, k_scale=k_scale,
+                          v_scale=v_scale, validate=validate)
+    if launch is not None:
+        grid, kwargs = launch
+        _write_kv_kernel[grid](**kwargs)

@@ -1,0 +1,540 @@
+"""fkv.ops.write_kv (Triton) against fkv.ops.reference.write_kv, and the reference against byte
+addressing from the layout algebra. CPU under TRITON_INTERPRET=1 (``interpreter``), CUDA (``gpu``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fkv
+from fkv import FkvError, KVCacheSpec
+from fkv.ops import reference
+from fkv.ops import write as write_mod
+from fkv.ops.write import write_constexprs, write_kv, write_tiling
+
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
+BACKEND_LAYOUTS = [(b, lay) for b in ("triton", "flashinfer", "flash_attn") for lay in ("NHD", "HND")]
+BACKEND_LAYOUTS.append(("mla", "NHD"))  # mla has no head dim: its layout is normalized to NHD
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+SCALES = (0.37, 0.0625)
+
+
+def make_spec(backend: str = "triton", layout: str = "NHD", *, dtype: str = "bfloat16",
+              cross_layer: bool = False, num_layers: int = 2, heads: int = 3, head_size: int = 24,
+              num_blocks: int = 6, block_size: int = 4) -> KVCacheSpec:
+    return KVCacheSpec(backend=backend, layout=layout, num_blocks=num_blocks,
+                       block_size=block_size, num_kv_heads=1 if backend == "mla" else heads,
+                       head_size=head_size, dtype=dtype, num_layers=num_layers,
+                       cross_layer=cross_layer)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(BITS[t.element_size()])
+
+
+def poisoned(spec: KVCacheSpec, device: str, seed: int = 7) -> list[torch.Tensor]:
+    """``fkv.allocate(spec)`` with every byte random (NaNs included): unwritten bytes show."""
+    caches = fkv.allocate(spec, device=device)
+    g = torch.Generator().manual_seed(seed)
+    for c in caches:
+        b = bits(c)
+        info = torch.iinfo(b.dtype)
+        b.copy_(torch.randint(info.min, info.max, b.shape, generator=g, dtype=b.dtype))
+    return caches
+
+
+def inputs(spec: KVCacheSpec, tokens: int, device: str, *, in_dtype: str | None = None,
+           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (tokens, spec.num_kv_heads, spec.head_size)
+    dtype = getattr(torch, in_dtype or ("bfloat16" if spec.is_fp8 else spec.dtype))
+    key = (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
+    value = None if spec.is_mla else (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
+    scales = {}
+    if spec.is_fp8 and dtype in (torch.bfloat16, torch.float16, torch.float32):
+        scales = {"k_scale": torch.tensor([SCALES[0]], device=device),
+                  "v_scale": torch.tensor([SCALES[1]], device=device)}
+    return key, value, scales
+
+
+def padded_slots(spec: KVCacheSpec, real: int, total: int, device: str, seed: int = 0) -> torch.Tensor:
+    """``real`` distinct random slots with a few padding holes, then padding up to ``total``."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(spec.num_blocks * spec.block_size, generator=g)[:real]
+    slots[1::5] = -1  # holes inside the real tokens
+    slots[2::7] = -7  # any negative value is padding
+    return torch.cat([slots, torch.full((total - real,), -1, dtype=torch.long)]).to(device)
+
+
+def run_both(spec: KVCacheSpec, device: str, key, value, slots, *, layer: int = 1,
+             **kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The kernel and the reference on identically poisoned allocations; all layers returned."""
+    out, ref = poisoned(spec, device), poisoned(spec, device)
+    write_kv(key, value, out[layer], slots, spec, **kwargs)
+    reference.write_kv(key, value, ref[layer], slots, spec, **kwargs)
+    return out, ref
+
+
+def assert_same_bytes(out: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    for layer, (a, b) in enumerate(zip(out, ref)):
+        diff = bits(a) != bits(b)
+        assert not diff.any(), (f"layer {layer}: {int(diff.sum())} elements differ, first at "
+                                f"{tuple(diff.nonzero()[0].tolist())}")
+
+
+# -- the matrix: every backend x layout x cross_layer x dtype, odd heads (3) and head size (24) ----
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cross_layer", [False, True], ids=["per_layer", "cross_layer"])
+@pytest.mark.parametrize(("backend", "layout"), BACKEND_LAYOUTS, ids=[f"{b}-{lay}" for b, lay in BACKEND_LAYOUTS])
+def test_matches_reference(device: str, backend: str, layout: str, cross_layer: bool, dtype: str) -> None:
+    spec = make_spec(backend, layout, dtype=dtype, cross_layer=cross_layer)
+    key, value, scales = inputs(spec, 20, device)
+    slots = padded_slots(spec, 16, 20, device)
+    out, ref = run_both(spec, device, key, value, slots, **scales)
+    assert_same_bytes(out, ref)
+    # The reference really wrote the input (not just "whatever the kernel did"): check one token.
+    t = 0
+    s = int(slots[t])
+    view = ref[1].permute([spec.logical_axes.index(a) for a in ("B", "N", "C")] if spec.is_mla else
+                          [spec.logical_axes.index(a) for a in ("two", "B", "N", "H", "C")])
+    got = view[s // spec.block_size, s % spec.block_size] if spec.is_mla else \
+        view[0, s // spec.block_size, s % spec.block_size]
+    want = key[t, 0] if spec.is_mla else key[t]
+    if spec.is_fp8:
+        want = (want.float() / SCALES[0]).to(getattr(torch, dtype))
+    assert torch.equal(bits(got), bits(want.to(got.dtype)))
+
+
+@pytest.mark.parametrize(("backend", "layout"), BACKEND_LAYOUTS, ids=[f"{b}-{lay}" for b, lay in BACKEND_LAYOUTS])
+def test_power_of_two_shapes_and_int32_slots(device: str, backend: str, layout: str) -> None:
+    spec = make_spec(backend, layout, heads=4, head_size=32, block_size=8, num_layers=1)
+    key, value, _ = inputs(spec, 40, device, seed=3)
+    slots = padded_slots(spec, 40, 40, device, seed=3).to(torch.int32)
+    out, ref = run_both(spec, device, key, value, slots, layer=0)
+    assert_same_bytes(out, ref)
+
+
+@pytest.mark.parametrize("cross_layer", [False, True], ids=["per_layer", "cross_layer"])
+@pytest.mark.parametrize(("backend", "layout"), BACKEND_LAYOUTS, ids=[f"{b}-{lay}" for b, lay in BACKEND_LAYOUTS])
+def test_reference_matches_layout_byte_addressing(backend: str, layout: str, cross_layer: bool) -> None:
+    """The reference, checked independently: every written element sits at the byte offset that
+    ``spec.region_and_offset`` names (the layout algebra), every other byte is untouched."""
+    spec = make_spec(backend, layout, cross_layer=cross_layer, num_layers=3)
+    key, value, _ = inputs(spec, 12, "cpu", seed=5)
+    slots = padded_slots(spec, 12, 12, "cpu", seed=5)
+    raw = torch.randint(0, 256, (spec.region_bytes * spec.num_regions,), dtype=torch.uint8)
+    before = raw.clone()
+    layer = 2
+    caches = fkv.tensors.wrap(raw, spec)
+    reference.write_kv(key, value, caches[layer], slots, spec)
+    expected = before.clone()
+    item = spec.itemsize
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        halves = [(0, key)] if spec.is_mla else [(0, key), (1, value)]
+        for kv, src in halves:
+            for h in range(spec.num_kv_heads):
+                region, off = spec.region_and_offset(layer=layer, block=s // spec.block_size,
+                                                     kv=kv, token=s % spec.block_size, head=h)
+                start = region * spec.region_bytes + off
+                row = src[t, h].contiguous().view(torch.uint8)
+                expected[start:start + spec.head_size * item] = row
+    assert torch.equal(raw, expected)
+
+
+# -- inputs: strides, padding, token counts ------------------------------------------------------
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_fused_qkv_slices(device: str, layout: str) -> None:
+    spec = make_spec("flashinfer", layout)
+    q_heads, h, d = 6, spec.num_kv_heads, spec.head_size
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(18, q_heads + 2 * h, d, generator=g).bfloat16().to(device)
+    key, value = qkv[:, q_heads:q_heads + h], qkv[:, q_heads + h:]
+    assert not key.is_contiguous()
+    slots = padded_slots(spec, 18, 18, device, seed=11)
+    out, ref = run_both(spec, device, key, value, slots)
+    assert_same_bytes(out, ref)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_transposed_inputs_with_non_unit_dim_stride(device: str, layout: str) -> None:
+    spec = make_spec("triton", layout, dtype="float32")
+    g = torch.Generator().manual_seed(12)
+    key = torch.randn(24, 3, 9, generator=g).to(device).permute(2, 1, 0)   # [9, 3, 24]
+    value = torch.randn(3, 9, 24, generator=g).to(device).transpose(0, 1)  # [9, 3, 24]
+    assert key.stride(2) != 1
+    slots = padded_slots(spec, 9, 9, device, seed=12)
+    out, ref = run_both(spec, device, key, value, slots)
+    assert_same_bytes(out, ref)
+
+
+def test_mla_accepts_2d_latent_and_ignores_value(device: str) -> None:
+    spec = make_spec("mla", head_size=40, dtype="float16")
+    key, _, _ = inputs(spec, 10, device, seed=2)
+    slots = padded_slots(spec, 10, 10, device, seed=2)
+    out, ref = poisoned(spec, device), poisoned(spec, device)
+    write_kv(key[:, 0], torch.empty(0), out[0], slots, spec)   # value ignored for MLA
+    reference.write_kv(key, None, ref[0], slots, spec)
+    assert_same_bytes(out, ref)
+
+
+def test_slot_mapping_shorter_than_key_ignores_extra_rows(device: str) -> None:
+    spec = make_spec("triton", "HND")
+    key, value, _ = inputs(spec, 16, device, seed=4)
+    slots = padded_slots(spec, 10, 10, device, seed=4)
+    out, ref = run_both(spec, device, key, value, slots)
+    ref2 = poisoned(spec, device)
+    reference.write_kv(key[:10], value[:10], ref2[1], slots, spec)
+    assert_same_bytes(out, ref)
+    assert_same_bytes(out, ref2)
+
+
+def test_all_padding_and_empty_write_nothing(device: str) -> None:
+    spec = make_spec("triton", "NHD")
+    key, value, _ = inputs(spec, 8, device)
+    caches, untouched = poisoned(spec, device), poisoned(spec, device)
+    write_kv(key, value, caches[0], torch.full((8,), -1, device=device), spec)
+    write_kv(key[:0], value[:0], caches[0], torch.empty(0, dtype=torch.long, device=device), spec)
+    assert_same_bytes(caches, untouched)
+
+
+@pytest.mark.interpreter
+@settings(max_examples=12)
+@given(data=st.data())
+def test_random_slot_maps_property(data: st.DataObject) -> None:
+    """Any mapping of distinct slots, padding anywhere, any T: kernel == reference (interpreter)."""
+    backend, layout = data.draw(st.sampled_from(BACKEND_LAYOUTS), label="backend, layout")
+    spec = make_spec(backend, layout, num_blocks=3, block_size=data.draw(st.sampled_from([1, 2, 4])),
+                     cross_layer=data.draw(st.booleans(), label="cross_layer"))
+    capacity = spec.num_blocks * spec.block_size
+    order = data.draw(st.permutations(range(capacity)), label="slot order")
+    tokens = data.draw(st.integers(1, capacity + 6), label="T")
+    padding = data.draw(st.lists(st.booleans(), min_size=tokens, max_size=tokens), label="padding")
+    chosen = [-1 if pad or t >= capacity else order[t] for t, pad in enumerate(padding)]
+    key, value, _ = inputs(spec, tokens, "cpu", seed=tokens)
+    out, ref = run_both(spec, "cpu", key, value, torch.tensor(chosen))
+    assert_same_bytes(out, ref)
+
+
+# -- fp8 -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_rounding_is_torch_cast_for_every_value_and_tie(device: str, dtype: str) -> None:
+    """fp32 input covering every finite fp8 value, every midpoint (ties to even), subnormals,
+    signed zeros and out-of-range values (saturated): bytes equal torch's cast of x / scale."""
+    fd = getattr(torch, dtype)
+    grid = torch.arange(256, dtype=torch.uint8).view(fd).float()
+    grid = grid[grid.isfinite()].unique()
+    g = torch.Generator().manual_seed(1)
+    spread = torch.randn(600, generator=g) * torch.exp2(torch.randint(-30, 18, (600,), generator=g).float())
+    vals = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, spread,
+                      torch.tensor([1e30, -1e30, 0.0, -0.0, 1e-30, -1e-30])])
+    d = 32
+    x = torch.zeros(-(-vals.numel() // d) * d)
+    x[:vals.numel()] = vals
+    x = x.view(-1, 1, d).to(device)
+    spec = KVCacheSpec(num_blocks=x.shape[0], block_size=1, num_kv_heads=1, head_size=d, dtype=dtype)
+    slots = torch.arange(x.shape[0], device=device)
+    out, ref = poisoned(spec, device), poisoned(spec, device)
+    scales = {"k_scale": torch.tensor([1.0], device=device), "v_scale": torch.tensor([0.37], device=device)}
+    write_kv(x, x, out[0], slots, spec, **scales)
+    reference.write_kv(x, x, ref[0], slots, spec, **scales)
+    assert_same_bytes(out, ref)
+    k_half = out[0][:, 0, 0, 0]  # [blocks, D]
+    assert torch.equal(bits(k_half.flatten()[:grid.numel()]), bits(grid.to(fd)))
+
+
+@pytest.mark.parametrize("in_dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_fp8_round_trip_within_precision(device: str, layout: str, dtype: str, in_dtype: str) -> None:
+    spec = make_spec("flash_attn", layout, dtype=dtype, num_layers=1)
+    key, value, scales = inputs(spec, 24, device, in_dtype=in_dtype, seed=9)
+    slots = torch.randperm(24, generator=torch.Generator().manual_seed(9)).to(device)
+    out, ref = run_both(spec, device, key, value, slots, layer=0, **scales)
+    assert_same_bytes(out, ref)
+    rel = 2.0 ** -(4 if dtype == "float8_e4m3fn" else 3)   # half an ulp: 3 / 2 mantissa bits
+    tiny = {"float8_e4m3fn": 2.0 ** -10, "float8_e5m2": 2.0 ** -17}[dtype]  # half the least subnormal
+    kv = out[0].permute(0, 1, 2, 3, 4)  # flash_attn logical (2, NB, N, H, D)
+    flat = kv.reshape(2, -1, spec.num_kv_heads, spec.head_size)  # slot-major
+    for half, (src, scale) in enumerate([(key, SCALES[0]), (value, SCALES[1])]):
+        back = flat[half][slots.long()].float() * scale
+        err = (back - src.float()).abs()
+        bound = rel * src.float().abs() + tiny * scale
+        assert (err <= bound * (1 + 1e-6)).all(), float((err - bound).max())
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_input_is_stored_unchanged(device: str, dtype: str) -> None:
+    spec = make_spec("triton", "HND", dtype=dtype)
+    key, value, _ = inputs(spec, 12, device, in_dtype=dtype, seed=6)
+    slots = torch.arange(12, device=device) * 2
+    out, ref = run_both(spec, device, key, value, slots)
+    assert_same_bytes(out, ref)
+    view = out[1].permute(1, 0, 2, 3, 4).reshape(2, -1, spec.num_kv_heads, spec.head_size)
+    assert torch.equal(bits(view[0][slots]), bits(key))
+    assert torch.equal(bits(view[1][slots]), bits(value))
+
+
+# -- bounds: validation and in-kernel masking -----------------------------------------------------
+def test_out_of_range_slot_validation_names_first_bad_index(device: str) -> None:
+    spec = make_spec("triton", "NHD")
+    key, value, _ = inputs(spec, 6, device)
+    slots = torch.tensor([0, 3, 24, -1, 99, 5], device=device)
+    for fn in (write_kv, reference.write_kv):
+        caches, untouched = poisoned(spec, device), poisoned(spec, device)
+        with pytest.raises(FkvError, match=r"'slot_mapping'\[2\] = 24 is outside the cache: slots "
+                                           r"must be < num_blocks \* block_size = 6 \* 4 = 24"):
+            fn(key, value, caches[0], slots, spec, validate=True)
+        assert_same_bytes(caches, untouched)
+
+
+def test_validation_default_on_for_cpu_off_for_cuda(device: str) -> None:
+    spec = make_spec("triton", "HND")
+    key, value, _ = inputs(spec, 3, device)
+    caches = poisoned(spec, device)
+    slots = torch.tensor([1, 1000, 2], device=device)
+    if device == "cpu":
+        with pytest.raises(FkvError, match=r"'slot_mapping'\[1\] = 1000"):
+            write_kv(key, value, caches[0], slots, spec)
+    else:
+        write_kv(key, value, caches[0], slots, spec)  # no sync: masked in the kernel instead
+
+
+@pytest.mark.parametrize(("backend", "layout"), BACKEND_LAYOUTS, ids=[f"{b}-{lay}" for b, lay in BACKEND_LAYOUTS])
+def test_out_of_range_slots_never_write_outside_the_cache(device: str, backend: str, layout: str) -> None:
+    """validate=False: slots past the end are skipped by the kernel's mask; guard bytes around the
+    cache (and the other tokens) prove nothing was written outside it."""
+    spec = make_spec(backend, layout, num_layers=1)
+    guard = 4096
+    raw = torch.randint(0, 256, (guard + spec.region_bytes + guard,), dtype=torch.uint8).to(device)
+    before = raw.clone()
+    (cache,) = fkv.tensors.wrap(raw, spec, byte_offset=guard)
+    key, value, _ = inputs(spec, 8, device)
+    limit = spec.num_blocks * spec.block_size
+    slots = torch.tensor([limit, 3, limit + 5, 2**40, 7, limit * 50, -1, 0], device=device)
+    write_kv(key, value, cache, slots, spec, validate=False)
+    assert torch.equal(raw[:guard], before[:guard])
+    assert torch.equal(raw[-guard:], before[-guard:])
+    ref = poisoned(spec, device)
+    (ref_view,) = ref
+    bits(ref_view).copy_(bits(fkv.tensors.wrap(before, spec, byte_offset=guard)[0]))
+    reference.write_kv(key, value, ref_view, slots, spec, validate=False)
+    assert_same_bytes([cache], [ref_view])
+
+
+# -- bad inputs: FkvError before anything is written, same text from kernel and reference ---------
+def _bad_cases() -> list[tuple[str, dict, str]]:
+    return [
+        ("spec", {"spec": "triton"}, r"'spec' must be a KVCacheSpec \(got str\)"),
+        ("cache_shape", {"cache": "wrong_shape"}, r"'cache' has shape \(6, 2, 4, 3, 12\) but spec"),
+        ("cache_layout", {"cache": "hnd_view"}, r"'cache' has strides .* the tensor's real layout differs"),
+        ("cache_dtype", {"cache": "fp16"}, r"'cache' has dtype 'float16' but spec.dtype is 'bfloat16'"),
+        ("key_heads", {"key": ("shape", (5, 2, 24))},
+         r"'key' has shape \(5, 2, 24\) but spec \(num_kv_heads=3, head_size=24\) needs \[T, 3, 24\]"),
+        ("key_2d", {"key": ("shape", (5, 72))}, r"'key' has shape \(5, 72\)"),
+        ("key_type", {"key": [[1.0]]}, r"'key' must be a torch.Tensor of shape \[T, 3, 24\] \(got list\)"),
+        ("value_tokens", {"value": ("shape", (4, 3, 24))},
+         r"'key' has 5 tokens but 'value' has 4; they must have the same T"),
+        ("value_dtype", {"value": ("dtype", torch.float16)},
+         r"'key' has dtype 'bfloat16' but 'value' has 'float16'"),
+        ("input_dtype", {"key": ("dtype", torch.float16), "value": ("dtype", torch.float16)},
+         r"'key' has dtype 'float16' but spec.dtype is 'bfloat16'; cast the input"),
+        ("scale_on_bf16", {"k_scale": torch.tensor([1.0])}, r"apply to fp8 caches only"),
+        ("slots_type", {"slot_mapping": [0, 1]}, r"'slot_mapping' must be an int64"),
+        ("slots_dtype", {"slot_mapping": torch.zeros(5)}, r"must be a 1-D int64 \(or int32\) tensor \(got float32"),
+        ("slots_2d", {"slot_mapping": torch.zeros(5, 1, dtype=torch.long)}, r"\(got int64 of shape \(5, 1\)\)"),
+        ("slots_longer", {"slot_mapping": torch.arange(6)}, r"'slot_mapping' has 6 slots but 'key' has only 5"),
+        ("key_device", {"key": ("device", "meta")}, r"'key' is on meta but 'cache' is on cpu"),
+        ("slots_device", {"slot_mapping": torch.arange(5, device="meta")}, r"'slot_mapping' is on meta"),
+    ]
+
+
+@pytest.mark.parametrize(("field", "change", "message"), _bad_cases(), ids=[c[0] for c in _bad_cases()])
+@pytest.mark.parametrize("fn", [write_kv, reference.write_kv], ids=["kernel", "reference"])
+def test_bad_inputs_raise_before_writing(fn, field: str, change: dict, message: str) -> None:
+    spec = make_spec("triton", "NHD")
+    caches, untouched = poisoned(spec, "cpu"), poisoned(spec, "cpu")
+    key, value, _ = inputs(spec, 5, "cpu")
+    args = {"key": key, "value": value, "cache": caches[0], "slot_mapping": torch.arange(5),
+            "spec": spec}
+    for name, what in change.items():
+        if what == "wrong_shape":
+            what = fkv.allocate(spec.evolve(head_size=12))[0]
+        elif what == "hnd_view":
+            what = fkv.allocate(spec.evolve(layout="HND"))[0]
+        elif what == "fp16":
+            what = fkv.allocate(spec.evolve(dtype="float16"))[0]
+        elif isinstance(what, tuple) and what[0] == "shape":
+            what = torch.randn(what[1]).bfloat16()
+        elif isinstance(what, tuple) and what[0] == "dtype":
+            what = args[name].to(what[1])
+        elif isinstance(what, tuple) and what[0] == "device":
+            what = args[name].to(what[1])
+        args[name] = what
+    scales = {k: args.pop(k) for k in ("k_scale", "v_scale") if k in args}
+    with pytest.raises(FkvError, match=message):
+        fn(args["key"], args["value"], args["cache"], args["slot_mapping"], args["spec"], **scales)
+    assert_same_bytes(caches, untouched)
+
+
+@pytest.mark.parametrize("fn", [write_kv, reference.write_kv], ids=["kernel", "reference"])
+def test_bad_fp8_inputs(fn) -> None:
+    spec = make_spec("triton", "HND", dtype="float8_e4m3fn")
+    caches = poisoned(spec, "cpu")
+    key, value, scales = inputs(spec, 5, "cpu")
+    slots = torch.arange(5)
+    with pytest.raises(FkvError, match=r"'k_scale' is required: spec.dtype is fp8 and the input is "
+                                       r"not, so the stored value is x / k_scale"):
+        fn(key, value, caches[0], slots, spec)
+    with pytest.raises(FkvError, match=r"'v_scale' is required"):
+        fn(key, value, caches[0], slots, spec, k_scale=scales["k_scale"])
+    with pytest.raises(FkvError, match=r"'k_scale' must be a float32 tensor of one element "
+                                       r"\(got bfloat16 tensor of shape \(1,\)\)"):
+        fn(key, value, caches[0], slots, spec, k_scale=scales["k_scale"].bfloat16(),
+           v_scale=scales["v_scale"])
+    with pytest.raises(FkvError, match=r"'v_scale' must be a float32 tensor of one element "
+                                       r"\(got float32 tensor of shape \(2,\)\)"):
+        fn(key, value, caches[0], slots, spec, k_scale=scales["k_scale"], v_scale=torch.ones(2))
+    with pytest.raises(FkvError, match=r"'k_scale' must be a float32 tensor of one element \(got float\)"):
+        fn(key, value, caches[0], slots, spec, k_scale=0.5, v_scale=scales["v_scale"])
+    e5 = key.to(torch.float8_e5m2), value.to(torch.float8_e5m2)
+    with pytest.raises(FkvError, match=r"'key' has dtype 'float8_e5m2' but spec.dtype is "
+                                       r"'float8_e4m3fn'; an fp8 cache takes"):
+        fn(*e5, caches[0], slots, spec, **scales)
+
+
+def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled (non-interpreted) Triton needs CUDA tensors: say so instead of crashing."""
+    class FakeCompiled(write_mod.triton.runtime.jit.JITFunction):
+        def __init__(self) -> None:  # no compile: only its type matters here
+            self.fn = None
+
+    monkeypatch.setattr(write_mod, "_write_kv_kernel", FakeCompiled())
+    spec = make_spec("triton", "NHD")
+    key, value, _ = inputs(spec, 2, "cpu")
+    with pytest.raises(FkvError, match=r"'cache' is on cpu: the Triton kernel runs on CUDA tensors"):
+        write_kv(key, value, fkv.allocate(spec)[0], torch.arange(2), spec)
+
+
+# -- specialization: one compiled variant per layout, none per call --------------------------------
+class LaunchRecorder:
+    """Stands in for the kernel object: records each launch's kwargs, then launches the real one."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.launches: list[dict] = []
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](**kwargs)
+        return launch
+
+
+def triton_cache_keys(kernel, launches: list[dict]) -> list[str]:
+    """Triton's own cache key (signature specialization + constexprs + options) of each launch,
+    computed with Triton's binder exactly as ``JITFunction.run`` does before looking up its cache."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+    jit = JITFunction(kernel.fn, do_not_specialize=write_mod._DO_NOT_SPECIALIZE)
+    binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+    keys = []
+    for kwargs in launches:
+        _, specialization, options = binder(**kwargs)
+        keys.append(compute_cache_key({}, specialization, options))
+    return keys
+
+
+def _compiled_count(kernel) -> int | None:
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:  # the CPU interpreter compiles nothing
+        return None
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+def test_one_variant_per_layout(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = write_mod._write_kv_kernel
+    recorder = LaunchRecorder(kernel)
+    monkeypatch.setattr(write_mod, "_write_kv_kernel", recorder)
+    # A geometry no other test uses, so on the GPU its variants are compiled here first.
+    nhd = make_spec("triton", "NHD", heads=5, head_size=40, block_size=7, num_blocks=9)
+    hnd = nhd.evolve(layout="HND")
+    counts = []
+
+    def call(spec: KVCacheSpec, tokens: int, seed: int, num_blocks: int | None = None) -> None:
+        spec = spec if num_blocks is None else spec.evolve(num_blocks=num_blocks)
+        key, value, _ = inputs(spec, tokens, device, seed=seed)
+        write_kv(key, value, poisoned(spec, device)[0], padded_slots(spec, tokens, tokens, device, seed), spec)
+        counts.append(_compiled_count(kernel))
+
+    call(nhd, 17, 1)
+    call(nhd, 32, 2)                  # same spec, another T and other slots
+    call(nhd, 9, 3, num_blocks=11)    # same layout, another cache size: still the same variant
+    call(hnd, 17, 4)                  # another layout: exactly one more
+    call(hnd, 5, 5)
+    keys = triton_cache_keys(kernel, recorder.launches)
+    assert len(set(keys[:3])) == 1
+    assert keys[3] not in keys[:3]
+    assert keys[4] == keys[3]
+    assert len(set(keys)) == 2
+    assert recorder.launches[0]["HEADS_OUTER"] is False and recorder.launches[3]["HEADS_OUTER"] is True
+    if counts[0] is not None:  # GPU: the JIT cache itself
+        assert counts[1] == counts[2] == counts[0]
+        assert counts[3] == counts[0] + 1 == counts[4]
+
+
+def test_constexprs_are_a_pure_function_of_the_spec() -> None:
+    a = make_spec("flash_attn", "HND", dtype="float8_e5m2")
+    b = make_spec("flash_attn", "HND", dtype="float8_e5m2")
+    assert write_constexprs(a, True) is write_constexprs(b, True)  # cached on the hashable spec
+    c = write_constexprs(a, True)
+    assert {k: c[k] for k in ("HEADS_OUTER", "IS_MLA", "CACHE_FP8", "QUANT", "FP8_MAX", "FP8_MANT",
+                              "FP8_MIN_EXP", "STRIDE_TOKEN", "STRIDE_HEAD", "STRIDE_DIM")} == {
+        "HEADS_OUTER": True, "IS_MLA": False, "CACHE_FP8": True, "QUANT": True, "FP8_MAX": 57344.0,
+        "FP8_MANT": 2, "FP8_MIN_EXP": -14, "STRIDE_TOKEN": 24, "STRIDE_HEAD": 96, "STRIDE_DIM": 1}
+    cross = make_spec("triton", "HND", cross_layer=True, num_layers=3)
+    assert write_constexprs(cross, False)["STRIDE_HEAD"] == 3 * 4 * 24  # heads outside layers
+
+
+def test_tiling_covers_every_shape_with_power_of_two_tiles() -> None:
+    for heads, size in itertools.product([1, 3, 8, 32, 64], [24, 64, 128, 256, 576]):
+        t = write_tiling(KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=heads, head_size=size))
+        for v in (t.block_t, t.head_tile, t.d_pad, t.num_warps):
+            assert v & (v - 1) == 0
+        assert t.d_pad >= size and t.num_warps <= 8
+        assert t.block_t * t.head_tile * t.d_pad <= max(8192, t.d_pad)
+    bench = write_tiling(KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=8, head_size=128))
+    assert bench == (8, 8, 128, 4)
+
+
+# -- GPU only: CUDA graph capture of the decode path ----------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_decode_is_cuda_graph_capturable(layout: str) -> None:
+    spec = make_spec("triton", layout, heads=8, head_size=128, block_size=16, num_blocks=64,
+                     num_layers=1)
+    key, value, _ = inputs(spec, 32, "cuda")
+    slots = padded_slots(spec, 32, 32, "cuda")
+    cache = poisoned(spec, "cuda")[0]
+    write_kv(key, value, cache, slots, spec, validate=False)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        write_kv(key, value, cache, slots, spec, validate=False)
+    torch.cuda.synchronize()
+    new_key, new_value, _ = inputs(spec, 32, "cuda", seed=99)
+    key.copy_(new_key)
+    value.copy_(new_value)
+    slots.copy_(padded_slots(spec, 32, 32, "cuda", seed=99))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = [cache.clone()]
+    reference.write_kv(key, value, ref[0], slots, spec, validate=False)
+    assert_same_bytes([cache], ref)
