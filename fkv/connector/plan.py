@@ -1,0 +1,530 @@
+"""The transfer plan: which bytes a decode rank READs from which prefill ranks (SPEC.md §5).
+
+A :class:`TransferPlan` comes out of :func:`fkv.connector.handshake`. It knows, for one decode
+(D) rank, the prefill (P) ranks it reads (``remote_ranks``, one :class:`Read` each: which of that
+rank's heads land in which of ours) and the ones it only notifies (``notify_only_ranks``), and it
+chooses one of two strategies:
+
+- ``direct``: every row of :meth:`TransferPlan.segments` lands final bytes in the local cache. A
+  row is an *atom*: a box of elements contiguous on both sides with the same element order.
+- ``staging``: rows read the remote pages (or the parts needed) into a local staging buffer laid
+  out as one "staging mini-cache" per remote rank read (``remote_spec.evolve(num_blocks=n)``,
+  ``local_region == -1``), then :meth:`TransferPlan.staging_steps` run ``fkv.ops.convert.move``
+  (STAGING.md). Needed for layout mismatches, NHD head slices, block-size mismatches.
+
+The planner picks the strategy that moves the fewest bytes with the fewest descriptors, scored per
+remote block and layer as ``bytes read + STAGING_COST_FRACTION * bytes the move kernel copies +
+DESCRIPTOR_COST_BYTES * descriptors`` (ties go to ``direct``); ``describe()`` reports both. All offsets come from the layout algebra
+(``KVCacheSpec.span`` for contiguity, ``region_and_offset`` for addresses).
+
+Tokens: token ``i`` of a request lives in remote block ``remote_ids[i // N_remote]`` slot
+``i % N_remote`` and local block ``local_ids[i // N_local]`` slot ``i % N_local``. Direct rows move
+chunks of ``gcd(N_local, N_remote)`` tokens, which always sit inside one block on each side.
+
+>>> from fkv import KVCacheSpec
+>>> from fkv.connector.handshake import EngineDesc, handshake
+>>> s = KVCacheSpec(layout="HND", num_blocks=8, block_size=16, num_kv_heads=8, head_size=128)
+>>> p = EngineDesc(engine_id="p", tp_size=1, tp_rank=0, total_num_kv_heads=8)
+>>> d = EngineDesc(engine_id="d", tp_size=2, tp_rank=1, total_num_kv_heads=8)
+>>> plan = handshake((d, s.evolve(num_kv_heads=4)), (p, s)).plan
+>>> plan.segments([3], [5]).tolist()   # SPEC.md §5 worked example A, D rank 1
+[[0, 0, 344064, 0, 98304, 16384], [0, 0, 376832, 0, 114688, 16384]]
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import itertools
+import math
+from typing import Any
+
+import attrs
+import numpy as np
+
+from fkv.errors import FkvError
+from fkv.layout import KVCacheSpec
+
+__all__ = [
+    "DESCRIPTOR_COST_BYTES", "STAGING_COST_FRACTION", "Cost", "Read", "StagingStep",
+    "TransferPlan", "build_plan", "expected_notifications",
+]
+
+#: Byte-equivalent cost of one more descriptor (per-READ overhead in NIXL/UCX) when choosing.
+DESCRIPTOR_COST_BYTES = 4096
+#: Cost per byte the staging move kernel copies, relative to a byte read (bytes moved twice).
+STAGING_COST_FRACTION = 1.0
+
+_KV_AXES = ("two", "N", "H")  # the axes an atom may split (C, the head_size, is always whole)
+
+
+def expected_notifications(prefill_tp: int, decode_tp: int) -> int:
+    """Notifications each prefill rank waits for before freeing a request (SPEC.md §5).
+
+    Every decode rank notifies each rank of its group (``remote_ranks + notify_only_ranks``) once:
+    ``decode_tp // prefill_tp`` readers per prefill rank when D TP > P TP, else 1.
+
+    >>> expected_notifications(1, 2), expected_notifications(4, 2)
+    (2, 1)
+    """
+    return decode_tp // prefill_tp if decode_tp > prefill_tp else 1
+
+
+@attrs.frozen
+class Read:
+    """One remote rank read: its heads ``remote_heads`` (indices inside that rank's heads,
+    ``[start, stop)``) land in our heads ``local_heads``. MLA: ``(0, 1)`` both (the latent)."""
+
+    remote_rank: int
+    remote_heads: tuple[int, int]
+    local_heads: tuple[int, int]
+
+
+@attrs.frozen
+class Cost:
+    """Estimated cost of a strategy, per remote block and layer, before coalescing rows."""
+
+    strategy: str
+    descriptors: int
+    nbytes: int
+    staged_bytes: int
+
+    @property
+    def score(self) -> float:
+        return (self.nbytes + DESCRIPTOR_COST_BYTES * self.descriptors
+                + STAGING_COST_FRACTION * self.staged_bytes)
+
+    def __str__(self) -> str:
+        text = (f"{self.strategy}: {self.descriptors} descriptor{'s' if self.descriptors != 1 else ''}"
+                f", {self.nbytes} B per remote block per layer")
+        if self.strategy == "staging":
+            text += f", then fkv.ops.convert.move copies {self.staged_bytes} B"
+        return text
+
+
+@attrs.frozen
+class _Move:
+    """How one read moves: ``split`` axes go one index per row; ``heads`` is the remote head
+    range read (staging may read more than needed, to get fewer descriptors)."""
+
+    split: tuple[str, ...]
+    heads: tuple[int, int]
+    descriptors: int
+    nbytes: int
+
+
+@attrs.frozen
+class StagingStep:
+    """One ``fkv.ops.convert.move`` after the READs (STAGING.md): staging mini-cache
+    ``remote_index`` (spec ``stage_spec``, at byte ``stage_offset`` of the staging buffer), layer
+    ``layer``, heads ``src_heads`` of it -> heads ``dst_heads`` of the local cache, ``num_tokens``
+    tokens. Heads are None for MLA."""
+
+    remote_index: int
+    stage_spec: KVCacheSpec
+    stage_offset: int
+    layer: int
+    src_heads: tuple[int, int] | None
+    dst_heads: tuple[int, int] | None
+    num_tokens: int
+
+
+# -- contiguity of atoms (the layout algebra decides; cached per spec and extents) -------------
+
+@functools.lru_cache(maxsize=8192)
+def _contiguous(spec: KVCacheSpec, extents: tuple[tuple[str, int], ...]) -> bool:
+    return spec.span(B=0, **{a: (0, e) for a, e in extents}) is not None
+
+
+@functools.lru_cache(maxsize=8192)
+def _order(spec: KVCacheSpec, extents: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
+    ext = dict(extents)
+    ext.setdefault("C", spec.head_size)
+    return tuple(a for a in spec.physical_axes if ext.get(a, 1) > 1)
+
+
+def _splits(full: dict[str, int]) -> list[tuple[tuple[str, ...], int]]:
+    """Every subset of axes to split, with its atom count, fewest atoms first."""
+    axes = tuple(full)
+    out = [(s, math.prod(full[a] for a in s))
+           for k in range(len(axes) + 1) for s in itertools.combinations(axes, k)]
+    return sorted(out, key=lambda x: (x[1], len(x[0])))
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_split(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[str, int], ...]
+                ) -> tuple[tuple[str, ...], int]:
+    """Fewest atoms such that one atom is contiguous with the same element order on every side."""
+    fd = dict(full)
+    for split, count in _splits(fd):
+        ext = tuple((a, 1 if a in split else e) for a, e in full)
+        if all(_contiguous(s, ext) for s in sides) and len({_order(s, ext) for s in sides}) == 1:
+            return split, count
+    raise AssertionError("single-row atoms are always contiguous")  # C is innermost everywhere
+
+
+def _full(spec: KVCacheSpec, tokens: int, heads: int) -> tuple[tuple[str, int], ...]:
+    full = {"two": 2, "N": tokens, "H": heads}
+    return tuple((a, full[a]) for a in _KV_AXES if a in spec.axis_sizes)
+
+
+def _atom_bytes(spec: KVCacheSpec, full: tuple[tuple[str, int], ...], split: tuple[str, ...]) -> int:
+    return math.prod(e for a, e in full if a not in split) * spec.head_size * spec.itemsize
+
+
+def _direct_move(ls: KVCacheSpec, rs: KVCacheSpec, read: Read, chunk: int) -> _Move:
+    nh = read.remote_heads[1] - read.remote_heads[0]
+    full = _full(rs, chunk, nh)
+    split, count = _best_split((rs, ls), full)
+    per_block = rs.block_size // chunk
+    return _Move(split, read.remote_heads, count * per_block,
+                 count * per_block * _atom_bytes(rs, full, split))
+
+
+def _staging_move(rs: KVCacheSpec, read: Read) -> _Move:
+    options = []
+    for heads in dict.fromkeys([read.remote_heads, (0, rs.num_kv_heads)]):
+        full = _full(rs, rs.block_size, heads[1] - heads[0])
+        split, count = _best_split((rs,), full)
+        nbytes = count * _atom_bytes(rs, full, split)
+        move = _Move(split, heads, count, nbytes)
+        options.append((Cost("staging", count, nbytes, 0).score, len(options), move))
+    return min(options)[2]
+
+
+# -- reads: which remote ranks hold which of our heads ------------------------------------------
+
+def _reads(local_tp: int, local_rank: int, remote_tp: int, total: int
+           ) -> tuple[tuple[Read, ...], tuple[int, ...]]:
+    from fkv.connector.handshake import rank_heads
+
+    if local_tp >= remote_tp:
+        group = [local_rank // (local_tp // remote_tp)]
+    else:
+        r = remote_tp // local_tp
+        group = list(range(local_rank * r, local_rank * r + r))
+    need0, need_n = rank_heads(total, local_tp, local_rank)
+    covered: set[int] = set()
+    reads, notify = [], []
+    for s in group:
+        p0, pn = rank_heads(total, remote_tp, s)
+        lo, hi = max(p0, need0), min(p0 + pn, need0 + need_n)
+        if lo < hi and not covered.intersection(range(lo, hi)):
+            covered.update(range(lo, hi))
+            reads.append(Read(s, (lo - p0, hi - p0), (lo - need0, hi - need0)))
+        else:  # a replica of heads already read (replicated KV, MLA): notify only
+            notify.append(s)
+    if covered != set(range(need0, need0 + need_n)):
+        raise AssertionError(f"heads {sorted(covered)} read, {need0}..{need0 + need_n} needed")
+    return tuple(reads), tuple(notify)
+
+
+def build_plan(le: Any, ls: KVCacheSpec, re_: Any, rs: KVCacheSpec, strategy: str = "auto"
+               ) -> TransferPlan:
+    """The plan for a pair the handshake validated (use :func:`fkv.connector.handshake`)."""
+    reads, notify = _reads(le.tp_size, le.tp_rank, re_.tp_size, le.total_num_kv_heads)
+    chunk = math.gcd(ls.block_size, rs.block_size)
+    direct = tuple(_direct_move(ls, rs, r, chunk) for r in reads)
+    staging = tuple(_staging_move(rs, r) for r in reads)
+    costs = {
+        "direct": Cost("direct", sum(m.descriptors for m in direct), sum(m.nbytes for m in direct), 0),
+        "staging": Cost("staging", sum(m.descriptors for m in staging),
+                        sum(m.nbytes for m in staging), sum(m.nbytes for m in direct)),
+    }
+    if strategy == "auto":
+        strategy = "staging" if costs["staging"].score < costs["direct"].score else "direct"
+    other = "staging" if strategy == "direct" else "direct"
+    return TransferPlan(
+        local_engine=le, local_spec=ls, remote_engine=re_, remote_spec=rs, reads=reads,
+        notify_only_ranks=notify, strategy=strategy,
+        moves=direct if strategy == "direct" else staging,
+        cost=costs[strategy], alternative=costs[other])
+
+
+# -- the plan -----------------------------------------------------------------------------------
+
+def _ids(name: str, ids: Any, spec: KVCacheSpec, unique: bool) -> np.ndarray:
+    try:
+        a = np.asarray(ids)
+    except Exception as e:
+        raise FkvError(f"{name!r} must be a 1-D sequence of block ids (got {type(ids).__name__}: "
+                       f"{e})") from None
+    if a.ndim != 1:
+        raise FkvError(f"{name!r} must be 1-D (got shape {a.shape})")
+    if a.size == 0:
+        return a.astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise FkvError(f"{name!r} must hold integers (got dtype {a.dtype})")
+    if a.dtype.kind == "u" and a.max() > np.iinfo(np.int64).max:
+        raise FkvError(f"{name!r} holds ids beyond int64")
+    a = a.astype(np.int64, copy=False)
+    if a.min() < 0 or a.max() >= spec.num_blocks:
+        bad = np.flatnonzero((a < 0) | (a >= spec.num_blocks))
+        raise FkvError(f"{name!r}[{bad[0]}] = {a[bad[0]]} outside [0, num_blocks={spec.num_blocks})")
+    if unique:
+        counts = np.bincount(a, minlength=1) if spec.num_blocks <= 64 * a.size + 4096 else \
+            np.unique(a, return_counts=True)[1]
+        if counts.max() > 1:
+            dup = np.unique(a, return_counts=True)
+            raise FkvError(f"{name!r} repeats block {int(dup[0][dup[1] > 1][0])}: two tokens would "
+                           f"land in one slot; pass each local block once")
+    return a
+
+
+def _tokens(local: np.ndarray, remote: np.ndarray, nl_tok: int, nr_tok: int, num_tokens: Any) -> int:
+    nl, nr = local.size, remote.size
+    if nl == 0 or nr == 0:
+        if nl or nr:
+            raise FkvError(f"block id lists must both be empty or both non-empty (local {nl}, "
+                           f"remote {nr} blocks)")
+        return 0
+    cap = min(nl * nl_tok, nr * nr_tok)
+    if num_tokens is None:
+        tokens = cap
+    elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer) \
+            or not 1 <= num_tokens <= cap:
+        raise FkvError(f"'num_tokens' must be an int in [1, {cap}] (the capacity of both id lists) "
+                       f"(got {num_tokens!r})")
+    else:
+        tokens = int(num_tokens)
+    want_l, want_r = -(-tokens // nl_tok), -(-tokens // nr_tok)
+    if (nl, nr) != (want_l, want_r):
+        raise FkvError(
+            f"local_block_ids has {nl} blocks of {nl_tok} tokens and remote_block_ids {nr} blocks "
+            f"of {nr_tok}; {tokens} tokens need {want_l} local and {want_r} remote blocks: pass "
+            f"the blocks of the same tokens on both sides")
+    return tokens
+
+
+def _coalesce(cols: np.ndarray) -> np.ndarray:
+    """Merge consecutive rows (columns of ``cols``, 6 x M) that continue each other on both sides
+    (same remote rank and regions, offsets contiguous on both sides)."""
+    if cols.shape[1] < 2:
+        return cols
+    prev, nxt = cols[:, :-1], cols[:, 1:]
+    cont = nxt[2] == prev[2] + prev[5]
+    if not cont.any():
+        return cols
+    cont &= nxt[4] == prev[4] + prev[5]
+    cont &= (nxt[0] == prev[0]) & (nxt[1] == prev[1]) & (nxt[3] == prev[3])
+    if not cont.any():
+        return cols
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    merged = cols[:, starts]
+    merged[5] = np.add.reduceat(cols[5], starts)
+    return merged
+
+
+@attrs.frozen(kw_only=True, repr=False, eq=True)
+class TransferPlan:
+    """Exactly which bytes one decode rank reads, and what runs after (SPEC.md §5, STAGING.md).
+
+    ``segments(local_block_ids, remote_block_ids)`` is an int64 array ``(M, 6)``: ``remote_rank,
+    remote_region, remote_offset, local_region, local_offset, nbytes`` (byte offsets from the start
+    of a region: one layer's buffer, or the one cross-layer buffer; ``local_region == -1`` is the
+    staging buffer). ``staging_steps`` lists the ``fkv.ops.convert.move`` calls that follow.
+    """
+
+    local_engine: Any
+    local_spec: KVCacheSpec
+    remote_engine: Any
+    remote_spec: KVCacheSpec
+    reads: tuple[Read, ...]
+    notify_only_ranks: tuple[int, ...]
+    strategy: str
+    moves: tuple[_Move, ...]
+    cost: Cost
+    alternative: Cost
+
+    @property
+    def remote_ranks(self) -> tuple[int, ...]:
+        """P ranks this D rank reads from, in read (and staging mini-cache) order."""
+        return tuple(r.remote_rank for r in self.reads)
+
+    @property
+    def notifications(self) -> int:
+        """Notifications each remote rank expects per request (see :func:`expected_notifications`)."""
+        return expected_notifications(self.remote_engine.tp_size, self.local_engine.tp_size)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens one direct row spans at most: ``gcd(N_local, N_remote)``; staging: ``N_remote``."""
+        if self.strategy == "staging":
+            return self.remote_spec.block_size
+        return math.gcd(self.local_spec.block_size, self.remote_spec.block_size)
+
+    # -- rows ---------------------------------------------------------------------------------
+    def segments(self, local_block_ids: Any, remote_block_ids: Any, *,
+                 num_tokens: int | None = None) -> np.ndarray:
+        """The READ rows for one request: int64 ``(M, 6)``, coalesced (see the class docstring).
+
+        ``num_tokens`` defaults to the capacity of the shorter id list; each list must hold exactly
+        the blocks of those tokens. Direct rows move whole chunks of ``chunk_tokens`` tokens.
+
+        >>> from fkv import KVCacheSpec
+        >>> from fkv.connector.handshake import EngineDesc, handshake
+        >>> s = KVCacheSpec(layout="HND", num_blocks=8, block_size=16, num_kv_heads=2, head_size=128)
+        >>> e = lambda tp, r: EngineDesc(engine_id="x", tp_size=tp, tp_rank=r, total_num_kv_heads=8)
+        >>> plan = handshake((e(2, 0), s.evolve(num_kv_heads=4)), (e(4, 0), s)).plan  # example B
+        >>> plan.segments([0], [0]).tolist()
+        [[0, 0, 0, 0, 0, 8192], [0, 0, 8192, 0, 16384, 8192], [1, 0, 0, 0, 8192, 8192], [1, 0, 8192, 0, 24576, 8192]]
+        """
+        ls, rs = self.local_spec, self.remote_spec
+        local = _ids("local_block_ids", local_block_ids, ls, unique=True)
+        remote = _ids("remote_block_ids", remote_block_ids, rs, unique=False)
+        tokens = _tokens(local, remote, ls.block_size, rs.block_size, num_tokens)
+        if tokens == 0:
+            return np.empty((0, 6), dtype=np.int64)
+        n = remote.size
+        stage = rs.evolve(num_blocks=n) if self.strategy == "staging" else None
+        mini = stage.region_bytes * stage.num_regions if stage else 0
+        jobs = []
+        for i, (read, move) in enumerate(zip(self.reads, self.moves, strict=True)):
+            if stage is None:
+                job = (ls, local, read.local_heads[0], self.chunk_tokens, None)
+            else:
+                job = (stage, np.arange(n), move.heads[0], rs.block_size, i * mini)
+            jobs.append((read, move, job, _layout_rows(rs, n, move, job[3], tokens)[3]))
+        out = np.empty((6, sum(j[3] for j in jobs)), dtype=np.int64)  # columns contiguous
+        keep, start = [], 0
+        for read, move, (dst, dst_ids, dst_h0, chunk, base), rows in jobs:
+            mask = _fill_rows(out[:, start:start + rows], rs, remote, move, read.remote_rank, dst,
+                              dst_ids, dst_h0, chunk, tokens, base)
+            keep.append(np.ones(rows, dtype=bool) if mask is None else mask)
+            start += rows
+        if any(m is not None and not m.all() for m in keep):
+            out = out[:, np.concatenate(keep)]
+        return _coalesce(out).T
+
+    def staging_steps(self, local_block_ids: Any, remote_block_ids: Any, *,
+                      num_tokens: int | None = None) -> tuple[StagingStep, ...]:
+        """The ``fkv.ops.convert.move`` calls after the READs (empty for ``direct``): one per remote
+        rank read and layer, run as STAGING.md says with ``src_block_ids = arange(n)``."""
+        ls, rs = self.local_spec, self.remote_spec
+        local = _ids("local_block_ids", local_block_ids, ls, unique=True)
+        remote = _ids("remote_block_ids", remote_block_ids, rs, unique=False)
+        tokens = _tokens(local, remote, ls.block_size, rs.block_size, num_tokens)
+        if self.strategy != "staging" or tokens == 0:
+            return ()
+        stage = rs.evolve(num_blocks=remote.size)
+        mini = stage.region_bytes * stage.num_regions
+        mla = rs.is_mla
+        return tuple(
+            StagingStep(i, stage, i * mini, layer, None if mla else read.remote_heads,
+                        None if mla else read.local_heads, tokens)
+            for i, read in enumerate(self.reads) for layer in range(ls.num_layers))
+
+    def staging_bytes(self, num_remote_blocks: int) -> int:
+        """Bytes of staging buffer a read of ``num_remote_blocks`` remote blocks needs (0: direct)."""
+        if isinstance(num_remote_blocks, bool) or not isinstance(num_remote_blocks, int | np.integer) \
+                or num_remote_blocks < 0:
+            raise FkvError(f"'num_remote_blocks' must be a non-negative int (got {num_remote_blocks!r})")
+        if self.strategy != "staging" or num_remote_blocks == 0:
+            return 0
+        stage = self.remote_spec.evolve(num_blocks=int(num_remote_blocks))
+        return len(self.reads) * stage.region_bytes * stage.num_regions
+
+    # -- printing -----------------------------------------------------------------------------
+    def describe(self) -> str:
+        """Human summary: who reads what, the strategy chosen, its bytes and descriptors, and the
+        alternative's."""
+        le, re_, ls, rs = self.local_engine, self.remote_engine, self.local_spec, self.remote_spec
+        if ls.is_mla:
+            heads = "MLA: one latent vector per token, held whole by every rank"
+        else:
+            heads = (f"{le.total_num_kv_heads} KV heads total, {ls.num_kv_heads} per decode rank, "
+                     f"{rs.num_kv_heads} per prefill rank")
+        reads = "; ".join(
+            f"P{r.remote_rank} (whole latent)" if ls.is_mla else
+            f"P{r.remote_rank} heads [{r.remote_heads[0]}, {r.remote_heads[1]}) -> local heads "
+            f"[{r.local_heads[0]}, {r.local_heads[1]})" + (
+                f" (staging reads its heads [{m.heads[0]}, {m.heads[1]}))" if m.heads != r.remote_heads
+                else "")
+            for r, m in zip(self.reads, self.moves, strict=True))
+        notify = ", ".join(f"P{r}" for r in self.notify_only_ranks) or "none"
+        how = ("every row lands final bytes in the local cache" if self.strategy == "direct" else
+               "rows read into staging mini-caches (local_region -1), then one move per read and "
+               "layer (staging_steps)")
+        lines = [
+            f"decode rank {le.tp_rank} of tp {le.tp_size} <- prefill tp {re_.tp_size}: {heads}",
+            f"local:  {ls!r}",
+            f"remote: {rs!r}",
+            f"reads: {reads}",
+            f"notify only: {notify}; each prefill rank frees a request after {self.notifications} "
+            f"notification{'s' if self.notifications != 1 else ''}",
+            f"strategy {self.cost} ({how})",
+            f"alternative {self.alternative}",
+        ]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"TransferPlan(strategy={self.strategy!r}, remote_ranks={self.remote_ranks}, "
+                f"notify_only_ranks={self.notify_only_ranks}, reads={list(self.reads)!r}, "
+                f"descriptors={self.cost.descriptors}, nbytes={self.cost.nbytes})")
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def _repr_html_(self) -> str:
+        return f"<pre>{html.escape(self.describe())}</pre>"
+
+
+def _layout_rows(rs: KVCacheSpec, nblocks: int, move: _Move, chunk: int, tokens: int
+                 ) -> tuple[tuple[str, ...], dict[str, int], dict[str, np.ndarray], int]:
+    """The iteration grid of one read's rows, in the remote's physical order (layers outermost
+    when per-layer): axes, their counts, one broadcastable index array per axis, rows kept."""
+    axes = rs.physical_axes if rs.cross_layer else ("L", *rs.physical_axes)
+    nh = move.heads[1] - move.heads[0]
+    n_r = rs.block_size
+    counts = {"L": rs.num_layers, "B": nblocks, "N": n_r if "N" in move.split else n_r // chunk,
+              "two": 2 if "two" in move.split else 1, "H": nh if "H" in move.split else 1, "C": 1}
+    grid = {}
+    for k, a in enumerate(axes):
+        shape = [1] * len(axes)
+        shape[k] = counts[a]
+        grid[a] = np.arange(counts[a], dtype=np.int64).reshape(shape)
+    return axes, counts, grid, math.prod(counts[a] for a in axes)
+
+
+def _fill_rows(out: np.ndarray, rs: KVCacheSpec, remote: np.ndarray, move: _Move, rank: int,
+               dst: KVCacheSpec, dst_ids: np.ndarray, dst_h0: int, chunk: int, tokens: int,
+               base: int | None) -> np.ndarray:
+    """Write one read's rows into ``out`` (6 x rows); returns the mask of rows to keep (or None).
+
+    Offsets are affine in every index, so each side's offset is the sum of a per-block term, a
+    per-token term and an in-page term, each from ``region_and_offset``: the full-size arrays are
+    built with one or two broadcast adds instead of per-element index arithmetic.
+    """
+    axes, counts, grid, _ = _layout_rows(rs, remote.size, move, chunk, tokens)
+    shape = tuple(counts[a] for a in axes)
+    layer, jb = grid["L"], grid["B"]
+    pos = grid["N"] if "N" in move.split else grid["N"] * chunk
+    kv, h = grid.get("two", 0), grid.get("H", 0)
+    n_r, n_d = rs.block_size, dst.block_size
+    tok = jb * n_r + pos  # token index in the request (B x N grid)
+
+    def col(k: int) -> np.ndarray:  # a contiguous row of ``out`` viewed as the grid
+        return out[k].reshape(shape)
+
+    col(0)[...] = rank
+    rreg, r_page = rs.region_and_offset(layer=layer, kv=kv, head=move.heads[0] + h)
+    r_block = rs.region_and_offset(block=remote)[1]          # per remote block id
+    r_tok = rs.region_and_offset(token=np.arange(n_r))[1]      # per slot
+    col(1)[...] = rreg
+    np.add(r_block[jb] + r_tok[pos], r_page, out=col(2))
+    dreg, d_page = dst.region_and_offset(layer=layer, kv=kv, head=dst_h0 + h)
+    d_block = dst.region_and_offset(block=dst_ids)[1]
+    d_tok = dst.region_and_offset(token=np.arange(n_d))[1]
+    if n_d == n_r:
+        d_bt = d_block[jb] + d_tok[pos]
+    else:
+        d_bt = d_block[np.minimum(tok // n_d, dst_ids.size - 1)] + d_tok[tok % n_d]
+    if base is not None:  # staging mini-cache: regions laid one after another from ``base``
+        d_page = d_page + (base + dreg * dst.region_bytes)
+        dreg = -1
+    col(3)[...] = dreg
+    np.add(d_bt, d_page, out=col(4))
+    out[5] = _atom_bytes(rs, _full(rs, chunk, move.heads[1] - move.heads[0]), move.split)
+    if tokens < remote.size * n_r:
+        return np.broadcast_to(tok < tokens, shape).reshape(-1)
+    return None
