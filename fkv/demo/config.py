@@ -1,0 +1,107 @@
+"""What one demo run is: its options, the engines' specs and descriptions, the request's blocks.
+
+Pure (no torch): the parent process uses it to run the handshake before starting anything, and
+every child rebuilds the same values from the JSON it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from typing import Any
+
+import attrs
+
+from fkv.demo.model import ModelConfig
+from fkv.layout import KVCacheSpec
+
+__all__ = ["DemoConfig", "MODEL_NAME", "REQUEST_ID"]
+
+MODEL_NAME = "fkv-demo-transformer"
+REQUEST_ID = "demo-request-0"
+
+
+@attrs.frozen(kw_only=True)
+class DemoConfig:
+    """Options of ``fkv demo`` (see ``fkv demo --help``); JSON-serializable for the children."""
+
+    prefill_tp: int = 1
+    decode_tp: int = 2
+    prefill_layout: str = "HND"
+    decode_layout: str = "HND"
+    backend: str = "triton"
+    prefill_block_size: int = 16
+    decode_block_size: int = 16
+    tokens: int = 64
+    new_tokens: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
+    decode_head_size: int | None = None
+    corrupt: bool = False
+    seed: int = 0
+    timeout: float = 600.0
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> DemoConfig:
+        d = json.loads(text)
+        d["model"] = ModelConfig(**d["model"])
+        return cls(**d)
+
+    # -- engines ----------------------------------------------------------------------------
+    def kv_heads(self, tp: int) -> int:
+        """KV heads per rank (SPEC.md §4): ``max(1, total // tp)``."""
+        return max(1, self.model.num_kv_heads // tp)
+
+    def prefill_blocks(self) -> int:
+        return math.ceil(self.tokens / self.prefill_block_size)
+
+    def decode_prompt_blocks(self) -> int:
+        """Decode blocks receiving the prompt: they hold at least every transferred slot."""
+        capacity = self.prefill_blocks() * self.prefill_block_size
+        return math.ceil(capacity / self.decode_block_size)
+
+    def decode_blocks(self) -> int:
+        """Decode blocks of the whole sequence (prompt, then every generated token)."""
+        need = math.ceil((self.tokens + self.new_tokens) / self.decode_block_size)
+        return max(need, self.decode_prompt_blocks())
+
+    def spec(self, side: str) -> KVCacheSpec:
+        """The cache spec of one rank of ``side`` ("prefill" or "decode")."""
+        tp = self.prefill_tp if side == "prefill" else self.decode_tp
+        used = self.prefill_blocks() if side == "prefill" else self.decode_blocks()
+        head_size = self.model.head_size
+        if side == "decode" and self.decode_head_size is not None:
+            head_size = self.decode_head_size
+        return KVCacheSpec(
+            backend=self.backend, layout=getattr(self, f"{side}_layout"),
+            num_blocks=2 * used + 3, block_size=getattr(self, f"{side}_block_size"),
+            num_kv_heads=self.kv_heads(tp), head_size=head_size, dtype=self.dtype,
+            num_layers=self.model.num_layers)
+
+    def engine(self, side: str, rank: int) -> Any:
+        from fkv.connector import EngineDesc
+
+        tp = self.prefill_tp if side == "prefill" else self.decode_tp
+        return EngineDesc(engine_id=f"{side}-engine", tp_size=tp, tp_rank=rank,
+                          total_num_kv_heads=self.model.num_kv_heads, model=MODEL_NAME,
+                          model_dtype="float32")
+
+    def block_ids(self, side: str) -> list[int]:
+        """The request's block table on ``side``: distinct ids in shuffled order (fixed seed).
+
+        Prefill: ``prefill_blocks()`` ids; decode: ``decode_blocks()`` ids, the first
+        ``decode_prompt_blocks()`` of which receive the transfer.
+        """
+        spec = self.spec(side)
+        n = self.prefill_blocks() if side == "prefill" else self.decode_blocks()
+        rng = random.Random(f"{self.seed}-{side}")
+        return rng.sample(range(spec.num_blocks), n)
+
+    def prompt(self) -> list[int]:
+        rng = random.Random(f"{self.seed}-prompt")
+        return [rng.randrange(self.model.vocab) for _ in range(self.tokens)]

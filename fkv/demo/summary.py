@@ -1,0 +1,131 @@
+"""The demo's summary: one dict (written by ``--json``) and the rich table printed from it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from fkv.demo.config import DemoConfig
+
+__all__ = ["print_reject", "print_summary", "summary_dict"]
+
+
+def _engine_text(cfg: DemoConfig, side: str) -> str:
+    spec = cfg.spec(side)
+    tp = cfg.prefill_tp if side == "prefill" else cfg.decode_tp
+    return (f"TP={tp} ({tp} process{'es' if tp > 1 else ''}), {spec.backend} {spec.layout.value}, "
+            f"block {spec.block_size}, {spec.num_kv_heads} KV head(s)/rank, {spec.dtype}")
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def summary_dict(cfg: DemoConfig, handshakes: list[Any], state: dict[str, Any] | None,
+                 verdict: dict[str, Any] | None, errors: list[dict[str, Any]] | None, *,
+                 exit_code: int) -> dict[str, Any]:
+    """Everything the summary table shows, JSON-ready."""
+    first = handshakes[0]
+    hs: dict[str, Any] = {"decision": "accept" if all(h.ok for h in handshakes) else "reject"}
+    if hs["decision"] == "accept":
+        hs["strategy"] = first.plan.strategy
+        hs["plans"] = [h.plan.describe() for h in handshakes]
+    else:
+        rejected = next(h for h in handshakes if not h.ok)
+        hs["reasons"] = [{"code": r.code, "path": r.path, "local": repr(r.local),
+                          "remote": repr(r.remote), "message": r.message, "fix": r.fix}
+                         for r in rejected.reasons]
+    out: dict[str, Any] = {
+        "config": {k: v for k, v in attrs.asdict(cfg).items() if k != "model"},
+        "model": attrs.asdict(cfg.model),
+        "prefill": {"engine": _engine_text(cfg, "prefill"), "spec": repr(cfg.spec("prefill"))},
+        "decode": {"engine": _engine_text(cfg, "decode"), "spec": repr(cfg.spec("decode"))},
+        "handshake": hs,
+        "exit_code": exit_code,
+    }
+    if state is None:
+        return out
+    transfers = [state["transfers"][r] for r in sorted(state["transfers"])]
+    out["transfer"] = {
+        "ok": len(transfers) == cfg.decode_tp and all(t["ok"] for t in transfers),
+        "bytes": sum(t["bytes"] for t in transfers),
+        "descriptors": sum(t["descriptors"] for t in transfers),
+        "seconds": max((t["seconds"] for t in transfers), default=None),
+        "per_rank": [{k: t[k] for k in ("rank", "ok", "bytes", "descriptors", "seconds", "error")}
+                     for t in transfers],
+    }
+    out["tokens"] = {"prompt": cfg.tokens, "new": cfg.new_tokens,
+                     "generated": state.get("tokens", []), "reference": state.get("ref_tokens", [])}
+    assert verdict is not None
+    out["verification"] = {**verdict,
+                           "logits_max_abs_diff": _finite(verdict["logits_max_abs_diff"]),
+                           "kv_max_abs_diff": _finite(verdict["kv_max_abs_diff"])}
+    out["errors"] = [{k: v for k, v in e.items() if v is not None} for e in errors or []]
+    out["wall_seconds"] = state.get("wall_seconds")
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2g}"
+
+
+def print_summary(console: Console, s: dict[str, Any]) -> None:
+    table = Table(title="fkv demo", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    m = s["model"]
+    table.add_row("model", f"{m['num_layers']} layers, {m['num_q_heads']} query / {m['num_kv_heads']} KV "
+                  f"heads of {m['head_size']}, hidden {m['hidden']}, vocab {m['vocab']} (seed {m['seed']})")
+    table.add_row("prefill", s["prefill"]["engine"])
+    table.add_row("decode", s["decode"]["engine"])
+    hs = s["handshake"]
+    table.add_row("handshake", f"[green]Accept[/], strategy [bold]{hs['strategy']}[/]"
+                  if hs["decision"] == "accept" else "[red]Reject[/]")
+    t = s.get("transfer")
+    if t:
+        status = "[green]ok[/]" if t["ok"] else "[red]FAILED[/]"
+        secs = "n/a" if t["seconds"] is None else f"{t['seconds'] * 1e3:.1f} ms (slowest rank)"
+        table.add_row("transfer", f"{status}: {t['bytes']:,} bytes in {t['descriptors']:,} descriptors "
+                      f"over {len(t['per_rank'])} read(s); {secs}")
+    tok = s.get("tokens")
+    if tok:
+        table.add_row("tokens", f"prompt {tok['prompt']}, generated {len(tok['generated'])}: "
+                      f"{tok['generated']}")
+    v = s.get("verification")
+    if v:
+        mark = "[green]PASS[/]" if v["ok"] and not s.get("errors") else "[red]FAIL[/]"
+        table.add_row("verification", (
+            f"{mark}: tokens {'identical' if v['tokens_identical'] else 'DIFFER'}; "
+            f"logits max |diff| {_fmt(v['logits_max_abs_diff'])}; "
+            f"KV after transfer max |diff| {_fmt(v['kv_max_abs_diff'])} "
+            f"(rtol {v['rtol']}, atol {v['atol']})"))
+        if v["first_divergence"]:
+            table.add_row("diverged at", f"[red]{v['first_divergence']}[/]")
+    for e in s.get("errors", []):
+        table.add_row("error", f"[red]{e['role']} rank {e['rank']}: {e['error']}[/]")
+        if e.get("log"):
+            console.print(Panel(e["log"], title=f"{e['role']} rank {e['rank']} log (tail)"))
+    if s.get("wall_seconds") is not None:
+        table.add_row("wall time", f"{s['wall_seconds']:.1f} s")
+    table.add_row("exit code", str(s["exit_code"]))
+    if hs["decision"] == "accept":
+        console.print(Panel(hs["plans"][0], title="plan of decode rank 0"))
+    console.print(table)
+
+
+def print_reject(console: Console, cfg: DemoConfig, reject: Any) -> None:
+    table = Table(title=f"fkv refuses this pairing: {len(reject.reasons)} reason(s)",
+                  title_justify="left")
+    for col in ("path", "message", "local", "remote", "fix"):
+        table.add_column(col, overflow="fold")
+    for r in reject.reasons:
+        table.add_row(r.path, r.message, repr(r.local), repr(r.remote), r.fix)
+    console.print(f"prefill: {_engine_text(cfg, 'prefill')}")
+    console.print(f"decode:  {_engine_text(cfg, 'decode')}")
+    console.print(table)
+    console.print("[red]Reject[/]: no process was started, no byte moved (exit code 3)")
