@@ -1,0 +1,398 @@
+"""fkv.ops.convert: convert / gather / scatter / move against the references and independent oracles.
+
+Oracles: ``fkv.ops.reference`` (token-level torch indexing), ``einops.rearrange`` with
+``fkv.rearrange_pattern`` over physical buffers, and ``fkv.testing.assert_kv_equal`` / ``token_major``
+(what a cache means, token by token). Outputs are poisoned with random bits first, and compared
+bitwise (payloads are random bit patterns, NaNs included), so an unwritten element shows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import random
+
+import einops
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fkv
+from fkv import FkvError, KVCacheSpec, rearrange_pattern
+from fkv.ops import reference as R
+from fkv.testing import assert_kv_equal, token_major
+
+C = importlib.import_module("fkv.ops.convert")
+RC = importlib.import_module("fkv.ops.reference._convert")
+
+GEOM = dict(num_blocks=5, block_size=4, num_kv_heads=4, head_size=8, num_layers=2)
+KV_SPECS = [KVCacheSpec(backend=b, layout=lay, cross_layer=c, **GEOM)
+            for b in ("triton", "flashinfer", "flash_attn") for lay in ("NHD", "HND")
+            for c in (False, True)]
+MLA_SPECS = [KVCacheSpec(backend="mla", cross_layer=c, num_blocks=5, block_size=4, num_kv_heads=1,
+                         head_size=24, num_layers=2) for c in (False, True)]
+PAIRS = list(itertools.product(KV_SPECS, KV_SPECS)) + list(itertools.product(MLA_SPECS, MLA_SPECS))
+INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _name(spec: KVCacheSpec) -> str:
+    return f"{spec.backend}-{spec.layout.value}{'-xl' if spec.cross_layer else ''}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(INT[t.element_size()])
+
+
+def _fill(views: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """Random bit patterns in every element (NaN payloads included: copies must be bit-exact)."""
+    g = torch.Generator().manual_seed(seed)
+    for v in views:
+        lo, hi = (0, 256) if v.element_size() == 1 else (-(1 << 15), 1 << 15)
+        _bits(v).copy_(torch.randint(lo, hi, v.shape, generator=g, dtype=torch.int32))
+    return views
+
+
+def _cache(spec: KVCacheSpec, device: str, seed: int) -> list[torch.Tensor]:
+    return _fill(fkv.allocate(spec, device=device), seed)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(_bits(a).cpu(), _bits(b).cpu())
+
+
+def _clone(views: list[torch.Tensor], spec: KVCacheSpec) -> list[torch.Tensor]:
+    out = fkv.allocate(spec, device=views[0].device)
+    for o, v in zip(out, views):
+        _bits(o).copy_(_bits(v))
+    return out
+
+
+def _physical(views: list[torch.Tensor], spec: KVCacheSpec) -> torch.Tensor:
+    """One side of a rearrange pattern: the stack of layer buffers, or the cross-layer buffer."""
+    if spec.cross_layer:
+        return torch.stack([_bits(v) for v in views]).permute(spec.stride_order)
+    return torch.stack([_bits(v).permute(spec.stride_order) for v in views])
+
+
+# -- convert --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("src_spec", "dst_spec"), PAIRS,
+                         ids=[f"{_name(a)}->{_name(b)}" for a, b in PAIRS])
+def test_convert_every_pair(device, src_spec, dst_spec):
+    src = _cache(src_spec, device, seed=1)
+    before = [_bits(v).clone() for v in src]
+    out = C.convert(src, src_spec, dst_spec)
+    assert len(out) == dst_spec.num_layers
+    for layer, view in enumerate(out):
+        assert tuple(view.shape) == dst_spec.logical_shape
+        assert view.stride() == dst_spec.element_strides
+        assert view.device.type == device
+        step = dst_spec.layer_stride * view.element_size() if dst_spec.cross_layer else None
+        if step is not None:
+            assert view.data_ptr() - out[0].data_ptr() == layer * step
+    expected = einops.rearrange(_physical(src, src_spec), rearrange_pattern(src_spec, dst_spec))
+    assert _equal(_physical(out, dst_spec), expected)
+    ref = R.convert(src, src_spec, dst_spec)
+    assert all(_equal(a, b) for a, b in zip(out, ref))
+    assert_kv_equal(src, src_spec, out, dst_spec)
+    assert all(torch.equal(_bits(v), b) for v, b in zip(src, before))  # src untouched
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float32", "float16"])
+def test_convert_dtypes_bit_exact(device, dtype):
+    a = KV_SPECS[0].evolve(dtype=dtype)  # triton NHD
+    b = KV_SPECS[-1].evolve(dtype=dtype)  # flash_attn HND cross-layer
+    src = _cache(a, device, seed=2)
+    out = _fill(fkv.allocate(b, device=device), seed=3)
+    assert C.convert(src, a, b, out=out) is out
+    assert all(_equal(x, y) for x, y in zip(out, R.convert(src, a, b)))
+    back = C.convert(out, b, a)
+    assert all(_equal(x, y) for x, y in zip(back, src))
+
+
+def test_convert_single_tensor_and_out(device):
+    a = KV_SPECS[0].evolve(num_layers=1)
+    b = KV_SPECS[3].evolve(num_layers=1)  # triton HND cross-layer, one layer
+    (src,) = _cache(a, device, seed=4)
+    res = C.convert(src, a, b)
+    assert isinstance(res, torch.Tensor) and res.stride() == b.element_strides
+    assert _equal(res, R.convert(src, a, b))
+    (out,) = _cache(b, device, seed=5)
+    assert C.convert(src, a, b, out=out) is out
+    assert _equal(out, res)
+
+
+@pytest.mark.parametrize(("src_spec", "dst_spec"), [(KV_SPECS[0], KV_SPECS[11]),
+                                                    (KV_SPECS[11], KV_SPECS[2]),
+                                                    (MLA_SPECS[0], MLA_SPECS[1])],
+                         ids=["triton-NHD->fa-HND-xl", "fa-HND-xl->triton-HND", "mla->mla-xl"])
+def test_convert_block_subset_in_place(device, src_spec, dst_spec):
+    src = _cache(src_spec, device, seed=6)
+    out = _cache(dst_spec, device, seed=7)
+    expected = _clone(out, dst_spec)
+    ids = torch.tensor([3, 0], device=device)
+    R.convert(src, src_spec, dst_spec, out=expected, block_ids=[3, 0])
+    assert C.convert(src, src_spec, dst_spec, out=out, block_ids=ids) is out
+    assert all(_equal(x, y) for x, y in zip(out, expected))  # other blocks keep their poison
+    assert_kv_equal(src, src_spec, out, dst_spec, block_ids_a=[3, 0], block_ids_b=[3, 0])
+    untouched = [1, 2, 4]
+    with pytest.raises(AssertionError):
+        assert_kv_equal(src, src_spec, out, dst_spec, block_ids_a=untouched, block_ids_b=untouched)
+
+
+# -- gather / scatter -----------------------------------------------------------------------------
+def _draw(spec: KVCacheSpec, seed: int) -> tuple[list[int], tuple[int, int]]:
+    rng = random.Random(seed)
+    ids = rng.sample(range(spec.num_blocks), 3)
+    a = rng.randrange(spec.num_kv_heads)
+    return ids, (a, rng.randrange(a + 1, spec.num_kv_heads + 1))
+
+
+def _staging_oracle(cache: torch.Tensor, spec: KVCacheSpec, ids, heads) -> torch.Tensor:
+    tok = token_major(cache, spec, ids, heads)  # [n*N, 2, h, D] (mla: [n*N, 1, 1, D])
+    if spec.is_mla:
+        return einops.rearrange(tok, "(n N) a b C -> n (a b N) C", N=spec.block_size)
+    return einops.rearrange(tok, "(n N) two h C -> n two h N C", N=spec.block_size)
+
+
+@pytest.mark.parametrize("spec", KV_SPECS + MLA_SPECS, ids=_name)
+def test_gather_scatter_round_trip(device, spec):
+    ids, heads = _draw(spec, seed=hash(_name(spec)) % 1000)
+    if spec.is_mla:
+        heads = None
+    layer = spec.num_layers - 1  # a cross-layer view with a non-zero offset
+    cache = _cache(spec, device, seed=8)
+    staging = C.gather(cache[layer], spec, torch.tensor(ids, device=device), heads=heads)
+    h = spec.num_kv_heads if heads is None else heads[1] - heads[0]
+    shape = (3, spec.block_size, spec.head_size) if spec.is_mla else (3, 2, h, spec.block_size,
+                                                                     spec.head_size)
+    assert tuple(staging.shape) == shape and staging.is_contiguous()
+    assert _equal(staging, _staging_oracle(cache[layer], spec, ids, heads))
+    assert _equal(staging, R.gather(cache[layer], spec, ids, heads=heads))
+    # into out=, poisoned first
+    out = _fill([torch.empty_like(staging)], seed=9)[0]
+    assert C.gather(cache[layer], spec, ids, heads=heads, out=out) is out
+    assert _equal(out, staging)
+
+    # scatter into a poisoned cache of every other layout of the same family, other blocks/heads
+    for other in (MLA_SPECS if spec.is_mla else KV_SPECS[::3]):
+        dst = _cache(other, device, seed=10)
+        expected = _clone(dst, other)
+        dst_ids = [4, 1, 2]
+        dst_heads = None if heads is None else (other.num_kv_heads - h, other.num_kv_heads)
+        C.scatter(staging, dst[0], other, dst_ids, heads=dst_heads)
+        R.scatter(staging, expected[0], other, dst_ids, heads=dst_heads)
+        assert all(_equal(x, y) for x, y in zip(dst, expected))  # untouched elements kept
+        assert_kv_equal(cache[layer], spec.evolve(num_layers=1), dst[0], other.evolve(num_layers=1),
+                        block_ids_a=ids, block_ids_b=dst_ids, heads_a=heads, heads_b=dst_heads)
+
+
+def test_gather_empty_and_zero_tokens(device):
+    spec = KV_SPECS[1]
+    cache = _cache(spec, device, seed=11)
+    empty = C.gather(cache[0], spec, [], heads=(1, 3))
+    assert tuple(empty.shape) == (0, 2, 2, spec.block_size, spec.head_size)
+    before = _bits(cache[0]).clone()
+    C.scatter(empty, cache[0], spec, [], heads=(1, 3))
+    C.move(cache[0], spec, [1], cache[1], spec, [2], num_tokens=0)
+    assert torch.equal(_bits(cache[0]), before)
+
+
+# -- move: re-chunking between block sizes ---------------------------------------------------------
+@pytest.mark.parametrize(("n_src", "n_dst"), [(4, 8), (8, 4)])
+@pytest.mark.parametrize("kind", ["kv", "mla"])
+def test_move_rechunk(device, n_src, n_dst, kind):
+    base = KV_SPECS[0] if kind == "kv" else MLA_SPECS[0]
+    src_spec = base.evolve(block_size=n_src, num_blocks=6, num_layers=1)
+    dst_spec = (KV_SPECS[11] if kind == "kv" else MLA_SPECS[1]).evolve(
+        block_size=n_dst, num_blocks=7)
+    src = _cache(src_spec, device, seed=12)[0]
+    dst_views = _cache(dst_spec, device, seed=13)
+    dst = dst_views[1]
+    expected = _clone(dst_views, dst_spec)
+    num_tokens = 13  # a partial last block on both sides
+    src_ids = [5, 0, 3, 2] if n_src == 4 else [5, 0]
+    dst_ids = [6, 1] if n_dst == 8 else [6, 1, 4, 3]
+    heads = {} if kind == "mla" else dict(src_heads=(0, 2), dst_heads=(2, 4))
+    C.move(src, src_spec, torch.tensor(src_ids, device=device), dst, dst_spec, dst_ids,
+           num_tokens=num_tokens, **heads)
+    RC.move(src, src_spec, src_ids, expected[1], dst_spec, dst_ids, num_tokens=num_tokens, **heads)
+    assert all(_equal(x, y) for x, y in zip(dst_views, expected))
+    one = dict(num_layers=1, cross_layer=False)
+    assert_kv_equal(src, src_spec, dst, dst_spec.evolve(**one), block_ids_a=src_ids,
+                    block_ids_b=dst_ids, num_tokens=num_tokens,
+                    heads_a=heads.get("src_heads"), heads_b=heads.get("dst_heads"))
+    # tokens 13.. of the destination blocks still hold their poison
+    tail = token_major(dst, dst_spec.evolve(**one), dst_ids)[num_tokens:]
+    ref_tail = token_major(_cache(dst_spec, device, seed=13)[1], dst_spec.evolve(**one), dst_ids)
+    assert _equal(tail, ref_tail[num_tokens:])
+
+
+@pytest.mark.parametrize(("n_cache", "n_stage"), [(4, 8), (8, 4)])
+def test_gather_scatter_rechunk(device, n_cache, n_stage):
+    spec = KV_SPECS[2].evolve(block_size=n_cache, num_blocks=6, num_layers=1)  # triton HND
+    cache = _cache(spec, device, seed=14)[0]
+    ids = [4, 1, 5, 0] if n_cache == 4 else [4, 1]
+    staging = C.gather(cache, spec, ids, heads=(1, 3), block_size=n_stage, num_tokens=11)
+    n_blocks = -(-11 // n_stage)
+    assert tuple(staging.shape) == (n_blocks, 2, 2, n_stage, spec.head_size)
+    assert _equal(staging, R.gather(cache, spec, ids, heads=(1, 3), block_size=n_stage,
+                                    num_tokens=11))
+    tok = einops.rearrange(staging, "m two h N C -> (m N) two h C")
+    assert _equal(tok[:11], token_major(cache, spec, ids, (1, 3), 11))
+    assert not bool(_bits(tok[11:]).any())  # gather zero-fills the staging tail it allocates
+    other = KV_SPECS[6].evolve(block_size=n_cache, num_blocks=6, num_layers=1)  # flash_attn NHD
+    dst = _cache(other, device, seed=15)[0]
+    expected = _clone([dst], other)[0]
+    C.scatter(staging, dst, other, ids[::-1], heads=(0, 2), block_size=n_stage, num_tokens=11)
+    R.scatter(staging, expected, other, ids[::-1], heads=(0, 2), block_size=n_stage,
+              num_tokens=11)
+    assert _equal(dst, expected)
+    assert_kv_equal(cache, spec, dst, other, block_ids_a=ids, block_ids_b=ids[::-1], num_tokens=11,
+                    heads_a=(1, 3), heads_b=(0, 2))
+
+
+@settings(max_examples=12)
+@given(data=st.data())
+def test_move_matches_reference_property(data):
+    """Random layouts, block sizes (1..8), head counts (odd too), head sizes, ids and head ranges."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = data.draw(st.sampled_from(["triton", "flash_attn", "mla"]))
+    heads = 1 if backend == "mla" else data.draw(st.sampled_from([1, 3, 4]))
+    head_size = data.draw(st.sampled_from([4, 12]))
+
+    def spec() -> KVCacheSpec:
+        return KVCacheSpec(backend=data.draw(st.sampled_from(["triton", "flash_attn"]))
+                           if backend != "mla" else "mla",
+                           layout=data.draw(st.sampled_from(["NHD", "HND"])),
+                           cross_layer=data.draw(st.booleans()),
+                           num_blocks=data.draw(st.integers(2, 6)),
+                           block_size=data.draw(st.sampled_from([1, 2, 4, 8])),
+                           num_kv_heads=heads, head_size=head_size,
+                           num_layers=data.draw(st.integers(1, 2)))
+
+    a, b = spec(), spec()
+    src_ids = data.draw(st.lists(st.integers(0, a.num_blocks - 1), min_size=1, max_size=4))
+    cap = len(src_ids) * a.block_size
+    n = data.draw(st.integers(0, cap))
+    need = -(-n // b.block_size)
+    b = b.evolve(num_blocks=max(b.num_blocks, need))
+    dst_ids = data.draw(st.permutations(range(b.num_blocks)))[:need]
+    h = data.draw(st.integers(1, heads))
+    sh, dh = data.draw(st.integers(0, heads - h)), data.draw(st.integers(0, heads - h))
+    src = _cache(a, device, seed=16)[-1]
+    dst = _cache(b, device, seed=17)
+    expected = _clone(dst, b)
+    kw = dict(src_heads=(sh, sh + h), dst_heads=(dh, dh + h), num_tokens=n)
+    C.move(src, a, src_ids, dst[0], b, dst_ids, **kw)
+    RC.move(src, a, src_ids, expected[0], b, dst_ids, **kw)
+    assert all(_equal(x, y) for x, y in zip(dst, expected))
+
+
+# -- bad inputs: FkvError before anything is written ----------------------------------------------
+@pytest.fixture
+def small(device):
+    spec = KV_SPECS[0]
+    return spec, _cache(spec, device, seed=18)
+
+
+def test_bad_block_ids(small):
+    spec, cache = small
+    before = _bits(cache[1]).clone()
+    with pytest.raises(FkvError, match=r"'dst_block_ids' holds block id 5 but the cache has "
+                                       r"num_blocks=5 \(valid ids: 0..4\)"):
+        C.move(cache[0], spec, [0, 1], cache[1], spec, [0, 5])
+    with pytest.raises(FkvError, match=r"'block_ids' holds block id -1"):
+        C.gather(cache[0], spec, torch.tensor([2, -1], device=cache[0].device))
+    with pytest.raises(FkvError, match=r"'block_ids' must be a 1-D sequence or tensor of int "
+                                       r"block ids \(got \[0.5\]\)"):
+        C.gather(cache[0], spec, [0.5])
+    with pytest.raises(FkvError, match=r"'block_ids' must be a 1-D"):
+        C.gather(cache[0], spec, torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(FkvError, match=r"'block_ids' holds block id 9"):
+        C.convert(cache, spec, spec.evolve(layout="HND"), out=fkv.allocate(
+            spec.evolve(layout="HND"), device=cache[0].device), block_ids=[1, 9])
+    assert torch.equal(_bits(cache[1]), before)
+
+
+def test_bad_geometry(small):
+    spec, cache = small
+    with pytest.raises(FkvError, match=r"convert: src and dst must have the same geometry; they "
+                                       r"differ in num_blocks: src 5, dst 6"):
+        C.convert(cache, spec, spec.evolve(num_blocks=6))
+    with pytest.raises(FkvError, match=r"move: src and dst must agree on head_size"):
+        other = spec.evolve(head_size=16)
+        C.move(cache[0], spec, [0], fkv.allocate(other, device=cache[0].device)[0], other, [0])
+    with pytest.raises(FkvError, match=r"move: src and dst must agree on MLA cache"):
+        C.move(cache[0], spec, [0], cache[1], MLA_SPECS[0], [0])
+    with pytest.raises(FkvError, match=r"'src' holds 1 layer views but the spec has num_layers=2"):
+        C.convert(cache[:1], spec, spec)
+    with pytest.raises(FkvError, match=r"'src' is one tensor but the spec has num_layers=2"):
+        C.convert(cache[0], spec, spec)
+    with pytest.raises(FkvError, match=r"'src\[0\]' has strides .* the tensor's real layout "
+                                       r"differs from the spec"):
+        hnd = spec.evolve(layout="HND")
+        C.convert(fkv.allocate(hnd, device=cache[0].device), spec, hnd)
+    with pytest.raises(FkvError, match=r"convert: block_ids= converts those blocks in place"):
+        C.convert(cache, spec, spec, block_ids=[0])
+    with pytest.raises(FkvError, match=r"convert: 'out' overlaps 'src' in memory"):
+        C.convert(cache, spec, spec, out=cache)
+
+
+def test_bad_staging(small):
+    spec, cache = small
+    dev = cache[0].device
+    staging = C.gather(cache[0], spec, [1, 2], heads=(0, 2))
+    with pytest.raises(FkvError, match=r"'staging' has shape \(2, 2, 2, 4, 8\) but scattering "
+                                       r"from 2 staging blocks of 4 tokens, heads \(0, 3\) needs "
+                                       r"\[n, 2, h, N, D\] = \(2, 2, 3, 4, 8\)"):
+        C.scatter(staging, cache[1], spec, [1, 2], heads=(0, 3))
+    with pytest.raises(FkvError, match=r"'staging' has dtype torch.float32 but the cache's dtype "
+                                       r"is torch.bfloat16"):
+        C.scatter(staging.float(), cache[1], spec, [1, 2], heads=(0, 2))
+    with pytest.raises(FkvError, match=r"'staging' must be contiguous"):
+        wide = torch.empty(2, 2, 2, 4, 16, dtype=staging.dtype, device=dev)[..., :8]
+        C.scatter(wide, cache[1], spec, [1, 2], heads=(0, 2))
+    with pytest.raises(FkvError, match=r"'out' has shape \(1, 2, 2, 4, 8\) but gathering into 2"):
+        C.gather(cache[0], spec, [1, 2], heads=(0, 2), out=staging[:1])
+    with pytest.raises(FkvError, match=r"'block_size' must be a positive int"):
+        C.gather(cache[0], spec, [1], block_size=0)
+
+
+@pytest.mark.parametrize("heads", [(2, 2), (0, 5), (-1, 2), (3, 1), "ab", (0.0, 1), (0, 1, 2),
+                                   (True, 2)])
+def test_bad_heads(small, heads):
+    spec, cache = small
+    with pytest.raises(FkvError, match=r"'heads' must be a \(start, stop\) pair of ints with "
+                                       r"0 <= start < stop <= 4"):
+        C.gather(cache[0], spec, [0], heads=heads)
+
+
+def test_bad_move_ranges(small):
+    spec, cache = small
+    with pytest.raises(FkvError, match=r"'src_heads' \(0, 2\) selects 2 heads but 'dst_heads' "
+                                       r"\(1, 4\) selects 3"):
+        C.move(cache[0], spec, [0], cache[1], spec, [0], src_heads=(0, 2), dst_heads=(1, 4))
+    with pytest.raises(FkvError, match=r"'num_tokens' is 9 but the 2 dst_block_ids hold only 8 "
+                                       r"tokens"):
+        C.move(cache[0], spec, [0, 1, 2], cache[1], spec, [0, 1], num_tokens=9)
+    with pytest.raises(FkvError, match=r"'num_tokens' is 12 but the 2 src_block_ids hold only 8"):
+        C.move(cache[0], spec, [0, 1], cache[1], spec, [0, 1, 2], num_tokens=12)
+    with pytest.raises(FkvError, match=r"'num_tokens' must be a non-negative int \(got -1\)"):
+        C.move(cache[0], spec, [0], cache[1], spec, [0], num_tokens=-1)
+    with pytest.raises(FkvError, match=r"'src_spec' must be a KVCacheSpec"):
+        C.move(cache[0], "triton", [0], cache[1], spec, [0])
+    with pytest.raises(FkvError, match=r"'num_tokens' is 12 but the 2 block_ids hold only 8"):
+        RC.gather(cache[0], spec, [0, 1], num_tokens=12)
+
+
+def test_public_names_route_here(device):
+    # fkv.ops.convert is the op (API.md) and the module holding move (STAGING.md): the module is
+    # callable, so both spellings work whichever one the package attribute holds.
+    assert fkv.ops.convert in (C, C.convert) and fkv.ops.gather is C.gather
+    assert fkv.ops.scatter is C.scatter
+    assert R.convert is RC.convert and R.gather is RC.gather and R.scatter is RC.scatter
+    spec = MLA_SPECS[0].evolve(num_layers=1)
+    (src,) = _cache(spec, device, seed=19)
+    assert _equal(C(src, spec, spec.evolve(cross_layer=True)), src)
+    assert _equal(fkv.ops.convert(src, spec, spec), src)
