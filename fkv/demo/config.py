@@ -84,7 +84,7 @@ class DemoConfig:
             num_layers=self.model.num_layers)
 
     def engine(self, side: str, rank: int) -> Any:
-        from fkv.connector import EngineDesc
+        from fkv.connector.handshake import EngineDesc
 
         tp = self.prefill_tp if side == "prefill" else self.decode_tp
         return EngineDesc(engine_id=f"{side}-engine", tp_size=tp, tp_rank=rank,

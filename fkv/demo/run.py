@@ -29,7 +29,7 @@ __all__ = ["precheck", "run_demo"]
 
 def precheck(cfg: DemoConfig) -> tuple[list[Any], Any]:
     """The handshake of every decode rank against the prefill engine: ``(results, first Reject)``."""
-    from fkv.connector import handshake
+    from fkv.connector.handshake import handshake
 
     remote = (cfg.engine("prefill", 0), cfg.spec("prefill"))
     results = [handshake((cfg.engine("decode", r), cfg.spec("decode")), remote)

@@ -137,7 +137,7 @@ def engine_pairs(*, total_num_kv_heads: Any = (1, 2, 4, 8), prefill_tp: Any = (1
     ...     (p_engine, p_spec), (d_engine, d_spec) = pair
     """
     st = _hypothesis()
-    from fkv.connector import EngineDesc
+    from fkv.connector.handshake import EngineDesc
 
     s = {name: _strategy(name, value) for name, value in {
         "total_num_kv_heads": total_num_kv_heads, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
