@@ -26,11 +26,11 @@ from fkv.testing import assert_kv_equal, token_major
 C = importlib.import_module("fkv.ops.convert")
 RC = importlib.import_module("fkv.ops.reference._convert")
 
-GEOM = dict(num_blocks=5, block_size=4, num_kv_heads=4, head_size=8, num_layers=2)
+GEOM = dict(num_blocks=8, block_size=4, num_kv_heads=4, head_size=8, num_layers=2)
 KV_SPECS = [KVCacheSpec(backend=b, layout=lay, cross_layer=c, **GEOM)
             for b in ("triton", "flashinfer", "flash_attn") for lay in ("NHD", "HND")
             for c in (False, True)]
-MLA_SPECS = [KVCacheSpec(backend="mla", cross_layer=c, num_blocks=5, block_size=4, num_kv_heads=1,
+MLA_SPECS = [KVCacheSpec(backend="mla", cross_layer=c, num_blocks=8, block_size=4, num_kv_heads=1,
                          head_size=24, num_layers=2) for c in (False, True)]
 PAIRS = list(itertools.product(KV_SPECS, KV_SPECS)) + list(itertools.product(MLA_SPECS, MLA_SPECS))
 INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -135,7 +135,7 @@ def test_convert_block_subset_in_place(device, src_spec, dst_spec):
     assert C.convert(src, src_spec, dst_spec, out=out, block_ids=ids) is out
     assert all(_equal(x, y) for x, y in zip(out, expected))  # other blocks keep their poison
     assert_kv_equal(src, src_spec, out, dst_spec, block_ids_a=[3, 0], block_ids_b=[3, 0])
-    untouched = [1, 2, 4]
+    untouched = [1, 2, 4, 5, 6, 7]
     with pytest.raises(AssertionError):
         assert_kv_equal(src, src_spec, out, dst_spec, block_ids_a=untouched, block_ids_b=untouched)
 
@@ -299,9 +299,9 @@ def small(device):
 def test_bad_block_ids(small):
     spec, cache = small
     before = _bits(cache[1]).clone()
-    with pytest.raises(FkvError, match=r"'dst_block_ids' holds block id 5 but the cache has "
-                                       r"num_blocks=5 \(valid ids: 0..4\)"):
-        C.move(cache[0], spec, [0, 1], cache[1], spec, [0, 5])
+    with pytest.raises(FkvError, match=r"'dst_block_ids' holds block id 8 but the cache has "
+                                       r"num_blocks=8 \(valid ids: 0..7\)"):
+        C.move(cache[0], spec, [0, 1], cache[1], spec, [0, 8])
     with pytest.raises(FkvError, match=r"'block_ids' holds block id -1"):
         C.gather(cache[0], spec, torch.tensor([2, -1], device=cache[0].device))
     with pytest.raises(FkvError, match=r"'block_ids' must be a 1-D sequence or tensor of int "
@@ -318,8 +318,8 @@ def test_bad_block_ids(small):
 def test_bad_geometry(small):
     spec, cache = small
     with pytest.raises(FkvError, match=r"convert: src and dst must have the same geometry; they "
-                                       r"differ in num_blocks: src 5, dst 6"):
-        C.convert(cache, spec, spec.evolve(num_blocks=6))
+                                       r"differ in num_blocks: src 8, dst 9"):
+        C.convert(cache, spec, spec.evolve(num_blocks=9))
     with pytest.raises(FkvError, match=r"move: src and dst must agree on head_size"):
         other = spec.evolve(head_size=16)
         C.move(cache[0], spec, [0], fkv.allocate(other, device=cache[0].device)[0], other, [0])

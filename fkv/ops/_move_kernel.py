@@ -48,6 +48,7 @@ def _move_kernel(
     SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     TILE_T: tl.constexpr, TILE_H: tl.constexpr, HEADS_OUTER: tl.constexpr,
+    MASK_T: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     kv = tl.program_id(1).to(tl.int64)
@@ -76,16 +77,29 @@ def _move_kernel(
     c = tl.arange(0, HEAD_PAD)
     c_ok = c < HEAD_SIZE
 
+    # Only the masks a variant needs: full tiles (the common case) load and store unmasked.
     if HEADS_OUTER:  # tile [H, T, C]
         src_off = src_row[None, :, None] + src_head[:, None, None] + c[None, None, :]
         dst_off = dst_row[None, :, None] + dst_head[:, None, None] + c[None, None, :]
-        mask = h_ok[:, None, None] & t_ok[None, :, None] & c_ok[None, None, :]
+        mask = t_ok[None, :, None]
+        if NUM_HEADS % TILE_H != 0:
+            mask = mask & h_ok[:, None, None]
+        if HEAD_PAD != HEAD_SIZE:
+            mask = mask & c_ok[None, None, :]
     else:  # tile [T, H, C]
         src_off = src_row[:, None, None] + src_head[None, :, None] + c[None, None, :]
         dst_off = dst_row[:, None, None] + dst_head[None, :, None] + c[None, None, :]
-        mask = t_ok[:, None, None] & h_ok[None, :, None] & c_ok[None, None, :]
-    x = tl.load(src_ptr + src_off, mask=mask)
-    tl.store(dst_ptr + dst_off, x, mask=mask)
+        mask = t_ok[:, None, None]
+        if NUM_HEADS % TILE_H != 0:
+            mask = mask & h_ok[None, :, None]
+        if HEAD_PAD != HEAD_SIZE:
+            mask = mask & c_ok[None, None, :]
+    if MASK_T or NUM_HEADS % TILE_H != 0 or HEAD_PAD != HEAD_SIZE:
+        x = tl.load(src_ptr + src_off, mask=mask)
+        tl.store(dst_ptr + dst_off, x, mask=mask)
+    else:
+        x = tl.load(src_ptr + src_off)
+        tl.store(dst_ptr + dst_off, x)
 
 
 def _pow2(n: int) -> int:
@@ -110,15 +124,19 @@ def tile_config(num_tokens: int, num_heads: int, head_size: int, itemsize: int, 
 
 def launch_move(src: Any, src_spec: KVCacheSpec, src_ids: Any, src_head_start: int,
                 dst: Any, dst_spec: KVCacheSpec, dst_ids: Any, dst_head_start: int,
-                num_heads: int, num_tokens: int, *, max_tile_bytes: int = MAX_TILE_BYTES,
-                num_warps: int = NUM_WARPS) -> None:
+                num_heads: int, num_tokens: int, *, max_tile_bytes: int | None = None,
+                num_warps: int | None = None) -> None:
     """Launch the kernel on validated inputs (``fkv.ops.convert`` checks everything first).
 
     ``src``/``dst`` are one layer's logical views of their specs; ``src_ids``/``dst_ids`` are
     int tensors on the views' device, or None for the identity (block ``j`` is block ``j``).
+    ``max_tile_bytes``/``num_warps`` default to the module constants (read at call time, so a
+    benchmark sweep can set them).
     """
     if num_tokens <= 0:
         return
+    max_tile_bytes = MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes
+    num_warps = NUM_WARPS if num_warps is None else num_warps
     sc, dc = cache_constexprs(src_spec), cache_constexprs(dst_spec)
     ss, ds = cache_strides(src_spec), cache_strides(dst_spec)
     tile_t, tile_h, head_pad = tile_config(num_tokens, num_heads, sc["HEAD_SIZE"], src_spec.itemsize,
@@ -143,6 +161,7 @@ def launch_move(src: Any, src_spec: KVCacheSpec, src_ids: Any, src_head_start: i
         SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None,
         NUM_HEADS=num_heads, HEAD_SIZE=sc["HEAD_SIZE"], HEAD_PAD=head_pad,
         TILE_T=tile_t, TILE_H=tile_h, HEADS_OUTER=sc["HEADS_OUTER"],
+        MASK_T=num_tokens % tile_t != 0,
         num_warps=num_warps,
     )
 
