@@ -119,13 +119,15 @@ def print_summary(console: Console, s: dict[str, Any]) -> None:
 
 
 def print_reject(console: Console, cfg: DemoConfig, reject: Any) -> None:
-    table = Table(title=f"fkv refuses this pairing: {len(reject.reasons)} reason(s)",
-                  title_justify="left")
-    for col in ("path", "message", "local", "remote", "fix"):
-        table.add_column(col, overflow="fold")
-    for r in reject.reasons:
-        table.add_row(r.path, r.message, repr(r.local), repr(r.remote), r.fix)
+    """Every reason, one per line (path, message, both values, fix), then the refusal."""
+    from rich.markup import escape
+
     console.print(f"prefill: {_engine_text(cfg, 'prefill')}")
     console.print(f"decode:  {_engine_text(cfg, 'decode')}")
-    console.print(table)
-    console.print("[red]Reject[/]: no process was started, no byte moved (exit code 3)")
+    n = len(reject.reasons)
+    console.print(f"[bold red]fkv refuses this pairing[/]: {n} reason{'s' if n != 1 else ''}")
+    for r in reject.reasons:
+        console.print(f"  - [bold]{escape(r.path)}[/] ({r.code}): {escape(r.message)} "
+                      f"(local {escape(repr(r.local))}, remote {escape(repr(r.remote))})\n"
+                      f"    fix: {escape(r.fix)}", soft_wrap=True)
+    console.print("Reject: no process was started, no byte moved (exit code 3)")

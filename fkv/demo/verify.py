@@ -39,8 +39,8 @@ def compare_kv(ref: np.ndarray, got: np.ndarray, heads: tuple[int, int], rtol: f
         return worst, None
     layer, tok, kv, head, ch = (int(i) for i in np.argwhere(bad)[0])
     return worst, (f"KV after transfer differs first at layer {layer}, token {tok}, {'KV'[kv]}, "
-                   f"head {heads[0] + head}, channel {ch}: received {got[layer, tok, kv, head, ch]!r}, "
-                   f"reference {want[layer, tok, kv, head, ch]!r} ({int(bad.sum())} of {bad.size} "
+                   f"head {heads[0] + head}, channel {ch}: received {float(got[layer, tok, kv, head, ch])!r}, "
+                   f"reference {float(want[layer, tok, kv, head, ch])!r} ({int(bad.sum())} of {bad.size} "
                    f"values differ)")
 
 
