@@ -416,6 +416,7 @@ def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch: pytest.Monkey
             self.fn = None
 
     monkeypatch.setattr(write_mod, "_write_kv_kernel", FakeCompiled())
+    monkeypatch.setattr(write_mod, "_PREPARED", {})  # checks cached by earlier calls: run afresh
     spec = make_spec("triton", "NHD")
     key, value, _ = inputs(spec, 2, "cpu")
     with pytest.raises(FkvError, match=r"'cache' is on cpu: the Triton kernel runs on CUDA tensors"):
@@ -538,3 +539,21 @@ def test_decode_is_cuda_graph_capturable(layout: str) -> None:
     ref = [cache.clone()]
     reference.write_kv(key, value, ref[0], slots, spec, validate=False)
     assert_same_bytes([cache], ref)
+
+
+def test_checks_still_run_when_the_signature_was_seen_before() -> None:
+    """The launcher caches its checks per input signature (shapes but T, strides, dtypes,
+    devices, spec); what depends on T is checked on every call."""
+    spec = make_spec("triton", "HND")
+    caches = poisoned(spec, "cpu")
+    key, value, _ = inputs(spec, 6, "cpu")
+    write_kv(key, value, caches[0], torch.arange(6), spec)
+    write_kv(key[:4], value[:4], caches[0], torch.arange(4), spec)
+    untouched = [c.clone() for c in caches]
+    with pytest.raises(FkvError, match=r"'key' has 6 tokens but 'value' has 5"):
+        write_kv(key, value[:5], caches[0], torch.arange(5), spec)
+    with pytest.raises(FkvError, match=r"'slot_mapping' has 6 slots but 'key' has only 5"):
+        write_kv(key[:5], value[:5], caches[0], torch.arange(6), spec)
+    with pytest.raises(FkvError, match=r"'slot_mapping'\[0\] = 24 is outside"):
+        write_kv(key, value, caches[0], torch.arange(24, 30), spec)
+    assert_same_bytes(caches, untouched)

@@ -27,7 +27,7 @@ import triton.language as tl
 from fkv.errors import FkvError
 from fkv.layout import KVCacheSpec
 from fkv.ops._spec import cache_constexprs, cache_strides
-from fkv.ops.reference._write import check_slots, check_write_inputs
+from fkv.ops.reference._write import check_slots, check_token_counts, check_write_inputs
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +38,8 @@ __all__ = ["WriteTiling", "write_constexprs", "write_kv", "write_tiling"]
 _DO_NOT_SPECIALIZE = ("num_tokens",)
 # Elements of one program's tile (one K or V half): 8192 bf16 = 16 KiB read + 16 KiB written.
 _TILE_ELEMENTS = 8192
+# One warp per this many tile elements (1..8 warps): 4 warps move a 16 KiB bf16 tile, 16 B a lane.
+_ELEMENTS_PER_WARP = 2048
 # fp8 dtype -> (largest finite value, mantissa bits, smallest normal exponent)
 _FP8 = {"float8_e4m3fn": (448.0, 3, -6), "float8_e5m2": (57344.0, 2, -14)}
 
@@ -152,7 +154,7 @@ def write_tiling(spec: KVCacheSpec) -> WriteTiling:
     head_tile = max(1, min(h_pad, _TILE_ELEMENTS // d_pad))
     block_t = max(1, _TILE_ELEMENTS // (head_tile * d_pad))
     elements = block_t * head_tile * d_pad
-    num_warps = max(1, min(8, elements // 2048))
+    num_warps = max(1, min(8, elements // _ELEMENTS_PER_WARP))
     return WriteTiling(block_t, head_tile, d_pad, num_warps)
 
 
@@ -180,17 +182,39 @@ def write_constexprs(spec: KVCacheSpec, quantize: bool) -> dict[str, Any]:
     }
 
 
-def _grid(spec: KVCacheSpec, num_tokens: int) -> tuple[int, int, int]:
-    tiling = write_tiling(spec)
-    return (triton.cdiv(num_tokens, tiling.block_t), 1 if spec.is_mla else 2,
-            triton.cdiv(spec.num_kv_heads, tiling.head_tile))
+class _Prepared(NamedTuple):
+    """Everything a launch needs that does not depend on the token count or the data."""
+
+    static: dict[str, Any]  # strides, sizes and constexprs, passed as kernel kwargs
+    block_t: int
+    grid_tail: tuple[int, int]  # (K/V halves, head tiles)
+    quantize: bool
+    cpu_slots: bool  # validate by default: reading slots back costs no device sync on CPU
 
 
-def _launch_args(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, spec: KVCacheSpec, *,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 validate: bool | None = None) -> tuple[tuple[int, int, int], dict[str, Any]] | None:
-    """Check everything, then return ``(grid, kwargs)`` for the kernel (None: nothing to write)."""
+_PREPARED: dict[tuple, _Prepared] = {}
+_PREPARED_MAX = 1024
+
+
+def _signature(key: Any, value: Any, cache: Any, slot_mapping: Any, spec: Any, k_scale: Any,
+               v_scale: Any) -> tuple:
+    """What the checks depend on, except the token count: equal signatures pass equal checks.
+
+    Raises AttributeError/TypeError on anything that is not a tensor (the slow path then says why).
+    """
+    return (
+        spec, key.shape[1:], key.stride(), key.dtype, key.device,
+        None if spec.is_mla else (value.shape[1:], value.stride(), value.dtype, value.device),
+        cache.shape, cache.stride(), cache.dtype, cache.device,
+        slot_mapping.dim(), slot_mapping.dtype, slot_mapping.device,
+        None if k_scale is None else (k_scale.dtype, k_scale.numel(), k_scale.device),
+        None if v_scale is None else (v_scale.dtype, v_scale.numel(), v_scale.device),
+    )
+
+
+def _prepare(key: Any, value: Any, cache: Any, slot_mapping: Any, spec: Any, k_scale: Any,
+             v_scale: Any) -> _Prepared:
+    """All checks (FkvError before launch), then the launch values that depend on the spec only."""
     if not isinstance(spec, KVCacheSpec):
         raise FkvError(f"'spec' must be a KVCacheSpec (got {type(spec).__name__})")
     ins = check_write_inputs(key, value, cache, slot_mapping, spec, k_scale, v_scale)
@@ -198,26 +222,20 @@ def _launch_args(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Ten
         raise FkvError(f"'cache' is on {cache.device}: the Triton kernel runs on CUDA tensors, or "
                        f"on CPU with TRITON_INTERPRET=1 set before triton is imported; or use "
                        f"fkv.ops.reference.write_kv")
-    if validate is None:
-        validate = slot_mapping.device.type == "cpu"
-    if validate:
-        check_slots(slot_mapping, spec)
-    if ins.num_tokens == 0:
-        return None
     k = ins.key
     v = k if ins.value is None else ins.value
     st = cache_strides(spec)
-    kwargs = dict(
-        key_ptr=k, value_ptr=v, cache_ptr=cache, slot_ptr=slot_mapping,
-        k_scale_ptr=ins.k_scale if ins.quantize else k,
-        v_scale_ptr=(ins.v_scale if ins.v_scale is not None else ins.k_scale) if ins.quantize else k,
-        num_tokens=ins.num_tokens, num_slots=spec.num_blocks * spec.block_size,
+    tiling = write_tiling(spec)
+    static = dict(
+        num_slots=spec.num_blocks * spec.block_size,
         key_stride_t=k.stride(0), key_stride_h=k.stride(1), key_stride_d=k.stride(2),
         value_stride_t=v.stride(0), value_stride_h=v.stride(1), value_stride_d=v.stride(2),
         stride_block=st["stride_block"], stride_kv=st["stride_kv"],
         **write_constexprs(spec, ins.quantize),
     )
-    return _grid(spec, ins.num_tokens), kwargs
+    grid_tail = (1 if spec.is_mla else 2, triton.cdiv(spec.num_kv_heads, tiling.head_tile))
+    return _Prepared(static, tiling.block_t, grid_tail, ins.quantize,
+                     slot_mapping.device.type == "cpu")
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
@@ -249,8 +267,29 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
     >>> k, v = torch.randn(3, 2, 8).bfloat16(), torch.randn(3, 2, 8).bfloat16()
     >>> write_kv(k, v, cache, torch.tensor([5, -1, 0]), spec)  # doctest: +SKIP
     """
-    launch = _launch_args(key, value, cache, slot_mapping, spec, k_scale=k_scale,
-                          v_scale=v_scale, validate=validate)
-    if launch is not None:
-        grid, kwargs = launch
-        _write_kv_kernel[grid](**kwargs)
+    try:
+        sig = _signature(key, value, cache, slot_mapping, spec, k_scale, v_scale)
+        prep = _PREPARED.get(sig)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable spec
+        sig = prep = None
+    if prep is None:
+        prep = _prepare(key, value, cache, slot_mapping, spec, k_scale, v_scale)
+        if sig is not None:
+            if len(_PREPARED) >= _PREPARED_MAX:
+                _PREPARED.clear()
+            _PREPARED[sig] = prep
+    else:  # same signature as a checked call: only the token counts remain to check
+        check_token_counts(key, None if spec.is_mla else value, slot_mapping)
+    if prep.cpu_slots if validate is None else validate:
+        check_slots(slot_mapping, spec)
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    if spec.is_mla:
+        value, v_scale = key, k_scale
+    if not prep.quantize:
+        k_scale = v_scale = key
+    grid = ((num_tokens + prep.block_t - 1) // prep.block_t, *prep.grid_tail)
+    _write_kv_kernel[grid](key_ptr=key, value_ptr=value, cache_ptr=cache, slot_ptr=slot_mapping,
+                           k_scale_ptr=k_scale, v_scale_ptr=v_scale, num_tokens=num_tokens,
+                           **prep.static)

@@ -17,7 +17,7 @@ from fkv.tensors import require_torch, torch_dtype
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["WriteInputs", "check_slots", "check_write_inputs", "write_kv"]
+__all__ = ["WriteInputs", "check_slots", "check_token_counts", "check_write_inputs", "write_kv"]
 
 _FLOAT_INPUTS = ("bfloat16", "float16", "float32")
 _SLOT_DTYPES = ("int32", "int64")
@@ -82,9 +82,6 @@ def check_write_inputs(key: Any, value: Any, cache: Any, slot_mapping: Any, spec
         value = None  # one latent per token: 'value' is ignored
     else:
         value = _check_tokens(value, "value", spec, cache)
-        if value.shape[0] != key.shape[0]:
-            raise FkvError(f"'key' has {key.shape[0]} tokens but 'value' has {value.shape[0]}; "
-                           f"they must have the same T")
         if value.dtype != key.dtype:
             raise FkvError(f"'key' has dtype {_name(key.dtype)!r} but 'value' has "
                            f"{_name(value.dtype)!r}; they must match")
@@ -97,9 +94,7 @@ def check_write_inputs(key: Any, value: Any, cache: Any, slot_mapping: Any, spec
     if slot_mapping.device != cache.device:
         raise FkvError(f"'slot_mapping' is on {slot_mapping.device} but 'cache' is on "
                        f"{cache.device}; move them to one device")
-    if slot_mapping.shape[0] > key.shape[0]:
-        raise FkvError(f"'slot_mapping' has {slot_mapping.shape[0]} slots but 'key' has only "
-                       f"{key.shape[0]} tokens; pass one slot per token (negative = padding)")
+    check_token_counts(key, value, slot_mapping)
     src, dst = _name(key.dtype), spec.dtype
     quantize = False
     if spec.is_fp8:
@@ -120,6 +115,16 @@ def check_write_inputs(key: Any, value: Any, cache: Any, slot_mapping: Any, spec
             raise FkvError(f"'k_scale'/'v_scale' apply to fp8 caches only, but spec.dtype is "
                            f"{dst!r}; pass None")
     return WriteInputs(key, value, int(slot_mapping.shape[0]), quantize, k_scale, v_scale)
+
+
+def check_token_counts(key: Any, value: Any, slot_mapping: Any) -> None:
+    """``value`` (None for MLA) has ``key``'s T, and ``slot_mapping`` is no longer than T."""
+    if value is not None and value.shape[0] != key.shape[0]:
+        raise FkvError(f"'key' has {key.shape[0]} tokens but 'value' has {value.shape[0]}; "
+                       f"they must have the same T")
+    if slot_mapping.shape[0] > key.shape[0]:
+        raise FkvError(f"'slot_mapping' has {slot_mapping.shape[0]} slots but 'key' has only "
+                       f"{key.shape[0]} tokens; pass one slot per token (negative = padding)")
 
 
 def check_slots(slot_mapping: torch.Tensor, spec: KVCacheSpec) -> None:
