@@ -15,7 +15,7 @@ import random
 import einops
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fkv
@@ -252,11 +252,10 @@ def test_gather_scatter_rechunk(device, n_cache, n_stage):
                     heads_a=(1, 3), heads_b=(0, 2))
 
 
-@settings(max_examples=12)
+@settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_move_matches_reference_property(data):
+def test_move_matches_reference_property(device, data):
     """Random layouts, block sizes (1..8), head counts (odd too), head sizes, ids and head ranges."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     backend = data.draw(st.sampled_from(["triton", "flash_attn", "mla"]))
     heads = 1 if backend == "mla" else data.draw(st.sampled_from([1, 3, 4]))
     head_size = data.draw(st.sampled_from([4, 12]))
@@ -287,6 +286,24 @@ def test_move_matches_reference_property(data):
     C.move(src, a, src_ids, dst[0], b, dst_ids, **kw)
     RC.move(src, a, src_ids, expected[0], b, dst_ids, **kw)
     assert all(_equal(x, y) for x, y in zip(dst, expected))
+
+
+def test_block_id_checks_follow_in_place_changes(device):
+    """Bounds of an id tensor are cached per tensor and version: an in-place edit is re-checked."""
+    spec = KV_SPECS[2]
+    cache = _cache(spec, device, seed=20)
+    ids = torch.tensor([7, 2], device=device)
+    first = C.gather(cache[0], spec, ids)
+    assert _equal(C.gather(cache[0], spec, ids), first)
+    ids[1] = 8
+    with pytest.raises(FkvError, match=r"'block_ids' holds block id 8"):
+        C.gather(cache[0], spec, ids)
+    with torch.inference_mode():  # inference tensors have no version counter: checked every call
+        frozen = torch.tensor([3, 9], device=device, dtype=torch.int32)
+        with pytest.raises(FkvError, match=r"'block_ids' holds block id 9"):
+            C.gather(cache[0], spec, frozen)
+        ok = torch.tensor([1], device=device, dtype=torch.int16)
+        assert _equal(C.gather(cache[0], spec, ok), R.gather(cache[0], spec, [1]))
 
 
 # -- bad inputs: FkvError before anything is written ----------------------------------------------

@@ -260,19 +260,22 @@ _BOUNDS: dict[int, tuple[Any, int, int, int]] = {}
 
 
 def _bounds(t: Any) -> tuple[int, int]:
+    """(min, max) of an int tensor; cached per tensor object and version (no re-sync on reuse)."""
     torch = require_torch()
-    if t.device.type == "cpu":
-        lo, hi = torch.aminmax(t)
-        return int(lo), int(hi)
+    try:
+        version = t._version
+    except RuntimeError:  # inference-mode tensors track no version: check every time
+        version = None
     key = id(t)
     hit = _BOUNDS.get(key)
-    if hit is not None and hit[0]() is t and hit[1] == t._version:
+    if version is not None and hit is not None and hit[0]() is t and hit[1] == version:
         return hit[2], hit[3]
     lo, hi = (int(v) for v in torch.stack(torch.aminmax(t)).tolist())
-    if len(_BOUNDS) > 1024:
-        _BOUNDS.clear()
-    ref = weakref.ref(t, lambda _r, key=key: _BOUNDS.pop(key, None))
-    _BOUNDS[key] = (ref, t._version, lo, hi)
+    if version is not None:
+        if len(_BOUNDS) > 1024:
+            _BOUNDS.clear()
+        ref = weakref.ref(t, lambda _r, key=key: _BOUNDS.pop(key, None))
+        _BOUNDS[key] = (ref, version, lo, hi)
     return lo, hi
 
 
@@ -296,6 +299,8 @@ def _block_ids(ids: Any, spec: KVCacheSpec, name: str, device: Any) -> _Ids:
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.dim() != 1:
         shown = ids if not isinstance(ids, torch.Tensor) else f"tensor {t.dtype} {tuple(t.shape)}"
         raise field_error(name, shown, expected)
+    if t.dtype not in (torch.int32, torch.int64):
+        t = t.to(torch.int64)
     n = t.numel()
     if n:
         lo, hi = _bounds(t)
@@ -303,8 +308,6 @@ def _block_ids(ids: Any, spec: KVCacheSpec, name: str, device: Any) -> _Ids:
             bad = lo if lo < 0 else hi
             raise FkvError(f"{name!r} holds block id {bad} but the cache has num_blocks="
                            f"{spec.num_blocks} (valid ids: 0..{spec.num_blocks - 1})")
-    if t.dtype not in (torch.int32, torch.int64):
-        t = t.to(torch.int64)
     return _Ids(t.to(device).contiguous(), n)
 
 
