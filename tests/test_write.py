@@ -438,18 +438,27 @@ class LaunchRecorder:
         return launch
 
 
-def triton_cache_keys(kernel, launches: list[dict]) -> list[str]:
+def triton_cache_keys(kernel, launches: list[dict]) -> list[str] | None:
     """Triton's own cache key (signature specialization + constexprs + options) of each launch,
-    computed with Triton's binder exactly as ``JITFunction.run`` does before looking up its cache."""
-    from triton.backends.compiler import BaseBackend
-    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+    computed with Triton's binder as ``JITFunction.run`` does before looking up its cache.
 
-    jit = JITFunction(kernel.fn, do_not_specialize=write_mod._DO_NOT_SPECIALIZE)
-    binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
-    keys = []
-    for kwargs in launches:
-        _, specialization, options = binder(**kwargs)
-        keys.append(compute_cache_key({}, specialization, options))
+    These are Triton internals (pinned Triton 3.9 in CI); None where they differ (on the GPU the
+    JIT cache itself is counted instead).
+    """
+    try:
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+        jit = JITFunction(kernel.fn, do_not_specialize=write_mod._DO_NOT_SPECIALIZE)
+        binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+        keys = []
+        for kwargs in launches:
+            _, specialization, options = binder(**kwargs)
+            keys.append(compute_cache_key({}, specialization, options))
+    except (ImportError, TypeError, AttributeError):
+        if not torch.cuda.is_available():
+            raise
+        return None
     return keys
 
 
@@ -480,12 +489,13 @@ def test_one_variant_per_layout(device: str, monkeypatch: pytest.MonkeyPatch) ->
     call(nhd, 9, 3, num_blocks=11)    # same layout, another cache size: still the same variant
     call(hnd, 17, 4)                  # another layout: exactly one more
     call(hnd, 5, 5)
-    keys = triton_cache_keys(kernel, recorder.launches)
-    assert len(set(keys[:3])) == 1
-    assert keys[3] not in keys[:3]
-    assert keys[4] == keys[3]
-    assert len(set(keys)) == 2
     assert recorder.launches[0]["HEADS_OUTER"] is False and recorder.launches[3]["HEADS_OUTER"] is True
+    keys = triton_cache_keys(kernel, recorder.launches)
+    if keys is not None:
+        assert len(set(keys[:3])) == 1
+        assert keys[3] not in keys[:3]
+        assert keys[4] == keys[3]
+        assert len(set(keys)) == 2
     if counts[0] is not None:  # GPU: the JIT cache itself
         assert counts[1] == counts[2] == counts[0]
         assert counts[3] == counts[0] + 1 == counts[4]
@@ -526,19 +536,18 @@ def test_decode_is_cuda_graph_capturable(layout: str) -> None:
     cache = poisoned(spec, "cuda")[0]
     write_kv(key, value, cache, slots, spec, validate=False)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):
         write_kv(key, value, cache, slots, spec, validate=False)
     torch.cuda.synchronize()
     new_key, new_value, _ = inputs(spec, 32, "cuda", seed=99)
     key.copy_(new_key)
     value.copy_(new_value)
     slots.copy_(padded_slots(spec, 32, 32, "cuda", seed=99))
-    graph.replay()
+    before = cache.clone()
+    graph.replay()  # the captured launch reads the new inputs
     torch.cuda.synchronize()
-    ref = [cache.clone()]
-    reference.write_kv(key, value, ref[0], slots, spec, validate=False)
-    assert_same_bytes([cache], ref)
+    reference.write_kv(key, value, before, slots, spec, validate=False)
+    assert_same_bytes([cache], [before])
 
 
 def test_checks_still_run_when_the_signature_was_seen_before() -> None:

@@ -266,6 +266,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
     >>> (cache,) = allocate(spec)
     >>> k, v = torch.randn(3, 2, 8).bfloat16(), torch.randn(3, 2, 8).bfloat16()
     >>> write_kv(k, v, cache, torch.tensor([5, -1, 0]), spec)  # doctest: +SKIP
+    >>> bool((cache[1, 0, 1] == k[0]).all()), bool((cache[0, 1, 0] == v[2]).all())  # doctest: +SKIP
+    (True, True)
+
+    (Runs on CUDA tensors, or on CPU with ``TRITON_INTERPRET=1`` set before triton is imported.)
     """
     try:
         sig = _signature(key, value, cache, slot_mapping, spec, k_scale, v_scale)
