@@ -21,9 +21,6 @@ import triton.language as tl
 
 __all__ = ["_paged_attention_kernel", "_reduce_splits_kernel"]
 
-_NEG_INIT = -1.0e30  # finite row-max start: fully masked rows give exp2(-inf - m) = 0, never NaN
-
-
 @triton.jit
 def _tanh(x):
     # Portable across Triton versions: 1 - 2 / (exp(2x) + 1) saturates correctly at +-1.
@@ -117,12 +114,12 @@ def _paged_attention_kernel(
         hi = lo + num_seqs
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            ok = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile
+            ok = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_Q + mid <= tile
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid)
         seq = lo
-        q_start = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_start = tl.load(qsl_ptr + seq).to(tl.int32)
+        q_len = tl.load(qsl_ptr + seq + 1).to(tl.int32) - q_start
         q_tile = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     else:
         seq = tile
@@ -131,7 +128,7 @@ def _paged_attention_kernel(
         q_tile = 0
     if q_tile >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
 
     r = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_PAD)
@@ -175,7 +172,8 @@ def _paged_attention_kernel(
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
+    # Finite row-max start: a fully masked row gives exp2(-inf - m) = 0, never NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     for start in range(a_lo, a_hi, TILE_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,

@@ -311,7 +311,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
                     query_start_loc: torch.Tensor | None = None, scale: float | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
                     k_scale: Any = None, v_scale: Any = None, out: torch.Tensor | None = None,
-                    check_values: bool = True, config: AttentionConfig | None = None) -> torch.Tensor:
+                    validate: bool = True, config: AttentionConfig | None = None) -> torch.Tensor:
     """Causal attention of ``q`` over one layer of a paged KV cache, any backend and layout.
 
     Shapes: ``q`` ``[T, Hq, D]`` (bf16, fp16 or fp32); ``cache`` one layer's logical view of
@@ -328,7 +328,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
       ``p-W+1 .. p``; ``softcap=c``: scores (after ``scale``, default ``1/sqrt(D)``) become
       ``c * tanh(s / c)``; fp8 caches need ``k_scale``/``v_scale`` (float32, one element).
     - MLA: multi-query attention over the latent, which is both key and value (module docstring).
-    - ``check_values=False`` skips the one device sync that validates block ids, ``seq_lens`` and
+    - ``validate=False`` skips the one device sync that validates block ids, ``seq_lens`` and
       ``query_start_loc`` values (use it in hot loops once inputs are known good; it is skipped
       automatically during CUDA graph capture). ``config`` overrides :func:`attention_config`.
 
@@ -353,7 +353,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
     if spec.is_fp8:
         k_scale = _check_scale_tensor("k_scale", k_scale, device)
         v_scale = _check_scale_tensor("v_scale", v_scale, device)
-    if check_values:
+    if validate:
         check_attention_values(spec, block_table, seq_lens, query_start_loc, prob.num_q_tokens)
     if out is None:
         out = torch.empty_like(q)

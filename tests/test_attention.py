@@ -1,0 +1,403 @@
+"""fkv.ops.paged_attention against a float64 reference, over layouts, backends, dtypes and options.
+
+Caches are filled with random values through their logical views (every layout), block tables are
+random non-contiguous permutations with garbage in the unused entries, sequence lengths are not
+multiples of the block size, and outputs are poisoned with NaN first so an unwritten element shows.
+Shapes are tiny: the kernels run in the Triton interpreter on CPU (``device`` fixture), or on a
+GPU under the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import fkv
+from fkv import FkvError, KVCacheSpec
+from fkv.ops import paged_attention
+from fkv.ops import reference as R
+from fkv.ops.attention import AttentionConfig, attention_config
+
+RA = importlib.import_module("fkv.ops.reference._attention")
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+
+
+class Case:
+    """A cache filled with random values, a block table, seq lens and queries for one call."""
+
+    def __init__(self, device: str, *, backend: str = "triton", layout: str = "NHD",
+                 cross_layer: bool = False, dtype: str = "bfloat16", q_dtype: Any = None,
+                 hq: int = 4, hkv: int = 2, head_size: int = 32, block_size: int = 4,
+                 seq_lens: tuple[int, ...] = (1, 7, 13, 4), q_lens: tuple[int, ...] | None = None,
+                 seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        n = block_size
+        need = [-(-s // n) for s in seq_lens]
+        max_blocks = max(need) + 1  # one more column than needed: capacity is not the length
+        num_blocks = sum(need) + 3
+        if backend == "mla":
+            hkv = 1
+        self.spec = KVCacheSpec(backend=backend, layout=layout, cross_layer=cross_layer,
+                                num_layers=2, num_blocks=num_blocks, block_size=n,
+                                num_kv_heads=hkv, head_size=head_size, dtype=dtype)
+        caches = fkv.allocate(self.spec, device=device)
+        for c in caches:  # every layer random: a wrong layer offset reads the other layer's values
+            c.copy_(torch.randn(c.shape, generator=g).to(c.dtype))
+        self.cache = caches[1]
+        perm = torch.randperm(num_blocks, generator=g).tolist()
+        table = torch.randint(-5, 1 << 20, (len(seq_lens), max_blocks), generator=g)  # garbage
+        for b, k in enumerate(need):
+            table[b, :k] = torch.tensor(perm[:k], dtype=torch.int64)
+            perm = perm[k:]
+        self.block_table = table.to(torch.int32).to(device)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        qd = q_dtype or (torch.bfloat16 if self.spec.is_fp8 else getattr(torch, dtype))
+        total = len(seq_lens) if q_lens is None else sum(q_lens)
+        self.q = torch.randn(total, hq, head_size, generator=g).to(qd).to(device)
+        self.query_start_loc = None
+        if q_lens is not None:
+            offsets = [0]
+            for ql in q_lens:
+                offsets.append(offsets[-1] + ql)
+            self.query_start_loc = torch.tensor(offsets, dtype=torch.int32, device=device)
+        self.kw: dict[str, Any] = {}
+        if self.spec.is_fp8:
+            self.kw["k_scale"] = torch.tensor([0.75], device=device)
+            self.kw["v_scale"] = torch.tensor([1.5], device=device)
+
+    def args(self) -> tuple[Any, ...]:
+        return self.q, self.cache, self.spec, self.block_table, self.seq_lens
+
+    def run(self, **kw: Any) -> torch.Tensor:
+        out = torch.full_like(self.q, float("nan"))
+        res = paged_attention(*self.args(), query_start_loc=self.query_start_loc, out=out,
+                              **self.kw, **kw)
+        assert res is out
+        return out
+
+    def expected(self, **kw: Any) -> torch.Tensor:
+        kw.pop("config", None)
+        return RA.attend(*self.args(), query_start_loc=self.query_start_loc, **self.kw, **kw,
+                         acc_dtype=torch.float64)
+
+    def check(self, **kw: Any) -> None:
+        got = self.run(**kw).double().cpu()
+        want = self.expected(**kw).cpu()
+        assert not got.isnan().any(), "unwritten (NaN-poisoned) output elements"
+        tol = TOL[self.q.dtype] * (float(self.kw["v_scale"]) if self.kw else 1.0)
+        err = (got - want).abs().max().item()
+        assert torch.allclose(got, want, atol=tol, rtol=tol), f"max abs error {err}"
+
+
+LAYOUTS = [(b, lay, x) for b in ("triton", "flash_attn") for lay in ("NHD", "HND") for x in (False, True)]
+
+
+def _id(p: tuple[str, str, bool]) -> str:
+    return f"{p[0]}-{p[1]}{'-xl' if p[2] else ''}"
+
+
+@pytest.mark.parametrize("where", LAYOUTS + [("flashinfer", "HND", False)], ids=_id)
+def test_decode_every_layout(device: str, where: tuple[str, str, bool]) -> None:
+    backend, layout, cross = where
+    Case(device, backend=backend, layout=layout, cross_layer=cross).check()
+
+
+@pytest.mark.parametrize("where", LAYOUTS, ids=_id)
+def test_varlen_prefill_every_layout(device: str, where: tuple[str, str, bool]) -> None:
+    backend, layout, cross = where
+    # Full prefill (q_len == seq_len), chunked prefill with context, an empty query, a decode row.
+    Case(device, backend=backend, layout=layout, cross_layer=cross, seq_lens=(6, 9, 3, 13),
+         q_lens=(6, 4, 0, 1)).check()
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (6, 2), (8, 1)], ids=["MHA", "GQA3", "MQA"])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_gqa_mqa(device: str, hq: int, hkv: int, mode: str) -> None:
+    q_lens = None if mode == "decode" else (2, 5, 1, 4)
+    Case(device, hq=hq, hkv=hkv, seq_lens=(3, 7, 13, 4), q_lens=q_lens, seed=hq).check()
+
+
+# Loop structure: tiles of 16 keys over sequences of up to 70 tokens, so the unmasked middle loop,
+# both masked loops, window bounds inside a tile and flash-decoding splits all run.
+LONG = dict(block_size=4, seq_lens=(70, 33, 17, 48))
+SMALL_TILES = AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=1)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("opts", [{}, {"sliding_window": 5}, {"sliding_window": 21, "softcap": 3.0},
+                                  {"softcap": 1.5}], ids=["causal", "window5", "window21-softcap", "softcap"])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_tiles_window_softcap_splits(device: str, mode: str, opts: dict[str, Any], splits: int) -> None:
+    q_lens = None if mode == "decode" else (9, 33, 2, 20)
+    case = Case(device, q_lens=q_lens, layout="HND", seed=splits, **LONG)
+    cfg = AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=splits)
+    case.check(config=cfg, **opts)
+
+
+def test_split_heads_into_chunks(device: str) -> None:
+    """heads_per_program < Hq/Hkv: the query group is split over programs (and padded: 6 = 4 + 2)."""
+    case = Case(device, hq=12, hkv=2, q_lens=(3, 7, 1, 2), seq_lens=(3, 30, 17, 4))
+    case.check(config=AttentionConfig(block_q=2, heads_per_program=4, tile_n=16, num_splits=2))
+
+
+def test_default_config_runs_splits(device: str) -> None:
+    """The default configuration, with a block-table capacity large enough to split."""
+    case = Case(device, seq_lens=(700, 5), head_size=16, block_size=32, hq=2, hkv=1)
+    cfg = attention_config(num_seqs=2, num_q_tokens=2, num_q_heads=2, num_kv_heads=1, head_size=16,
+                           max_context=case.block_table.shape[1] * 32, itemsize=2,
+                           num_sms=1 if device == "cpu" else
+                           torch.cuda.get_device_properties(0).multi_processor_count, varlen=False)
+    assert cfg.num_splits > 1
+    case.check()
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_fp8_cache(device: str, dtype: str, mode: str) -> None:
+    q_lens = None if mode == "decode" else (1, 7, 2, 4)
+    Case(device, dtype=dtype, q_lens=q_lens, layout="HND").check()
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.float32])
+def test_fp8_cache_other_query_dtypes(device: str, q_dtype: torch.dtype) -> None:
+    Case(device, dtype="float8_e4m3fn", q_dtype=q_dtype, q_lens=(1, 7, 2, 4)).check()
+
+
+def test_fp8_scales_as_floats_and_write_kv_round_trip(device: str) -> None:
+    """Written by fkv.ops.reference.write_kv with scales, read back with the same scales: the
+    attention matches attention over the unquantized values within fp8 precision."""
+    g = torch.Generator().manual_seed(5)
+    spec = KVCacheSpec(layout="HND", num_blocks=6, block_size=4, num_kv_heads=2, head_size=32,
+                       dtype="float8_e4m3fn")
+    dense = spec.evolve(dtype="bfloat16")
+    (c8,), (c16,) = fkv.allocate(spec, device=device), fkv.allocate(dense, device=device)
+    k = (torch.randn(20, 2, 32, generator=g) * 3).to(torch.bfloat16).to(device)
+    v = (torch.randn(20, 2, 32, generator=g) * 3).to(torch.bfloat16).to(device)
+    slots = torch.arange(20, device=device)
+    ks, vs = torch.tensor([0.05], device=device), torch.tensor([0.02], device=device)
+    R.write_kv(k, v, c8, slots, spec, k_scale=ks, v_scale=vs)
+    R.write_kv(k, v, c16, slots, dense)
+    bt = torch.tensor([[4, 3, 2, 1, 0]], dtype=torch.int32, device=device)
+    lens = torch.tensor([17], dtype=torch.int32, device=device)
+    q = torch.randn(1, 4, 32, generator=g).to(torch.bfloat16).to(device)
+    got = paged_attention(q, c8, spec, bt, lens, k_scale=0.05, v_scale=0.02).double().cpu()
+    # Exact convention: the same attention over the dequantized values (stored * scale).
+    deq = spec.evolve(dtype="float32")
+    (c32,) = fkv.allocate(deq, device=device)
+    c32[:, 0] = c8[:, 0].float() * 0.05          # triton logical (NB, 2, N, H, D): K then V
+    c32[:, 1] = c8[:, 1].float() * 0.02
+    want = RA.attend(q.float(), c32, deq, bt, lens, acc_dtype=torch.float64).cpu()
+    assert torch.allclose(got, want, atol=3e-2, rtol=2e-2)
+    # And close to attention over the unquantized values (fp8 keeps ~2 significant digits).
+    exact = RA.attend(q, c16, dense, bt, lens, acc_dtype=torch.float64).cpu()
+    assert (got - exact).norm() / exact.norm() < 0.1
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_float_dtypes(device: str, dtype: str) -> None:
+    Case(device, dtype=dtype, q_lens=(1, 7, 2, 4), layout="HND").check()
+    Case(device, dtype=dtype).check()
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+def test_head_sizes(device: str, head_size: int) -> None:
+    Case(device, head_size=head_size, hq=2, hkv=1, seq_lens=(9, 3), q_lens=(3, 1),
+         seed=head_size).check()
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_mla_is_mqa_over_the_latent(device: str, cross: bool) -> None:
+    """MLA: every query head attends to the one latent row per token, which is key and value."""
+    case = Case(device, backend="mla", cross_layer=cross, hq=4, head_size=40, q_lens=(1, 7, 2, 4))
+    case.check(scale=0.1)
+    # The value part equals softmax(q . latent) @ latent[:, :d_v] computed by hand for one token.
+    got = case.run(scale=0.1)
+    lat = case.cache[case.block_table[0, 0].item(), 0].double()          # sequence 0: one token
+    assert torch.allclose(got[0].double(), lat.expand(4, -1), atol=2e-2, rtol=2e-2)
+
+
+def test_noncontiguous_q_and_out(device: str) -> None:
+    case = Case(device, q_lens=(1, 7, 2, 4))
+    big = torch.randn(case.q.shape[0], case.q.shape[1] * 2, 48).to(case.q.dtype).to(device)
+    big[:, ::2, 8:40] = case.q
+    q = big[:, ::2, 8:40]
+    out = torch.full((case.q.shape[0], 48, case.q.shape[1] * 3), float("nan"),
+                     dtype=case.q.dtype, device=device).transpose(1, 2)[:, 1::3, :32]
+    res = paged_attention(q, case.cache, case.spec, case.block_table, case.seq_lens,
+                          query_start_loc=case.query_start_loc, out=out)
+    assert res is out
+    assert torch.allclose(out.double().cpu(), case.expected().cpu(), atol=2e-2, rtol=2e-2)
+
+
+def test_reference_float32_matches_float64(device: str) -> None:
+    case = Case(device, dtype="float32", q_lens=(1, 7, 2, 4))
+    got = R.paged_attention(*case.args(), query_start_loc=case.query_start_loc, sliding_window=4)
+    want = RA.attend(*case.args(), query_start_loc=case.query_start_loc, sliding_window=4,
+                     acc_dtype=torch.float64)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5)
+    out = torch.full_like(case.q, float("nan"))
+    assert R.paged_attention(*case.args(), query_start_loc=case.query_start_loc, out=out) is out
+    assert not out.isnan().any()
+
+
+def test_single_key_gives_its_value() -> None:
+    """Independent oracle: a sequence of one token attends only to itself: output = its V row."""
+    case = Case("cpu", dtype="float32", seq_lens=(1, 5), hq=4, hkv=2)
+    ref = RA.attend(*case.args(), acc_dtype=torch.float64)
+    blk = case.block_table[0, 0].item()
+    v0 = case.cache[blk, 1, 0].double()                                 # [Hkv, D] at token 0
+    assert torch.allclose(ref[0], v0.repeat_interleave(2, dim=0))
+
+
+# -- the pure configuration --------------------------------------------------------------------
+
+H200 = dict(num_q_heads=32, num_kv_heads=8, head_size=128, itemsize=2, num_sms=132)
+
+
+@pytest.mark.parametrize(("batch", "ctx"), [(64, 8192), (256, 2048), (8, 32768)])
+def test_decode_config_fills_the_gpu(batch: int, ctx: int) -> None:
+    cfg = attention_config(num_seqs=batch, num_q_tokens=batch, max_context=ctx, varlen=False, **H200)
+    assert (cfg.block_q, cfg.heads_per_program) == (1, 4)   # all 4 query heads of a KV head
+    programs = batch * 8 * cfg.num_splits
+    assert programs >= 4 * 132
+    assert ctx / cfg.num_splits >= 512                     # each split streams >= 512 keys
+
+
+def test_prefill_config() -> None:
+    cfg = attention_config(num_seqs=4, num_q_tokens=4 * 4096, max_context=4096, varlen=True, **H200)
+    assert (cfg.block_q, cfg.heads_per_program, cfg.num_splits) == (32, 4, 1)
+    assert cfg.block_q * cfg.heads_per_program == 128
+
+
+def test_config_validation() -> None:
+    with pytest.raises(FkvError, match=r"'tile_n' must be a power of two >= 16 \(got 48\)"):
+        AttentionConfig(block_q=1, heads_per_program=1, tile_n=48)
+    case = Case("cpu")
+    with pytest.raises(FkvError, match=r"'config' must be an AttentionConfig or None"):
+        paged_attention(*case.args(), config={"tile_n": 16})
+
+
+# -- bad inputs: FkvError before anything launches -----------------------------------------------
+
+def _bad(case: Case, **changes: Any) -> dict[str, Any]:
+    kw = dict(q=case.q, cache=case.cache, spec=case.spec, block_table=case.block_table,
+              seq_lens=case.seq_lens, query_start_loc=case.query_start_loc, **case.kw)
+    kw.update(changes)
+    return kw
+
+
+def _call(fn: Any, kw: dict[str, Any]) -> Any:
+    kw = dict(kw)
+    args = [kw.pop(k) for k in ("q", "cache", "spec", "block_table", "seq_lens")]
+    return fn(*args, **kw)
+
+
+def _bt(case: Case, b: int, j: int, value: int) -> torch.Tensor:
+    t = case.block_table.clone()
+    t[b, j] = value
+    return t
+
+
+BAD = {
+    "hq-not-multiple": (lambda c: _bad(c, q=torch.randn(4, 3, 32).bfloat16()),
+                        r"'q' has 3 query heads, which must be a positive multiple of the cache's 2 KV heads"),
+    "q-rank": (lambda c: _bad(c, q=torch.randn(4, 64).bfloat16()),
+               r"'q' must have shape \[total_q_tokens, Hq, 32\]"),
+    "q-head-size": (lambda c: _bad(c, q=torch.randn(4, 4, 16).bfloat16()),
+                    r"'q' must have shape \[total_q_tokens, Hq, 32\].*\(got \(4, 4, 16\)\)"),
+    "q-dtype": (lambda c: _bad(c, q=c.q.half()),
+                r"'q.dtype' is torch.float16 but the cache holds 'bfloat16'"),
+    "q-int": (lambda c: _bad(c, q=c.q.to(torch.int32)), r"'q.dtype' must be torch.bfloat16, "),
+    "cache-layout": (lambda c: _bad(c, spec=c.spec.evolve(layout="HND")),
+                     r"'cache' has strides .* the tensor's real layout differs"),
+    "block-table-dtype": (lambda c: _bad(c, block_table=c.block_table.float()),
+                          r"'block_table.dtype' must be torch.int32 or torch.int64"),
+    "block-table-rows": (lambda c: _bad(c, block_table=c.block_table[:3]),
+                         r"'seq_lens' has 4 entries but 'block_table' has 3 rows"),
+    "block-id-beyond-cache": (lambda c: _bad(c, block_table=_bt(c, 2, 1, 10_000)),
+                              r"'block_table\[2, 1\]' is 10000, outside the cache's \[0, 11\) blocks"),
+    "block-id-negative": (lambda c: _bad(c, block_table=_bt(c, 1, 0, -1)),
+                          r"'block_table\[1, 0\]' is -1, outside"),
+    "seq-len-beyond-table": (lambda c: _bad(c, seq_lens=torch.tensor([1, 7, 21, 4], dtype=torch.int32)),
+                             r"'seq_lens\[2\]' is 21 tokens but the block table holds 5 blocks of 4 = 20"),
+    "seq-len-negative": (lambda c: _bad(c, seq_lens=torch.tensor([1, -7, 2, 4], dtype=torch.int32)),
+                         r"'seq_lens\[1\]' must be a non-negative token count \(got -7\)"),
+    "decode-empty-seq": (lambda c: _bad(c, seq_lens=torch.tensor([1, 0, 2, 4], dtype=torch.int32)),
+                         r"'seq_lens\[1\]' must be >= 1 in decode"),
+    "decode-token-count": (lambda c: _bad(c, q=c.q[:3]),
+                           r"decode \(query_start_loc=None\) takes one query per sequence: 'q' has 3"),
+    "fp8-no-scale": (lambda c: _bad(c, spec=c.spec.evolve(dtype="float8_e4m3fn"),
+                                    cache=c.cache.to(torch.float8_e4m3fn)),
+                     r"'k_scale' is required for an fp8 cache"),
+    "scale-on-bf16": (lambda c: _bad(c, k_scale=torch.ones(1)),
+                      r"'k_scale'/'v_scale' apply only to fp8 caches"),
+    "window": (lambda c: _bad(c, sliding_window=0), r"'sliding_window' must be a positive int or None \(got 0\)"),
+    "softcap": (lambda c: _bad(c, softcap=-1.0), r"'softcap' must be a positive finite float or None"),
+    "scale": (lambda c: _bad(c, scale=math.inf), r"'scale' must be a positive finite float"),
+    "out-shape": (lambda c: _bad(c, out=torch.empty(4, 4, 16, dtype=torch.bfloat16)),
+                  r"'out' must be a tensor of q's shape \(4, 4, 32\) and dtype torch.bfloat16"),
+    "seq-lens-2d": (lambda c: _bad(c, seq_lens=c.seq_lens[None]), r"'seq_lens' must have 1 dim"),
+}
+
+BAD_VARLEN = {
+    "qsl-length": (lambda c: _bad(c, query_start_loc=c.query_start_loc[:-1]),
+                   r"'query_start_loc' must have num_seqs \+ 1 = 5 cumulative offsets \(got 4\)"),
+    "qsl-end": (lambda c: _bad(c, query_start_loc=torch.tensor([0, 1, 2, 3, 5], dtype=torch.int32)),
+                r"'query_start_loc' must run from 0 to total_q_tokens=9 \(got 0 ... 5\)"),
+    "qsl-decreasing": (lambda c: _bad(c, query_start_loc=torch.tensor([0, 3, 2, 5, 9], dtype=torch.int32)),
+                       r"'query_start_loc' decreases at sequence 1 \(3 -> 2\)"),
+    "more-queries-than-tokens": (lambda c: _bad(c, query_start_loc=torch.tensor([0, 2, 3, 4, 9],
+                                                                                dtype=torch.int32)),
+                                 r"sequence 0 has 2 queries but 'seq_lens\[0\]' is 1"),
+    "qsl-float": (lambda c: _bad(c, query_start_loc=c.query_start_loc.float()),
+                  r"'query_start_loc.dtype' must be torch.int32 or torch.int64"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+@pytest.mark.parametrize("fn", [paged_attention, R.paged_attention], ids=["kernel", "reference"])
+def test_bad_inputs_decode(name: str, fn: Any) -> None:
+    case = Case("cpu")
+    make, match = BAD[name]
+    out = torch.full_like(case.q, float("nan"))
+    kw = make(case)
+    kw.setdefault("out", out)
+    with pytest.raises(FkvError, match=match):
+        _call(fn, kw)
+    assert out.isnan().all(), "nothing may be written before the error"
+
+
+@pytest.mark.parametrize("name", list(BAD_VARLEN))
+@pytest.mark.parametrize("fn", [paged_attention, R.paged_attention], ids=["kernel", "reference"])
+def test_bad_inputs_varlen(name: str, fn: Any) -> None:
+    case = Case("cpu", q_lens=(1, 3, 1, 4))
+    make, match = BAD_VARLEN[name]
+    with pytest.raises(FkvError, match=match):
+        _call(fn, make(case))
+
+
+def test_unused_block_table_entries_are_not_checked_nor_read(device: str) -> None:
+    """Entries past ceil(seq_len / block_size) may hold anything (engines leave garbage there)."""
+    case = Case(device)
+    case.block_table[:, -1] = -7
+    case.block_table[0, 1:] = 1 << 30
+    case.check()
+
+
+# -- GPU: the benchmark's shapes, scaled down, with the default configuration ---------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_gpu_default_configs(layout: str, mode: str) -> None:
+    q_lens = None if mode == "decode" else (300, 1, 77)
+    case = Case("cuda", layout=layout, hq=32, hkv=8, head_size=128, block_size=16,
+                seq_lens=(1500, 700, 2100), q_lens=q_lens)
+    case.check()
+    case.check(sliding_window=256, softcap=30.0)
