@@ -23,7 +23,7 @@ from fkv import FkvError, KVCacheSpec, rearrange_pattern
 from fkv.ops import reference as R
 from fkv.testing import assert_kv_equal, token_major
 
-C = importlib.import_module("fkv.ops.convert")
+C = importlib.import_module("fkv.ops.relayout")
 RC = importlib.import_module("fkv.ops.reference._convert")
 
 GEOM = dict(num_blocks=8, block_size=4, num_kv_heads=4, head_size=8, num_layers=2)
@@ -404,12 +404,12 @@ def test_bad_move_ranges(small):
 
 
 def test_public_names_route_here(device):
-    # fkv.ops.convert is the op (API.md) and the module holding move (STAGING.md): the module is
-    # callable, so both spellings work whichever one the package attribute holds.
-    assert fkv.ops.convert in (C, C.convert) and fkv.ops.gather is C.gather
-    assert fkv.ops.scatter is C.scatter
+    # The public names (API.md) are the functions of fkv.ops.relayout, whatever was imported first.
+    assert fkv.ops.convert is C.convert and fkv.ops.gather is C.gather
+    assert fkv.ops.scatter is C.scatter and fkv.ops.move is C.move
     assert R.convert is RC.convert and R.gather is RC.gather and R.scatter is RC.scatter
+    assert R.move is RC.move
     spec = MLA_SPECS[0].evolve(num_layers=1)
     (src,) = _cache(spec, device, seed=19)
-    assert _equal(C(src, spec, spec.evolve(cross_layer=True)), src)
+    assert _equal(C.convert(src, spec, spec.evolve(cross_layer=True)), src)
     assert _equal(fkv.ops.convert(src, spec, spec), src)

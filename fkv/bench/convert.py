@@ -172,7 +172,7 @@ def _finish(case: Case, ceiling: float) -> None:
 def _run_convert(case: Case, shape: Shape, device: str, ceiling: float, rep: int | None) -> None:
     import fkv
     from fkv.ops import reference
-    from fkv.ops.convert import convert
+    from fkv.ops.relayout import convert
 
     src_spec, dst_spec = _spec(case.src, shape), _spec(case.dst, shape)
     src = fkv.allocate(src_spec, device=device)
@@ -214,7 +214,7 @@ def _run_staging(case: Case, shape: Shape, device: str, ceiling: float, rep: int
 
     import fkv
     from fkv.ops import reference
-    from fkv.ops.convert import gather, scatter
+    from fkv.ops.relayout import gather, scatter
 
     spec = _spec(case.src, shape)
     caches = fkv.allocate(spec, device=device)

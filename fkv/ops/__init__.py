@@ -1,6 +1,7 @@
 """Triton kernels over any layout (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
-``write_kv``, ``convert``, ``gather``, ``scatter``, ``paged_attention``; ``fkv.ops.reference`` holds
+``write_kv``, ``convert``, ``gather``, ``scatter``, ``move`` (token copy between any two
+specs, with block re-chunking and head ranges), ``paged_attention``; ``fkv.ops.reference`` holds
 pure torch/einops versions of each with the same signatures.
 """
 
@@ -9,13 +10,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["convert", "gather", "paged_attention", "reference", "scatter", "write_kv"]
+__all__ = ["convert", "gather", "move", "paged_attention", "reference", "scatter", "write_kv"]
 
 _LAZY = {
     "write_kv": ("fkv.ops.write", "write_kv"),
-    "convert": ("fkv.ops.convert", "convert"),
-    "gather": ("fkv.ops.convert", "gather"),
-    "scatter": ("fkv.ops.convert", "scatter"),
+    "convert": ("fkv.ops.relayout", "convert"),
+    "gather": ("fkv.ops.relayout", "gather"),
+    "scatter": ("fkv.ops.relayout", "scatter"),
+    "move": ("fkv.ops.relayout", "move"),
     "paged_attention": ("fkv.ops.attention", "paged_attention"),
     "reference": ("fkv.ops.reference", None),
 }

@@ -1,6 +1,6 @@
 """The one Triton kernel behind ``move``, ``convert``, ``gather`` and ``scatter``, and its launcher.
 
-Every op of :mod:`fkv.ops.convert` copies tokens of one layer between two paged views: token ``i``
+Every op of :mod:`fkv.ops.relayout` copies tokens of one layer between two paged views: token ``i``
 lives in source block ``src_ids[i // SRC_BLOCK_SIZE]`` slot ``i % SRC_BLOCK_SIZE`` and goes to
 destination block ``dst_ids[i // DST_BLOCK_SIZE]`` slot ``i % DST_BLOCK_SIZE``. A program moves one
 tile of ``TILE_T`` tokens x ``TILE_H`` heads x ``HEAD_SIZE`` channels of the K or the V half.

@@ -8,13 +8,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["convert", "gather", "paged_attention", "scatter", "write_kv"]
+__all__ = ["convert", "gather", "move", "paged_attention", "scatter", "write_kv"]
 
 _LAZY = {
     "write_kv": "fkv.ops.reference._write",
     "convert": "fkv.ops.reference._convert",
     "gather": "fkv.ops.reference._convert",
     "scatter": "fkv.ops.reference._convert",
+    "move": "fkv.ops.reference._convert",
     "paged_attention": "fkv.ops.reference._attention",
 }
 

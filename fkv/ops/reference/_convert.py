@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import einops
 
 from fkv.layout import KVCacheSpec
-from fkv.ops.convert import _check_convert, _check_gather, _check_move, _check_scatter, _Move
+from fkv.ops.relayout import _check_convert, _check_gather, _check_move, _check_scatter, _Move
 from fkv.tensors import allocate, require_torch
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
          dst: torch.Tensor, dst_spec: KVCacheSpec, dst_block_ids: Any, *,
          src_heads: tuple[int, int] | None = None, dst_heads: tuple[int, int] | None = None,
          num_tokens: int | None = None) -> None:
-    """Reference of :func:`fkv.ops.convert.move` (token ``i``: ``ids[i // N]`` slot ``i % N``).
+    """Reference of :func:`fkv.ops.move` (token ``i``: ``ids[i // N]`` slot ``i % N``).
 
     >>> import torch, fkv
     >>> a = fkv.KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=1, head_size=2)
@@ -79,7 +79,7 @@ def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
 
 def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any = None,
             block_ids: Any = None) -> Any:
-    """Reference of :func:`fkv.ops.convert.convert`: ``einops.rearrange`` per layer.
+    """Reference of :func:`fkv.ops.relayout.convert`: ``einops.rearrange`` per layer.
 
     >>> import torch, fkv
     >>> s = fkv.KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
@@ -105,7 +105,7 @@ def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any 
 def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
            heads: tuple[int, int] | None = None, out: torch.Tensor | None = None,
            num_tokens: int | None = None, block_size: int | None = None) -> torch.Tensor:
-    """Reference of :func:`fkv.ops.convert.gather` (staging ``[n, 2, h, N, D]``; mla ``[n, N, D]``).
+    """Reference of :func:`fkv.ops.relayout.gather` (staging ``[n, 2, h, N, D]``; mla ``[n, N, D]``).
 
     >>> import torch, fkv
     >>> s = fkv.KVCacheSpec(num_blocks=4, block_size=2, num_kv_heads=2, head_size=2)
@@ -122,7 +122,7 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
 def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
             heads: tuple[int, int] | None = None, num_tokens: int | None = None,
             block_size: int | None = None) -> None:
-    """Reference of :func:`fkv.ops.convert.scatter`, the inverse of :func:`gather`.
+    """Reference of :func:`fkv.ops.relayout.scatter`, the inverse of :func:`gather`.
 
     >>> import torch, fkv
     >>> s = fkv.KVCacheSpec(num_blocks=4, block_size=2, num_kv_heads=2, head_size=2)

@@ -22,8 +22,6 @@ checked with one device sync (cached per tensor until it is modified in place).
 from __future__ import annotations
 
 import operator
-import sys
-import types
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -467,15 +465,3 @@ def _check_empty(t: Any, shape: tuple[int, ...], name: str) -> None:
     if not _is_tensor(t) or tuple(t.shape) != shape:
         raise FkvError(f"{name!r} must have shape {shape} for zero tokens "
                        f"(got {tuple(getattr(t, 'shape', ())) or type(t).__name__})")
-
-
-class _CallableModule(types.ModuleType):
-    """This module is also the op: ``fkv.ops.convert(src, ...)`` (API.md) calls :func:`convert`,
-    while ``fkv.ops.convert.move`` (STAGING.md) and ``from fkv.ops.convert import gather`` reach
-    the module's functions."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return convert(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
