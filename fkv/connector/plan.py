@@ -13,7 +13,7 @@ chooses one of two strategies:
   (STAGING.md). Needed for layout mismatches, NHD head slices, block-size mismatches.
 
 The planner picks the strategy that moves the fewest bytes with the fewest descriptors, scored per
-remote block and layer as ``bytes read + STAGING_COST_FRACTION * bytes the move kernel copies +
+remote block as ``bytes read + STAGING_COST_FRACTION * bytes the move kernel copies +
 DESCRIPTOR_COST_BYTES * descriptors`` (ties go to ``direct``); ``describe()`` reports both. All offsets come from the layout algebra
 (``KVCacheSpec.span`` for contiguity, ``region_and_offset`` for addresses).
 
@@ -55,7 +55,7 @@ DESCRIPTOR_COST_BYTES = 4096
 #: Cost per byte the staging move kernel copies, relative to a byte read (bytes moved twice).
 STAGING_COST_FRACTION = 1.0
 
-_KV_AXES = ("two", "N", "H")  # the axes an atom may split (C, the head_size, is always whole)
+_ATOM_AXES = ("L", "two", "N", "H")  # the axes an atom may split (C, the head_size, is always whole)
 
 
 def expected_notifications(prefill_tp: int, decode_tp: int) -> int:
@@ -82,7 +82,8 @@ class Read:
 
 @attrs.frozen
 class Cost:
-    """Estimated cost of a strategy, per remote block and layer, before coalescing rows."""
+    """Cost of a strategy per remote block (all layers, all remote ranks read), before rows of
+    neighbouring blocks coalesce."""
 
     strategy: str
     descriptors: int
@@ -96,7 +97,7 @@ class Cost:
 
     def __str__(self) -> str:
         text = (f"{self.strategy}: {self.descriptors} descriptor{'s' if self.descriptors != 1 else ''}"
-                f", {self.nbytes} B per remote block per layer")
+                f", {self.nbytes} B per remote block (all layers)")
         if self.strategy == "staging":
             text += f", then fkv.ops.convert.move copies {self.staged_bytes} B"
         return text
@@ -104,11 +105,13 @@ class Cost:
 
 @attrs.frozen
 class _Move:
-    """How one read moves: ``split`` axes go one index per row; ``heads`` is the remote head
-    range read (staging may read more than needed, to get fewer descriptors)."""
+    """How one read moves: an atom (one row) covers the ``full`` extents except on the ``split``
+    axes, which go one index per row; ``heads`` is the remote head range read (staging may read
+    more than needed, to get fewer descriptors). ``descriptors``/``nbytes``: per remote block."""
 
     split: tuple[str, ...]
     heads: tuple[int, int]
+    full: tuple[tuple[str, int], ...]
     descriptors: int
     nbytes: int
 
@@ -155,40 +158,44 @@ def _splits(full: dict[str, int]) -> list[tuple[tuple[str, ...], int]]:
 def _best_split(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[str, int], ...]
                 ) -> tuple[tuple[str, ...], int]:
     """Fewest atoms such that one atom is contiguous with the same element order on every side."""
-    fd = dict(full)
-    for split, count in _splits(fd):
+    for split, count in _splits(dict(full)):
         ext = tuple((a, 1 if a in split else e) for a, e in full)
         if all(_contiguous(s, ext) for s in sides) and len({_order(s, ext) for s in sides}) == 1:
             return split, count
     raise AssertionError("single-row atoms are always contiguous")  # C is innermost everywhere
 
 
-def _full(spec: KVCacheSpec, tokens: int, heads: int) -> tuple[tuple[str, int], ...]:
-    full = {"two": 2, "N": tokens, "H": heads}
-    return tuple((a, full[a]) for a in _KV_AXES if a in spec.axis_sizes)
+def _full(sides: tuple[KVCacheSpec, ...], tokens: int, heads: int) -> tuple[tuple[str, int], ...]:
+    """The axes an atom may cover, with their full extents: K/V, a chunk of tokens, the heads
+    read, and the layers when every side keeps all layers in one buffer."""
+    rs = sides[0]
+    full = {"L": rs.num_layers, "two": 2, "N": tokens, "H": heads}
+    cross = all(s.cross_layer for s in sides) and rs.num_layers > 1
+    return tuple((a, full[a]) for a in _ATOM_AXES if a in rs.axis_sizes and (a != "L" or cross))
 
 
 def _atom_bytes(spec: KVCacheSpec, full: tuple[tuple[str, int], ...], split: tuple[str, ...]) -> int:
     return math.prod(e for a, e in full if a not in split) * spec.head_size * spec.itemsize
 
 
+def _move(sides: tuple[KVCacheSpec, ...], heads: tuple[int, int], chunk: int) -> _Move:
+    rs = sides[0]
+    full = _full(sides, chunk, heads[1] - heads[0])
+    split, count = _best_split(sides, full)
+    per_block = count * (rs.block_size // chunk) * (1 if "L" in dict(full) else rs.num_layers)
+    return _Move(split, heads, full, per_block, per_block * _atom_bytes(rs, full, split))
+
+
 def _direct_move(ls: KVCacheSpec, rs: KVCacheSpec, read: Read, chunk: int) -> _Move:
-    nh = read.remote_heads[1] - read.remote_heads[0]
-    full = _full(rs, chunk, nh)
-    split, count = _best_split((rs, ls), full)
-    per_block = rs.block_size // chunk
-    return _Move(split, read.remote_heads, count * per_block,
-                 count * per_block * _atom_bytes(rs, full, split))
+    return _move((rs, ls), read.remote_heads, chunk)
 
 
 def _staging_move(rs: KVCacheSpec, read: Read) -> _Move:
+    """Read the heads needed, or all of the rank's heads when that takes fewer descriptors."""
     options = []
     for heads in dict.fromkeys([read.remote_heads, (0, rs.num_kv_heads)]):
-        full = _full(rs, rs.block_size, heads[1] - heads[0])
-        split, count = _best_split((rs,), full)
-        nbytes = count * _atom_bytes(rs, full, split)
-        move = _Move(split, heads, count, nbytes)
-        options.append((Cost("staging", count, nbytes, 0).score, len(options), move))
+        move = _move((rs,), heads, rs.block_size)
+        options.append((Cost("staging", move.descriptors, move.nbytes, 0).score, len(options), move))
     return min(options)[2]
 
 
@@ -443,8 +450,8 @@ class TransferPlan:
             for r, m in zip(self.reads, self.moves, strict=True))
         notify = ", ".join(f"P{r}" for r in self.notify_only_ranks) or "none"
         how = ("every row lands final bytes in the local cache" if self.strategy == "direct" else
-               "rows read into staging mini-caches (local_region -1), then one move per read and "
-               "layer (staging_steps)")
+               "rows read into staging mini-caches (local_region -1), then staging_steps run one "
+               "move per read and layer")
         lines = [
             f"decode rank {le.tp_rank} of tp {le.tp_size} <- prefill tp {re_.tp_size}: {heads}",
             f"local:  {ls!r}",
@@ -452,7 +459,7 @@ class TransferPlan:
             f"reads: {reads}",
             f"notify only: {notify}; each prefill rank frees a request after {self.notifications} "
             f"notification{'s' if self.notifications != 1 else ''}",
-            f"strategy {self.cost} ({how})",
+            f"strategy {self.cost}; {how}",
             f"alternative {self.alternative}",
         ]
         return "\n".join(lines)
@@ -476,7 +483,9 @@ def _layout_rows(rs: KVCacheSpec, nblocks: int, move: _Move, chunk: int, tokens:
     axes = rs.physical_axes if rs.cross_layer else ("L", *rs.physical_axes)
     nh = move.heads[1] - move.heads[0]
     n_r = rs.block_size
-    counts = {"L": rs.num_layers, "B": nblocks, "N": n_r if "N" in move.split else n_r // chunk,
+    in_atom = {a for a, _ in move.full if a not in move.split}
+    counts = {"L": 1 if "L" in in_atom else rs.num_layers, "B": nblocks,
+              "N": n_r if "N" in move.split else n_r // chunk,
               "two": 2 if "two" in move.split else 1, "H": nh if "H" in move.split else 1, "C": 1}
     grid = {}
     for k, a in enumerate(axes):
@@ -524,7 +533,7 @@ def _fill_rows(out: np.ndarray, rs: KVCacheSpec, remote: np.ndarray, move: _Move
         dreg = -1
     col(3)[...] = dreg
     np.add(d_bt, d_page, out=col(4))
-    out[5] = _atom_bytes(rs, _full(rs, chunk, move.heads[1] - move.heads[0]), move.split)
+    out[5] = _atom_bytes(rs, move.full, move.split)
     if tokens < remote.size * n_r:
         return np.broadcast_to(tok < tokens, shape).reshape(-1)
     return None

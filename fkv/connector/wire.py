@@ -1,0 +1,238 @@
+"""The wire format of the side channel: one rank's engine, cache spec and registered regions.
+
+``encode(engine, spec, regions)`` gives msgpack bytes (msgspec structs, versioned);
+``decode_untrusted(data)`` is the only door for peer bytes: it checks the size, decodes into typed
+structs with bounds on every number, string and list, rebuilds the validated fkv values and checks
+the regions against the spec. Whatever the bytes, it returns a :class:`Peer` or raises
+:class:`~fkv.errors.FkvWireError`; nothing else escapes. No pickle anywhere (SPEC.md §6: NIXL's own
+serialization is pickle; never hand it peer bytes before they passed through here).
+
+>>> from fkv import KVCacheSpec
+>>> from fkv.connector.handshake import EngineDesc
+>>> spec = KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128)
+>>> engine = EngineDesc(engine_id="prefill-0", tp_size=1, tp_rank=0, total_num_kv_heads=8)
+>>> data = encode(engine, spec, [(0x7F0000000000, spec.region_bytes)])
+>>> peer = decode_untrusted(data)
+>>> peer.engine == engine, peer.spec == spec, peer.regions
+(True, True, ((139637976727552, 262144),))
+>>> decode_untrusted(data[:-3])
+Traceback (most recent call last):
+  ...
+fkv.errors.FkvWireError: peer message is not valid msgpack: Input data was truncated
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import attrs
+import msgspec
+
+from fkv.connector.handshake import EngineDesc
+from fkv.errors import FkvError, FkvWireError
+from fkv.layout import KVCacheSpec
+
+__all__ = [
+    "MAX_AGENT_METADATA_BYTES", "MAX_MESSAGE_BYTES", "MAX_REGIONS", "WIRE_VERSION", "Peer",
+    "decode_untrusted", "encode",
+]
+
+#: Version of the message layout below (bumped on any incompatible change).
+WIRE_VERSION = 1
+#: Largest message accepted (bytes), checked before decoding anything.
+MAX_MESSAGE_BYTES = 64 << 20
+#: Largest NIXL agent metadata blob carried (bytes).
+MAX_AGENT_METADATA_BYTES = 32 << 20
+#: Most registered regions (one per layer, or one cross-layer buffer).
+MAX_REGIONS = 4096
+
+_U64 = (1 << 64) - 1
+_Str = Annotated[str, msgspec.Meta(max_length=256)]
+_Name = Annotated[str, msgspec.Meta(max_length=32)]
+
+
+def _int(lo: int, hi: int) -> Any:
+    return Annotated[int, msgspec.Meta(ge=lo, le=hi)]
+
+
+class _Engine(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    engine_id: _Str
+    tp_size: _int(1, 1 << 16)  # type: ignore[valid-type]
+    tp_rank: _int(0, 1 << 16)  # type: ignore[valid-type]
+    total_num_kv_heads: _int(1, 1 << 16)  # type: ignore[valid-type]
+    model: _Str
+    model_dtype: _Name
+    protocol: _int(0, 1 << 31)  # type: ignore[valid-type]
+
+
+class _Spec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    backend: _Name
+    layout: _Name
+    num_blocks: _int(1, 1 << 40)  # type: ignore[valid-type]
+    block_size: _int(1, 1 << 20)  # type: ignore[valid-type]
+    num_kv_heads: _int(1, 1 << 16)  # type: ignore[valid-type]
+    head_size: _int(1, 1 << 16)  # type: ignore[valid-type]
+    dtype: _Name
+    num_layers: _int(1, 1 << 16)  # type: ignore[valid-type]
+    cross_layer: bool
+
+
+# msgpack integers stop at 2**64 - 1; msgspec bounds must fit int64, so the address's upper
+# bound is checked in _check_regions.
+_Region = tuple[Annotated[int, msgspec.Meta(ge=0)], _int(1, 1 << 62)]  # type: ignore[valid-type]
+
+
+class _Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    version: int
+    engine: _Engine
+    spec: _Spec
+    regions: Annotated[list[_Region], msgspec.Meta(max_length=MAX_REGIONS)]
+    device_id: _int(0, 1 << 16)  # type: ignore[valid-type]
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)]
+
+
+class _Envelope(msgspec.Struct, frozen=True):
+    version: int
+
+
+_DECODER = msgspec.msgpack.Decoder(_Message)
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@attrs.frozen(repr=False)
+class Peer:
+    """One remote rank as its bytes said: engine, cache spec, registered regions
+    ``((base_address, nbytes), ...)`` (one per ``spec.num_regions``), its device id and its NIXL
+    agent metadata (opaque bytes for ``add_remote_agent``)."""
+
+    engine: EngineDesc
+    spec: KVCacheSpec
+    regions: tuple[tuple[int, int], ...]
+    device_id: int = 0
+    agent_metadata: bytes = b""
+
+    def __repr__(self) -> str:
+        regions = ", ".join(f"(0x{b:x}, {n})" for b, n in self.regions[:4])
+        more = f", ... {len(self.regions)} regions" if len(self.regions) > 4 else ""
+        return (f"Peer(engine={self.engine!r}, spec={self.spec!r}, regions=({regions}{more}), "
+                f"device_id={self.device_id}, agent_metadata=<{len(self.agent_metadata)} bytes>)")
+
+
+def _check_regions(spec: KVCacheSpec, regions: Any) -> tuple[tuple[int, int], ...]:
+    """Count, size and overlap checks (FkvError); returns normalized regions."""
+    if not isinstance(regions, list | tuple):
+        raise FkvError(f"'regions' must be a list of (base_address, nbytes) (got "
+                       f"{type(regions).__name__})")
+    if len(regions) != spec.num_regions:
+        raise FkvError(f"'regions' must hold spec.num_regions={spec.num_regions} entries (one per "
+                       f"layer, or one cross-layer buffer) (got {len(regions)})")
+    out = []
+    for i, region in enumerate(regions):
+        if (not isinstance(region, list | tuple) or len(region) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in region)):
+            raise FkvError(f"'regions[{i}]' must be a pair of ints (base_address, nbytes) "
+                           f"(got {region!r})")
+        base, nbytes = region
+        if not 0 <= base <= _U64 or base + nbytes - 1 > _U64:
+            raise FkvError(f"'regions[{i}]' = (0x{base:x}, {nbytes}) leaves the 64-bit address space")
+        if nbytes != spec.region_bytes:
+            raise FkvError(f"'regions[{i}]' holds {nbytes} bytes; the spec's region is "
+                           f"spec.region_bytes={spec.region_bytes}")
+        out.append((base, nbytes))
+    ordered = sorted(out)
+    for (b0, n0), (b1, _) in zip(ordered, ordered[1:], strict=False):
+        if b0 + n0 > b1:
+            raise FkvError(f"'regions' overlap: [0x{b0:x}, +{n0}) and [0x{b1:x}, ...)")
+    return tuple(out)
+
+
+def encode(engine: EngineDesc, spec: KVCacheSpec, regions: Any, *, device_id: int = 0,
+           agent_metadata: bytes = b"") -> bytes:
+    """msgpack bytes describing one rank; ``regions = [(base_address, nbytes), ...]``.
+
+    Raises FkvError on anything :func:`decode_untrusted` would refuse (so a message we send always
+    decodes to an equal :class:`Peer`).
+
+    >>> from fkv import KVCacheSpec
+    >>> from fkv.connector.handshake import EngineDesc
+    >>> s = KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=1, head_size=8, num_layers=2)
+    >>> e = EngineDesc(engine_id="p", tp_size=1, tp_rank=0, total_num_kv_heads=1)
+    >>> decode_untrusted(encode(e, s, [(4096, s.region_bytes), (8192, s.region_bytes)])).regions
+    ((4096, 256), (8192, 256))
+    """
+    if not isinstance(engine, EngineDesc):
+        raise FkvError(f"'engine' must be an EngineDesc (got {type(engine).__name__})")
+    if not isinstance(spec, KVCacheSpec):
+        raise FkvError(f"'spec' must be a KVCacheSpec (got {type(spec).__name__})")
+    if not isinstance(agent_metadata, bytes | bytearray | memoryview):
+        raise FkvError(f"'agent_metadata' must be bytes (got {type(agent_metadata).__name__})")
+    message = _Message(
+        version=WIRE_VERSION,
+        engine=_Engine(engine_id=engine.engine_id, tp_size=engine.tp_size, tp_rank=engine.tp_rank,
+                       total_num_kv_heads=engine.total_num_kv_heads, model=engine.model,
+                       model_dtype=engine.model_dtype, protocol=engine.protocol),
+        spec=_Spec(backend=spec.backend, layout=spec.layout.value, num_blocks=spec.num_blocks,
+                   block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                   head_size=spec.head_size, dtype=spec.dtype, num_layers=spec.num_layers,
+                   cross_layer=spec.cross_layer),
+        regions=[list(r) for r in _check_regions(spec, regions)],
+        device_id=device_id, agent_metadata=bytes(agent_metadata))
+    data = _ENCODER.encode(message)
+    try:  # the limits live in one place: the decoder's types
+        decode_untrusted(data)
+    except FkvWireError as e:
+        raise FkvError(f"encode: the message would be refused by the peer: {e}") from None
+    return data
+
+
+def decode_untrusted(data: Any) -> Peer:
+    """Decode peer bytes into a validated :class:`Peer`; raises only FkvWireError, whatever ``data``.
+
+    Checks, in order: type and size (<= MAX_MESSAGE_BYTES), the message version, msgpack
+    structure with bounded numbers/strings/lists (unknown fields refused), the engine and spec
+    (validated like their constructors), then regions: one per ``spec.num_regions``, each exactly
+    ``spec.region_bytes``, inside 64-bit addresses, not overlapping.
+    """
+    try:
+        return _decode(data)
+    except FkvWireError:
+        raise
+    except Exception as e:  # anything unforeseen still comes out as the one error type
+        raise FkvWireError(f"peer message refused: {type(e).__name__}: {e}") from None
+
+
+def _decode(data: Any) -> Peer:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise FkvWireError(f"peer message must be bytes (got {type(data).__name__})")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise FkvWireError(f"peer message is {len(data)} bytes; the limit is {MAX_MESSAGE_BYTES}")
+    try:
+        version = _ENVELOPE.decode(data).version
+    except msgspec.ValidationError as e:
+        raise FkvWireError(f"peer message has no valid version field: {e}") from None
+    except msgspec.DecodeError as e:
+        raise FkvWireError(f"peer message is not valid msgpack: {e}") from None
+    if version != WIRE_VERSION:
+        raise FkvWireError(f"peer speaks wire version {version}; this fkv speaks {WIRE_VERSION}: "
+                           f"run the same fkv version on both engines")
+    try:
+        msg = _DECODER.decode(data)
+    except msgspec.ValidationError as e:
+        raise FkvWireError(f"peer message is malformed: {e}") from None
+    except msgspec.DecodeError as e:
+        raise FkvWireError(f"peer message is not valid msgpack: {e}") from None
+    try:
+        e, s = msg.engine, msg.spec
+        engine = EngineDesc(engine_id=e.engine_id, tp_size=e.tp_size, tp_rank=e.tp_rank,
+                            total_num_kv_heads=e.total_num_kv_heads, model=e.model,
+                            model_dtype=e.model_dtype, protocol=e.protocol)
+        spec = KVCacheSpec(backend=s.backend, layout=s.layout, num_blocks=s.num_blocks,
+                           block_size=s.block_size, num_kv_heads=s.num_kv_heads,
+                           head_size=s.head_size, dtype=s.dtype, num_layers=s.num_layers,
+                           cross_layer=s.cross_layer)
+        regions = _check_regions(spec, [tuple(r) for r in msg.regions])
+    except FkvError as err:
+        raise FkvWireError(f"peer message refused: {err}") from None
+    return Peer(engine=engine, spec=spec, regions=regions, device_id=msg.device_id,
+                agent_metadata=msg.agent_metadata)
