@@ -486,7 +486,7 @@ def test_one_variant_per_layout(device: str, monkeypatch: pytest.MonkeyPatch) ->
 
     call(nhd, 17, 1)
     call(nhd, 32, 2)                  # same spec, another T and other slots
-    call(nhd, 9, 3, num_blocks=11)    # same layout, another cache size: still the same variant
+    call(nhd, 9, 3, num_blocks=16)    # same layout, another cache size (112 slots): same variant
     call(hnd, 17, 4)                  # another layout: exactly one more
     call(hnd, 5, 5)
     assert recorder.launches[0]["HEADS_OUTER"] is False and recorder.launches[3]["HEADS_OUTER"] is True

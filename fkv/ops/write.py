@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 __all__ = ["WriteTiling", "write_constexprs", "write_kv", "write_tiling"]
 
-# Per-call integers that must not multiply variants: the token count changes every step.
-_DO_NOT_SPECIALIZE = ("num_tokens",)
+# Integers only compared against, never used in addresses: specializing them (divisibility by 16)
+# would only multiply variants (the token count changes every step, num_slots with the cache size).
+_DO_NOT_SPECIALIZE = ("num_tokens", "num_slots")
 # Elements of one program's tile (one K or V half): 8192 bf16 = 16 KiB read + 16 KiB written.
 _TILE_ELEMENTS = 8192
 # One warp per this many tile elements (1..8 warps): 4 warps move a 16 KiB bf16 tile, 16 B a lane.
