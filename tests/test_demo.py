@@ -133,10 +133,16 @@ def test_refused_pairing_prints_every_reason_and_exits_3(tmp_path):
     assert [r["code"] for r in summary["handshake"]["reasons"]] == ["tp_heads", "head_size", "tp_ratio"]
 
 
-def test_usage_errors_exit_2():
-    assert _fkv("demo", "--tokens", "0", timeout=60).returncode == 2
-    assert _fkv("demo", "--decode-layout", "NDH", timeout=60).returncode == 2
-    assert _fkv("demo", "--device", "tpu", timeout=60).returncode == 2
+def test_usage_errors_exit_2(capsys):
+    from fkv.cli import main
+
+    assert main(["demo", "--tokens", "0"]) == 2
+    assert main(["demo", "--decode-layout", "NDH"]) == 2
+    assert main(["demo", "--device", "tpu"]) == 2
+    out = capsys.readouterr()
+    assert "--tokens must be a positive int (got 0)" in out.out
+    assert "'layout' must be in ('NHD', 'HND')" in " ".join(out.out.split())
+    assert "invalid choice: 'tpu'" in out.err
 
 
 def _run_demo(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:

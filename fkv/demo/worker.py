@@ -189,6 +189,10 @@ def main(argv: list[str]) -> int:
         else:
             code = run_decode(cfg, int(rank), workdir, rep)
         rep.send("exit", code=code)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
         return code
     except BaseException as e:
         rep.send("error", error=f"{type(e).__name__}: {e}")
