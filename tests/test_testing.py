@@ -232,3 +232,41 @@ def test_snapshot_value_of_specs_and_patterns():
     assert snapshot_value(np.arange(6, dtype=np.int64).reshape(2, 3)) == [(0, 1, 2), (3, 4, 5)]
     with pytest.raises(FkvError, match=r"snapshot_value: no plain form for a 'object'"):
         snapshot_value(object())
+
+
+@settings(max_examples=100)
+@given(engine_pairs())
+def test_every_consistent_divisible_pair_is_accepted(pair):
+    # fkv goes further than the engine (SPEC.md §4): layouts, block sizes, NHD head slices and
+    # cross-layer buffers are all planned, so a consistent pair with divisible TP sizes connects.
+    from fkv.connector.handshake import handshake
+
+    result = handshake(pair.decode, pair.prefill)
+    assert result.ok, str(result)
+
+
+def test_snapshot_value_of_handshake_outcomes():
+    from fkv.connector.handshake import EngineDesc, handshake
+
+    spec = KVCacheSpec(layout="HND", num_blocks=8, block_size=16, num_kv_heads=8, head_size=128)
+    prefill = (EngineDesc(engine_id="p", tp_size=1, tp_rank=0, total_num_kv_heads=8), spec)
+    decode = (EngineDesc(engine_id="d", tp_size=2, tp_rank=1, total_num_kv_heads=8),
+              spec.evolve(num_kv_heads=4))
+    accept = handshake(decode, prefill)
+    assert snapshot_value(accept) == {"decision": "accept", "plan": accept.plan.describe()}
+    assert snapshot_value(accept.plan.segments([3], [5])) == snapshot(
+        [(0, 0, 344064, 0, 98304, 16384), (0, 0, 376832, 0, 114688, 16384)])
+    reject = handshake((decode[0], decode[1].evolve(head_size=64, block_size=32)),
+                       (prefill[0], spec.evolve(dtype="float16")))
+    assert snapshot_value(reject) == snapshot(
+        {
+            "decision": "reject",
+            "reasons": [
+                "cache_dtype remote.spec.dtype: local='bfloat16' remote='float16'",
+                "head_size remote.spec.head_size: local=64 remote=128",
+            ],
+        }
+    )
+    assert snapshot_value(prefill[0]) == snapshot(
+        {"engine_id": "p", "tp_size": 1, "tp_rank": 0, "total_num_kv_heads": 8, "model": "",
+         "model_dtype": "", "protocol": 1})
