@@ -1,0 +1,328 @@
+"""Benchmark ``fkv.ops.paged_attention`` on the BENCH.md cases (H200 targets), JSON with ``--json``.
+
+Decode: B=64 x ctx 8192, B=256 x 2048, B=8 x 32768 (Hq 32, Hkv 8, D 128, bf16, N=16), NHD and
+HND, against torch SDPA on dense contiguous K/V of the same size in the same run, and a read
+ceiling (a ``sum`` over 2 GiB) in the same run. Bytes = the K+V read once (q and the output are
+< 0.1 % and not counted), so GB/s compares directly with the dense baseline; target >= 0.85x the
+dense GB/s. Prefill: B=4 x 4096 new tokens (no context), against SDPA dense causal; target
+paged time <= 1.5x the dense time. Block tables are random permutations of the cache's blocks.
+
+Before timing, each case is checked: the kernel against ``fkv.ops.reference.paged_attention`` and
+against SDPA over the same K/V gathered into dense tensors. Timings are
+``triton.testing.do_bench(return_mode="median")`` (L2 flushed between calls; every call streams
+the whole cache, far beyond L2). The kernel is timed with ``validate=False`` (the values were
+validated by the correctness call; validation costs one device sync per call).
+
+    python bench/bench_attention.py --json attention.json     # full run (CUDA)
+    python bench/bench_attention.py --quick                   # one decode shape, shorter timing
+    python bench/bench_attention.py --sweep                   # also try tiles/warps/stages/splits
+    python bench/bench_attention.py --cpu-smoke               # tiny shapes, CPU interpreter:
+                                                              # the code path only, no timing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["main"]
+
+DECODE_TARGET = 0.85   # x dense SDPA GB/s
+PREFILL_TARGET = 1.5   # paged time / dense causal SDPA time
+
+
+@dataclass
+class Shape:
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 16
+    decode: tuple[tuple[int, int], ...] = ((64, 8192), (256, 2048), (8, 32768))
+    prefill: tuple[int, int] = (4, 4096)
+
+
+@dataclass
+class Result:
+    kind: str                  # "decode" | "prefill"
+    batch: int
+    tokens: int                # context per sequence (decode) / new tokens per sequence (prefill)
+    layout: str
+    bytes: int = 0             # K+V bytes read once
+    ms: float = 0.0
+    gbps: float = 0.0
+    sdpa_ms: float = 0.0
+    sdpa_gbps: float = 0.0
+    ratio: float = 0.0         # decode: GB/s / dense GB/s; prefill: time / dense time
+    pct_of_read_ceiling: float = 0.0
+    meets_target: bool = False
+    max_err_vs_reference: float = 0.0
+    max_err_vs_sdpa: float = 0.0
+    config: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} B={self.batch} x {self.tokens} {self.layout}"
+
+
+def _time_ms(fn, rep: int, device: str) -> float:
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, rep=rep, return_mode="median")
+    import statistics
+    import time
+
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _read_ceiling_gbps(rep: int, device: str, nbytes: int) -> float:
+    import torch
+
+    buf = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    ms = _time_ms(lambda: buf.sum(), rep, device)
+    del buf
+    return nbytes / ms / 1e6
+
+
+class Problem:
+    """A filled paged cache (all blocks used, random order), queries and the dense equivalents."""
+
+    def __init__(self, shape: Shape, layout: str, batch: int, seq_len: int, q_len: int,
+                 device: str, seed: int = 0) -> None:
+        import torch
+
+        import fkv
+        from fkv.ops.reference._attention import _keys_values
+
+        n = shape.block_size
+        blocks_per_seq = -(-seq_len // n)
+        self.spec = fkv.KVCacheSpec(layout=layout, num_blocks=batch * blocks_per_seq,
+                                    block_size=n, num_kv_heads=shape.num_kv_heads,
+                                    head_size=shape.head_size, dtype="bfloat16")
+        torch.manual_seed(seed)
+        (self.cache,) = fkv.allocate(self.spec, device=device)
+        self.cache.normal_()
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(self.spec.num_blocks, generator=g)
+        self.block_table = perm.reshape(batch, blocks_per_seq).to(torch.int32).to(device)
+        self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+        self.q = torch.randn(batch * q_len, shape.num_q_heads, shape.head_size, device=device,
+                             dtype=torch.bfloat16)
+        self.query_start_loc = None
+        if q_len > 1:
+            self.query_start_loc = (torch.arange(batch + 1, device=device) * q_len).to(torch.int32)
+        self.out = torch.empty_like(self.q)
+        self.batch, self.seq_len, self.q_len = batch, seq_len, q_len
+        self.bytes = 2 * batch * seq_len * shape.num_kv_heads * shape.head_size * 2
+        # Dense K/V [B, Hkv, L, D] holding the same logical values (for the cross-check and SDPA).
+        keys, values = _keys_values(self.cache, self.spec)
+        idx = self.block_table.long()
+
+        def dense(x):
+            return x[idx].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
+
+        self.k_dense, self.v_dense = dense(keys), dense(values)
+        self.q_dense = self.q.view(batch, q_len, shape.num_q_heads, shape.head_size).transpose(1, 2)
+        self.q_dense = self.q_dense.contiguous()
+
+    def kernel(self, config=None, validate: bool = False):
+        from fkv.ops import paged_attention
+
+        return paged_attention(self.q, self.cache, self.spec, self.block_table, self.seq_lens,
+                               query_start_loc=self.query_start_loc, out=self.out,
+                               validate=validate, config=config)
+
+    def sdpa(self):
+        return _sdpa(self.q_dense, self.k_dense, self.v_dense, causal=self.q_len > 1)
+
+    def free_dense_copies(self) -> None:
+        del self.k_dense, self.v_dense
+
+
+def _sdpa(q, k, v, causal: bool):
+    import torch.nn.functional as F
+
+    # Decode: the one query is the last position and sees every key (no mask needed).
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def _check(p: Problem, res: Result, device: str) -> None:
+    """Kernel vs the fp32 reference and vs SDPA on the same data; SystemExit on a mismatch."""
+    import torch
+
+    from fkv.ops import reference
+
+    got = p.kernel(validate=True).float()
+    ref = reference.paged_attention(p.q, p.cache, p.spec, p.block_table, p.seq_lens,
+                                    query_start_loc=p.query_start_loc).float()
+    dense = p.sdpa().transpose(1, 2).reshape(p.q.shape).float()
+    res.max_err_vs_reference = (got - ref).abs().max().item()
+    res.max_err_vs_sdpa = (got - dense).abs().max().item()
+    bad = not torch.isfinite(got).all() or res.max_err_vs_reference > 3e-2 or res.max_err_vs_sdpa > 3e-2
+    if bad:
+        raise SystemExit(f"MISMATCH in {res.name}: max |kernel - reference| "
+                         f"{res.max_err_vs_reference:.3g}, max |kernel - SDPA| "
+                         f"{res.max_err_vs_sdpa:.3g} (bf16 tolerance 3e-2)")
+
+
+def _default_config(p: Problem) -> Any:
+    from fkv.ops.attention import _num_sms, attention_config
+
+    return attention_config(num_seqs=p.batch, num_q_tokens=p.q.shape[0],
+                            num_q_heads=p.q.shape[1], num_kv_heads=p.spec.num_kv_heads,
+                            head_size=p.spec.head_size,
+                            max_context=p.block_table.shape[1] * p.spec.block_size,
+                            itemsize=2, num_sms=_num_sms(p.q.device),
+                            varlen=p.query_start_loc is not None)
+
+
+def _run(res: Result, shape: Shape, ceiling: float, rep: int, device: str,
+         sweep: list[dict] | None) -> None:
+    import attrs
+
+    q_len = 1 if res.kind == "decode" else res.tokens
+    p = Problem(shape, res.layout, res.batch, res.tokens, q_len, device)
+    _check(p, res, device)
+    res.bytes = p.bytes
+    cfg = _default_config(p)
+    res.config = attrs.asdict(cfg)
+    res.ms = _time_ms(lambda: p.kernel(), rep, device)
+    res.sdpa_ms = _time_ms(lambda: p.sdpa(), rep, device)
+    res.extra["ms_repeat"] = _time_ms(lambda: p.kernel(), rep, device)  # noise estimate
+    res.gbps, res.sdpa_gbps = p.bytes / res.ms / 1e6, p.bytes / res.sdpa_ms / 1e6
+    res.pct_of_read_ceiling = 100 * res.gbps / ceiling
+    if res.kind == "decode":
+        res.ratio = res.gbps / res.sdpa_gbps
+        res.meets_target = res.ratio >= DECODE_TARGET
+    else:
+        res.ratio = res.ms / res.sdpa_ms
+        res.meets_target = res.ratio <= PREFILL_TARGET
+        flops = 4 * res.batch * shape.num_q_heads * shape.head_size * res.tokens * (res.tokens + 1) / 2
+        res.extra["tflops"] = flops / res.ms / 1e9
+        res.extra["sdpa_tflops"] = flops / res.sdpa_ms / 1e9
+    if sweep is not None:
+        p.free_dense_copies()
+        _sweep(p, res, cfg, rep, device, sweep)
+    del p
+
+
+def _sweep_configs(kind: str, default: Any) -> list[Any]:
+    import attrs
+
+    out = []
+    if kind == "decode":
+        for tile in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (2, 3, 4):
+                    out.append(attrs.evolve(default, tile_n=tile, num_warps=warps, num_stages=stages))
+        for mult in (0.25, 0.5, 2.0, 4.0):
+            out.append(attrs.evolve(default, num_splits=max(1, round(default.num_splits * mult))))
+    else:
+        for block_q in (16, 32, 64):
+            for tile in (32, 64, 128):
+                for warps, stages in ((4, 2), (8, 2), (8, 3)):
+                    out.append(attrs.evolve(default, block_q=block_q, tile_n=tile,
+                                            num_warps=warps, num_stages=stages))
+    return [c for i, c in enumerate(out) if c != default and c not in out[:i]]
+
+
+def _sweep(p: Problem, res: Result, default: Any, rep: int, device: str, rows: list[dict]) -> None:
+    import attrs
+
+    best = (res.ms, "default")
+    for cfg in _sweep_configs(res.kind, default):
+        try:
+            p.kernel(config=cfg)
+            ms = _time_ms(lambda: p.kernel(config=cfg), max(10, rep // 4), device)
+        except Exception as e:  # a config that does not fit (shared memory, registers): record it
+            rows.append({"case": res.name, "config": attrs.asdict(cfg), "error": str(e)[:200]})
+            continue
+        gbps = p.bytes / ms / 1e6
+        rows.append({"case": res.name, "config": attrs.asdict(cfg), "ms": ms, "gbps": gbps})
+        if ms < best[0]:
+            best = (ms, attrs.asdict(cfg))
+        print(f"  sweep {res.name}: {attrs.asdict(cfg)} {ms:.3f} ms {gbps:.0f} GB/s", flush=True)
+    res.extra["sweep_best"] = {"ms": best[0], "config": best[1],
+                               "speedup_vs_default": res.ms / best[0]}
+
+
+def _table(results: list[Result], ceiling: float) -> str:
+    lines = [f"paged_attention (read ceiling {ceiling:.0f} GB/s; baseline = torch SDPA on dense "
+             f"K/V, same run)",
+             f"{'case':32s} {'ms':>8s} {'GB/s':>7s} {'SDPA ms':>8s} {'SDPA GB/s':>9s} "
+             f"{'ratio':>6s} {'%read':>6s} target"]
+    for r in results:
+        target = (f">= {DECODE_TARGET}x dense" if r.kind == "decode"
+                  else f"<= {PREFILL_TARGET}x dense time")
+        lines.append(f"{r.name:32s} {r.ms:8.3f} {r.gbps:7.0f} {r.sdpa_ms:8.3f} {r.sdpa_gbps:9.0f} "
+                     f"{r.ratio:6.3f} {r.pct_of_read_ceiling:5.1f}% "
+                     f"{'OK ' if r.meets_target else 'MISS'} ({target})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fkv bench attention", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    parser.add_argument("--quick", action="store_true",
+                        help="one decode shape (B=64 x 8192) and the prefill case, shorter timing")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time other tiles/warps/stages/splits (prints the best per case)")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="tiny shapes on the CPU interpreter: every code path and the "
+                             "correctness checks run, the timings mean nothing")
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+    import torch
+
+    if args.cpu_smoke:
+        device, rep, ceiling_bytes = "cpu", 1, 16 << 20
+        shape = Shape(num_q_heads=4, num_kv_heads=2, head_size=32, block_size=16,
+                      decode=((2, 100), (1, 300)), prefill=(2, 40))
+    elif torch.cuda.is_available():
+        device, rep, ceiling_bytes = "cuda", 40 if args.quick else 100, 2 << 30
+        shape = Shape()
+    else:
+        print("fkv bench attention needs a CUDA device (--cpu-smoke runs the code path on CPU)",
+              file=sys.stderr)
+        return 2
+    if args.quick:
+        shape.decode = shape.decode[:1]
+    ceiling = _read_ceiling_gbps(rep, device, ceiling_bytes)
+    results = [Result("decode", b, ctx, layout) for b, ctx in shape.decode for layout in ("NHD", "HND")]
+    results += [Result("prefill", shape.prefill[0], shape.prefill[1], layout) for layout in ("NHD", "HND")]
+    sweep: list[dict] | None = [] if args.sweep else None
+    for res in results:
+        _run(res, shape, ceiling, rep, device, sweep)
+        print(f"{res.name}: {res.ms:.3f} ms, {res.gbps:.0f} GB/s, x{res.ratio:.3f} vs SDPA "
+              f"({res.sdpa_gbps:.0f} GB/s), err vs ref {res.max_err_vs_reference:.2g}", flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    report = {
+        "op": "paged_attention",
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter smoke)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "read_ceiling_gbps": ceiling,
+        "targets": {"decode": f">= {DECODE_TARGET}x dense SDPA GB/s",
+                    "prefill": f"<= {PREFILL_TARGET}x dense causal SDPA time"},
+        "cases": [asdict(r) | {"name": r.name} for r in results],
+    }
+    if sweep is not None:
+        report["sweep"] = sweep
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    print(_table(results, ceiling))
+    return 0
