@@ -1,0 +1,280 @@
+"""The pure handshake: every SPEC.md §4 check as a named reason (all of them, with real field
+paths), totality on any input, handshake(x, x) accepts, stable printing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from inline_snapshot import snapshot
+
+from fkv import FkvError, KVCacheSpec
+from fkv.connector.handshake import (
+    PROTOCOL_VERSION, REASON_CODES, Accept, EngineDesc, Reason, Reject, handshake, rank_heads,
+)
+
+
+def rank(tp: int, r: int, *, heads: int = 8, engine: dict | None = None, **kw):
+    base = dict(layout="HND", num_blocks=64, block_size=16, head_size=128)
+    base.update(kw)
+    mla = base.get("backend") == "mla"
+    e = dict(engine_id=f"tp{tp}", tp_size=tp, tp_rank=r, total_num_kv_heads=1 if mla else heads,
+             model="m", model_dtype="bfloat16")
+    e.update(engine or {})
+    return EngineDesc(**e), KVCacheSpec(num_kv_heads=1 if mla else max(1, heads // tp), **base)
+
+
+def reasons(local, remote, **kw) -> list[str]:
+    result = handshake(local, remote, **kw)
+    assert isinstance(result, Reject)
+    return [str(r) for r in result.reasons]
+
+
+def resolve(path: str, local, remote) -> None:
+    """Every reason path must name a real argument / field."""
+    if path == "strategy":
+        return
+    head, *rest = path.split(".")
+    obj = {"local": local, "remote": remote}[head]
+    if not rest:
+        return
+    part = {"engine": 0, "spec": 1}[rest[0]]
+    assert isinstance(obj, tuple | list) and len(obj) == 2
+    if len(rest) > 1:
+        cls = type(obj[part])
+        assert rest[1] in {f.name for f in attrs.fields(cls)}, path
+        assert len(rest) == 2
+
+
+# -- every check is a named reason ------------------------------------------------------------
+
+REJECTS = {
+    "protocol: remote speaks 2": (rank(2, 0), rank(1, 0, engine={"protocol": 2})),
+    "model, dtypes, head size differ": (
+        rank(1, 0), rank(1, 0, head_size=64, dtype="float16",
+                         engine={"model": "other", "model_dtype": "float16"})),
+    "total heads and layers differ": (rank(1, 0), rank(1, 0, heads=4, num_layers=2)),
+    "MLA with a K/V cache": (rank(1, 0, backend="mla", head_size=128), rank(1, 0)),
+    "TP 3 vs 2": (rank(3, 0, heads=6), rank(2, 0, heads=6)),
+    "8 heads over TP 3": (rank(3, 1), rank(1, 0)),
+    "heads per rank wrong": (
+        (rank(2, 0)[0], rank(2, 0)[1].evolve(num_kv_heads=8)),
+        (rank(1, 0)[0], rank(1, 0)[1].evolve(num_kv_heads=2))),
+    "MLA with total heads 8": (rank(1, 0, backend="mla", head_size=576, engine={"total_num_kv_heads": 8}),
+                               rank(1, 0, backend="mla", head_size=576)),
+}
+
+
+def test_reject_reasons_snapshot():
+    got = {name: reasons(*pair) for name, pair in REJECTS.items()}
+    assert got == snapshot({
+        'protocol: remote speaks 2': [
+            'remote.engine.protocol: the prefill side speaks fkv protocol 2; this fkv speaks protocol 1 (local None, remote 2); fix: run the same fkv version on both engines',
+        ],
+        'model, dtypes, head size differ': [
+            "remote.engine.model: models differ (local 'm', remote 'other'); fix: serve the same model (same name/revision) on both engines",
+            "remote.engine.model_dtype: model dtypes differ (local 'bfloat16', remote 'float16'); fix: load the model with the same dtype on both engines",
+            "remote.spec.dtype: cache dtypes differ (local 'bfloat16', remote 'float16'); fix: use the same kv-cache dtype on both engines",
+            'remote.spec.head_size: head sizes differ (local 128, remote 64); fix: both engines must serve the same model (same head_size)',
+        ],
+        'total heads and layers differ': [
+            'remote.engine.total_num_kv_heads: total KV head counts differ (local 8, remote 4); fix: both engines must serve the same model',
+            'remote.spec.num_layers: layer counts differ (local 1, remote 2); fix: both engines must serve the same model (same number of attention layers)',
+        ],
+        'MLA with a K/V cache': [
+            'remote.engine.total_num_kv_heads: total KV head counts differ (local 1, remote 8); fix: both engines must serve the same model',
+            "remote.spec.backend: an MLA cache (one latent per token) cannot pair with a K/V cache (local 'mla', remote 'triton'); fix: use an MLA backend on both engines, or a K/V backend on both",
+        ],
+        'TP 3 vs 2': [
+            'remote.engine.tp_size: TP sizes 3 (decode) and 2 (prefill) are not mutually divisible (local 3, remote 2); fix: choose TP sizes where one divides the other (e.g. 1/2/4/8)',
+        ],
+        '8 heads over TP 3': [
+            'local.engine.tp_size: 8 total KV heads cannot be split over tp_size 3 (neither divides the other) (local 3, remote None); fix: use a tp_size that divides the KV head count, or a multiple of it (replicated KV)',
+        ],
+        'heads per rank wrong': [
+            'local.spec.num_kv_heads: decode rank holds 8 KV heads, but 8 total heads over tp_size 2 give 4 per rank (local 8, remote None); fix: build the local cache spec with num_kv_heads=4',
+            'remote.spec.num_kv_heads: prefill rank holds 2 KV heads, but 8 total heads over tp_size 1 give 8 per rank (local None, remote 2); fix: build the remote cache spec with num_kv_heads=8',
+        ],
+        'MLA with total heads 8': [
+            'local.engine.total_num_kv_heads: an MLA cache holds one latent vector per token shared by all heads, so total_num_kv_heads must be 1 (local 8, remote None); fix: pass total_num_kv_heads=1 for MLA models',
+            'remote.engine.total_num_kv_heads: total KV head counts differ (local 8, remote 1); fix: both engines must serve the same model',
+        ],
+    })
+
+
+def test_all_reasons_not_the_first():
+    bad = rank(4, 1, heads=4, head_size=64, num_layers=3, dtype="float32",
+               engine={"model": "x", "protocol": 9})
+    result = handshake(bad, rank(3, 0, heads=6))
+    assert [(r.code, r.path) for r in result.reasons] == snapshot([
+        ('protocol', 'local.engine.protocol'),
+        ('model', 'remote.engine.model'),
+        ('cache_dtype', 'remote.spec.dtype'),
+        ('head_size', 'remote.spec.head_size'),
+        ('total_kv_heads', 'remote.engine.total_num_kv_heads'),
+        ('num_layers', 'remote.spec.num_layers'),
+        ('tp_ratio', 'remote.engine.tp_size'),
+    ])
+    assert all(r.code in REASON_CODES for r in result.reasons)
+
+
+def test_reason_fields():
+    (r,) = handshake(rank(1, 0), rank(1, 0, dtype="float16")).reasons
+    assert r == Reason("cache_dtype", "remote.spec.dtype", "bfloat16", "float16",
+                       "cache dtypes differ", "use the same kv-cache dtype on both engines")
+
+
+def test_expected_remote_engine_and_strategy():
+    assert reasons(rank(1, 0), rank(1, 0), expected_remote_engine="prefill-A") == [
+        "remote.engine.engine_id: the request named prefill engine 'prefill-A' but the remote is "
+        "'tp1' (local 'prefill-A', remote 'tp1'); fix: connect to the engine that prefilled the "
+        "request"]
+    assert handshake(rank(1, 0), rank(1, 0), expected_remote_engine="tp1").ok
+    assert reasons(rank(1, 0), rank(1, 0), strategy="fastest") == [
+        "strategy: strategy must be one of ('auto', 'direct', 'staging') (local 'fastest', "
+        "remote None); fix: pass strategy='auto'"]
+
+
+@pytest.mark.parametrize("bad", [None, 3, "x", (), (1,), (1, 2, 3), {"engine": 1},
+                                 (None, None), [rank(1, 0)[1], rank(1, 0)[0]]])
+def test_total_on_wrong_types(bad):
+    for result in (handshake(bad, rank(1, 0)), handshake(rank(1, 0), bad), handshake(bad, bad)):
+        assert isinstance(result, Reject) and result.reasons
+        assert {r.code for r in result.reasons} == {"type"}
+        for r in result.reasons:
+            resolve(r.path, bad, bad)
+
+
+def test_internal_errors_come_back_as_a_reason():
+    engine, spec = rank(1, 0)
+    broken = EngineDesc(engine_id="x", tp_size=1, tp_rank=0, total_num_kv_heads=8)
+    object.__setattr__(broken, "tp_size", "two")  # a corrupted object the validators never saw
+    (r,) = handshake((broken, spec), (engine, spec)).reasons
+    assert r.code == "internal" and "TypeError" in r.message
+
+
+# -- accepted pairs -----------------------------------------------------------------------------
+
+@st.composite
+def ranks(draw, tp=None, heads=None, mla=None):
+    mla = draw(st.booleans()) if mla is None else mla
+    heads = 1 if mla else (heads or draw(st.sampled_from([1, 2, 4, 8])))
+    tp = tp or draw(st.sampled_from([1, 2, 4, 8, 16]))
+    return rank(tp, draw(st.integers(0, tp - 1)), heads=heads,
+                backend="mla" if mla else draw(st.sampled_from(["triton", "flashinfer", "flash_attn"])),
+                layout=draw(st.sampled_from(["NHD", "HND", "LBHNC", "BLNHC"])),
+                cross_layer=draw(st.booleans()), num_layers=draw(st.integers(1, 4)),
+                block_size=draw(st.sampled_from([1, 16, 32])), head_size=draw(st.sampled_from([64, 576])),
+                dtype=draw(st.sampled_from(["bfloat16", "float8_e5m2"])))
+
+
+@settings(max_examples=300)
+@given(ranks())
+def test_handshake_with_itself_accepts(x):
+    result = handshake(x, x)
+    assert isinstance(result, Accept), str(result)
+    plan = result.plan
+    assert plan.remote_ranks == (x[0].tp_rank,) and plan.notify_only_ranks == ()
+    assert plan.strategy == "direct" and plan.cost.nbytes == x[1].page_bytes * x[1].num_layers
+    rows = plan.segments([3, 4], [3, 4])  # same bytes on both sides: rows copy in place
+    assert (rows[:, 2] == rows[:, 4]).all() and (rows[:, 1] == rows[:, 3]).all()
+    assert int(rows[:, 5].sum()) == 2 * x[1].page_bytes * x[1].num_layers
+
+
+@settings(max_examples=300)
+@given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8, 16]), st.sampled_from([1, 2, 4, 8, 16]),
+       st.booleans(), st.data())
+def test_every_consistent_pair_of_one_model_is_accepted(heads, tp_d, tp_p, mla, data):
+    # Same model and dtypes, any TP pair, layout, backend, cross_layer and block sizes: fkv serves it.
+    local = data.draw(ranks(tp=tp_d, heads=heads, mla=mla))
+    remote = data.draw(ranks(tp=tp_p, heads=heads, mla=mla))
+    common = dict(head_size=local[1].head_size, dtype=local[1].dtype, num_layers=local[1].num_layers)
+    remote = (attrs.evolve(remote[0], tp_rank=0), remote[1].evolve(**common))
+    result = handshake(local, remote)
+    assert isinstance(result, Accept), str(result)
+    plan = result.plan
+    group = plan.remote_ranks + plan.notify_only_ranks
+    assert sorted(group) == list(range(min(group), min(group) + len(group)))
+    assert len(group) == max(1, tp_p // tp_d)
+
+
+# -- totality on arbitrary pairs ------------------------------------------------------------------
+
+@st.composite
+def anything_pairs(draw):
+    """Independent fields, most combinations inconsistent; sometimes not even the right types."""
+    kind = draw(st.integers(0, 9))
+    if kind == 0:
+        return draw(st.one_of(st.none(), st.integers(), st.text(max_size=3), st.tuples(st.integers()),
+                              st.lists(st.none(), max_size=3)))
+    backend = draw(st.sampled_from(["triton", "flashinfer", "flash_attn", "mla"]))
+    tp = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 16]))
+    engine = EngineDesc(engine_id=draw(st.sampled_from(["p", "d"])), tp_size=tp,
+                        tp_rank=draw(st.integers(0, tp - 1)),
+                        total_num_kv_heads=draw(st.sampled_from([1, 2, 3, 4, 6, 8])),
+                        model=draw(st.sampled_from(["", "m", "n"])),
+                        model_dtype=draw(st.sampled_from(["", "bfloat16"])),
+                        protocol=draw(st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION, 0, 7])))
+    spec = KVCacheSpec(backend=backend, layout=draw(st.sampled_from(["NHD", "HND"])),
+                       num_blocks=draw(st.integers(1, 8)), block_size=draw(st.sampled_from([1, 3, 16])),
+                       num_kv_heads=1 if backend == "mla" else draw(st.sampled_from([1, 2, 3, 4, 8])),
+                       head_size=draw(st.sampled_from([2, 64])),
+                       dtype=draw(st.sampled_from(["bfloat16", "float32"])),
+                       num_layers=draw(st.integers(1, 3)), cross_layer=draw(st.booleans()))
+    return [engine, spec] if kind == 1 else (engine, spec)
+
+
+@settings(max_examples=1500)
+@given(anything_pairs(), anything_pairs(), st.sampled_from(["auto", "direct", "staging", "?", None]))
+def test_never_raises_and_every_reason_names_a_real_field(local, remote, strategy):
+    result = handshake(local, remote, strategy=strategy)
+    assert isinstance(result, Accept | Reject)
+    if isinstance(result, Reject):
+        assert result.reasons and not result.ok and not result
+        for r in result.reasons:
+            assert r.code in REASON_CODES and r.code != "internal", str(r)
+            assert r.message and r.fix
+            resolve(r.path, local, remote)
+    else:
+        plan = result.plan
+        n_l, n_r = plan.local_spec.block_size, plan.remote_spec.block_size
+        tokens = min(plan.local_spec.num_blocks * n_l, plan.remote_spec.num_blocks * n_r)
+        rows = plan.segments(range(-(-tokens // n_l)), range(-(-tokens // n_r)))
+        assert (rows[:, 5] > 0).all()
+        assert ((rows[:, 3] >= 0) == (plan.strategy == "direct")).all()
+
+
+# -- values, printing, purity -------------------------------------------------------------------
+
+def test_engine_desc_validates():
+    with pytest.raises(FkvError, match=r"'tp_rank' must be in \[0, tp_size=2\) \(got 2\)"):
+        EngineDesc(engine_id="x", tp_size=2, tp_rank=2, total_num_kv_heads=8)
+    with pytest.raises(FkvError, match="'tp_size' must be a positive int"):
+        EngineDesc(engine_id="x", tp_size=0, tp_rank=0, total_num_kv_heads=8)
+    with pytest.raises(FkvError, match="'engine_id' must be a str"):
+        EngineDesc(engine_id=1, tp_size=1, tp_rank=0, total_num_kv_heads=8)
+    e = EngineDesc(engine_id="x", tp_size=16, tp_rank=5, total_num_kv_heads=4, model_dtype="torch.float16")
+    assert (e.model_dtype, e.heads_per_rank, e.replicated) == ("float16", 1, True)
+    assert [rank_heads(4, 16, r) for r in (0, 3, 4, 15)] == [(0, 1), (0, 1), (1, 1), (3, 1)]
+
+
+def test_results_print_stably():
+    reject = handshake(rank(1, 0), rank(1, 0, dtype="float16", head_size=64))
+    assert str(reject) == snapshot("Reject: 2 reasons\n  - remote.spec.dtype: cache dtypes differ (local 'bfloat16', remote 'float16'); fix: use the same kv-cache dtype on both engines\n  - remote.spec.head_size: head sizes differ (local 128, remote 64); fix: both engines must serve the same model (same head_size)")
+    assert "<table>" in reject._repr_html_() and "remote.spec.dtype" in reject._repr_html_()
+    err = reject.as_error()
+    assert isinstance(err, FkvError) and err.reasons == reject.reasons and "2 reasons" in str(err)
+    accept = handshake(rank(2, 0), rank(1, 0))
+    assert accept and accept.ok and str(accept).startswith("Accept\ndecode rank 0 of tp 2")
+    assert accept._repr_html_().startswith("<b>Accept</b><pre>")
+
+
+def test_pure_modules_import_no_heavy_dependency():
+    code = ("import sys, fkv.connector.handshake, fkv.connector.plan, fkv.connector.wire; "
+            "bad = [m for m in ('torch', 'triton', 'zmq', 'nixl', 'rich') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
