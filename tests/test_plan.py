@@ -5,6 +5,7 @@ numpy reference of the STAGING.md move steps) that must give each decode rank ex
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -670,3 +671,50 @@ def test_plan_prints_stably():
     assert repr(plan) == snapshot("TransferPlan(strategy='direct', remote_ranks=(0,), notify_only_ranks=(), reads=[Read(remote_rank=0, remote_heads=(4, 8), local_heads=(0, 4))], descriptors=2, nbytes=32768)")
     assert str(plan) == plan.describe() and "<pre>" in plan._repr_html_()
     assert str(handshake(rank(2, 1), rank(1, 0))).startswith("Accept\n")
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+def test_cli_plan_accepts_and_prints_rows(capsys):
+    from fkv.cli import main
+
+    assert main(["plan", "--local", "tp=2,rank=1", "--remote", "tp=1,layout=LBHNC"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Accept\ndecode rank 1 of tp 2 <- prefill tp 1")
+    assert "strategy direct: 2 descriptors, 32768 B per remote block" in out
+    assert "example request: 64 tokens" in out and "49152" in out  # V half of remote block 0
+    assert main(["plan", "--local", "tp=2, rank=1, layout=NHD, layers=2", "--remote", "tp=1,layout=NHD,layers=2",
+                 "--blocks", "1", "--rows", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy staging" in out and "move: staging[0] (+0 B) layer 1 heads (4, 8) -> local " \
+                                         "heads (0, 4), 16 tokens" in out
+
+
+def test_cli_plan_rejects_with_every_reason(capsys):
+    from fkv.cli import main
+
+    assert main(["plan", "--local", "tp=2,dtype=float16,cross_layer=yes,layers=2",
+                 "--remote", "tp=3,head_size=64,layers=2,model=llama"]) == 3
+    out = capsys.readouterr().out
+    assert out.startswith("Reject: 5 reasons")
+    for path in ("remote.engine.tp_size (tp_heads)", "remote.engine.model (model)",
+                 "remote.spec.dtype (cache_dtype)", "remote.spec.head_size (head_size)",
+                 "remote.engine.tp_size (tp_ratio)"):
+        assert path in out
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--local", "tp=2,bogus=1", "--remote", "tp=1"], "--local: unknown key 'bogus'"),
+    (["--local", "tp=two", "--remote", "tp=1"], "--local: tp='two' must be an integer"),
+    (["--local", "tp", "--remote", "tp=1"], "--local: 'tp' must be KEY=VALUE"),
+    (["--local", "tp=1", "--remote", "cross_layer=maybe"], "--remote: cross_layer='maybe' must be true"),
+    (["--local", "backend=mla,kv_heads=2", "--remote", "tp=1"], "--local: 'num_kv_heads' must be 1"),
+    (["--local", "tp=2,rank=2", "--remote", "tp=1"], r"--local: 'tp_rank' must be in \[0, tp_size=2\)"),
+    (["--local", "tp=1", "--remote", "tp=1", "--blocks", "0"], "--blocks must be >= 1"),
+    (["--local", "tp=1"], "required: --remote"),
+])
+def test_cli_plan_usage_errors(capsys, argv, match):
+    from fkv.cli import main
+
+    assert main(["plan", *argv]) == 2
+    assert re.search(match, " ".join(capsys.readouterr().err.split()))
