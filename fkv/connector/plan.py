@@ -9,7 +9,7 @@ chooses one of two strategies:
   row is an *atom*: a box of elements contiguous on both sides with the same element order.
 - ``staging``: rows read the remote pages (or the parts needed) into a local staging buffer laid
   out as one "staging mini-cache" per remote rank read (``remote_spec.evolve(num_blocks=n)``,
-  ``local_region == -1``), then :meth:`TransferPlan.staging_steps` run ``fkv.ops.convert.move``
+  ``local_region == -1``), then :meth:`TransferPlan.staging_steps` run ``fkv.ops.move``
   (STAGING.md). Needed for layout mismatches, NHD head slices, block-size mismatches.
 
 The planner picks the strategy that moves the fewest bytes with the fewest descriptors, scored per
@@ -99,7 +99,7 @@ class Cost:
         text = (f"{self.strategy}: {self.descriptors} descriptor{'s' if self.descriptors != 1 else ''}"
                 f", {self.nbytes} B per remote block (all layers)")
         if self.strategy == "staging":
-            text += f", then fkv.ops.convert.move copies {self.staged_bytes} B"
+            text += f", then fkv.ops.move copies {self.staged_bytes} B"
         return text
 
 
@@ -118,7 +118,7 @@ class _Move:
 
 @attrs.frozen
 class StagingStep:
-    """One ``fkv.ops.convert.move`` after the READs (STAGING.md): staging mini-cache
+    """One ``fkv.ops.move`` after the READs (STAGING.md): staging mini-cache
     ``remote_index`` (spec ``stage_spec``, at byte ``stage_offset`` of the staging buffer), layer
     ``layer``, heads ``src_heads`` of it -> heads ``dst_heads`` of the local cache, ``num_tokens``
     tokens. Heads are None for MLA."""
@@ -329,7 +329,7 @@ class TransferPlan:
     ``segments(local_block_ids, remote_block_ids)`` is an int64 array ``(M, 6)``: ``remote_rank,
     remote_region, remote_offset, local_region, local_offset, nbytes`` (byte offsets from the start
     of a region: one layer's buffer, or the one cross-layer buffer; ``local_region == -1`` is the
-    staging buffer). ``staging_steps`` lists the ``fkv.ops.convert.move`` calls that follow.
+    staging buffer). ``staging_steps`` lists the ``fkv.ops.move`` calls that follow.
     """
 
     local_engine: Any
@@ -405,7 +405,7 @@ class TransferPlan:
 
     def staging_steps(self, local_block_ids: Any, remote_block_ids: Any, *,
                       num_tokens: int | None = None) -> tuple[StagingStep, ...]:
-        """The ``fkv.ops.convert.move`` calls after the READs (empty for ``direct``): one per remote
+        """The ``fkv.ops.move`` calls after the READs (empty for ``direct``): one per remote
         rank read and layer, run as STAGING.md says with ``src_block_ids = arange(n)``."""
         ls, rs = self.local_spec, self.remote_spec
         local = _ids("local_block_ids", local_block_ids, ls, unique=True)
