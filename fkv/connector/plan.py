@@ -160,7 +160,7 @@ def _best_split(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[str, int], ...
     """Fewest atoms such that one atom is contiguous with the same element order on every side."""
     for split, count in _splits(dict(full)):
         ext = tuple((a, 1 if a in split else e) for a, e in full)
-        if all(_contiguous(s, ext) for s in sides) and len({_order(s, ext) for s in sides}) == 1:
+        if len({_order(s, ext) for s in sides}) == 1 and all(_contiguous(s, ext) for s in sides):
             return split, count
     raise AssertionError("single-row atoms are always contiguous")  # C is innermost everywhere
 
