@@ -36,6 +36,18 @@ _MAX_HEAD_SIZE = 1024
 #: flash-decoding: aim for this many programs per SM, with at least this many keys per split.
 _PROGRAMS_PER_SM = 16
 _MIN_SPLIT_TOKENS = 512
+#: (head_pad up to, 32-bit inputs) -> (max rows (query token x head pairs) per program,
+#: decode-like (tile_n, num_warps, num_stages), prefill (tile_n, num_warps, num_stages)).
+#: Rows bound the fp32 accumulator's registers; every entry compiles for sm_90 without spills.
+#: ``bench/bench_attention.py --sweep`` times alternatives on the GPU (bench/NOTES.md).
+_TUNING = {
+    (128, False): (128, (64, 4, 3), (64, 8, 3)),
+    (256, False): (64, (32, 4, 2), (32, 8, 2)),
+    (1024, False): (16, (16, 8, 1), (16, 8, 1)),
+    (128, True): (32, (32, 8, 2), (16, 8, 2)),
+    (256, True): (16, (16, 8, 2), (16, 8, 2)),
+    (1024, True): (16, (16, 8, 1), (16, 8, 1)),
+}
 
 
 @attrs.frozen(kw_only=True)
@@ -84,30 +96,27 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     """
     group = num_q_heads // num_kv_heads
     head_pad = _pow2(max(head_size, 16))
-    # Rows (query token x head pairs) per program, bounded by the accumulator's register budget.
-    rows_cap = 128 if head_pad <= 128 else 64 if head_pad <= 256 else 16
-    tile_n = 64 if head_pad <= 128 else 32 if head_pad <= 256 else 16
-    if itemsize >= 4:
-        rows_cap, tile_n = max(16, rows_cap // 2), max(16, tile_n // 2)
+    if head_pad > _MAX_HEAD_SIZE:
+        raise field_error("head_size", head_size, f"<= {_MAX_HEAD_SIZE} for attention")
+    size = next(k for k in _TUNING if head_pad <= k[0] and (itemsize >= 4) == k[1])
+    rows_cap, decode_tiles, prefill_tiles = _TUNING[size]
     heads = min(group, rows_cap)
     if varlen:
         mean_q = max(1, -(-num_q_tokens // max(num_seqs, 1)))
         block_q = max(1, min(_pow2(mean_q), rows_cap // heads))
     else:
         block_q = 1
-    rows = _pow2(max(16, block_q * heads))
+    tile_n, warps, stages = decode_tiles if block_q * heads <= 16 else prefill_tiles
     chunks = -(-group // heads)
     tiles = num_seqs if not varlen else num_q_tokens // block_q + num_seqs
     programs = max(1, tiles * num_kv_heads * chunks)
     want = -(-(_PROGRAMS_PER_SM * num_sms) // programs)
     most = max(1, -(-max_context // max(_MIN_SPLIT_TOKENS, tile_n)))
     splits = max(1, min(want, most))
-    big = rows >= 128
-    return AttentionConfig(
-        block_q=block_q, heads_per_program=heads, tile_n=tile_n, num_splits=splits,
-        num_warps=8 if big or head_pad > 256 else 4,
-        num_stages=1 if head_pad > 256 else 3 if head_pad <= 128 else 2,
-    )
+    split_len = -(-(-(-max_context // splits)) // tile_n) * tile_n   # whole tiles per split
+    splits = max(1, -(-max_context // split_len))
+    return AttentionConfig(block_q=block_q, heads_per_program=heads, tile_n=tile_n,
+                           num_splits=splits, num_warps=warps, num_stages=stages)
 
 
 @functools.lru_cache(maxsize=16)
