@@ -73,7 +73,7 @@ def test_reject_reasons_snapshot():
     got = {name: reasons(*pair) for name, pair in REJECTS.items()}
     assert got == snapshot({
         'protocol: remote speaks 2': [
-            'remote.engine.protocol: the prefill side speaks fkv protocol 2; this fkv speaks protocol 1 (local None, remote 2); fix: run the same fkv version on both engines',
+            'remote.engine.protocol: decode speaks fkv protocol 1, prefill speaks 2; this fkv speaks protocol 1 (local 1, remote 2); fix: run the same fkv version on both engines',
         ],
         'model, dtypes, head size differ': [
             "remote.engine.model: models differ (local 'm', remote 'other'); fix: serve the same model (same name/revision) on both engines",
@@ -278,3 +278,31 @@ def test_pure_modules_import_no_heavy_dependency():
             "bad = [m for m in ('torch', 'triton', 'zmq', 'nixl', 'rich') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the ranks of one prefill engine (SPEC.md §4 check 10) ---------------------------------------
+
+def test_check_remote_ranks():
+    from fkv.connector.handshake import check_remote_ranks
+
+    ranks = [rank(4, r) for r in (2, 0, 3, 1)]
+    assert check_remote_ranks(ranks) == ()
+    odd = list(ranks)
+    odd[2] = (odd[2][0], odd[2][1].evolve(num_blocks=60, layout="NHD"))
+    odd[3] = (attrs.evolve(odd[3][0], model="other"), odd[3][1])
+    assert [str(r) for r in check_remote_ranks(odd[:3] + [odd[3]])] == snapshot([
+        'remote[2].spec.layout: rank 3 reports layout=NHD, rank 0 layout=HND (local None, remote Layout.NHD); fix: configure every rank of the prefill engine alike',
+        'remote[2].spec.num_blocks: rank 3 reports num_blocks=60, rank 0 num_blocks=64 (local None, remote 60); fix: configure every rank of the prefill engine alike',
+        "remote[3].engine.model: rank 1 reports model='other', rank 0 model='m' (local None, remote 'other'); fix: configure every rank of the prefill engine alike",
+    ])
+    assert [r.path for r in check_remote_ranks(ranks[:3])] == ["remote"]  # rank 1 missing
+    assert [r.path for r in check_remote_ranks(ranks + [ranks[0]])] == ["remote"]  # rank 2 twice
+    assert [(r.code, r.path) for r in check_remote_ranks([ranks[0], "x"])] == [("type", "remote[1]")]
+    assert check_remote_ranks([])[0].code == "remote_ranks"
+    assert check_remote_ranks(None)[0].code == "remote_ranks"
+    for r in check_remote_ranks(odd):
+        head, _, field = r.path.partition(".")
+        i = int(head[len("remote["):-1]) if "[" in head else None
+        if field:
+            part, name = field.split(".")
+            assert name in {f.name for f in attrs.fields(type(odd[i][part == "spec"]))}

@@ -35,8 +35,8 @@ from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 
 __all__ = [
-    "PROTOCOL_VERSION", "REASON_CODES", "Accept", "EngineDesc", "Reason", "Reject", "handshake",
-    "rank_heads",
+    "PROTOCOL_VERSION", "REASON_CODES", "Accept", "EngineDesc", "Reason", "Reject",
+    "check_remote_ranks", "handshake", "rank_heads",
 ]
 
 #: The fkv prefill/decode protocol this build speaks (wire format and plan semantics).
@@ -54,6 +54,7 @@ REASON_CODES = (
     "tp_ratio",        # the two TP sizes are not mutually divisible
     "kv_heads",        # spec.num_kv_heads disagrees with total heads over tp (or MLA total != 1)
     "strategy",        # an unknown forced strategy
+    "remote_ranks",    # check_remote_ranks: the ranks of one engine disagree or are missing
     "internal",        # a bug in fkv (the handshake caught its own exception)
 )
 STRATEGIES = ("auto", "direct", "staging")
@@ -215,10 +216,6 @@ def _side_reasons(side: str, engine: EngineDesc, spec: KVCacheSpec, reasons: lis
         reasons.append(Reason(code, f"{side}.{path}", loc, rem, message, fix))
 
     who = "decode" if side == "local" else "prefill"
-    if engine.protocol != PROTOCOL_VERSION:
-        add("protocol", "engine.protocol", engine.protocol,
-            f"the {who} side speaks fkv protocol {engine.protocol}; this fkv speaks "
-            f"protocol {PROTOCOL_VERSION}", "run the same fkv version on both engines")
     tp, total = engine.tp_size, engine.total_num_kv_heads
     if not 0 <= engine.tp_rank < tp:
         add("tp_rank", "engine.tp_rank", engine.tp_rank, f"tp_rank must be in [0, {tp})",
@@ -257,6 +254,23 @@ _FACTORS = (
     ("num_layers", "spec.num_layers", lambda e, s: s.num_layers, "layer counts differ",
      "both engines must serve the same model (same number of attention layers)"),
 )
+
+
+def _protocol_reasons(le: EngineDesc | None, re_: EngineDesc | None, reasons: list[Reason]) -> None:
+    """One reason per side whose protocol this fkv does not speak, with both sides' versions."""
+    lp = le.protocol if le is not None else None
+    rp = re_.protocol if re_ is not None else None
+    speaks = []
+    if lp is not None:
+        speaks.append(f"decode speaks fkv protocol {lp}")
+    if rp is not None:
+        speaks.append(f"prefill speaks {rp}")
+    for side, value in (("local", lp), ("remote", rp)):
+        if value is not None and value != PROTOCOL_VERSION:
+            reasons.append(Reason(
+                "protocol", f"{side}.engine.protocol", lp, rp,
+                ", ".join(speaks) + f"; this fkv speaks protocol {PROTOCOL_VERSION}",
+                "run the same fkv version on both engines"))
 
 
 def _pair_reasons(le: EngineDesc, ls: KVCacheSpec, re_: EngineDesc, rs: KVCacheSpec,
@@ -317,6 +331,7 @@ def _handshake(local: Any, remote: Any, expected_remote_engine: Any, strategy: A
                               f"strategy must be one of {STRATEGIES}", "pass strategy='auto'"))
     le, ls = _unpack("local", local, reasons)
     re_, rs = _unpack("remote", remote, reasons)
+    _protocol_reasons(le, re_, reasons)
     if le is not None:
         _side_reasons("local", le, ls, reasons)
     if re_ is not None:
@@ -326,3 +341,69 @@ def _handshake(local: Any, remote: Any, expected_remote_engine: Any, strategy: A
     if reasons:
         return Reject(tuple(reasons))
     return Accept(build_plan(le, ls, re_, rs, strategy))
+
+
+def check_remote_ranks(ranks: Any) -> tuple[Reason, ...]:
+    """Reasons the ranks of one prefill engine cannot be served together (SPEC.md §4 check 10).
+
+    ``ranks`` is every rank's ``(EngineDesc, KVCacheSpec)`` (e.g. the decoded side-channel
+    peers), in any order. All must describe one engine: ranks ``0 .. tp_size - 1`` once each, and
+    the same engine fields (but ``tp_rank``) and the same spec (so the same ``num_blocks`` and
+    regions). Paths name the rank by position: ``remote[2].spec.num_blocks``. Empty when they
+    agree. Pure and total, like :func:`handshake`.
+
+    >>> from fkv import KVCacheSpec
+    >>> s = KVCacheSpec(num_blocks=64, block_size=16, num_kv_heads=4, head_size=128)
+    >>> e = lambda r: EngineDesc(engine_id="p", tp_size=2, tp_rank=r, total_num_kv_heads=8)
+    >>> check_remote_ranks([(e(0), s), (e(1), s)])
+    ()
+    >>> (r,) = check_remote_ranks([(e(0), s), (e(1), s.evolve(num_blocks=60))])
+    >>> r.path, r.message
+    ('remote[1].spec.num_blocks', 'rank 1 reports num_blocks=60, rank 0 num_blocks=64')
+    """
+    try:
+        return _check_remote_ranks(ranks)
+    except Exception as e:  # totality
+        return (Reason("internal", "remote", None, None,
+                       f"check_remote_ranks failed unexpectedly: {type(e).__name__}: {e}",
+                       "report this as an fkv bug"),)
+
+
+def _check_remote_ranks(ranks: Any) -> tuple[Reason, ...]:
+    reasons: list[Reason] = []
+    if not isinstance(ranks, list | tuple) or not ranks:
+        return (Reason("remote_ranks", "remote", None, type(ranks).__name__,
+                       "expected a non-empty list of (EngineDesc, KVCacheSpec), one per rank",
+                       "pass every rank's decoded peer"),)
+    pairs = []
+    for i, item in enumerate(ranks):
+        sub: list[Reason] = []
+        engine, spec = _unpack("remote", item, sub)
+        for r in sub:
+            reasons.append(attrs.evolve(r, path=r.path.replace("remote", f"remote[{i}]", 1)))
+        if engine is not None:
+            pairs.append((i, engine, spec))
+    if reasons or not pairs:
+        return tuple(reasons)
+    _, e0, s0 = min(pairs, key=lambda p: p[1].tp_rank)
+    fix = "configure every rank of the prefill engine alike"
+    for i, engine, spec in pairs:
+        for name in ("engine_id", "tp_size", "total_num_kv_heads", "model", "model_dtype", "protocol"):
+            a, b = getattr(engine, name), getattr(e0, name)
+            if a != b:
+                reasons.append(Reason("remote_ranks", f"remote[{i}].engine.{name}", None, a,
+                                      f"rank {engine.tp_rank} reports {name}={a!r}, rank "
+                                      f"{e0.tp_rank} {name}={b!r}", fix))
+        for f in attrs.fields(KVCacheSpec):
+            a, b = getattr(spec, f.name), getattr(s0, f.name)
+            if a != b:
+                reasons.append(Reason("remote_ranks", f"remote[{i}].spec.{f.name}", None, a,
+                                      f"rank {engine.tp_rank} reports {f.name}={a}, rank "
+                                      f"{e0.tp_rank} {f.name}={b}", fix))
+    seen = sorted(engine.tp_rank for _, engine, _ in pairs)
+    if seen != list(range(e0.tp_size)):
+        reasons.append(Reason("remote_ranks", "remote", None, seen,
+                              f"an engine of tp_size {e0.tp_size} needs ranks 0..{e0.tp_size - 1} "
+                              f"once each; got ranks {seen}",
+                              "wait until every prefill rank has published its metadata"))
+    return tuple(reasons)
