@@ -1,0 +1,276 @@
+"""A thin NIXL agent wrapper for fkv's transport: one agent per rank, regions registered once.
+
+Everything NIXL-specific lives here: loading ``nixl`` (quietly), registering memory, building the
+``Nx3`` uint64 descriptor tables ``(address, length, device)``, preparing descriptor lists, posting
+READs with a notification, polling them against a deadline and releasing handles. The caller
+(``fkv.connector.transport``) must call one :class:`Agent` from one thread at a time (SPEC.md §6).
+
+Descriptors are *granules*: each registered region is cut into ``len // granule`` equal pieces, so
+a plan row ``(region, offset, nbytes)`` is the index run ``offset // granule`` .. ``+ nbytes //
+granule`` of that region's pieces. NIXL merges runs that are contiguous on both sides into one
+descriptor when it builds a transfer, so a coalesced row still travels as one descriptor.
+
+>>> import numpy as np
+>>> granule_table([(4096, 8192)], 4096, device_id=0).tolist()
+[[4096, 4096, 0], [8192, 4096, 0]]
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from fkv.errors import FkvError
+
+__all__ = ["Agent", "TransferFailed", "granule_table", "load_nixl", "row_indices", "tensor_memory"]
+
+
+class TransferFailed(FkvError):
+    """A NIXL operation failed or did not finish in time (the peer died, hung or refused)."""
+
+
+_NIXL: Any = None
+
+
+def load_nixl() -> Any:
+    """``import nixl`` with its Python logging turned down to warnings (it logs to stdout)."""
+    global _NIXL
+    if _NIXL is None:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        try:
+            import nixl
+        except ImportError as e:  # pragma: no cover - nixl is a declared dependency
+            raise FkvError(f"fkv transfers need NIXL: pip install nixl ({e})") from e
+        _NIXL = nixl
+    return _NIXL
+
+
+def tensor_memory(t: Any) -> tuple[str, int]:
+    """``(mem_type, device_id)`` NIXL uses for a tensor: ``("VRAM", gpu)`` or ``("DRAM", 0)``."""
+    if t.device.type == "cuda":
+        return "VRAM", int(t.device.index or 0)
+    if t.device.type == "cpu":
+        return "DRAM", 0
+    raise FkvError(f"'caches' must live on a CPU or CUDA device (got {t.device})")
+
+
+def granule_table(regions: Any, granule: int, *, device_id: int) -> np.ndarray:
+    """``Nx3`` uint64 ``(address, granule, device_id)`` rows cutting each ``(base, nbytes)`` region
+    into ``nbytes // granule`` pieces, regions one after another."""
+    parts = []
+    for base, nbytes in regions:
+        if nbytes % granule:
+            raise FkvError(f"region of {nbytes} bytes is not a multiple of the granule {granule}")
+        k = nbytes // granule
+        t = np.empty((k, 3), dtype=np.uint64)
+        t[:, 0] = np.uint64(base) + np.arange(k, dtype=np.uint64) * np.uint64(granule)
+        t[:, 1] = granule
+        t[:, 2] = device_id
+        parts.append(t)
+    return np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.uint64)
+
+
+def row_indices(first: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Concatenated runs ``first[i] .. first[i] + count[i] - 1`` as one int32 index array.
+
+    >>> row_indices(np.array([5, 0]), np.array([2, 3])).tolist()
+    [5, 6, 0, 1, 2]
+    """
+    total = int(count.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int32)
+    ends = np.cumsum(count)
+    idx = np.arange(total, dtype=np.int64) + np.repeat(first - (ends - count), count)
+    return idx.astype(np.int32)
+
+
+class Xfer:
+    """One posted READ: its NIXL handle, the remote it reads and the bytes it moves."""
+
+    __slots__ = ("handle", "remote", "nbytes", "state")
+
+    def __init__(self, handle: Any, remote: str, nbytes: int) -> None:
+        self.handle, self.remote, self.nbytes, self.state = handle, remote, nbytes, "PROC"
+
+
+class Agent:
+    """One NIXL agent (UCX backend) owned by one fkv server or client; call from one thread.
+
+    ``progress_thread`` keeps UCX progressing while Python is busy (NIXL's default). ``telemetry``
+    turns on NIXL's per-transfer telemetry (descriptor counts after merging).
+    """
+
+    def __init__(self, role: str, *, progress_thread: bool = True, telemetry: bool = False) -> None:
+        nixl = load_nixl()
+        self.name = f"fkv-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        conf = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
+                                      capture_telemetry=telemetry)
+        try:
+            self._agent = nixl.nixl_agent(self.name, conf)
+        except Exception as e:
+            raise TransferFailed(f"could not create a NIXL agent with the UCX backend: "
+                                 f"{type(e).__name__}: {e}") from e
+        if "UCX" not in self._agent.backends:
+            raise TransferFailed(f"NIXL has no UCX backend here (plugins: "
+                                 f"{self._agent.get_plugin_list()}); fkv transfers need UCX")
+        self._registered: list[Any] = []
+        self._dlists: list[Any] = []
+        self._remotes: set[str] = set()
+        self._leaked: list[Any] = []
+
+    # -- memory ------------------------------------------------------------------------------
+    def register(self, regions: Any, mem_type: str, device_id: int) -> None:
+        """Register ``[(base, nbytes), ...]`` of one memory type once (until :meth:`close`)."""
+        descs = [(int(b), int(n), int(device_id), "") for b, n in regions]
+        if not descs:
+            return
+        try:
+            self._registered.append(self._agent.register_memory(descs, mem_type))
+        except Exception as e:
+            raise TransferFailed(f"NIXL could not register {len(descs)} {mem_type} region(s): "
+                                 f"{type(e).__name__}: {e}") from e
+
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata (connection info and registered memory) for peers."""
+        return bytes(self._agent.get_agent_metadata())
+
+    # -- peers ---------------------------------------------------------------------------------
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's agent metadata (already size-checked by the wire decoder)."""
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as e:
+            raise TransferFailed(f"NIXL refused the peer's agent metadata: {type(e).__name__}: "
+                                 f"{e}") from e
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._remotes.add(name)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        if name in self._remotes:
+            self._remotes.discard(name)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # the peer may be gone already; nothing left to undo on our side
+                return
+
+    def prep(self, remote: str | None, table: np.ndarray, mem_type: str) -> Any:
+        """Prepare a descriptor list: local (``remote=None``) or one remote agent's memory."""
+        try:
+            handle = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT" if remote is None else remote,
+                                                 table, mem_type)
+        except Exception as e:
+            where = "local memory" if remote is None else f"remote agent {remote!r}"
+            raise TransferFailed(f"NIXL could not prepare {len(table)} descriptors of {where}: "
+                                 f"{type(e).__name__}: {e}") from e
+        self._dlists.append(handle)
+        return handle
+
+    def release_dlist(self, handle: Any) -> None:
+        if handle in self._dlists:
+            self._dlists.remove(handle)
+            handle.release()
+
+    # -- transfers -----------------------------------------------------------------------------
+    def read(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
+             remote_name: str, nbytes: int, notif: bytes = b"") -> Xfer:
+        """Create and post one READ (remote -> local descriptors, index for index)."""
+        try:
+            handle = self._agent.make_prepped_xfer("READ", local, local_idx, remote, remote_idx,
+                                                   notif)
+        except Exception as e:
+            raise TransferFailed(f"could not create a READ from {remote_name!r}: "
+                                 f"{type(e).__name__}: {e}") from e
+        xfer = Xfer(handle, remote_name, nbytes)
+        try:
+            xfer.state = self._agent.transfer(handle)
+        except Exception as e:
+            self.release(xfer)
+            raise TransferFailed(f"could not post a READ from {remote_name!r}: "
+                                 f"{type(e).__name__}: {e}") from e
+        return xfer
+
+    def poll(self, xfer: Xfer) -> str:
+        """``"DONE"``, ``"PROC"`` or ``"ERR"`` (an exception from NIXL counts as ``"ERR"``)."""
+        if xfer.state == "PROC":
+            try:
+                xfer.state = self._agent.check_xfer_state(xfer.handle)
+            except Exception:
+                xfer.state = "ERR"
+        return xfer.state
+
+    def wait(self, xfers: list[Xfer], deadline: float) -> Xfer | None:
+        """Poll until every transfer is DONE (returns None), one failed, or the deadline passes
+        (returns the first unfinished one; its state says ``"ERR"`` or ``"PROC"``)."""
+        pause = 0.0
+        while True:
+            pending = [x for x in xfers if self.poll(x) != "DONE"]
+            if not pending:
+                return None
+            failed = [x for x in pending if x.state == "ERR"]
+            if failed:
+                return failed[0]
+            if time.monotonic() >= deadline:
+                return pending[0]
+            time.sleep(pause)
+            pause = min(0.001, pause + 0.00005)
+
+    def release(self, xfer: Xfer) -> None:
+        """Release a transfer handle; one NIXL cannot cancel yet is kept and retried at close."""
+        try:
+            xfer.handle.release()
+        except Exception:
+            self._leaked.append(xfer.handle)
+
+    def telemetry(self, xfer: Xfer) -> int | None:
+        """Descriptors NIXL submitted for ``xfer`` after merging (None without telemetry)."""
+        try:
+            return int(self._agent.get_xfer_telemetry(xfer.handle).descCount)
+        except Exception:
+            return None
+
+    # -- notifications -------------------------------------------------------------------------
+    def notifications(self) -> list[bytes]:
+        """New notification messages from any peer (bytes each)."""
+        out: list[bytes] = []
+        for msgs in self._agent.get_new_notifs().values():
+            out.extend(bytes(m) for m in msgs)
+        return out
+
+    def notify(self, remote: str, message: bytes) -> None:
+        try:
+            self._agent.send_notif(remote, message)
+        except Exception as e:
+            raise TransferFailed(f"could not notify {remote!r}: {type(e).__name__}: {e}") from e
+
+    # -- teardown ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release handles and descriptor lists, drop peers, deregister memory. Idempotent."""
+        agent = getattr(self, "_agent", None)
+        if agent is None:
+            return
+        for handle in self._leaked:
+            try:
+                handle.release()
+            except Exception:  # still busy in a dead connection; the agent frees it on destruction
+                continue
+        self._leaked.clear()
+        for handle in self._dlists:
+            try:
+                handle.release()
+            except Exception:
+                continue
+        self._dlists.clear()
+        for name in list(self._remotes):
+            self.remove_remote(name)
+        for reg in self._registered:
+            try:
+                agent.deregister_memory(reg)
+            except Exception:
+                continue
+        self._registered.clear()
+        self._agent = None
