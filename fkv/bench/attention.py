@@ -222,8 +222,8 @@ def _sweep_configs(kind: str, default: Any) -> list[Any]:
     out = []
     if kind == "decode":
         for tile in (32, 64, 128):
-            for warps in (2, 4, 8):
-                for stages in (2, 3, 4):
+            for warps in (4, 8):
+                for stages in (2, 3, 4, 5):  # 5: the pipeliner double-buffers K/V tiles
                     out.append(attrs.evolve(default, tile_n=tile, num_warps=warps, num_stages=stages))
         for mult in (0.25, 0.5, 2.0, 4.0):
             out.append(attrs.evolve(default, num_splits=max(1, round(default.num_splits * mult))))
