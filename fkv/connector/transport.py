@@ -36,7 +36,7 @@ from one thread at a time: the server's own thread after start-up, the client un
 >>> with serve(p, spec, src) as server, connect(d, spec, dst, remote_address=server.address) as c:
 ...     result = c.read("req-1", [2, 0], [1, 3])
 >>> result.ok, result.bytes, torch.equal(dst[0][2], src[0][1])
-(True, 2048, True)
+(True, 512, True)
 """
 
 from __future__ import annotations
