@@ -14,8 +14,12 @@ chooses one of two strategies:
 
 The planner picks the strategy that moves the fewest bytes with the fewest descriptors, scored per
 remote block as ``bytes read + STAGING_COST_FRACTION * bytes the move kernel copies +
-DESCRIPTOR_COST_BYTES * descriptors`` (ties go to ``direct``); ``describe()`` reports both. All offsets come from the layout algebra
-(``KVCacheSpec.span`` for contiguity, ``region_and_offset`` for addresses).
+DESCRIPTOR_COST_BYTES * descriptors`` (ties go to ``direct``; ``handshake(..., strategy=)`` forces
+one); ``describe()`` reports both. All offsets come from the layout algebra (``KVCacheSpec.span``
+for contiguity, ``region_and_offset`` for addresses).
+
+Rows are ordered by read (``remote_ranks`` order), then in the remote's physical order (layers
+outermost for a per-layer remote); consecutive rows contiguous on both sides are merged.
 
 Tokens: token ``i`` of a request lives in remote block ``remote_ids[i // N_remote]`` slot
 ``i % N_remote`` and local block ``local_ids[i // N_local]`` slot ``i % N_local``. Direct rows move
