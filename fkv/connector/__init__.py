@@ -1,7 +1,8 @@
 """Prefill -> decode hand-off: the pure handshake and plan, the wire format, and NIXL transport.
 
 The pure parts (``EngineDesc``, ``handshake``, plans, ``encode``/``decode_untrusted``) import neither
-torch nor triton; ``serve``/``connect`` load NIXL and ZMQ on first use.
+torch nor triton (only attrs, numpy and msgspec) and are bound here eagerly, so a public name never
+collides with a submodule of the same name; ``serve``/``connect`` load NIXL and ZMQ on first use.
 """
 
 from __future__ import annotations
@@ -9,24 +10,26 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from fkv.connector.handshake import (
+    PROTOCOL_VERSION,
+    Accept,
+    EngineDesc,
+    Reason,
+    Reject,
+    check_remote_ranks,
+    handshake,
+)
+from fkv.connector.plan import StagingStep, TransferPlan
+from fkv.connector.wire import Peer, decode_untrusted, encode
 from fkv.errors import FkvWireError
 
 __all__ = [
     "Accept", "EngineDesc", "FkvWireError", "PROTOCOL_VERSION", "Peer", "Reason", "Reject",
-    "TransferPlan", "connect", "decode_untrusted", "encode", "handshake", "serve",
+    "StagingStep", "TransferPlan", "check_remote_ranks", "connect", "decode_untrusted", "encode",
+    "handshake", "serve",
 ]
 
 _LAZY = {
-    "EngineDesc": "fkv.connector.handshake",
-    "Accept": "fkv.connector.handshake",
-    "Reject": "fkv.connector.handshake",
-    "Reason": "fkv.connector.handshake",
-    "handshake": "fkv.connector.handshake",
-    "PROTOCOL_VERSION": "fkv.connector.handshake",
-    "TransferPlan": "fkv.connector.plan",
-    "Peer": "fkv.connector.wire",
-    "encode": "fkv.connector.wire",
-    "decode_untrusted": "fkv.connector.wire",
     "serve": "fkv.connector.transport",
     "connect": "fkv.connector.transport",
 }
