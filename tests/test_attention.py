@@ -390,6 +390,16 @@ def test_unused_block_table_entries_are_not_checked_nor_read(device: str) -> Non
     case.check()
 
 
+def test_empty_batch() -> None:
+    case = Case("cpu")
+    bt, lens = case.block_table[:0], case.seq_lens[:0]
+    out = paged_attention(case.q[:0], case.cache, case.spec, bt, lens)
+    assert out.shape == (0, 4, 32)
+    qsl = torch.zeros(1, dtype=torch.int32)
+    assert R.paged_attention(case.q[:0], case.cache, case.spec, bt, lens,
+                             query_start_loc=qsl).shape == (0, 4, 32)
+
+
 # -- GPU: the benchmark's shapes, scaled down, with the default configuration ---------------------
 
 @pytest.mark.gpu
@@ -401,3 +411,20 @@ def test_gpu_default_configs(layout: str, mode: str) -> None:
                 seq_lens=(1500, 700, 2100), q_lens=q_lens)
     case.check()
     case.check(sliding_window=256, softcap=30.0)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay() -> None:
+    """Value checks are skipped while capturing (they need a sync); the replay recomputes."""
+    case = Case("cuda", hq=32, hkv=8, head_size=128, block_size=16, seq_lens=(900, 40, 2000))
+    out = torch.empty_like(case.q)
+    paged_attention(*case.args(), out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(*case.args(), out=out)
+    out.fill_(float("nan"))
+    case.q.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = case.expected().cpu()
+    assert torch.allclose(out.double().cpu(), want, atol=2e-2, rtol=2e-2)

@@ -255,6 +255,11 @@ def check_attention_values(spec: KVCacheSpec, block_table: torch.Tensor, seq_len
     """
     if seq_lens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return
+    if block_table.shape[0] == 0:
+        if query_start_loc is not None and num_q_tokens:
+            raise FkvError(f"'query_start_loc' must run from 0 to total_q_tokens={num_q_tokens}, "
+                           f"but there are no sequences")
+        return
     n = spec.block_size
     lens = seq_lens.to(torch.int64)
     cap = block_table.shape[1] * n
