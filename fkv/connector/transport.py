@@ -55,7 +55,7 @@ import numpy as np
 from fkv.connector import _side
 from fkv.connector._nixl import Agent, TransferFailed, granule_table, row_indices, tensor_memory
 from fkv.connector._side import SideChannelError
-from fkv.connector.handshake import EngineDesc, handshake
+from fkv.connector.handshake import EngineDesc, check_remote_ranks, handshake
 from fkv.connector.plan import TransferPlan, expected_notifications
 from fkv.connector.wire import Peer, decode_untrusted, encode
 from fkv.errors import FkvError, field_error
@@ -610,19 +610,13 @@ class Client:
                 raise SideChannelError(f"prefill side channel at {address}: {message}")
             time.sleep(0.05)
         peers = [decode_untrusted(entry.peer) for entry in reply.ranks]
-        if not peers:
-            raise SideChannelError(f"prefill side channel at {address} listed no ranks")
-        first = peers[0]
-        for i, p in enumerate(peers):
-            if (p.engine.engine_id, p.engine.tp_size, p.engine.tp_rank) != \
-                    (first.engine.engine_id, len(peers), i):
-                raise SideChannelError(
-                    f"prefill side channel at {address}: entry {i} is rank {p.engine.tp_rank} of "
-                    f"engine {p.engine.engine_id!r} (tp_size {p.engine.tp_size}); expected rank {i}"
-                    f" of {first.engine.engine_id!r} with tp_size {len(peers)}")
-            if p.spec != first.spec:
-                raise SideChannelError(f"prefill rank {i} reports {p.spec!r}, rank 0 {first.spec!r}"
-                                       f": every rank of an engine must share one spec")
+        reasons = check_remote_ranks([(p.engine, p.spec) for p in peers])
+        if reasons:
+            raise HandshakeRejected(f"prefill side channel at {address}: its ranks disagree:\n"
+                                    + "\n".join(f"  - {r}" for r in reasons), reasons)
+        if [p.engine.tp_rank for p in peers] != list(range(len(peers))):
+            raise SideChannelError(f"prefill side channel at {address} listed ranks "
+                                   f"{[p.engine.tp_rank for p in peers]} out of order")
         return peers, [entry.mem_type for entry in reply.ranks]
 
     def _connect(self, address: str, timeout: float) -> None:

@@ -1,0 +1,246 @@
+"""One rank of the transport tests, in its own process: ``python _transport_worker.py FD``.
+
+Commands arrive as JSON lines on stdin; each gets one JSON line reply on file descriptor ``FD``
+(stdout/stderr stay free for NIXL/UCX logs). A worker can host several prefill servers and decode
+clients at once (one per test configuration), each under a name, so the test module starts its
+processes once and reuses them.
+
+Every prefill rank fills its caches from one global KV per layer (``global_kv``: float32 random
+values of ``[num_blocks * block_size, 2, total_heads, head_size]`` for seed and layer, token ``t`` in
+block ``t // N`` slot ``t % N``), through logical views; decode ranks poison their caches with NaN
+and ``verify`` compares what landed against the same global KV, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+import fkv
+from fkv.connector import EngineDesc, connect, serve
+from fkv.connector.handshake import rank_heads
+
+_CANON = ("B", "N", "two", "H", "C")
+
+
+def make_spec(d: dict[str, Any]) -> fkv.KVCacheSpec:
+    return fkv.KVCacheSpec(**d)
+
+
+def make_engine(d: dict[str, Any]) -> EngineDesc:
+    return EngineDesc(**d)
+
+
+def heads_of(engine: EngineDesc, spec: fkv.KVCacheSpec) -> tuple[int, int]:
+    if spec.is_mla:
+        return 0, 1
+    first, count = rank_heads(engine.total_num_kv_heads, engine.tp_size, engine.tp_rank)
+    return first, first + count
+
+
+def global_kv(seed: int, layer: int, tokens: int, heads: int, head_size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1009 + layer)
+    return torch.randn(tokens, 2, heads, head_size, generator=g)
+
+
+def canonical(view: torch.Tensor, spec: fkv.KVCacheSpec) -> torch.Tensor:
+    """A writable ``[B, N, 2, H, C]`` view of one layer (MLA: ``[B, N, 1, 1, C]``)."""
+    axes = spec.logical_axes
+    if spec.is_mla:
+        return view.unsqueeze(2).unsqueeze(3)
+    return view.permute(*[axes.index(a) for a in _CANON])
+
+
+def fill_prefill(caches: list[torch.Tensor], spec: fkv.KVCacheSpec, engine: EngineDesc,
+                 seed: int) -> None:
+    lo, hi = heads_of(engine, spec)
+    total = 1 if spec.is_mla else engine.total_num_kv_heads
+    tokens = spec.num_blocks * spec.block_size
+    for layer, view in enumerate(caches):
+        ref = global_kv(seed, layer, tokens, total, spec.head_size)[:, :1 if spec.is_mla else 2]
+        src = ref[:, :, lo:hi].reshape(spec.num_blocks, spec.block_size, *ref.shape[1:2],
+                                       hi - lo, spec.head_size)
+        canonical(view, spec).copy_(src.to(view.dtype))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def poison(caches: list[torch.Tensor]) -> None:
+    for view in caches:
+        view.fill_(float("nan"))
+
+
+def verify(caches: list[torch.Tensor], spec: fkv.KVCacheSpec, engine: EngineDesc,
+           cmd: dict[str, Any]) -> str | None:
+    """None when the request's tokens equal the global KV and every other block is still NaN."""
+    rspec = make_spec(cmd["remote_spec"])
+    total = 1 if spec.is_mla else engine.total_num_kv_heads
+    local, remote = cmd["local"], cmd["remote"]
+    n = cmd.get("num_tokens") or min(len(local) * spec.block_size, len(remote) * rspec.block_size)
+    i = torch.arange(n)
+    gtok = torch.tensor(remote)[i // rspec.block_size] * rspec.block_size + i % rspec.block_size
+    lo, hi = heads_of(engine, spec)
+    ltok = torch.tensor(local)[i // spec.block_size] * spec.block_size + i % spec.block_size
+    others = sorted(set(range(spec.num_blocks)) - set(local))
+    for layer, view in enumerate(caches):
+        ref = global_kv(cmd["seed"], layer, rspec.num_blocks * rspec.block_size, total,
+                        spec.head_size)[:, :1 if spec.is_mla else 2]
+        want = ref[gtok][:, :, lo:hi].to(view.dtype)
+        canon = canonical(view, spec)
+        got = canon.reshape(-1, *canon.shape[2:])[ltok]
+        if not torch.equal(_bits(got), _bits(want)):
+            bad = (got != want).nonzero()[0].tolist()
+            return (f"layer {layer}: token/kv/head/channel {bad} got {got[tuple(bad)].item()} "
+                    f"want {want[tuple(bad)].item()} ({int((got != want).sum())} differ)")
+        if others and not bool(canon[others].isnan().all()):
+            return f"layer {layer}: blocks outside the request were written"
+    return None
+
+
+class Worker:
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.servers: dict[str, Any] = {}
+        self.clients: dict[str, Any] = {}
+        self.caches: dict[str, tuple[list[torch.Tensor], fkv.KVCacheSpec, EngineDesc]] = {}
+
+    def reply(self, **fields: Any) -> None:
+        self.out.write(json.dumps(fields) + "\n")
+        self.out.flush()
+
+    def run(self) -> None:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            t0 = time.perf_counter()
+            try:
+                result = getattr(self, "cmd_" + cmd["cmd"])(cmd)
+                self.reply(ok=True, seconds=time.perf_counter() - t0, **(result or {}))
+            except Exception as e:
+                self.reply(ok=False, type=type(e).__name__, error=str(e),
+                           reasons=[r.code for r in getattr(e, "reasons", ())],
+                           trace=traceback.format_exc())
+            if cmd["cmd"] == "exit":
+                return
+
+    # -- env for UCX: read when an agent is created ------------------------------------------
+    @staticmethod
+    def _with_env(env: dict[str, str] | None, fn: Any) -> Any:
+        saved = {k: os.environ.get(k) for k in env or {}}
+        os.environ.update(env or {})
+        try:
+            return fn()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    # -- prefill -----------------------------------------------------------------------------
+    def cmd_serve(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        spec, engine = make_spec(cmd["spec"]), make_engine(cmd["engine"])
+        caches = fkv.allocate(spec)
+        fill_prefill(caches, spec, engine, cmd["seed"])
+        server = self._with_env(cmd.get("env"), lambda: serve(
+            engine, spec, caches, host=cmd.get("host", "127.0.0.1"), join=cmd.get("join"),
+            lease=cmd.get("lease", 60.0)))
+        self.servers[cmd["name"]] = server
+        self.caches[cmd["name"]] = (caches, spec, engine)
+        return {"address": server.address, "pid": os.getpid()}
+
+    def cmd_hold(self, cmd: dict[str, Any]) -> None:
+        self.servers[cmd["name"]].hold(cmd["request_id"], cmd.get("blocks"), lease=cmd.get("lease"))
+
+    def cmd_pending(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        server = self.servers[cmd["name"]]
+        return {"pending": sorted(server.pending()), "released": server.released(),
+                "errors": list(server.errors)}
+
+    def cmd_checksum(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        caches = self.caches[cmd["name"]][0]
+        return {"sum": [float(c.float().nan_to_num().sum()) for c in caches]}
+
+    # -- decode ------------------------------------------------------------------------------
+    def cmd_connect(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        spec, engine = make_spec(cmd["spec"]), make_engine(cmd["engine"])
+        caches = fkv.allocate(spec)
+        poison(caches)
+        kwargs = {k: cmd[k] for k in ("strategy", "staging_bytes", "expected_engine") if k in cmd}
+        client = self._with_env(cmd.get("env"), lambda: connect(
+            engine, spec, caches, remote_address=cmd["address"], timeout=cmd.get("timeout", 20.0),
+            **kwargs))
+        self.clients[cmd["name"]] = client
+        self.caches[cmd["name"]] = (caches, spec, engine)
+        plan = client.plan
+        return {"strategy": plan.strategy, "remote_ranks": list(plan.remote_ranks),
+                "notify_only_ranks": list(plan.notify_only_ranks), "pid": os.getpid()}
+
+    def _read(self, name: str, r: dict[str, Any]) -> dict[str, Any]:
+        result = self.clients[name].read(r["request_id"], r["local"], r["remote"],
+                                         timeout=r.get("timeout", 30.0),
+                                         num_tokens=r.get("num_tokens"))
+        return {"result_ok": result.ok, "bytes": result.bytes, "descriptors": result.descriptors,
+                "error": result.error, "read_seconds": result.seconds}
+
+    def cmd_read(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return self._read(cmd["name"], cmd)
+
+    def cmd_read_many(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Several reads from concurrent threads of this rank (the client serializes NIXL)."""
+        out: list[Any] = [None] * len(cmd["reads"])
+
+        def one(i: int, r: dict[str, Any]) -> None:
+            try:
+                out[i] = self._read(cmd["name"], r)
+            except Exception as e:
+                out[i] = {"result_ok": False, "error": f"{type(e).__name__}: {e}"}
+
+        threads = [threading.Thread(target=one, args=(i, r)) for i, r in enumerate(cmd["reads"])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return {"results": out}
+
+    def cmd_verify(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        caches, spec, engine = self.caches[cmd["name"]]
+        return {"mismatch": verify(caches, spec, engine, cmd)}
+
+    def cmd_untouched(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        caches = self.caches[cmd["name"]][0]
+        return {"untouched": all(bool(c.isnan().all()) for c in caches)}
+
+    def cmd_reconnect(self, cmd: dict[str, Any]) -> None:
+        self.clients[cmd["name"]].reconnect(cmd.get("address"), timeout=cmd.get("timeout", 20.0))
+        poison(self.caches[cmd["name"]][0])
+
+    # -- both --------------------------------------------------------------------------------
+    def cmd_ping(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"pid": os.getpid()}
+
+    def cmd_stop(self, cmd: dict[str, Any]) -> None:
+        for table in (self.servers, self.clients):
+            obj = table.pop(cmd["name"], None)
+            if obj is not None:
+                obj.close()
+        self.caches.pop(cmd["name"], None)
+
+    def cmd_exit(self, cmd: dict[str, Any]) -> None:
+        for table in (self.clients, self.servers):
+            for obj in table.values():
+                obj.close()
+            table.clear()
+
+
+if __name__ == "__main__":
+    with os.fdopen(int(sys.argv[1]), "w") as out:
+        Worker(out).run()
