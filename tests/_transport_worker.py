@@ -90,7 +90,7 @@ def verify(caches: list[torch.Tensor], spec: fkv.KVCacheSpec, engine: EngineDesc
     gtok = torch.tensor(remote)[i // rspec.block_size] * rspec.block_size + i % rspec.block_size
     lo, hi = heads_of(engine, spec)
     ltok = torch.tensor(local)[i // spec.block_size] * spec.block_size + i % spec.block_size
-    others = sorted(set(range(spec.num_blocks)) - set(local))
+    others = sorted(set(range(spec.num_blocks)) - set(local) - set(cmd.get("also_written", ())))
     for layer, view in enumerate(caches):
         ref = global_kv(cmd["seed"], layer, rspec.num_blocks * rspec.block_size, total,
                         spec.head_size)[:, :1 if spec.is_mla else 2]

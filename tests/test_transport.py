@@ -175,11 +175,11 @@ class Pair:
             d.send("read", name=self.name, request_id=request_id, local=local, remote=remote, **kw)
         return [d.result() for d in self.D]
 
-    def verify_all(self, local: list[int], remote: list[int], num_tokens: int | None = None
-                   ) -> list[str | None]:
+    def verify_all(self, local: list[int], remote: list[int], num_tokens: int | None = None,
+                   also_written: list[int] = ()) -> list[str | None]:
         for d in self.D:
             d.send("verify", name=self.name, local=local, remote=remote, seed=SEED,
-                   remote_spec=self.pspec, num_tokens=num_tokens)
+                   remote_spec=self.pspec, num_tokens=num_tokens, also_written=list(also_written))
         return [d.result()["mismatch"] for d in self.D]
 
     def pending(self) -> list[dict[str, Any]]:
@@ -189,8 +189,9 @@ class Pair:
         deadline = time.monotonic() + timeout
         while True:
             states = self.pending()
-            if all(request_id not in s["pending"] for s in states) or time.monotonic() > deadline:
-                return [s["released"].get(request_id, "still pending") for s in states]
+            if all(request_id in s["released"] for s in states) or time.monotonic() > deadline:
+                return [s["released"].get(request_id, "pending" if request_id in s["pending"]
+                                          else "never seen") for s in states]
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -243,3 +244,181 @@ def test_matrix(cluster: Any, ptp: int, dtp: int, variant: str) -> None:
         assert pair.wait_released("r1") == ["notified"] * ptp
     finally:
         pair.stop()
+
+
+# -- more backends: MLA (replicated reads, notify-only ranks), flash_attn, cross-layer ------------
+
+BACKENDS = {
+    # name: (P TP, D TP, heads, prefill overrides, decode overrides)
+    "mla-1-2": (1, 2, 1, {"backend": "mla", "head_size": 32}, {"backend": "mla", "head_size": 32}),
+    "mla-2-1": (2, 1, 1, {"backend": "mla", "head_size": 32}, {"backend": "mla", "head_size": 32}),
+    "flash_attn-cross-2-1": (2, 1, HEADS, {"backend": "flash_attn", "cross_layer": True},
+                             {"backend": "triton", "layout": "NHD"}),
+    "cross-1-2": (1, 2, HEADS, {"backend": "flash_attn", "layout": "NHD"},
+                  {"backend": "flashinfer", "cross_layer": True}),
+    "fp8-cross-2-2": (2, 2, HEADS, {"dtype": "float8_e4m3fn", "cross_layer": True},
+                      {"dtype": "float8_e4m3fn", "cross_layer": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(BACKENDS))
+def test_backends(cluster: Any, case: str) -> None:
+    ptp, dtp, heads, pover, dover = BACKENDS[case]
+    pspec = spec_dict(tp=ptp, heads=heads, **pover)
+    dspec = spec_dict(tp=dtp, heads=heads, **dover)
+    pair = Pair(cluster, ptp, dtp, pspec, dspec, heads=heads)
+    try:
+        if case == "mla-2-1":  # one P rank read, the other only notified
+            assert pair.connected[0]["remote_ranks"] == [0]
+            assert pair.connected[0]["notify_only_ranks"] == [1]
+        local, remote = request_blocks(pspec, dspec, 11)
+        results = pair.read_all("r1", local, remote)
+        assert [r["result_ok"] for r in results] == [True] * dtp, results
+        assert pair.verify_all(local, remote) == [None] * dtp
+        assert pair.wait_released("r1") == ["notified"] * ptp
+    finally:
+        pair.stop()
+
+
+# -- notifications and leases ---------------------------------------------------------------------
+
+def test_notifications_and_lease(cluster: Any) -> None:
+    pspec, dspec = spec_dict(tp=1), spec_dict(tp=2)
+    pair = Pair(cluster, 1, 2, pspec, dspec, lease=30.0, connect_kw={"strategy": "direct"})
+    P = pair.P[0]
+    try:
+        local, remote = request_blocks(pspec, dspec, 8)
+        P.call("hold", name=pair.name, request_id="r1", blocks=remote)
+        assert P.call("pending", name=pair.name)["pending"] == ["r1"]
+        # P TP=1 -> D TP=2: the request is freed after both decode ranks notified, not one.
+        assert pair.D[0].call("read", name=pair.name, request_id="r1", local=local,
+                              remote=remote)["result_ok"]
+        time.sleep(0.3)
+        assert P.call("pending", name=pair.name)["pending"] == ["r1"]
+        assert pair.D[1].call("read", name=pair.name, request_id="r1", local=local,
+                              remote=remote)["result_ok"]
+        assert pair.wait_released("r1") == ["notified"]
+        # Nobody reads: the lease frees it.
+        P.call("hold", name=pair.name, request_id="lost", blocks=remote, lease=0.3)
+        assert "lost" in P.call("pending", name=pair.name)["pending"]
+        assert pair.wait_released("lost") == ["lease expired"]
+        # Notifications without a hold still count (the lease starts at the first one).
+        assert all(r["result_ok"] for r in pair.read_all("r2", local, remote))
+        assert pair.wait_released("r2") == ["notified"]
+        assert P.call("pending", name=pair.name)["errors"] == []
+    finally:
+        pair.stop()
+
+
+def test_concurrent_reads_from_several_ranks_and_requests(cluster: Any) -> None:
+    pspec, dspec = spec_dict(tp=2), spec_dict(tp=4)
+    pair = Pair(cluster, 2, 4, pspec, dspec, connect_kw={"strategy": "direct"})
+    try:
+        reqs = [{"request_id": f"q{i}", "local": [3 * i, 3 * i + 1], "remote": [11 - 2 * i, i],
+                 "timeout": 30.0} for i in range(4)]
+        for d in pair.D:
+            d.send("read_many", name=pair.name, reads=reqs)
+        for d in pair.D:
+            results = d.result()["results"]
+            assert [r["result_ok"] for r in results] == [True] * 4, results
+        written = [b for r in reqs for b in r["local"]]
+        for r in reqs:
+            assert pair.verify_all(r["local"], r["remote"], also_written=written) == [None] * 4
+        for r in reqs:
+            assert pair.wait_released(r["request_id"]) == ["notified"] * 2
+    finally:
+        pair.stop()
+
+
+# -- refusals -------------------------------------------------------------------------------------
+
+def test_block_past_remote_cache_is_refused_before_any_transfer(cluster: Any) -> None:
+    pspec, dspec = spec_dict(tp=1), spec_dict(tp=1, num_blocks=16)
+    pair = Pair(cluster, 1, 1, pspec, dspec)
+    D, P = pair.D[0], pair.P[0]
+    try:
+        P.call("hold", name=pair.name, request_id="r1")
+        bad = D.call("read", check=False, name=pair.name, request_id="r1", local=[0, 1],
+                     remote=[3, 12])
+        assert not bad["ok"] and bad["type"] == "FkvError"
+        assert "'remote_block_ids'[1] = 12 is outside the remote cache's [0, num_blocks=12)" \
+            in bad["error"]
+        bad = D.call("read", check=False, name=pair.name, request_id="r1", local=[16, 1],
+                     remote=[3, 4])
+        assert "'local_block_ids'[0] = 16 is outside the local cache's [0, num_blocks=16)" \
+            in bad["error"]
+        bad = D.call("read", check=False, name=pair.name, request_id="r1", local=[0, 1, 2],
+                     remote=[3, 4])
+        assert "pass the blocks of the same tokens on both sides" in bad["error"]
+        assert D.call("untouched", name=pair.name)["untouched"]
+        time.sleep(0.2)
+        assert P.call("pending", name=pair.name)["pending"] == ["r1"]  # nobody notified
+        assert D.call("read", name=pair.name, request_id="r1", local=[0, 1], remote=[3, 4])[
+            "result_ok"]
+        assert pair.verify_all([0, 1], [3, 4]) == [None]
+    finally:
+        pair.stop()
+
+
+def test_handshake_reject_carries_every_reason(cluster: Any) -> None:
+    pspec = spec_dict(tp=1)
+    P = cluster["P"][0]
+    name = f"c{next(_counter)}"
+    address = P.call("serve", name=name, spec=pspec, engine=engine_dict(f"P-{name}", 1, 0),
+                     seed=SEED)["address"]
+    try:
+        reply = cluster["D"][0].call(
+            "connect", check=False, name=name, address=address, expected_engine="someone-else",
+            spec=spec_dict(tp=1, head_size=32, dtype="float16"),
+            engine=engine_dict("D", 1, 0))
+        assert not reply["ok"] and reply["type"] == "HandshakeRejected"
+        assert sorted(reply["reasons"]) == ["cache_dtype", "engine_id", "head_size"]
+        assert "head sizes differ" in reply["error"]
+    finally:
+        P.call("stop", name=name)
+        cluster["D"][0].call("stop", name=name)
+
+
+def test_garbage_on_the_side_channel_gets_an_error_reply(cluster: Any) -> None:
+    import msgspec
+    import zmq
+
+    from fkv.connector import _side
+
+    pspec = spec_dict(tp=1)
+    P = cluster["P"][0]
+    name = f"c{next(_counter)}"
+    address = P.call("serve", name=name, spec=pspec, engine=engine_dict(f"P-{name}", 1, 0),
+                     seed=SEED)["address"]
+    ctx = zmq.Context()
+
+    def ask(*frames: bytes) -> Any:
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send_multipart(list(frames))
+        assert sock.poll(10_000), "the server stopped answering"
+        reply = _side.decode_reply(sock.recv())
+        sock.close()
+        return reply
+
+    try:
+        for junk in (b"", b"\xff\x00garbage", msgspec.msgpack.encode({"type": "fetch", "x": 1}),
+                     msgspec.msgpack.encode({"type": "publish", "rank": 1, "peer": b"\x93\x01",
+                                             "mem_type": "DRAM"}),
+                     msgspec.msgpack.encode({"type": "publish", "rank": -1, "peer": b"",
+                                             "mem_type": "GPU"}),
+                     msgspec.msgpack.encode([1, 2, 3]) * 1000):
+            reply = ask(junk)
+            assert isinstance(reply, _side.Error) and not reply.retry, (junk[:20], reply)
+        assert isinstance(ask(b"a", b"b"), _side.Error)  # two frames
+        # Raw bytes that are not even ZMTP: the connection is dropped, the server lives on.
+        with socket.create_connection(address.removeprefix("tcp://").rsplit(":", 1)) as raw:
+            raw.sendall(os.urandom(4096))
+        reply = ask(msgspec.msgpack.encode(_side.Fetch()))
+        assert isinstance(reply, _side.Ranks) and len(reply.ranks) == 1
+        assert isinstance(ask(msgspec.msgpack.encode(_side.Ping())), _side.Ok)
+        assert P.call("pending", name=name)["errors"] == []
+    finally:
+        ctx.term()
+        P.call("stop", name=name)
