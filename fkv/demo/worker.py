@@ -150,13 +150,12 @@ def run_decode(cfg: DemoConfig, rank: int, workdir: str, rep: Reporter) -> int:
     rep.send("ready")
     go = json.loads(sys.stdin.readline())
     engine = cfg.engine("decode", rank)
-    with fkv.connector.connect(engine, spec, caches, remote_address=go["address"]) as client:
-        t0 = time.perf_counter()
+    with fkv.connector.connect(engine, spec, caches, remote_address=go["address"],
+                               expected_engine=cfg.engine("prefill", 0).engine_id) as client:
         result = client.read(REQUEST_ID, local_ids[: cfg.decode_prompt_blocks()],
-                             cfg.block_ids("prefill"))
-        seconds = time.perf_counter() - t0
+                             cfg.block_ids("prefill"), timeout=cfg.timeout)
     rep.send("transferred", ok=bool(result.ok), bytes=int(result.bytes),
-             descriptors=int(result.descriptors), seconds=seconds,
+             descriptors=int(result.descriptors), seconds=float(result.seconds),
              error=None if result.error is None else str(result.error))
     if not result.ok:
         return 1
