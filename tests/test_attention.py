@@ -390,6 +390,35 @@ def test_unused_block_table_entries_are_not_checked_nor_read(device: str) -> Non
     case.check()
 
 
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_unvalidated_bad_values_stay_in_bounds(device: str, mode: str) -> None:
+    """validate=False (the CUDA default): a bad block id, a seq_len beyond the block table and
+    query offsets beyond q neither fault nor write outside out; the other sequences are exact."""
+    q_lens = None if mode == "decode" else (1, 3, 1, 4)
+    case = Case(device, q_lens=q_lens, seed=11)
+    want = case.expected().cpu()
+    bt, lens = case.block_table.clone(), case.seq_lens.clone()
+    bt[0, 0] = 1 << 20                                   # sequence 0: an id far outside the cache
+    lens[1] = bt.shape[1] * case.spec.block_size + 50    # sequence 1: beyond the table's capacity
+    qsl = case.query_start_loc
+    if qsl is not None:
+        qsl = qsl.clone()
+        qsl[-1] = qsl[-1] + 40                           # sequence 3: queries beyond q
+    total = case.q.shape[0]
+    big = torch.full((total + 40, *case.q.shape[1:]), float("nan"), dtype=case.q.dtype,
+                     device=device)
+    out = big[:total]
+    paged_attention(case.q, case.cache, case.spec, bt, lens, query_start_loc=qsl, out=out,
+                    validate=False)
+    got = big.double().cpu()
+    assert got[total:].isnan().all(), "written outside out"
+    rows = [2] if qsl is not None else [2, 3]            # untouched sequences
+    for b in rows:
+        lo, hi = (b, b + 1) if qsl is None else (int(qsl[b]), int(qsl[b + 1]))
+        assert torch.allclose(got[lo:hi], want[lo:hi], atol=2e-2, rtol=2e-2)
+    assert torch.isfinite(got[:total]).all()
+
+
 def test_empty_batch() -> None:
     case = Case("cpu")
     bt, lens = case.block_table[:0], case.seq_lens[:0]

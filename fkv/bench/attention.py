@@ -24,11 +24,12 @@ validated by the correctness call; validation costs one device sync per call).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["main"]
 
@@ -99,7 +100,7 @@ class Problem:
     """A filled paged cache (all blocks used, random order), queries and the dense equivalents."""
 
     def __init__(self, shape: Shape, layout: str, batch: int, seq_len: int, q_len: int,
-                 device: str, seed: int = 0) -> None:
+                 device: str, seed: int = 0, dense: bool = True) -> None:
         import torch
 
         import fkv
@@ -125,6 +126,8 @@ class Problem:
         self.out = torch.empty_like(self.q)
         self.batch, self.seq_len, self.q_len = batch, seq_len, q_len
         self.bytes = 2 * batch * seq_len * shape.num_kv_heads * shape.head_size * 2
+        if not dense:
+            return
         # Dense K/V [B, Hkv, L, D] holding the same logical values (for the cross-check and SDPA).
         keys, values = _keys_values(self.cache, self.spec)
         idx = self.block_table.long()
@@ -204,15 +207,76 @@ def _check(p: Problem, res: Result, device: str) -> None:
                          f"{res.max_err_vs_sdpa:.3g} (bf16 tolerance 3e-2)")
 
 
-def _default_config(p: Problem) -> Any:
+def _default_config_for(shape: Shape, kind: str, batch: int, tokens: int) -> Any:
+    """The launcher's default configuration for one case (as ``paged_attention`` picks it)."""
+    import torch
+
     from fkv.ops.attention import _num_sms, attention_config
 
-    return attention_config(num_seqs=p.batch, num_q_tokens=p.q.shape[0],
-                            num_q_heads=p.q.shape[1], num_kv_heads=p.spec.num_kv_heads,
-                            head_size=p.spec.head_size,
-                            max_context=p.block_table.shape[1] * p.spec.block_size,
-                            itemsize=2, num_sms=_num_sms(p.q.device),
-                            varlen=p.query_start_loc is not None)
+    q_tokens = batch if kind == "decode" else batch * tokens
+    n = shape.block_size
+    return attention_config(num_seqs=batch, num_q_tokens=q_tokens, num_q_heads=shape.num_q_heads,
+                            num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
+                            max_context=-(-tokens // n) * n, itemsize=2,
+                            num_sms=_num_sms(torch.device("cuda" if torch.cuda.is_available()
+                                                          else "cpu")),
+                            varlen=kind != "decode")
+
+
+class Variant(NamedTuple):
+    """One timed alternative: a launch configuration plus module-level knobs of the launcher."""
+
+    config: Any
+    knobs: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> dict[str, Any]:
+        import attrs
+
+        return attrs.asdict(self.config) | dict(self.knobs)
+
+
+@contextlib.contextmanager
+def _knobs(knobs: tuple[tuple[str, Any], ...]):
+    """Set ``fkv.ops.attention`` tuning knobs (e.g. ``_HEADS_FIRST``) for the duration."""
+    from fkv.ops import attention
+
+    old = {name: getattr(attention, name) for name, _ in knobs}
+    try:
+        for name, value in knobs:
+            setattr(attention, name, value)
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(attention, name, value)
+
+
+def _sweep_variants(kind: str, default: Any) -> list[Variant]:
+    """The alternatives ``--sweep`` times for one case (the default itself excluded)."""
+    import attrs
+
+    out = []
+    if kind == "decode":
+        for tile in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 5):  # 2-4 keep one K/V tile in flight, 5 two (sm_90)
+                    out.append(Variant(attrs.evolve(default, tile_n=tile, num_warps=warps,
+                                                    num_stages=stages)))
+        for mult in (0.5, 2.0, 4.0):
+            out.append(Variant(attrs.evolve(default,
+                                            num_splits=max(1, round(default.num_splits * mult)))))
+    else:
+        for block_q in (16, 32):
+            for tile in (64, 128):
+                for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4)):
+                    out.append(Variant(attrs.evolve(default, block_q=block_q, tile_n=tile,
+                                                    num_warps=warps, num_stages=stages)))
+    out.append(Variant(default, (("_HEADS_FIRST", False),)))
+    base = Variant(default)
+    return [v for i, v in enumerate(out) if v != base and v not in out[:i]]
+
+
+def _case_variants(kind: str, default: Any, sweep: bool) -> list[Variant]:
+    return [Variant(default)] + (_sweep_variants(kind, default) if sweep else [])
 
 
 def _run(res: Result, shape: Shape, ceiling: float, rep: int, device: str,
@@ -223,18 +287,24 @@ def _run(res: Result, shape: Shape, ceiling: float, rep: int, device: str,
     p = Problem(shape, res.layout, res.batch, res.tokens, q_len, device)
     _check(p, res, device)
     res.bytes = p.bytes
-    cfg = _default_config(p)
+    cfg = _default_config_for(shape, res.kind, res.batch, res.tokens)
     res.config = attrs.asdict(cfg)
     res.ms = _time_ms(lambda: p.kernel(), rep, device)
     # Baseline: the fastest fused SDPA backend that runs GQA on this case (default dispatch too).
     want = p.sdpa().float()
     times = {"default": _time_ms(lambda: p.sdpa(), rep, device)}
-    for name, backend in _sdpa_backends(p, want).items():
+    backends = _sdpa_backends(p, want)
+    for name, backend in backends.items():
         times[name] = _time_ms(lambda: p.sdpa(backend), rep, device)
     res.extra["sdpa_ms_by_backend"] = times
     res.extra["sdpa_baseline"] = min(times, key=times.get)
     res.sdpa_ms = min(times.values())
     res.extra["ms_repeat"] = _time_ms(lambda: p.kernel(), rep, device)  # noise estimate
+    if device == "cuda":
+        # Replayed in a CUDA graph: no host launch overhead (the engines' decode path).
+        best = backends.get(res.extra["sdpa_baseline"])
+        res.extra["ms_graph"] = _graph_ms(lambda: p.kernel(), rep)
+        res.extra["sdpa_ms_graph"] = _graph_ms(lambda: p.sdpa(best), rep)
     res.gbps, res.sdpa_gbps = p.bytes / res.ms / 1e6, p.bytes / res.sdpa_ms / 1e6
     res.pct_of_read_ceiling = 100 * res.gbps / ceiling
     if res.kind == "decode":
@@ -252,67 +322,129 @@ def _run(res: Result, shape: Shape, ceiling: float, rep: int, device: str,
     del p
 
 
-def _sweep_configs(kind: str, default: Any) -> list[Any]:
-    import attrs
+def _graph_ms(fn, rep: int) -> float:
+    import triton.testing
 
-    out = []
-    if kind == "decode":
-        for tile in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3, 4, 5):  # 5: the pipeliner double-buffers K/V tiles
-                    out.append(attrs.evolve(default, tile_n=tile, num_warps=warps, num_stages=stages))
-        for mult in (0.25, 0.5, 2.0, 4.0):
-            out.append(attrs.evolve(default, num_splits=max(1, round(default.num_splits * mult))))
-    else:
-        for block_q in (16, 32, 64):
-            for tile in (32, 64, 128):
-                for warps, stages in ((4, 2), (8, 2), (8, 3)):
-                    out.append(attrs.evolve(default, block_q=block_q, tile_n=tile,
-                                            num_warps=warps, num_stages=stages))
-    return [c for i, c in enumerate(out) if c != default and c not in out[:i]]
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
 def _sweep(p: Problem, res: Result, default: Any, rep: int, device: str, rows: list[dict]) -> None:
-    import attrs
-
+    """Time every variant; each is checked against the default's output first."""
+    want = p.kernel().float().clone()
     best = (res.ms, "default")
-    for cfg in _sweep_configs(res.kind, default):
+    for var in _sweep_variants(res.kind, default):
+        row: dict[str, Any] = {"case": res.name, "variant": var.describe()}
         try:
-            p.kernel(config=cfg)
-            ms = _time_ms(lambda: p.kernel(config=cfg), max(10, rep // 4), device)
-        except Exception as e:  # a config that does not fit (shared memory, registers): record it
-            rows.append({"case": res.name, "config": attrs.asdict(cfg), "error": str(e)[:200]})
+            with _knobs(var.knobs):
+                err = (p.kernel(config=var.config).float() - want).abs().max().item()
+                ms = _time_ms(lambda: p.kernel(config=var.config), max(10, rep // 4), device)
+        except Exception as e:  # a variant that does not fit (shared memory, registers): record it
+            rows.append(row | {"error": str(e)[:200]})
             continue
         gbps = p.bytes / ms / 1e6
-        rows.append({"case": res.name, "config": attrs.asdict(cfg), "ms": ms, "gbps": gbps})
-        if ms < best[0]:
-            best = (ms, attrs.asdict(cfg))
-        print(f"  sweep {res.name}: {attrs.asdict(cfg)} {ms:.3f} ms {gbps:.0f} GB/s", flush=True)
-    res.extra["sweep_best"] = {"ms": best[0], "config": best[1],
+        row |= {"ms": ms, "gbps": gbps, "max_err_vs_default": err,
+                "speedup_vs_default": res.ms / ms}
+        rows.append(row)
+        if err > 3e-2:
+            row["error"] = "MISMATCH vs default output"
+        elif ms < best[0]:
+            best = (ms, var.describe())
+        print(f"  sweep {res.name}: {var.describe()} {ms:.3f} ms {gbps:.0f} GB/s "
+              f"x{res.ms / ms:.3f} err {err:.2g}", flush=True)
+    res.extra["sweep_best"] = {"ms": best[0], "variant": best[1],
                                "speedup_vs_default": res.ms / best[0]}
+
+
+def _compile_task(task: tuple) -> str:
+    """Worker of ``--jobs``: build one case's cache and run each variant once (fills Triton's
+    on-disk cache, so the timing process only loads compiled kernels)."""
+    shape, kind, batch, tokens, layout, variants, device = task
+    import torch
+
+    q_len = 1 if kind == "decode" else tokens
+    p = Problem(shape, layout, batch, tokens, q_len, device, dense=False)
+    errors = []
+    for var in variants:
+        try:
+            with _knobs(var.knobs):
+                p.kernel(config=var.config)
+        except Exception as e:
+            errors.append(f"{var.describe()}: {str(e)[:120]}")
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return f"compiled {kind} B={batch} x {tokens} {layout}: {len(variants)} variants" + (
+        f", errors: {errors}" if errors else "")
+
+
+def _precompile(results: list[Result], shape: Shape, sweep: bool, jobs: int, device: str) -> None:
+    """Compile every variant the run will time in ``jobs`` processes (spawned, CUDA each)."""
+    import multiprocessing
+    import time
+
+    tasks = []
+    for res in results:
+        default = _default_config_for(shape, res.kind, res.batch, res.tokens)
+        variants = _case_variants(res.kind, default, sweep)
+        for i in range(0, len(variants), 3):
+            tasks.append((shape, res.kind, res.batch, res.tokens, res.layout, variants[i:i + 3],
+                          device))
+    start = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(min(jobs, len(tasks))) as pool:
+        for msg in pool.imap_unordered(_compile_task, tasks):
+            print(msg, flush=True)
+    print(f"precompiled {len(tasks)} tasks in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def _table(results: list[Result], ceiling: float) -> str:
     lines = [f"paged_attention (read ceiling {ceiling:.0f} GB/s; baseline = torch SDPA on dense "
-             f"K/V, same run)",
+             f"K/V, same run; graph = both replayed in CUDA graphs)",
              f"{'case':32s} {'ms':>8s} {'GB/s':>7s} {'SDPA ms':>8s} {'SDPA GB/s':>9s} "
-             f"{'ratio':>6s} {'%read':>6s} target"]
+             f"{'ratio':>6s} {'%read':>6s} {'graph':>6s} target"]
     for r in results:
         target = (f">= {DECODE_TARGET}x dense" if r.kind == "decode"
                   else f"<= {PREFILL_TARGET}x dense time")
+        g = r.extra.get("ms_graph")
+        graph = 0.0
+        if g:
+            graph = r.extra["sdpa_ms_graph"] / g if r.kind == "decode" else g / r.extra["sdpa_ms_graph"]
         lines.append(f"{r.name:32s} {r.ms:8.3f} {r.gbps:7.0f} {r.sdpa_ms:8.3f} {r.sdpa_gbps:9.0f} "
-                     f"{r.ratio:6.3f} {r.pct_of_read_ceiling:5.1f}% "
+                     f"{r.ratio:6.3f} {r.pct_of_read_ceiling:5.1f}% {graph:6.3f} "
                      f"{'OK ' if r.meets_target else 'MISS'} ({target})")
     return "\n".join(lines)
 
 
+def _report(results: list[Result], ceiling: float, device: str, sweep: list[dict] | None) -> dict:
+    import torch
+
+    report = {
+        "op": "paged_attention",
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter smoke)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "read_ceiling_gbps": ceiling,
+        "targets": {"decode": f">= {DECODE_TARGET}x dense SDPA GB/s",
+                    "prefill": f"<= {PREFILL_TARGET}x dense causal SDPA time"},
+        "cases": [asdict(r) | {"name": r.name} for r in results],
+    }
+    if sweep is not None:
+        report["sweep"] = sweep
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fkv bench attention", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    parser.add_argument("--json", metavar="PATH", help="write results as JSON (after every case)")
     parser.add_argument("--quick", action="store_true",
                         help="one decode shape (B=64 x 8192) and the prefill case, shorter timing")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time other tiles/warps/stages/splits (prints the best per case)")
+                        help="also time other tiles/warps/stages/splits/grid order (best per case)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="compile every timed variant first in this many processes (default: "
+                             "min(12, CPUs) on CUDA, 0 = compile in the timing process on CPU)")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="precompile (with --jobs) and exit: run it alongside other work")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny shapes on the CPU interpreter: every code path and the "
                              "correctness checks run, the timings mean nothing")
@@ -335,30 +467,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.quick:
         shape.decode = shape.decode[:1]
-    ceiling = _read_ceiling_gbps(rep, device, ceiling_bytes)
     results = [Result("decode", b, ctx, layout) for b, ctx in shape.decode for layout in ("NHD", "HND")]
     results += [Result("prefill", shape.prefill[0], shape.prefill[1], layout) for layout in ("NHD", "HND")]
+    jobs = args.jobs if args.jobs is not None else (min(12, os.cpu_count() or 1)
+                                                    if device == "cuda" else 0)
+    if jobs > 0 or args.compile_only:
+        _precompile(results, shape, args.sweep, max(1, jobs), device)
+    if args.compile_only:
+        return 0
+    ceiling = _read_ceiling_gbps(rep, device, ceiling_bytes)
+    print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
     sweep: list[dict] | None = [] if args.sweep else None
+    done: list[Result] = []
     for res in results:
         _run(res, shape, ceiling, rep, device, sweep)
+        done.append(res)
+        graph = ""
+        if "ms_graph" in res.extra:
+            graph = f"; graph {res.extra['ms_graph']:.3f} ms vs SDPA {res.extra['sdpa_ms_graph']:.3f}"
         print(f"{res.name}: {res.ms:.3f} ms, {res.gbps:.0f} GB/s, x{res.ratio:.3f} vs SDPA "
-              f"({res.sdpa_gbps:.0f} GB/s), err vs ref {res.max_err_vs_reference:.2g}", flush=True)
+              f"({res.sdpa_gbps:.0f} GB/s, {res.extra['sdpa_baseline']}), err vs ref "
+              f"{res.max_err_vs_reference:.2g}{graph}", flush=True)
+        if args.json:  # after every case: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(_report(done, ceiling, device, sweep), f, indent=2)
         if device == "cuda":
             torch.cuda.empty_cache()
-    report = {
-        "op": "paged_attention",
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter smoke)",
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "read_ceiling_gbps": ceiling,
-        "targets": {"decode": f">= {DECODE_TARGET}x dense SDPA GB/s",
-                    "prefill": f"<= {PREFILL_TARGET}x dense causal SDPA time"},
-        "cases": [asdict(r) | {"name": r.name} for r in results],
-    }
-    if sweep is not None:
-        report["sweep"] = sweep
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
     print(_table(results, ceiling))
     return 0

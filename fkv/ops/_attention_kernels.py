@@ -30,8 +30,8 @@ def _tanh(x):
 @triton.jit
 def _attend_tile(
     acc, l_i, m_i, q, q_pos, start, hi,
-    cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, window, score_mult, softcap_mult,
-    BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window, score_mult,
+    softcap_mult, BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -43,6 +43,8 @@ def _attend_tile(
         blk = tl.load(bt_row_ptr + t // BLOCK_SIZE, mask=t_ok, other=0)
     else:
         blk = tl.load(bt_row_ptr + t // BLOCK_SIZE)
+    # Memory safety without validation: an id outside [0, num_blocks) reads block 0 instead.
+    blk = tl.where((blk >= 0) & (blk < num_blocks), blk, 0)
     row = blk.to(tl.int64) * stride_block + (t % BLOCK_SIZE) * STRIDE_TOKEN + head_off
     k_ptrs = cache_ptr + row[:, None] + d[None, :]
     if MASKED:
@@ -85,11 +87,13 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles", "num_q_tokens", "num_blocks",
+                               "max_context"])
 def _paged_attention_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    scale, softcap, window, num_seqs, num_tiles, num_q_heads, split_len,
+    scale, softcap, window, num_seqs, num_tiles, num_q_heads, num_q_tokens, num_blocks,
+    max_context, split_len,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_bt, stride_block, stride_kv, stride_head,
     # spec constexprs (fkv.ops._spec.cache_constexprs) and the token stride of the layout
@@ -101,12 +105,22 @@ def _paged_attention_kernel(
     HEAD_CHUNKS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     VARLEN: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
+    # Axis 0 enumerates (query tile, KV head x head chunk); HEADS_FIRST: the heads of one tile are
+    # consecutive programs (they read neighbouring bytes of the same pages at the same time).
+    pid = tl.program_id(0)
+    if HEADS_FIRST:
+        hc = pid % (NUM_HEADS * HEAD_CHUNKS)
+        tile_idx = pid // (NUM_HEADS * HEAD_CHUNKS)
+    else:
+        hc = pid // num_tiles
+        tile_idx = pid % num_tiles
     # Longest query tiles first (they come last in each sequence): better tail balance in prefill.
-    tile = num_tiles - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1) // HEAD_CHUNKS
-    chunk = tl.program_id(1) % HEAD_CHUNKS
-    split = tl.program_id(2)
+    tile = num_tiles - 1 - tile_idx
+    kv_head = hc // HEAD_CHUNKS
+    chunk = hc % HEAD_CHUNKS
+    split = tl.program_id(1)
 
     if VARLEN:
         # Sequence b owns tiles [qsl[b] // BLOCK_Q + b, ...): find the last b starting <= tile.
@@ -128,15 +142,19 @@ def _paged_attention_kernel(
         q_tile = 0
     if q_tile >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    # Unvalidated values cannot fault: seq_len is clamped to the block table's capacity and rows
+    # outside [0, num_q_tokens) are masked (their results are unspecified, nothing else is touched).
+    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + seq).to(tl.int32), 0), max_context)
 
     r = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_PAD)
     qi = r // HEADS_PER_PROG
     hh = chunk * HEADS_PER_PROG + r % HEADS_PER_PROG
-    row_ok = (r < BLOCK_Q * HEADS_PER_PROG) & (q_tile + qi < q_len) & (hh < GROUP)
     hq = kv_head * GROUP + hh
     tok = (q_start + q_tile + qi).to(tl.int64)
+    row_ok = (r < BLOCK_Q * HEADS_PER_PROG) & (q_tile + qi < q_len) & (hh < GROUP)
+    if VARLEN:
+        row_ok = row_ok & (tok >= 0) & (tok < num_q_tokens)
     q_pos = seq_len - q_len + q_tile + qi
     io_mask = row_ok[:, None] & (d[None, :] < HEAD_SIZE)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + hq[:, None] * stride_qh + d[None, :] * stride_qd,
@@ -177,31 +195,31 @@ def _paged_attention_kernel(
     for start in range(a_lo, a_hi, TILE_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
-            stride_kv, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE,
-            HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION)
+            stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN,
+            HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION)
     for start in range(u_lo, u_hi, TILE_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
-            stride_kv, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE,
-            HEAD_PAD, TILE_N, False, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION)
+            stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN,
+            HEAD_SIZE, HEAD_PAD, TILE_N, False, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION)
     for start in range(u_hi, kv_hi, TILE_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
-            stride_kv, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE,
-            HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION)
+            stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN,
+            HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     if CACHE_FP8:
         o = o * tl.load(v_scale_ptr)
     if SPLIT:
-        part = (tok * num_q_heads + hq) * tl.num_programs(2) + split
+        part = (tok * num_q_heads + hq) * tl.num_programs(1) + split
         tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + d[None, :], o, mask=io_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # -inf: no visible key
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
     else:
-        tl.store(out_ptr + tok[:, None] * stride_ot + hq[:, None] * stride_oh + d[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=io_mask)
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + hq[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit

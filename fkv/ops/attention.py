@@ -36,6 +36,9 @@ _MAX_HEAD_SIZE = 1024
 #: flash-decoding: aim for this many programs per SM, with at least this many keys per split.
 _PROGRAMS_PER_SM = 16
 _MIN_SPLIT_TOKENS = 512
+#: grid order: the KV heads of one (query tile, split) are consecutive programs, so they stream
+#: neighbouring bytes of the same pages together (NHD interleaves heads within a token row).
+_HEADS_FIRST = True
 #: (head_pad up to, 32-bit inputs) -> (max rows (query token x head pairs) per program,
 #: decode-like (tile_n, num_warps, num_stages), prefill (tile_n, num_warps, num_stages)).
 #: Rows bound the fp32 accumulator's registers; every entry compiles for sm_90 without spills.
@@ -325,7 +328,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
                     query_start_loc: torch.Tensor | None = None, scale: float | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
                     k_scale: Any = None, v_scale: Any = None, out: torch.Tensor | None = None,
-                    validate: bool = True, config: AttentionConfig | None = None) -> torch.Tensor:
+                    validate: bool | None = None,
+                    config: AttentionConfig | None = None) -> torch.Tensor:
     """Causal attention of ``q`` over one layer of a paged KV cache, any backend and layout.
 
     Shapes: ``q`` ``[T, Hq, D]`` (bf16, fp16 or fp32); ``cache`` one layer's logical view of
@@ -342,9 +346,13 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
       ``p-W+1 .. p``; ``softcap=c``: scores (after ``scale``, default ``1/sqrt(D)``) become
       ``c * tanh(s / c)``; fp8 caches need ``k_scale``/``v_scale`` (float32, one element).
     - MLA: multi-query attention over the latent, which is both key and value (module docstring).
-    - ``validate=False`` skips the one device sync that validates block ids, ``seq_lens`` and
-      ``query_start_loc`` values (use it in hot loops once inputs are known good; it is skipped
-      automatically during CUDA graph capture). ``config`` overrides :func:`attention_config`.
+    - ``validate``: check the values of ``block_table`` (the entries each sequence uses),
+      ``seq_lens`` and ``query_start_loc`` and raise FkvError naming the first bad one. Default, as
+      in ``write_kv``: on for CPU tensors, off for CUDA (checking needs one device sync); always
+      skipped during CUDA graph capture. Unvalidated bad values never fault nor write outside
+      ``out``: the kernel reads block 0 for an id outside ``[0, num_blocks)``, clamps ``seq_lens``
+      to the block table's capacity and masks query rows outside ``q``; the affected outputs are
+      unspecified. ``config`` overrides :func:`attention_config`.
 
     >>> import torch, fkv
     >>> spec = fkv.KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=2,
@@ -367,7 +375,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
     if spec.is_fp8:
         k_scale = _check_scale_tensor("k_scale", k_scale, device)
         v_scale = _check_scale_tensor("v_scale", v_scale, device)
-    if validate:
+    if device.type == "cpu" if validate is None else validate:
         check_attention_values(spec, block_table, seq_lens, query_start_loc, prob.num_q_tokens)
     if out is None:
         out = torch.empty_like(q)
@@ -408,14 +416,14 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
     else:
         part_out = part_lse = out  # unused
     dummy = seq_lens
-    grid = (num_tiles, spec.num_kv_heads * chunks, num_splits)
+    grid = (num_tiles * spec.num_kv_heads * chunks, num_splits)
     _paged_attention_kernel[grid](
         q, cache, block_table, seq_lens,
         query_start_loc if query_start_loc is not None else dummy,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
         out, part_out, part_lse,
         prob.scale, float(softcap or 1.0), int(sliding_window or 0), prob.num_seqs, num_tiles,
-        prob.num_q_heads, split_len,
+        prob.num_q_heads, prob.num_q_tokens, spec.num_blocks, prob.max_context, split_len,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         block_table.stride(0), strides["stride_block"], strides["stride_kv"], strides["stride_head"],
         **cache_constexprs(spec),
@@ -424,7 +432,7 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
         BLOCK_Q=block_q, BLOCK_M=_pow2(max(16, block_q * heads)), TILE_N=tile_n,
         VARLEN=prob.varlen, SPLIT=split, USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None, DOT_F32=_interpreted(q.device) and q.dtype == torch.bfloat16,
-        PRECISION="ieee" if q.dtype == torch.float32 else None,
+        PRECISION="ieee" if q.dtype == torch.float32 else None, HEADS_FIRST=_HEADS_FIRST,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
