@@ -73,10 +73,11 @@ class Proc:
         line, self.buf = self.buf.split(b"\n", 1)
         return json.loads(line)
 
-    def call(self, cmd: str, *, timeout: float = 90.0, check: bool = True, **fields: Any
+    def call(self, cmd: str, *, wait: float = 90.0, check: bool = True, **fields: Any
              ) -> dict[str, Any]:
+        """Send one command and return its reply (``wait``: seconds to wait for it)."""
         self.send(cmd, **fields)
-        return self.result(timeout, check)
+        return self.result(wait, check)
 
     def result(self, timeout: float = 90.0, check: bool = True) -> dict[str, Any]:
         reply = self.recv(timeout)
@@ -114,7 +115,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
              "D": [Proc(f"D{r}", logdir) for r in range(4)]}
     try:
         for p in procs["P"] + procs["D"]:
-            p.call("ping", timeout=120)
+            p.call("ping", wait=120)
         procs["logdir"] = logdir
         yield procs
     finally:
@@ -422,3 +423,132 @@ def test_garbage_on_the_side_channel_gets_an_error_reply(cluster: Any) -> None:
     finally:
         ctx.term()
         P.call("stop", name=name)
+
+
+# -- a prefill process dies ------------------------------------------------------------------------
+
+def test_prefill_killed_during_and_before_a_read_then_reconnect(cluster: Any) -> None:
+    """Hung (stopped), killed while a READ is in flight, then dead before the next read:
+    ``ok=False`` within the timeout each time, never success; once the engine is back the client
+    reconnects and reads correct bytes."""
+    pspec, dspec = spec_dict(tp=1, num_blocks=64, block_size=16, head_size=64), \
+        spec_dict(tp=1, num_blocks=64, block_size=16, head_size=64)
+    D = cluster["D"][0]
+    name = f"c{next(_counter)}"
+    victim = Proc("victim", cluster["logdir"], env=TCP_LO)
+    reborn = None
+    try:
+        address = victim.call("serve", name=name, spec=pspec, seed=SEED,
+                              engine=engine_dict(f"P-{name}", 1, 0), wait=120)["address"]
+        D.call("connect", name=name, spec=dspec, engine=engine_dict("D", 1, 0), address=address,
+               env=TCP_LO)
+        ids = list(range(64))
+        assert D.call("read", name=name, request_id="warm", local=ids, remote=ids)["result_ok"]
+        # During: the prefill process is stopped (cannot serve the READ over TCP), the read is
+        # posted, then the process is killed while the READ is in flight.
+        victim.kill(signal.SIGSTOP)
+        hung = D.call("read", name=name, request_id="hung", local=ids, remote=ids, timeout=1.0)
+        assert not hung["result_ok"] and 1.0 <= hung["read_seconds"] < 3.0, hung
+        assert "did not finish before the read's timeout" in hung["error"]
+        D.send("read", name=name, request_id="during", local=ids, remote=ids[::-1], timeout=8.0)
+        time.sleep(1.0)
+        victim.kill(signal.SIGKILL)
+        victim.proc.wait()
+        during = D.result(timeout=30)
+        assert not during["result_ok"] and during["error"], during
+        assert during["read_seconds"] < 8.0 + 2.0
+        assert "prefill rank 0" in during["error"], during
+        # Before: the process is already dead when the read starts.
+        before = D.call("read", name=name, request_id="before", local=ids, remote=ids,
+                        timeout=3.0)
+        assert not before["result_ok"] and before["read_seconds"] < 3.0 + 2.0, before
+        assert "prefill rank 0" in before["error"] and "reconnect" in before["error"], before
+        # The engine comes back (new process, new address): reconnect and read.
+        reborn = Proc("reborn", cluster["logdir"], env=TCP_LO)
+        address = reborn.call("serve", name=name, spec=pspec, seed=SEED,
+                              engine=engine_dict(f"P-{name}", 1, 0), wait=120)["address"]
+        D.call("reconnect", name=name, address=address)
+        local, remote = [5, 9, 2], [40, 1, 63]
+        assert D.call("read", name=name, request_id="again", local=local, remote=remote)[
+            "result_ok"]
+        mismatch = D.call("verify", name=name, local=local, remote=remote, seed=SEED,
+                          remote_spec=pspec)["mismatch"]
+        assert mismatch is None
+    finally:
+        D.call("stop", name=name, check=False)
+        victim.close()
+        if reborn is not None:
+            reborn.close()
+
+
+# -- two "hosts": network namespaces joined by a veth pair ------------------------------------------
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts() -> Any:
+    """Namespaces ``A`` (prefill) and ``B`` (decode), a veth pair between them with 10.x addresses
+    inside the namespaces only; removed afterwards even on failure."""
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's `ip` to create network namespaces")
+    tag = f"{os.getpid() % 100000}"
+    a, b = f"fkvA{tag}", f"fkvB{tag}"
+    va, vb = f"fkva{tag}", f"fkvb{tag}"
+    net = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    made = _ip("netns", "add", a)
+    if made.returncode != 0:
+        if "ermission" in made.stderr or "not permitted" in made.stderr:
+            pytest.skip(f"creating a network namespace needs CAP_SYS_ADMIN (root): {made.stderr}")
+        raise AssertionError(f"ip netns add failed: {made.stderr}")
+    try:
+        steps = [
+            ("netns", "add", b),
+            ("link", "add", va, "type", "veth", "peer", "name", vb),
+            ("link", "set", va, "netns", a), ("link", "set", vb, "netns", b),
+            ("-n", a, "addr", "add", f"{net}.1/24", "dev", va),
+            ("-n", b, "addr", "add", f"{net}.2/24", "dev", vb),
+            ("-n", a, "link", "set", va, "up"), ("-n", b, "link", "set", vb, "up"),
+            ("-n", a, "link", "set", "lo", "up"), ("-n", b, "link", "set", "lo", "up"),
+        ]
+        for step in steps:
+            done = _ip(*step)
+            assert done.returncode == 0, f"ip {' '.join(step)}: {done.stderr}"
+        yield {"A": (a, va, f"{net}.1"), "B": (b, vb, f"{net}.2")}
+    finally:
+        _ip("netns", "del", a)
+        _ip("netns", "del", b)
+        _ip("link", "del", va)  # normally gone with its namespace
+
+
+def test_two_hosts_over_veth(cluster: Any, two_hosts: Any) -> None:
+    """Prefill (P TP=1) in one namespace, decode (D TP=2) in another: the side channel and the
+    NIXL/UCX bytes (UCX_TLS=tcp on the veth) cross a real network interface."""
+    (ns_a, dev_a, ip_a), (ns_b, dev_b, _) = two_hosts["A"], two_hosts["B"]
+    env_a = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_a}
+    env_b = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_b}
+    logdir = cluster["logdir"]
+    procs = [Proc("hostA-P0", logdir, ("ip", "netns", "exec", ns_a), env_a)]
+    procs += [Proc(f"hostB-D{r}", logdir, ("ip", "netns", "exec", ns_b), env_b) for r in range(2)]
+    try:
+        for p in procs:
+            p.call("ping", wait=120)
+        pspec, dspec = spec_dict(tp=1, layout="NHD"), spec_dict(tp=2)
+        pair = Pair(cluster, 1, 2, pspec, dspec, p_procs=procs[:1], d_procs=procs[1:],
+                    host=ip_a)
+        assert pair.address.startswith(f"tcp://{ip_a}:")
+        local, remote = request_blocks(pspec, dspec, 14)
+        procs[0].call("hold", name=pair.name, request_id="far", blocks=remote)
+        results = pair.read_all("far", local, remote)
+        assert [r["result_ok"] for r in results] == [True, True], results
+        assert pair.verify_all(local, remote) == [None, None]
+        assert pair.wait_released("far") == ["notified"]
+        sent = subprocess.run(["ip", "netns", "exec", ns_a, "cat",
+                               f"/sys/class/net/{dev_a}/statistics/tx_bytes"],
+                              capture_output=True, text=True, timeout=30).stdout
+        assert int(sent) > sum(r["bytes"] for r in results)  # the KV bytes left through the veth
+        pair.stop()
+    finally:
+        for p in procs:
+            p.close()

@@ -647,16 +647,22 @@ class Client:
                 mine = rows[rows[:, 0] == rank]
                 local_idx, remote_idx = state.indices(mine)
                 notif = state.notif(request_id) if last else b""
-                xfers.append(self._agent.read(state.local_dlist, local_idx, state.remote_dlists[rank],
-                                              remote_idx, state.names[rank], int(mine[:, 5].sum()),
-                                              notif))
+                try:
+                    xfers.append(self._agent.read(state.local_dlist, local_idx,
+                                                  state.remote_dlists[rank], remote_idx,
+                                                  state.names[rank], int(mine[:, 5].sum()), notif))
+                except TransferFailed as e:
+                    raise TransferFailed(f"prefill rank {rank} of engine {state.engine_id!r}: {e}; "
+                                         f"the prefill process may have died: reconnect once it "
+                                         f"is back (client.reconnect())") from e
             stuck = self._agent.wait(xfers, deadline)
             if stuck is not None:
                 rank = plan.remote_ranks[xfers.index(stuck)]
                 who = f"prefill rank {rank} of engine {state.engine_id!r} ({stuck.remote})"
                 if stuck.state == "ERR":
                     raise TransferFailed(f"READ from {who} failed (NIXL state ERR): the prefill "
-                                         f"process may have died; reconnect once it is back")
+                                         f"process may have died: reconnect once it is back "
+                                         f"(client.reconnect())")
                 raise TransferFailed(f"READ from {who} did not finish before the read's timeout: "
                                      f"the prefill process is hung, dead or unreachable")
         finally:
