@@ -100,15 +100,23 @@ class Xfer:
 class Agent:
     """One NIXL agent (UCX backend) owned by one fkv server or client; call from one thread.
 
-    ``progress_thread`` keeps UCX progressing while Python is busy (NIXL's default). ``telemetry``
-    turns on NIXL's per-transfer telemetry (descriptor counts after merging).
+    ``progress_thread`` keeps UCX progressing while Python is busy (NIXL's default; environment
+    ``FKV_NIXL_PROGRESS_THREAD=0`` turns it off when not passed); ``num_threads`` (environment
+    ``FKV_NIXL_NUM_THREADS``) asks the UCX backend for that many worker threads (0: its default).
+    ``telemetry`` turns on NIXL's per-transfer telemetry (descriptor counts after merging).
+    UCX itself reads ``UCX_*`` variables (``UCX_TLS``, ``UCX_NET_DEVICES``) when the agent is made.
     """
 
-    def __init__(self, role: str, *, progress_thread: bool = True, telemetry: bool = False) -> None:
+    def __init__(self, role: str, *, progress_thread: bool | None = None,
+                 num_threads: int | None = None, telemetry: bool = False) -> None:
         nixl = load_nixl()
         self.name = f"fkv-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if progress_thread is None:
+            progress_thread = os.environ.get("FKV_NIXL_PROGRESS_THREAD", "1") != "0"
+        if num_threads is None:
+            num_threads = int(os.environ.get("FKV_NIXL_NUM_THREADS", "0") or 0)
         conf = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
-                                      capture_telemetry=telemetry)
+                                      capture_telemetry=telemetry, num_threads=num_threads)
         try:
             self._agent = nixl.nixl_agent(self.name, conf)
         except Exception as e:

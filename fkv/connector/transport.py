@@ -84,7 +84,9 @@ class HandshakeRejected(FkvError):
 class ReadResult:
     """Outcome of :meth:`Client.read`. ``ok`` only when every READ finished, the staging moves ran
     and the prefill ranks were notified; ``bytes`` moved by finished READs; ``descriptors`` the
-    coalesced rows posted; ``error`` says what failed (None when ok)."""
+    coalesced rows posted; ``error`` says what failed (None when ok); ``seconds`` the whole call,
+    ``transfer_seconds`` the part spent posting READs and waiting for them (the rest: planning,
+    staging moves, notifications)."""
 
     ok: bool
     request_id: str
@@ -92,6 +94,7 @@ class ReadResult:
     descriptors: int
     seconds: float
     error: str | None = None
+    transfer_seconds: float = 0.0  # of ``seconds``: posting the READs until they were DONE
 
 
 # -- caches -> registered regions -----------------------------------------------------------------
@@ -561,20 +564,19 @@ class Client:
                              num_tokens)
             t0 = time.perf_counter()
             deadline = time.monotonic() + float(timeout)
-            done_bytes = descriptors = 0
+            tally = [0, 0, 0.0]  # bytes landed, descriptors, seconds in READs
             try:
                 chunks = state.chunks(local, remote, tokens)
                 for k, (lc, rc, n_tok) in enumerate(chunks):
-                    last = k == len(chunks) - 1
-                    moved, rows = self._read_chunk(state, request_id, lc, rc, n_tok, last, deadline)
-                    done_bytes += moved
-                    descriptors += rows
+                    self._read_chunk(state, request_id, lc, rc, n_tok, k == len(chunks) - 1,
+                                     deadline, tally)
                 for rank in state.plan.notify_only_ranks:
                     self._agent.notify(state.names[rank], state.notif(request_id))
             except TransferFailed as e:
-                return ReadResult(False, request_id, done_bytes, descriptors,
-                                  time.perf_counter() - t0, str(e))
-            return ReadResult(True, request_id, done_bytes, descriptors, time.perf_counter() - t0)
+                return ReadResult(False, request_id, tally[0], tally[1], time.perf_counter() - t0,
+                                  str(e), tally[2])
+            return ReadResult(True, request_id, tally[0], tally[1], time.perf_counter() - t0,
+                              None, tally[2])
 
     def close(self) -> None:
         """Release descriptor lists, peers, registrations and the NIXL agent. Idempotent."""
@@ -637,11 +639,14 @@ class Client:
             state.close()
 
     def _read_chunk(self, state: _Connection, request_id: str, local: np.ndarray,
-                    remote: np.ndarray, tokens: int, last: bool, deadline: float) -> tuple[int, int]:
+                    remote: np.ndarray, tokens: int, last: bool, deadline: float,
+                    tally: list[Any]) -> None:
         plan = state.plan
         rows = plan.segments(local, remote, num_tokens=tokens)
         state.ensure_granule(rows)
+        tally[1] += int(rows.shape[0])
         xfers = []
+        t0 = time.perf_counter()
         try:
             for rank in plan.remote_ranks:
                 mine = rows[rows[:, 0] == rank]
@@ -666,12 +671,12 @@ class Client:
                 raise TransferFailed(f"READ from {who} did not finish before the read's timeout: "
                                      f"the prefill process is hung, dead or unreachable")
         finally:
-            moved = sum(x.nbytes for x in xfers if x.state == "DONE")
+            tally[0] += sum(x.nbytes for x in xfers if x.state == "DONE")
+            tally[2] += time.perf_counter() - t0
             for x in xfers:
                 self._agent.release(x)
         if plan.strategy == "staging":
             state.run_staging(local, remote, tokens)
-        return moved, int(rows.shape[0])
 
 
 def _tokens(local: np.ndarray, remote: np.ndarray, nl_tok: int, nr_tok: int, num_tokens: Any) -> int:

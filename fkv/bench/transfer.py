@@ -1,0 +1,361 @@
+"""Benchmark real prefill -> decode transfers (``fkv.connector``: NIXL READs between processes).
+
+Cases (BENCH.md shape: bf16, N=16, 8 KV heads, head_size 128, 4096 blocks, one layer):
+
+- ``link``: P TP=1 -> D TP=1, same layout, *contiguous* blocks: the plan coalesces every request
+  into one descriptor per layer, the best NIXL/UCX can do between these processes (the link).
+- ``hnd-direct``: P TP=1 -> D TP=2, HND, random blocks: each D rank READs its head half, two
+  descriptors (K, V) per block, straight into its cache (SPEC.md §5 example A).
+- ``nhd-staging``: P TP=1 -> D TP=2, NHD: a head slice is not contiguous, so each D rank READs whole
+  pages into its registered staging buffer, then ``fkv.ops.move`` (Triton on CUDA; the torch
+  reference on CPU) extracts its heads.
+
+Every rank is its own process (spawned; CUDA: all on ``--p-gpu``/``--d-gpu``). Per case: the
+prefill rank fills its cache from a seeded global KV, every decode rank checks one request bit for
+bit against it before timing, then all decode ranks read at once (a barrier per repetition),
+rotating through random block sets. Reported: aggregate GB/s (payload bytes of all decode ranks /
+slowest rank's time), per-rank GB/s, the share of time in READs (vs staging), descriptors per
+request, time to first byte (a one-block read, call to return), and the same-run ceiling: a device
+``copy_`` of the request's bytes (payload bytes / time; CPU: a DRAM memcpy) — transfers are
+reported as ratios to it.
+
+    python bench/bench_transfer.py --json transfer.json          # CUDA if present, else CPU
+    python bench/bench_transfer.py --quick                       # 1024 blocks, fewer reps
+    python bench/bench_transfer.py --ucx-tls "cuda_ipc,cuda_copy,tcp;rc,cuda_copy;tcp"
+    FKV_NIXL_PROGRESS_THREAD=0 FKV_NIXL_NUM_THREADS=4 python bench/bench_transfer.py ...
+
+``--ucx-tls`` takes ``;``-separated UCX_TLS values and runs every case under each (fresh processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["main"]
+
+HEADS = 8
+SEED = 11
+
+
+@dataclass
+class Case:
+    name: str
+    prefill_tp: int
+    decode_tp: int
+    prefill_layout: str
+    decode_layout: str
+    strategy: str = "auto"
+    contiguous: bool = False
+    ucx_tls: str = ""
+    # results
+    plan_strategy: str = ""
+    bytes_per_request: int = 0
+    descriptors_per_request: float = 0.0
+    gbps: float = 0.0
+    rank_gbps: list[float] = field(default_factory=list)
+    ms: float = 0.0
+    read_share: float = 0.0
+    ttfb_ms: float = 0.0
+    pct_of_copy: float = 0.0
+    repeat_gbps: float = 0.0
+    error: str = ""
+
+
+# -- rank processes (spawned) -----------------------------------------------------------------------
+
+def _spec(cfg: dict[str, Any], tp: int, layout: str) -> Any:
+    import fkv
+
+    return fkv.KVCacheSpec(layout=layout, num_blocks=cfg["blocks"], block_size=16,
+                           num_kv_heads=HEADS // tp, head_size=128, dtype="bfloat16",
+                           num_layers=cfg["layers"])
+
+
+def _engine(name: str, tp: int, rank: int) -> Any:
+    from fkv.connector import EngineDesc
+
+    return EngineDesc(engine_id=name, tp_size=tp, tp_rank=rank, total_num_kv_heads=HEADS,
+                      model="bench")
+
+
+def _device(cfg: dict[str, Any], which: str) -> Any:
+    import torch
+
+    if cfg["device"] == "cuda":
+        dev = torch.device("cuda", cfg[which])
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def _global_kv(layer: int, tokens: int, device: Any) -> Any:
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(SEED * 1009 + layer)
+    return torch.randn(tokens, 2, HEADS, 128, generator=g, device=device, dtype=torch.float32)
+
+
+def _canon(view: Any, spec: Any) -> Any:
+    axes = spec.logical_axes
+    return view.permute(*[axes.index(a) for a in ("B", "N", "two", "H", "C")])
+
+
+def _send(conn: Any, **msg: Any) -> None:
+    conn.send_bytes(json.dumps(msg).encode())
+
+
+def _recv(conn: Any) -> dict[str, Any]:
+    return json.loads(conn.recv_bytes())
+
+
+def _prefill_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any]) -> None:
+    import fkv
+    from fkv.connector import serve
+
+    os.environ.update({"UCX_TLS": case["ucx_tls"]} if case["ucx_tls"] else {})
+    try:
+        dev = _device(cfg, "p_gpu")
+        spec = _spec(cfg, case["prefill_tp"], case["prefill_layout"])
+        caches = fkv.allocate(spec, dev)
+        for layer, view in enumerate(caches):
+            ref = _global_kv(layer, spec.num_blocks * spec.block_size, dev)
+            _canon(view, spec).copy_(ref.view(spec.num_blocks, spec.block_size, 2, HEADS, 128))
+        del ref
+        with serve(_engine("bench-p", 1, 0), spec, caches, lease=600.0) as server:
+            _send(conn, address=server.address)
+            _recv(conn)  # stop
+            _send(conn, pending=len(server.pending()), errors=server.errors[-3:])
+    except Exception as e:
+        _send(conn, error=f"{type(e).__name__}: {e}")
+
+
+def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int,
+                 barrier: Any) -> None:
+    import numpy as np
+    import torch
+
+    import fkv
+    from fkv.connector import connect
+    from fkv.connector.handshake import rank_heads
+
+    os.environ.update({"UCX_TLS": case["ucx_tls"]} if case["ucx_tls"] else {})
+    try:
+        dev = _device(cfg, "d_gpu")
+        tp = case["decode_tp"]
+        spec = _spec(cfg, tp, case["decode_layout"])
+        caches = fkv.allocate(spec, dev)
+        for view in caches:
+            view.fill_(float("nan"))
+        address = _recv(conn)["address"]
+        client = connect(_engine("bench-d", tp, rank), spec, caches, remote_address=address,
+                         timeout=60.0, strategy=case["strategy"])
+        rng = np.random.default_rng(rank + 1)
+        n, nb = cfg["request_blocks"], cfg["blocks"]
+
+        def blocks(i: int) -> tuple[list[int], list[int]]:
+            if case["contiguous"]:
+                start = (i * n) % (nb - n + 1)
+                ids = list(range(start, start + n))
+                return ids, ids
+            return rng.permutation(nb)[:n].tolist(), rng.permutation(nb)[:n].tolist()
+
+        # correctness first: one request, bit for bit against the global KV
+        local, remote = blocks(0)
+        result = client.read("check", local, remote, timeout=120.0)
+        if not result.ok:
+            raise RuntimeError(f"check read failed: {result.error}")
+        lo, cnt = rank_heads(HEADS, tp, rank)
+        r_ids = torch.as_tensor(remote, device=dev)
+        l_ids = torch.as_tensor(local, device=dev)
+        for layer, view in enumerate(caches):
+            ref = _global_kv(layer, nb * 16, dev).view(nb, 16, 2, HEADS, 128)
+            want = ref[r_ids][..., lo:lo + cnt, :].to(view.dtype)
+            got = _canon(view, spec)[l_ids]
+            if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                raise RuntimeError(f"rank {rank}: layer {layer} bytes differ from the reference")
+        del ref, want, got
+        # time to first byte: one-block reads
+        ttfb = []
+        for i in range(cfg["ttfb_reps"]):
+            barrier.wait()
+            r = client.read(f"ttfb-{i}", [i % nb], [(7 * i) % nb], timeout=60.0)
+            ttfb.append(r.seconds)
+        # throughput: all ranks at once, rotating block sets
+        runs = []
+        for i in range(cfg["warmup"] + cfg["reps"]):
+            local, remote = blocks(i + 1)
+            barrier.wait()
+            r = client.read(f"rep-{i}", local, remote, timeout=120.0)
+            if not r.ok:
+                raise RuntimeError(f"read failed: {r.error}")
+            if i >= cfg["warmup"]:
+                runs.append((r.seconds, r.transfer_seconds, r.bytes, r.descriptors))
+        _send(conn, strategy=client.plan.strategy, runs=runs, ttfb=ttfb)
+        client.close()
+    except Exception as e:
+        barrier.abort()
+        _send(conn, error=f"{type(e).__name__}: {e}")
+
+
+# -- the parent ---------------------------------------------------------------------------------------
+
+def _run_case(cfg: dict[str, Any], case: Case) -> None:
+    ctx = mp.get_context("spawn")
+    dtp = case.decode_tp
+    barrier = ctx.Barrier(dtp)
+    pp, pc = ctx.Pipe()
+    p = ctx.Process(target=_prefill_rank, args=(pc, cfg, asdict(case)), daemon=True)
+    p.start()
+    ds = []
+    for rank in range(dtp):
+        a, b = ctx.Pipe()
+        proc = ctx.Process(target=_decode_rank, args=(b, cfg, asdict(case), rank, barrier),
+                           daemon=True)
+        proc.start()
+        ds.append((proc, a))
+    try:
+        hello = _recv(pp)
+        if "error" in hello:
+            raise RuntimeError(f"prefill: {hello['error']}")
+        for _, conn in ds:
+            _send(conn, address=hello["address"])
+        outs = [_recv(conn) for _, conn in ds]
+        _send(pp, stop=True)
+        bye = _recv(pp)
+        errors = [o["error"] for o in outs if "error" in o] + ([bye["error"]] if "error" in bye
+                                                                else [])
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        case.plan_strategy = outs[0]["strategy"]
+        reps = len(outs[0]["runs"])
+        agg, wall, share = [], [], []
+        for i in range(reps):
+            runs = [o["runs"][i] for o in outs]
+            slowest = max(r[0] for r in runs)
+            agg.append(sum(r[2] for r in runs) / slowest / 1e9)
+            wall.append(slowest)
+            share.append(sum(r[1] for r in runs) / sum(r[0] for r in runs))
+        half = max(1, reps // 2)  # the same case timed twice: first half, then second half
+        case.repeat_gbps = statistics.median(agg[half:]) if reps > 1 else case.gbps
+        case.gbps = statistics.median(agg[:half]) if reps > 1 else case.gbps
+        case.ms = statistics.median(wall) * 1e3
+        case.read_share = statistics.median(share)
+        case.rank_gbps = [statistics.median(r[2] / r[0] / 1e9 for r in o["runs"]) for o in outs]
+        case.bytes_per_request = sum(o["runs"][0][2] for o in outs)
+        case.descriptors_per_request = statistics.mean(o["runs"][0][3] for o in outs)
+        case.ttfb_ms = statistics.median(t for o in outs for t in o["ttfb"]) * 1e3
+    finally:
+        for proc, _ in [(p, None), *ds]:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _copy_ceiling(cfg: dict[str, Any], nbytes: int) -> float:
+    """GB/s of a same-run device copy of ``nbytes`` (payload bytes / time)."""
+    import torch
+
+    dev = _device(cfg, "d_gpu")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_()
+    dst = torch.empty_like(src)
+    if dev.type == "cuda":
+        from triton.testing import do_bench
+
+        ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+        return nbytes / (ms * 1e-3) / 1e9
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _cases(args: argparse.Namespace) -> list[Case]:
+    base = [Case("link", 1, 1, "HND", "HND", contiguous=True),
+            Case("hnd-direct", 1, 2, "HND", "HND", strategy="direct"),
+            Case("nhd-staging", 1, 2, "NHD", "NHD")]
+    variants = args.ucx_tls.split(";") if args.ucx_tls else [""]
+    return [Case(**{**asdict(c), "ucx_tls": v}) for v in variants for c in base
+            if not args.cases or c.name in args.cases.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fkv bench transfer", description=__doc__.split("\n")[0])
+    p.add_argument("--json", help="write results here")
+    p.add_argument("--quick", action="store_true", help="1024 blocks, fewer repetitions")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the caches live (default: cuda when available)")
+    p.add_argument("--p-gpu", type=int, default=0, help="CUDA device of the prefill rank")
+    p.add_argument("--d-gpu", type=int, default=0, help="CUDA device of the decode ranks")
+    p.add_argument("--blocks", type=int, default=None, help="blocks per cache (default 4096)")
+    p.add_argument("--request-blocks", type=int, default=None,
+                   help="blocks per request (default: half the cache)")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--cases", default="", help="comma list of link,hnd-direct,nhd-staging")
+    p.add_argument("--ucx-tls", default="",
+                   help="';'-separated UCX_TLS values to try (each case under each); "
+                        "default: the environment's")
+    args = p.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    blocks = args.blocks or (1024 if args.quick else 4096)
+    cfg = {"device": args.device, "p_gpu": args.p_gpu, "d_gpu": args.d_gpu, "blocks": blocks,
+           "request_blocks": args.request_blocks or blocks // 2, "layers": args.layers,
+           "reps": args.reps or (6 if args.quick else 20), "warmup": 2,
+           "ttfb_reps": 5 if args.quick else 20}
+    cases = _cases(args)
+    page = 2 * 16 * HEADS * 128 * 2
+    request_bytes = cfg["request_blocks"] * page * cfg["layers"]
+    ceiling = _copy_ceiling(cfg, request_bytes)
+    env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "FKV_NIXL_", "NIXL_"))}
+    print(f"fkv bench transfer: {args.device}, {blocks} blocks x {cfg['layers']} layer(s), "
+          f"requests of {cfg['request_blocks']} blocks ({request_bytes / 2**20:.0f} MiB per P "
+          f"page set), same-run copy ceiling {ceiling:.2f} GB/s; env {env or '{}'}", flush=True)
+    for case in cases:
+        try:
+            _run_case(cfg, case)
+            case.pct_of_copy = 100 * case.gbps / ceiling
+        except Exception as e:
+            case.error = f"{type(e).__name__}: {e}"
+        print(f"  {case.name:12s} {case.ucx_tls or '(env)':24s} "
+              + (f"error: {case.error}" if case.error else
+                 f"{case.gbps:7.2f} GB/s (repeat {case.repeat_gbps:.2f})"), flush=True)
+    out = {"device": args.device, "config": cfg, "env": env, "copy_ceiling_gbps": ceiling,
+           "cases": [asdict(c) for c in cases]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    _table(cases, ceiling)
+    return 1 if any(c.error for c in cases) else 0
+
+
+def _table(cases: list[Case], ceiling: float) -> None:
+    head = (f"{'case':12s} {'UCX_TLS':22s} {'strategy':8s} {'GB/s':>7s} {'%copy':>6s} "
+            f"{'rank GB/s':>14s} {'ms':>8s} {'READ%':>6s} {'desc/req':>9s} {'TTFB ms':>8s}")
+    print(f"\ncopy ceiling (same run): {ceiling:.2f} GB/s")
+    print(head)
+    print("-" * len(head))
+    for c in cases:
+        if c.error:
+            print(f"{c.name:12s} {c.ucx_tls or '(env)':22s} error: {c.error}")
+            continue
+        ranks = "/".join(f"{g:.2f}" for g in c.rank_gbps)
+        print(f"{c.name:12s} {c.ucx_tls or '(env)':22s} {c.plan_strategy:8s} {c.gbps:7.2f} "
+              f"{c.pct_of_copy:5.1f}% {ranks:>14s} {c.ms:8.2f} {100 * c.read_share:5.1f}% "
+              f"{c.descriptors_per_request:9.0f} {c.ttfb_ms:8.3f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
