@@ -20,6 +20,7 @@ import fkv
 from fkv import FkvError, KVCacheSpec
 from fkv.ops import paged_attention
 from fkv.ops import reference as R
+from fkv.ops import attention as A
 from fkv.ops.attention import AttentionConfig, attention_config
 
 RA = importlib.import_module("fkv.ops.reference._attention")
@@ -137,6 +138,16 @@ def test_tiles_window_softcap_splits(device: str, mode: str, opts: dict[str, Any
     case = Case(device, q_lens=q_lens, layout="HND", seed=splits, **LONG)
     cfg = AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=splits)
     case.check(config=cfg, **opts)
+
+
+@pytest.mark.parametrize(("fma", "heads_first"), [(False, True), (True, False)])
+def test_kernel_knobs(device: str, fma: bool, heads_first: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's tuning knobs other than the defaults (timed by the bench's sweep)."""
+    monkeypatch.setattr(A, "_FMA_SCORES", fma)
+    monkeypatch.setattr(A, "_HEADS_FIRST", heads_first)
+    case = Case(device, q_lens=(9, 33, 2, 20), layout="HND", hq=4, hkv=2, **LONG)
+    case.check(config=AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=3),
+               sliding_window=21)
 
 
 def test_split_heads_into_chunks(device: str) -> None:

@@ -251,25 +251,29 @@ def _knobs(knobs: tuple[tuple[str, Any], ...]):
 
 
 def _sweep_variants(kind: str, default: Any) -> list[Variant]:
-    """The alternatives ``--sweep`` times for one case (the default itself excluded)."""
+    """The alternatives ``--sweep`` times for one case (the default itself excluded).
+
+    Around the defaults chosen from the first H200 sweep (bench/NOTES.md): decode split counts
+    next to the default and the two best other tilings; prefill the neighbours of 128 rows x 64
+    keys on 4 warps, 256-row tiles, v1's 8 warps; both: the launcher knobs off.
+    """
     import attrs
 
     out = []
     if kind == "decode":
-        for tile in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3, 5):  # 2-4 keep one K/V tile in flight, 5 two (sm_90)
-                    out.append(Variant(attrs.evolve(default, tile_n=tile, num_warps=warps,
-                                                    num_stages=stages)))
-        for mult in (0.5, 2.0, 4.0):
-            out.append(Variant(attrs.evolve(default,
-                                            num_splits=max(1, round(default.num_splits * mult)))))
+        n = default.num_splits
+        for splits in sorted({max(1, n - 1), n + 1, max(1, n // 2), 2 * n}):
+            out.append(Variant(attrs.evolve(default, num_splits=splits)))
+        for tile, warps, stages in ((128, 4, 2), (64, 4, 2), (32, 4, 2)):
+            out.append(Variant(attrs.evolve(default, tile_n=tile, num_warps=warps,
+                                            num_stages=stages)))
     else:
-        for block_q in (16, 32):
-            for tile in (64, 128):
-                for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4)):
-                    out.append(Variant(attrs.evolve(default, block_q=block_q, tile_n=tile,
-                                                    num_warps=warps, num_stages=stages)))
+        for block_q, tile, warps, stages in ((32, 64, 4, 4), (32, 32, 4, 3), (32, 32, 4, 4),
+                                             (32, 128, 8, 3), (32, 64, 8, 3), (16, 64, 4, 2),
+                                             (64, 64, 8, 3), (64, 32, 8, 3)):
+            out.append(Variant(attrs.evolve(default, block_q=block_q, tile_n=tile,
+                                            num_warps=warps, num_stages=stages)))
+    out.append(Variant(default, (("_FMA_SCORES", False),)))
     out.append(Variant(default, (("_HEADS_FIRST", False),)))
     base = Variant(default)
     return [v for i, v in enumerate(out) if v != base and v not in out[:i]]

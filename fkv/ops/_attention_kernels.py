@@ -34,6 +34,7 @@ def _attend_tile(
     softcap_mult, BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    FMA_SCORES: tl.constexpr,
 ):
     """One key tile [start, start + TILE_N): online-softmax update of (acc, l_i, m_i)."""
     t = start + tl.arange(0, TILE_N)
@@ -63,18 +64,27 @@ def _attend_tile(
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
     else:
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if USE_SOFTCAP:
-        s = softcap_mult * _tanh(qk * score_mult)
-    else:
-        s = qk * score_mult
     if MASKED:
         visible = (t[None, :] <= q_pos[:, None]) & t_ok[None, :]
         if USE_WINDOW:
             visible = visible & (t[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if USE_SOFTCAP or not FMA_SCORES:
+        if USE_SOFTCAP:
+            s = softcap_mult * _tanh(qk * score_mult)
+        else:
+            s = qk * score_mult
+        if MASKED:
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        # score_mult > 0: the row max of qk * score_mult is score_mult * the row max of qk, and
+        # qk * score_mult - m is one FMA per element.
+        if MASKED:
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * score_mult)
+        p = tl.exp2(qk * score_mult - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     # P is rounded to the input dtype like FlashAttention does (bf16/fp16 tensor-core dot).
@@ -105,7 +115,7 @@ def _paged_attention_kernel(
     HEAD_CHUNKS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     VARLEN: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, FMA_SCORES: tl.constexpr,
 ):
     # Axis 0 enumerates (query tile, KV head x head chunk); HEADS_FIRST: the heads of one tile are
     # consecutive programs (they read neighbouring bytes of the same pages at the same time).
@@ -196,17 +206,20 @@ def _paged_attention_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
             stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN,
-            HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION)
+            HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION,
+            FMA_SCORES)
     for start in range(u_lo, u_hi, TILE_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
             stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN,
-            HEAD_SIZE, HEAD_PAD, TILE_N, False, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION)
+            HEAD_SIZE, HEAD_PAD, TILE_N, False, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION,
+            FMA_SCORES)
     for start in range(u_hi, kv_hi, TILE_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
             stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN,
-            HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION)
+            HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION,
+            FMA_SCORES)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]

@@ -33,18 +33,30 @@ __all__ = ["AttentionConfig", "attention_config", "check_attention_inputs", "pag
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_HEAD_SIZE = 1024
-#: flash-decoding: aim for this many programs per SM, with at least this many keys per split.
+#: flash-decoding splits, prefill-like tiles: aim for this many programs per SM; every split
+#: streams at least _MIN_SPLIT_TOKENS keys.
 _PROGRAMS_PER_SM = 16
 _MIN_SPLIT_TOKENS = 512
+#: flash-decoding splits, decode-like tiles: a wave model of a memory-bound grid (fitted to the
+#: H200 sweep, bench/NOTES.md). _RESIDENT_PER_SM programs run at once per SM (the decode tile:
+#: 140 registers x 128 threads -> 3); a partial last wave runs each program at most 2x faster
+#: than a full one; each program costs _PROGRAM_OVERHEAD_KEYS keys of its slot's time (start-up
+#: latency, partial output); at least _MIN_WAVES full waves when the context allows.
+_RESIDENT_PER_SM = 3
+_PROGRAM_OVERHEAD_KEYS = 48
+_MIN_WAVES = 2
+#: scores as one FMA per element: p = exp2(qk * scale - m), the row max taken on raw qk.
+_FMA_SCORES = True
 #: grid order: the KV heads of one (query tile, split) are consecutive programs, so they stream
 #: neighbouring bytes of the same pages together (NHD interleaves heads within a token row).
 _HEADS_FIRST = True
 #: (head_pad up to, 32-bit inputs) -> (max rows (query token x head pairs) per program,
 #: decode-like (tile_n, num_warps, num_stages), prefill (tile_n, num_warps, num_stages)).
-#: Rows bound the fp32 accumulator's registers; every entry compiles for sm_90 without spills.
+#: Rows bound the fp32 accumulator's registers. D <= 128, 16-bit: measured on the H200 (Triton
+#: 3.6); prefill 128 rows x 64 keys on 4 warps (two programs per SM) beat 8 warps by 10 %.
 #: ``bench/bench_attention.py --sweep`` times alternatives on the GPU (bench/NOTES.md).
 _TUNING = {
-    (128, False): (128, (64, 4, 3), (64, 8, 3)),
+    (128, False): (128, (64, 4, 3), (64, 4, 3)),
     (256, False): (64, (32, 4, 2), (32, 8, 2)),
     (1024, False): (16, (16, 8, 1), (16, 8, 1)),
     (128, True): (32, (32, 8, 2), (16, 8, 2)),
@@ -89,13 +101,14 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
 
     ``max_context`` is the block-table capacity in tokens (``max_blocks * block_size``): the split
     count never depends on ``seq_lens`` values, so choosing it needs no device sync. Decode (and
-    varlen batches whose mean query length is small) splits each sequence so that about
-    ``16 * num_sms`` programs run, each over at least 512 keys.
+    varlen batches whose mean query length is small) takes the split count that minimizes
+    :func:`_split_cost` (each split >= 512 keys); prefill-like tiles split only a small grid (to
+    about ``16 * num_sms`` programs).
 
     >>> c = attention_config(num_seqs=8, num_q_tokens=8, num_q_heads=32, num_kv_heads=8,
     ...                      head_size=128, max_context=32768, itemsize=2, num_sms=132, varlen=False)
     >>> c.block_q, c.heads_per_program, c.num_splits
-    (1, 4, 32)
+    (1, 4, 16)
     """
     group = num_q_heads // num_kv_heads
     head_pad = _pow2(max(head_size, 16))
@@ -113,13 +126,41 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     chunks = -(-group // heads)
     tiles = num_seqs if not varlen else num_q_tokens // block_q + num_seqs
     programs = max(1, tiles * num_kv_heads * chunks)
-    want = -(-(_PROGRAMS_PER_SM * num_sms) // programs)
     most = max(1, -(-max_context // max(_MIN_SPLIT_TOKENS, tile_n)))
-    splits = max(1, min(want, most))
-    split_len = -(-(-(-max_context // splits)) // tile_n) * tile_n   # whole tiles per split
-    splits = max(1, -(-max_context // split_len))
+    if block_q * heads <= 16:
+        full = [n for n in range(1, most + 1)
+                if programs * n >= _MIN_WAVES * _RESIDENT_PER_SM * num_sms]
+        splits = min(full or [most], key=lambda n: _split_cost(n, programs, max_context, tile_n,
+                                                               num_sms))
+    else:
+        splits = max(1, min(-(-(_PROGRAMS_PER_SM * num_sms) // programs), most))
+    splits = -(-max_context // _split_len(max_context, splits, tile_n))
     return AttentionConfig(block_q=block_q, heads_per_program=heads, tile_n=tile_n,
                            num_splits=splits, num_warps=warps, num_stages=stages)
+
+
+def _split_len(max_context: int, splits: int, tile_n: int) -> int:
+    """Keys per split: whole tiles (the last split may be shorter)."""
+    return -(-(-(-max_context // splits)) // tile_n) * tile_n
+
+
+def _split_cost(splits: int, programs: int, max_context: int, tile_n: int, num_sms: int) -> float:
+    """Modelled time of a memory-bound split grid, in keys streamed by one resident program.
+
+    ``programs * splits`` programs of ``split_len`` keys run in waves of ``_RESIDENT_PER_SM *
+    num_sms``; the last, partial wave of fraction f takes ``max(f, 1/2)`` of a full one; each
+    program adds ``_PROGRAM_OVERHEAD_KEYS`` of slot time. A split count that rounds to fewer
+    splits costs as much as that count plus a little, so ties go to the smaller one.
+
+    >>> [round(_split_cost(n, 512, 8192, 64, 132)) for n in (1, 2, 5)]  # B=64 x 8192, Hkv 8
+    [12350, 10716, 11126]
+    """
+    split_len = _split_len(max_context, splits, tile_n)
+    slots = _RESIDENT_PER_SM * num_sms
+    total = programs * -(-max_context // split_len)
+    waves, rest = divmod(total, slots)
+    last = max(rest / slots, 0.5) if rest else 0.0
+    return split_len * (waves + last) + total * _PROGRAM_OVERHEAD_KEYS / slots + splits * 1e-6
 
 
 @functools.lru_cache(maxsize=16)
@@ -433,6 +474,7 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
         VARLEN=prob.varlen, SPLIT=split, USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None, DOT_F32=_interpreted(q.device) and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else None, HEADS_FIRST=_HEADS_FIRST,
+        FMA_SCORES=_FMA_SCORES,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
