@@ -289,21 +289,80 @@ def test_move_matches_reference_property(device, data):
 
 
 def test_block_id_checks_follow_in_place_changes(device):
-    """Bounds of an id tensor are cached per tensor and version: an in-place edit is re-checked."""
+    """Bounds of an id tensor are cached per tensor and version: an in-place edit is re-checked
+    (also on the fast path of a repeated signature)."""
     spec = KV_SPECS[2]
     cache = _cache(spec, device, seed=20)
     ids = torch.tensor([7, 2], device=device)
-    first = C.gather(cache[0], spec, ids)
-    assert _equal(C.gather(cache[0], spec, ids), first)
+    first = C.gather(cache[0], spec, ids, validate=True)
+    assert _equal(C.gather(cache[0], spec, ids, validate=True), first)
     ids[1] = 8
     with pytest.raises(FkvError, match=r"'block_ids' holds block id 8"):
-        C.gather(cache[0], spec, ids)
+        C.gather(cache[0], spec, ids, validate=True)
     with torch.inference_mode():  # inference tensors have no version counter: checked every call
         frozen = torch.tensor([3, 9], device=device, dtype=torch.int32)
         with pytest.raises(FkvError, match=r"'block_ids' holds block id 9"):
-            C.gather(cache[0], spec, frozen)
+            C.gather(cache[0], spec, frozen, validate=True)
         ok = torch.tensor([1], device=device, dtype=torch.int16)
-        assert _equal(C.gather(cache[0], spec, ok), R.gather(cache[0], spec, [1]))
+        assert _equal(C.gather(cache[0], spec, ok, validate=True), R.gather(cache[0], spec, [1]))
+
+
+# -- unchecked ids on the GPU: masked in the kernel --------------------------------------------------
+def test_validation_default_checks_host_ids_only(device):
+    """Default: ids on the host are range-checked (free); ids on the cache's GPU are not (that
+    would sync) and out-of-range ones move nothing. validate=False skips the host check too."""
+    spec = KV_SPECS[3]  # triton HND cross-layer
+    cache = _cache(spec, device, seed=30)
+    bad = torch.tensor([5, 8, -3, 1], device=device)
+    if device == "cpu":
+        with pytest.raises(FkvError, match=r"'block_ids' holds block id -3"):
+            C.gather(cache[1], spec, bad, heads=(1, 3))
+    out = _fill([torch.empty(4, 2, 2, spec.block_size, spec.head_size, dtype=cache[0].dtype,
+                             device=device)], seed=31)[0]
+    poison = _bits(out).clone()
+    kw = {} if device == "cuda" else {"validate": False}
+    assert C.gather(cache[1], spec, bad, heads=(1, 3), out=out, **kw) is out
+    good = R.gather(cache[1], spec, [5, 1], heads=(1, 3))
+    assert _equal(out[0], good[0]) and _equal(out[3], good[1])
+    assert torch.equal(_bits(out[1:3]), poison[1:3])  # the bad blocks' staging left as it was
+    # scatter and move: tokens of bad destination ids are not written anywhere
+    dst = _cache(spec, device, seed=32)
+    expected = _clone(dst, spec)
+    C.scatter(out, dst[0], spec, torch.tensor([2, 9, 99, 6], device=device), heads=(0, 2), **kw)
+    R.scatter(out[0:1], expected[0], spec, [2], heads=(0, 2))
+    R.scatter(out[3:4], expected[0], spec, [6], heads=(0, 2))
+    assert all(_equal(x, y) for x, y in zip(dst, expected))
+    C.move(cache[0], spec, torch.tensor([1, 2], device=device), dst[1], spec,
+           torch.tensor([-1, 4], device=device), **kw)
+    RC.move(cache[0], spec, [2], expected[1], spec, [4])
+    assert all(_equal(x, y) for x, y in zip(dst, expected))
+
+
+def test_repeated_gather_scatter_take_the_fast_path(device):
+    """A repeated signature skips the checks and launches directly; results stay those of the
+    reference for new ids/staging, and anything else (other heads, a list, a float range) is
+    checked again."""
+    spec = KV_SPECS[6]  # flash_attn NHD
+    cache = _cache(spec, device, seed=33)
+    for seed in range(3):
+        ids = torch.tensor(random.Random(seed).sample(range(8), 3), device=device)
+        staging = C.gather(cache[1], spec, ids, heads=(1, 4))
+        assert _equal(staging, R.gather(cache[1], spec, ids.tolist(), heads=(1, 4)))
+        dst = _cache(spec, device, seed=34 + seed)
+        expected = _clone(dst, spec)
+        C.scatter(staging, dst[0], spec, ids.flip(0).contiguous(), heads=(0, 3))
+        R.scatter(staging, expected[0], spec, ids.flip(0).tolist(), heads=(0, 3))
+        assert all(_equal(x, y) for x, y in zip(dst, expected))
+    fast = C._FAST[C._staging_signature("gather", cache[1], spec, ids, (1, 4), None, None, None)]
+    assert fast.num_tokens == 3 * spec.block_size
+    if device == "cuda":  # the compiled kernel was called directly after the first launch
+        assert fast.site.direct_launches >= 2
+    with pytest.raises(FkvError, match=r"'heads' must be a \(start, stop\) pair of ints"):
+        C.gather(cache[1], spec, ids, heads=(1.0, 4))
+    with pytest.raises(FkvError, match=r"'out' has dtype torch.float16"):
+        C.gather(cache[1], spec, ids, heads=(1, 4), out=torch.empty_like(staging, dtype=torch.float16))
+    with pytest.raises(FkvError, match=r"'block_ids' holds block id 8"):
+        C.gather(cache[1], spec, [1, 8, 2], heads=(1, 4))
 
 
 # -- bad inputs: FkvError before anything is written ----------------------------------------------
@@ -320,7 +379,9 @@ def test_bad_block_ids(small):
                                        r"num_blocks=8 \(valid ids: 0..7\)"):
         C.move(cache[0], spec, [0, 1], cache[1], spec, [0, 8])
     with pytest.raises(FkvError, match=r"'block_ids' holds block id -1"):
-        C.gather(cache[0], spec, torch.tensor([2, -1], device=cache[0].device))
+        C.gather(cache[0], spec, torch.tensor([2, -1], device=cache[0].device), validate=True)
+    with pytest.raises(FkvError, match=r"'block_ids' holds block id -1"):
+        C.gather(cache[0], spec, torch.tensor([2, -1]))  # host-side ids: checked by default
     with pytest.raises(FkvError, match=r"'block_ids' must be a 1-D sequence or tensor of int "
                                        r"block ids \(got \[0.5\]\)"):
         C.gather(cache[0], spec, [0.5])

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import fkv
 from fkv import FkvError, KVCacheSpec
 from fkv.ops import reference
+from fkv.ops import _launch
 from fkv.ops import write as write_mod
 from fkv.ops.write import write_constexprs, write_kv, write_tiling
 
@@ -415,7 +416,7 @@ def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch: pytest.Monkey
         def __init__(self) -> None:  # no compile: only its type matters here
             self.fn = None
 
-    monkeypatch.setattr(write_mod, "_write_kv_kernel", FakeCompiled())
+    monkeypatch.setattr(write_mod._LAUNCHER, "kernel", FakeCompiled())
     monkeypatch.setattr(write_mod, "_PREPARED", {})  # checks cached by earlier calls: run afresh
     spec = make_spec("triton", "NHD")
     key, value, _ = inputs(spec, 2, "cpu")
@@ -425,16 +426,18 @@ def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch: pytest.Monkey
 
 # -- specialization: one compiled variant per layout, none per call --------------------------------
 class LaunchRecorder:
-    """Stands in for the kernel object: records each launch's kwargs, then launches the real one."""
+    """Stands in for the kernel object: records each launch's arguments by name (options
+    included), then launches the real one."""
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
+        self.arg_names = kernel.arg_names
         self.launches: list[dict] = []
 
     def __getitem__(self, grid):
-        def launch(**kwargs):
-            self.launches.append(kwargs)
-            return self.kernel[grid](**kwargs)
+        def launch(*args, **kwargs):
+            self.launches.append({**dict(zip(self.arg_names, args)), **kwargs})
+            return self.kernel[grid](*args, **kwargs)
         return launch
 
 
@@ -472,7 +475,9 @@ def _compiled_count(kernel) -> int | None:
 def test_one_variant_per_layout(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = write_mod._write_kv_kernel
     recorder = LaunchRecorder(kernel)
-    monkeypatch.setattr(write_mod, "_write_kv_kernel", recorder)
+    monkeypatch.setattr(write_mod._LAUNCHER, "kernel", recorder)
+    monkeypatch.setattr(_launch, "ENABLED", False)  # every launch through the recorder
+    monkeypatch.setattr(write_mod, "_PREPARED", {})
     # A geometry no other test uses, so on the GPU its variants are compiled here first.
     nhd = make_spec("triton", "NHD", heads=5, head_size=40, block_size=7, num_blocks=9)
     hnd = nhd.evolve(layout="HND")
@@ -566,3 +571,143 @@ def test_checks_still_run_when_the_signature_was_seen_before() -> None:
     with pytest.raises(FkvError, match=r"'slot_mapping'\[0\] = 24 is outside"):
         write_kv(key, value, caches[0], torch.arange(24, 30), spec)
     assert_same_bytes(caches, untouched)
+
+
+# -- the direct launch path (fkv.ops._launch) ---------------------------------------------------------
+def _toy(x_ptr, y_ptr, n, m, scale, BLOCK: "tl.constexpr"):  # noqa: F821 (source only: never run)
+    """A kernel signature for the launcher tests (a JITFunction is built from its source)."""
+
+
+class _FakeCompiled:
+    def __init__(self) -> None:
+        self.function, self.packed_metadata = 7, ("packed",)
+        self.runs: list[tuple] = []
+        self.reject = False
+
+    def run(self, *args) -> None:
+        if self.reject:  # another calling convention: arguments rejected before any launch
+            raise TypeError("function takes exactly 14 arguments")
+        self.runs.append(args)
+
+
+class _FakeJIT(write_mod.triton.runtime.jit.JITFunction):
+    """A JITFunction (so the launcher may take the direct path) whose launches compile nothing:
+    each normal launch is recorded and returns ``compiled``."""
+
+    def __init__(self, compiled) -> None:
+        super().__init__(_toy, do_not_specialize=["m"])
+        self.compiled = compiled
+        self.normal: list[tuple] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.normal.append((grid, args, options))
+            return self.compiled
+        return launch
+
+
+@pytest.fixture
+def fake_runtime(monkeypatch: pytest.MonkeyPatch):
+    """The launcher's view of Triton's runtime: device 3, stream 99, hooks settable."""
+    class Knobs:
+        launch_enter_hook = None
+        launch_exit_hook = "exit-hook"
+
+    rt = _launch._Runtime()
+    rt.ready, rt.get_device, rt.get_stream, rt.knobs = True, (lambda: 3), (lambda d: 96 + d), Knobs()
+    monkeypatch.setattr(_launch, "_RUNTIME", rt)
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    return rt
+
+
+def test_direct_launch_calls_the_compiled_launcher_after_one_normal_launch(fake_runtime) -> None:
+    compiled = _FakeCompiled()
+    kernel = _FakeJIT(compiled)
+    launcher = _launch.KernelLauncher(kernel, per_call=("x_ptr", "y_ptr", "n", "m"),
+                                      pointers=("x_ptr", "y_ptr"))
+    site = launcher.site({"scale": 0.5, "BLOCK": 64}, {"num_warps": 2})
+    buf = torch.empty(64)
+    x, y = buf[:16], buf[16:32]  # 16-byte aligned
+    site((4, 2, 1), (x, y, 32, 5))
+    assert kernel.normal == [((4, 2, 1), (x, y, 32, 5, 0.5, 64), {"num_warps": 2})]
+    site((5, 2, 1), (y, x, 48, 6))  # same key: aligned pointers, n % 16 == 0, m in int32
+    assert compiled.runs == [(5, 2, 1, 99, 7, ("packed",), None, None, "exit-hook", y, x, 48, 6, 0.5, 64)]
+    assert site.direct_launches == 1 and len(kernel.normal) == 1
+    # Every part of the key that Triton specializes on gets its own normal launch first.
+    site((1, 1, 1), (buf[1:], y, 32, 5))       # x not 16-byte aligned
+    site((1, 1, 1), (x, y, 33, 5))             # n not divisible by 16
+    site((1, 1, 1), (x, y, 1, 5))              # n == 1
+    site((1, 1, 1), (x, y, 32, 2 ** 31))       # m (do_not_specialize) beyond int32
+    assert len(kernel.normal) == 5
+    site((1, 1, 1), (x, y, 32, 7))             # m's value alone does not matter: direct
+    assert site.direct_launches == 2
+    fake_runtime.get_device = lambda: 0        # another current device: another variant
+    site((1, 1, 1), (x, y, 32, 5))
+    assert len(kernel.normal) == 6
+
+
+def test_direct_launch_falls_back_to_the_normal_launch(fake_runtime, monkeypatch) -> None:
+    compiled = _FakeCompiled()
+    kernel = _FakeJIT(compiled)
+    launcher = _launch.KernelLauncher(kernel, ("x_ptr", "y_ptr", "n", "m"), ("x_ptr", "y_ptr"))
+    site = launcher.site({"scale": 1.0, "BLOCK": 8})
+    x = torch.empty(8)
+    args = (x, x, 16, 3)
+    site((1, 1, 1), args)
+    fake_runtime.knobs.launch_enter_hook = print  # a profiler's hook: Triton builds its metadata
+    site((1, 1, 1), args)
+    fake_runtime.knobs.launch_enter_hook = None
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    site((1, 1, 1), args)
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    assert len(kernel.normal) == 3 and not compiled.runs
+    site((1, 1, 1), args)
+    assert len(compiled.runs) == 1
+    compiled.reject = True
+    site((1, 1, 1), args)
+    assert site.variants is None and len(kernel.normal) == 4  # launched normally, and from now on
+    site((1, 1, 1), args)
+    assert len(kernel.normal) == 5
+    # A launch that returns no CompiledKernel (other Triton internals): normal launches only.
+    kernel.compiled = object()
+    other = launcher.site({"scale": 1.0, "BLOCK": 8})
+    other((1, 1, 1), args)
+    other((1, 1, 1), args)
+    assert other.variants is None and len(kernel.normal) == 7
+
+
+def test_launcher_needs_the_per_call_parameters_first() -> None:
+    kernel = _FakeJIT(_FakeCompiled())
+    with pytest.raises(FkvError, match=r"must start with the per-call ones \('y_ptr',\)"):
+        _launch.KernelLauncher(kernel, ("y_ptr",), ("y_ptr",))
+    launcher = _launch.KernelLauncher(kernel, ("x_ptr", "y_ptr"), ("x_ptr", "y_ptr"))
+    with pytest.raises(FkvError, match=r"missing \['m', 'scale', 'BLOCK'\], unknown \['q'\]"):
+        launcher.site({"n": 1, "q": 2})
+    # The interpreter's kernels (not JITFunctions) always launch normally.
+    assert not _launch.KernelLauncher(write_mod._write_kv_kernel.fn, (), ()).compiles
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_direct_launches_write_the_same_bytes_as_normal_launches(layout: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode-sized writes, launched directly (after a first normal launch per variant), equal
+    Triton's normal launches byte for byte, also for a misaligned fused-QKV slice and fp8."""
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        spec = make_spec("triton", layout, heads=8, head_size=128, block_size=16, num_blocks=64,
+                         num_layers=1, dtype=dtype)
+        outs = []
+        for enabled in (True, False):
+            monkeypatch.setattr(_launch, "ENABLED", enabled)
+            cache = poisoned(spec, "cuda")[0]
+            for seed in range(4):
+                key, value, scales = inputs(spec, 40, "cuda", seed=seed)
+                if seed == 3:  # a fused buffer: key starts 2 bytes past an aligned address
+                    fused = torch.cat([key.new_zeros(40, 8, 1), key, value], dim=2)
+                    key, value = fused[:, :, 1:129], fused[:, :, 129:]
+                write_kv(key, value, cache, padded_slots(spec, 40, 40, "cuda", seed), spec, **scales)
+            outs.append(cache)
+        assert_same_bytes(outs[:1], outs[1:])
+    sites = [p.site for p in write_mod._PREPARED.values()]
+    assert sum(s.direct_launches for s in sites) >= 4

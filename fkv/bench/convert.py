@@ -160,6 +160,46 @@ def _bench(fn, rep: int) -> float:
     return triton.testing.do_bench(fn, rep=rep, return_mode="median")
 
 
+def _eager_us(fn, calls: int = 500) -> float:
+    """Wall µs per call of back-to-back calls (host launch path included): ``time.perf_counter``
+    around ``calls`` calls, synchronized before and after; median of 3 runs."""
+    import statistics
+    import time
+
+    import torch
+
+    for _ in range(20):
+        fn()
+    runs = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - start) * 1e6 / calls)
+    return statistics.median(runs)
+
+
+def _graph_us(fn, calls: int = 8) -> float:
+    """GPU µs per call with no host in the way: ``calls`` calls captured in one CUDA graph,
+    replays timed with do_bench (L2 flushed before each replay)."""
+    import torch
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(graph.replay, rep=100, return_mode="median") * 1e3 / calls
+
+
 def _finish(case: Case, ceiling: float) -> None:
     case.gbps = case.bytes / case.ms / 1e6
     case.baseline_gbps = case.bytes / case.baseline_ms / 1e6 if case.baseline_ms else 0.0
@@ -284,6 +324,14 @@ def _run_staging(case: Case, shape: Shape, device: str, ceiling: float, rep: int
     case.baseline_ms = _bench(base, rep)
     case.ms_repeat = _bench(kernel, rep)
     _finish(case, ceiling)
+    case.extra["eager_us"] = _eager_us(kernel)
+    case.extra["eager_gbps"] = case.bytes / case.extra["eager_us"] / 1e3
+    case.extra["baseline_eager_us"] = _eager_us(base)
+    try:  # the ids are on the GPU: no validation, no sync, so the op is capturable
+        case.extra["graph_us"] = _graph_us(kernel)
+        case.extra["graph_gbps"] = case.bytes / case.extra["graph_us"] / 1e3
+    except RuntimeError as e:
+        case.extra["graph_error"] = str(e).splitlines()[0]
 
 
 def _cases(quick: bool) -> list[Case]:
@@ -311,12 +359,14 @@ def _run(case: Case, shape: Shape, device: str, ceiling: float, rep: int | None)
 def _sweep(shape: Shape, ceiling: float, rep: int) -> list[dict]:
     """Throughput over the kernel's tile budget and warps on one convert and one gather case."""
     from fkv.ops import _move_kernel as mk
+    from fkv.ops import relayout
 
     saved = mk.MAX_TILE_BYTES, mk.NUM_WARPS
     rows = []
     try:
         for tile_bytes, warps in itertools.product((4096, 8192, 16384, 32768), (2, 4, 8)):
             mk.MAX_TILE_BYTES, mk.NUM_WARPS = tile_bytes, warps
+            relayout._FAST.clear()  # repeat-call entries hold the launch site of the old constants
             for case in (Case("convert", "triton NHD", "triton HND"), Case("gather", "triton NHD"),
                          Case("gather", "triton HND")):
                 _run(case, shape, "cuda", ceiling, rep)
@@ -326,6 +376,7 @@ def _sweep(shape: Shape, ceiling: float, rep: int) -> list[dict]:
                       f"{case.gbps:7.0f} GB/s", flush=True)
     finally:
         mk.MAX_TILE_BYTES, mk.NUM_WARPS = saved
+        relayout._FAST.clear()
     return rows
 
 
@@ -333,12 +384,19 @@ def _table(cases: list[Case], ceiling: float) -> str:
     lines = [f"convert / gather / scatter (copy ceiling {ceiling:.0f} GB/s; baselines: torch "
              f"permute+copy, index+slice)",
              f"{'case':40s} {'GB/s':>7s} {'again':>7s} {'%copy':>6s} {'x base':>7s} "
-             f"{'base GB/s':>9s} {'target':>7s}"]
+             f"{'base GB/s':>9s} {'target':>8s}  eager/graph"]
     for c in cases:
         again = c.bytes / c.ms_repeat / 1e6 if c.ms_repeat else 0.0
         target = f"{c.target_gbps:.0f} {'ok' if c.meets_target else 'MISS'}" if c.target_gbps else "-"
+        e = c.extra
+        tail = ""
+        if "eager_us" in e:
+            tail = (f"eager {e['eager_us']:.1f} µs ({e['eager_gbps']:.0f} GB/s; torch "
+                    f"{e['baseline_eager_us']:.1f} µs)")
+        if "graph_us" in e:
+            tail += f", graph {e['graph_us']:.1f} µs ({e['graph_gbps']:.0f} GB/s)"
         lines.append(f"{c.name:40s} {c.gbps:7.0f} {again:7.0f} {c.pct_of_copy:5.1f}% "
-                     f"{c.speedup_vs_baseline:6.2f}x {c.baseline_gbps:9.0f} {target:>7s}")
+                     f"{c.speedup_vs_baseline:6.2f}x {c.baseline_gbps:9.0f} {target:>8s}  {tail}")
     return "\n".join(lines)
 
 
@@ -364,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer cases, shorter timing")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep the tile budget and warps on one convert and gathers")
+    parser.add_argument("--only", metavar="SUBSTR", default="",
+                        help="run only the cases whose name contains this (e.g. 'gather')")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="only the correctness path, tiny shapes, CPU interpreter")
     args = parser.parse_args(argv)
@@ -380,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = 40 if args.quick else 200
     shape = Shape()
     ceiling = _copy_ceiling_gbps(rep)
-    cases = _cases(args.quick)
+    cases = [c for c in _cases(args.quick) if args.only in c.name]
     for case in cases:
         _run(case, shape, "cuda", ceiling, rep)
         print(f"  {case.name}: {case.gbps:.0f} GB/s ({case.pct_of_copy:.1f}% of copy, "

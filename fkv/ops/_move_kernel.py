@@ -14,11 +14,14 @@ same kernel re-chunks between block sizes, gathers random blocks and converts wh
 Constexprs (one compile per variant): the two block sizes and the presence of id lists, the number
 of heads moved, the head size, the tile sizes and the tile order. Strides, head offsets and the token
 count are runtime values taken from the layout algebra (``fkv.ops._spec.cache_strides``). Payloads
-are moved as same-width integers (a bit-exact copy for any dtype, fp8 included).
+are moved as same-width integers (the kernel bitcasts its pointers: a bit-exact copy for any dtype,
+fp8 and NaN payloads included). Launches go through :mod:`fkv.ops._launch` (one launch site per move
+shape, cached), so a repeated gather costs a dict lookup and a direct launch on the host.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import triton
@@ -26,9 +29,10 @@ import triton.language as tl
 
 from fkv.errors import FkvError
 from fkv.layout import KVCacheSpec
+from fkv.ops._launch import KernelLauncher, LaunchSite
 from fkv.ops._spec import cache_constexprs, cache_strides
 
-__all__ = ["launch_move", "tile_config"]
+__all__ = ["launch_move", "move_site", "tile_config"]
 
 #: Bytes one program moves (upper bound). 16 KiB keeps ~64 payload registers per thread at 4 warps
 #: and enough programs resident per SM to cover DRAM latency.
@@ -39,29 +43,47 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _as_int(ptr, BITS: tl.constexpr):
+    """The same address as a pointer to same-width integers (a bit-exact copy of any payload)."""
+    if BITS == 8:
+        out = ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+    elif BITS == 16:
+        out = ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+    else:
+        out = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    return out
+
+
+@triton.jit(do_not_specialize=["num_tokens", "src_num_blocks", "dst_num_blocks"])
 def _move_kernel(
     src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, num_tokens,
     src_stride_block, src_stride_kv, src_stride_token, src_stride_head,
     dst_stride_block, dst_stride_kv, dst_stride_token, dst_stride_head,
-    src_head_start, dst_head_start,
+    src_head_start, dst_head_start, src_num_blocks, dst_num_blocks,
     SRC_BLOCK_SIZE: tl.constexpr, DST_BLOCK_SIZE: tl.constexpr,
     SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     TILE_T: tl.constexpr, TILE_H: tl.constexpr, HEADS_OUTER: tl.constexpr,
-    MASK_T: tl.constexpr,
+    MASK_T: tl.constexpr, ELEM_BITS: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     kv = tl.program_id(1).to(tl.int64)
     pid_h = tl.program_id(2)
+    src = _as_int(src_ptr, ELEM_BITS)
+    dst = _as_int(dst_ptr, ELEM_BITS)
 
     t = pid_t * TILE_T + tl.arange(0, TILE_T)
     t_ok = t < num_tokens
+    # A block id outside 0..num_blocks-1 (unchecked ids on the GPU) moves nothing: its tokens are
+    # neither read nor written.
     if SRC_IDS:
         src_block = tl.load(src_ids_ptr + t // SRC_BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        t_ok = t_ok & (src_block >= 0) & (src_block < src_num_blocks)
     else:
         src_block = (t // SRC_BLOCK_SIZE).to(tl.int64)
     if DST_IDS:
         dst_block = tl.load(dst_ids_ptr + t // DST_BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        t_ok = t_ok & (dst_block >= 0) & (dst_block < dst_num_blocks)
     else:
         dst_block = (t // DST_BLOCK_SIZE).to(tl.int64)
     # Element offset of each token's row start (int64: caches exceed 2**31 elements).
@@ -77,7 +99,8 @@ def _move_kernel(
     c = tl.arange(0, HEAD_PAD)
     c_ok = c < HEAD_SIZE
 
-    # Only the masks a variant needs: full tiles (the common case) load and store unmasked.
+    # Only the masks a variant needs: full tiles of the identity (whole-cache convert) load and
+    # store unmasked.
     if HEADS_OUTER:  # tile [H, T, C]
         src_off = src_row[None, :, None] + src_head[:, None, None] + c[None, None, :]
         dst_off = dst_row[None, :, None] + dst_head[:, None, None] + c[None, None, :]
@@ -94,12 +117,12 @@ def _move_kernel(
             mask = mask & h_ok[None, :, None]
         if HEAD_PAD != HEAD_SIZE:
             mask = mask & c_ok[None, None, :]
-    if MASK_T or NUM_HEADS % TILE_H != 0 or HEAD_PAD != HEAD_SIZE:
-        x = tl.load(src_ptr + src_off, mask=mask)
-        tl.store(dst_ptr + dst_off, x, mask=mask)
+    if MASK_T or SRC_IDS or DST_IDS or NUM_HEADS % TILE_H != 0 or HEAD_PAD != HEAD_SIZE:
+        x = tl.load(src + src_off, mask=mask)
+        tl.store(dst + dst_off, x, mask=mask)
     else:
-        x = tl.load(src_ptr + src_off)
-        tl.store(dst_ptr + dst_off, x)
+        x = tl.load(src + src_off)
+        tl.store(dst + dst_off, x)
 
 
 def _pow2(n: int) -> int:
@@ -122,21 +145,32 @@ def tile_config(num_tokens: int, num_heads: int, head_size: int, itemsize: int, 
     return tile_t, tile_h, head_pad
 
 
-def launch_move(src: Any, src_spec: KVCacheSpec, src_ids: Any, src_head_start: int,
-                dst: Any, dst_spec: KVCacheSpec, dst_ids: Any, dst_head_start: int,
-                num_heads: int, num_tokens: int, *, max_tile_bytes: int | None = None,
-                num_warps: int | None = None) -> None:
-    """Launch the kernel on validated inputs (``fkv.ops.convert`` checks everything first).
+# Per call: the two views, the two id tensors (or placeholders) and the token count.
+_LAUNCHER = KernelLauncher(
+    _move_kernel, per_call=("src_ptr", "dst_ptr", "src_ids_ptr", "dst_ids_ptr", "num_tokens"),
+    pointers=("src_ptr", "dst_ptr", "src_ids_ptr", "dst_ids_ptr"))
 
-    ``src``/``dst`` are one layer's logical views of their specs; ``src_ids``/``dst_ids`` are
-    int tensors on the views' device, or None for the identity (block ``j`` is block ``j``).
+
+def move_site(src_spec: KVCacheSpec, dst_spec: KVCacheSpec, src_ids_dtype: Any, dst_ids_dtype: Any,
+              src_head_start: int, dst_head_start: int, num_heads: int, num_tokens: int, *,
+              max_tile_bytes: int | None = None,
+              num_warps: int | None = None) -> tuple[LaunchSite, tuple[int, int, int]]:
+    """The launch site and grid of one move shape (validated inputs; ``num_tokens > 0``).
+
+    ``src_ids_dtype``/``dst_ids_dtype``: the id tensors' dtypes, or None for the identity.
     ``max_tile_bytes``/``num_warps`` default to the module constants (read at call time, so a
-    benchmark sweep can set them).
+    benchmark sweep can set them). Cached: a repeated shape costs one dict lookup.
     """
-    if num_tokens <= 0:
-        return
-    max_tile_bytes = MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes
-    num_warps = NUM_WARPS if num_warps is None else num_warps
+    return _move_site(src_spec, dst_spec, src_ids_dtype, dst_ids_dtype, src_head_start,
+                      dst_head_start, num_heads, num_tokens,
+                      MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes,
+                      NUM_WARPS if num_warps is None else num_warps)
+
+
+@functools.lru_cache(maxsize=1024)
+def _move_site(src_spec: KVCacheSpec, dst_spec: KVCacheSpec, src_ids_dtype: Any, dst_ids_dtype: Any,
+               src_head_start: int, dst_head_start: int, num_heads: int, num_tokens: int,
+               max_tile_bytes: int, num_warps: int) -> tuple[LaunchSite, tuple[int, int, int]]:
     sc, dc = cache_constexprs(src_spec), cache_constexprs(dst_spec)
     ss, ds = cache_strides(src_spec), cache_strides(dst_spec)
     tile_t, tile_h, head_pad = tile_config(num_tokens, num_heads, sc["HEAD_SIZE"], src_spec.itemsize,
@@ -146,30 +180,39 @@ def launch_move(src: Any, src_spec: KVCacheSpec, src_ids: Any, src_head_start: i
                        f"{ss['stride_dim']} and {ds['stride_dim']}); fkv layouts always have it")
     kv_halves = 1 if sc["IS_MLA"] else 2
     grid = (triton.cdiv(num_tokens, tile_t), kv_halves, triton.cdiv(num_heads, tile_h))
-    # Same-width integers: a bit-exact copy for every dtype (fp8 included, NaN payloads kept).
-    as_int = _INT_VIEW[src_spec.itemsize]
-    src_int, dst_int = src.view(as_int), dst.view(as_int)
-    _move_kernel[grid](
-        src_int, dst_int,
-        src_int if src_ids is None else src_ids,  # a placeholder the kernel never reads
-        src_int if dst_ids is None else dst_ids,
-        num_tokens,
-        ss["stride_block"], ss["stride_kv"], ss["stride_token"], ss["stride_head"],
-        ds["stride_block"], ds["stride_kv"], ds["stride_token"], ds["stride_head"],
-        src_head_start, dst_head_start,
+    fixed = dict(
+        src_stride_block=ss["stride_block"], src_stride_kv=ss["stride_kv"],
+        src_stride_token=ss["stride_token"], src_stride_head=ss["stride_head"],
+        dst_stride_block=ds["stride_block"], dst_stride_kv=ds["stride_kv"],
+        dst_stride_token=ds["stride_token"], dst_stride_head=ds["stride_head"],
+        src_head_start=src_head_start, dst_head_start=dst_head_start,
+        src_num_blocks=src_spec.num_blocks, dst_num_blocks=dst_spec.num_blocks,
         SRC_BLOCK_SIZE=sc["BLOCK_SIZE"], DST_BLOCK_SIZE=dc["BLOCK_SIZE"],
-        SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None,
+        SRC_IDS=src_ids_dtype is not None, DST_IDS=dst_ids_dtype is not None,
         NUM_HEADS=num_heads, HEAD_SIZE=sc["HEAD_SIZE"], HEAD_PAD=head_pad,
         TILE_T=tile_t, TILE_H=tile_h, HEADS_OUTER=sc["HEADS_OUTER"],
-        MASK_T=num_tokens % tile_t != 0,
-        num_warps=num_warps,
+        MASK_T=num_tokens % tile_t != 0, ELEM_BITS=8 * src_spec.itemsize,
     )
+    return _LAUNCHER.site(fixed, {"num_warps": num_warps}), grid
 
 
-def _int_views() -> dict[int, Any]:
-    import torch
+def launch_move(src: Any, src_spec: KVCacheSpec, src_ids: Any, src_head_start: int,
+                dst: Any, dst_spec: KVCacheSpec, dst_ids: Any, dst_head_start: int,
+                num_heads: int, num_tokens: int, *, max_tile_bytes: int | None = None,
+                num_warps: int | None = None) -> None:
+    """Launch the kernel on validated inputs (``fkv.ops.convert`` checks everything first).
 
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
-
-_INT_VIEW = _int_views()
+    ``src``/``dst`` are one layer's logical views of their specs (or any tensor with the same
+    data pointer, e.g. a contiguous staging buffer); ``src_ids``/``dst_ids`` are contiguous int32/
+    int64 tensors on the views' device, or None for the identity (block ``j`` is block ``j``).
+    Ids outside ``0..num_blocks-1`` move nothing (masked in the kernel).
+    """
+    if num_tokens <= 0:
+        return
+    site, grid = move_site(src_spec, dst_spec, None if src_ids is None else src_ids.dtype,
+                           None if dst_ids is None else dst_ids.dtype, src_head_start,
+                           dst_head_start, num_heads, num_tokens, max_tile_bytes=max_tile_bytes,
+                           num_warps=num_warps)
+    # Placeholders the kernel never reads stand in for absent id lists.
+    site(grid, (src, dst, src if src_ids is None else src_ids, src if dst_ids is None else dst_ids,
+                num_tokens))

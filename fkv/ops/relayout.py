@@ -15,8 +15,15 @@ Shapes (one layer's logical view, as ``fkv.allocate`` returns it):
 
 Every input is checked before anything launches or is written; bad input raises
 :class:`fkv.FkvError` naming the argument, the value and what was expected. Block ids may be a
-sequence, a numpy array or an int tensor on the CPU or the cache's device; ids on a GPU are range-
-checked with one device sync (cached per tensor until it is modified in place).
+sequence, a numpy array or an int tensor on the CPU or the cache's device. ``validate=`` (every op)
+range-checks them: by default only host-side ids (free); ids already on a GPU are checked only with
+``validate=True`` (one device sync, cached per tensor until it is modified in place). Unchecked ids
+outside ``0..num_blocks-1`` move nothing: the kernel masks their tokens (neither read nor written).
+
+Launch cost: ``gather``/``scatter`` remember each input signature they have checked (spec, tensor
+shapes/strides/dtypes/devices, heads, counts); a repeat with int32/int64 ids already on the cache's
+device skips the checks and launches the compiled kernel directly (:mod:`fkv.ops._launch`), so the
+host side costs a few µs and a GPU-sized gather stays GPU-bound.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec, Layout, check_same_geometry
@@ -41,7 +48,7 @@ __all__ = ["convert", "gather", "move", "scatter", "staging_spec"]
 def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
          dst: torch.Tensor, dst_spec: KVCacheSpec, dst_block_ids: Any, *,
          src_heads: tuple[int, int] | None = None, dst_heads: tuple[int, int] | None = None,
-         num_tokens: int | None = None) -> None:
+         num_tokens: int | None = None, validate: bool | None = None) -> None:
     """Copy one request's tokens of one layer from ``src`` (per ``src_spec``) into ``dst``.
 
     Token ``i`` lives in block ``src_block_ids[i // src_spec.block_size]`` slot
@@ -54,7 +61,8 @@ def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
 
     ``src``, ``dst``: one layer's logical view each (e.g. ``(NB, 2, N, H, D)`` for triton,
     ``(2, NB, N, H, D)`` for flash_attn, ``(NB, N, D)`` for mla). ``dst`` must not overlap the
-    source tokens.
+    source tokens. ``validate``: range-check the ids (default: host-side ids only; see the module
+    docstring).
 
     >>> import torch, fkv
     >>> a = fkv.KVCacheSpec(layout="NHD", num_blocks=4, block_size=4, num_kv_heads=2, head_size=8)
@@ -66,11 +74,12 @@ def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
     True
     """
     _launch(_check_move(src, src_spec, src_block_ids, dst, dst_spec, dst_block_ids,
-                        src_heads=src_heads, dst_heads=dst_heads, num_tokens=num_tokens))
+                        src_heads=src_heads, dst_heads=dst_heads, num_tokens=num_tokens,
+                        validate=validate))
 
 
 def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any = None,
-            block_ids: Any = None) -> Any:
+            block_ids: Any = None, validate: bool | None = None) -> Any:
     """Convert all layers of a cache from ``src_spec``'s layout to ``dst_spec``'s (same geometry).
 
     Any pair: NHD <-> HND, blocks-first (triton, flashinfer) <-> K/V-first (flash_attn),
@@ -79,7 +88,7 @@ def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any 
     views of the same kind: newly allocated with ``fkv.allocate(dst_spec)`` on ``src``'s device, or
     ``out`` (checked against ``dst_spec``; must not overlap ``src``). ``block_ids=`` converts only
     those blocks, in place in ``out`` (e.g. the blocks a transfer just landed); the others are left
-    as they are.
+    as they are (``validate`` as in :func:`move`).
 
     >>> import torch, fkv
     >>> nhd = fkv.KVCacheSpec(layout="NHD", num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
@@ -89,7 +98,8 @@ def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any 
     >>> dst.stride(), torch.equal(dst, src[0])
     ((128, 64, 8, 32, 1), True)
     """
-    src_layers, out_layers, ids, single = _check_convert(src, src_spec, dst_spec, out, block_ids)
+    src_layers, out_layers, ids, single = _check_convert(src, src_spec, dst_spec, out, block_ids,
+                                                         validate=validate)
     if out_layers is None:
         out_layers = allocate(dst_spec, device=src_layers[0].device)
         out = out_layers[0] if single else out_layers
@@ -102,7 +112,8 @@ def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any 
 
 def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
            heads: tuple[int, int] | None = None, out: torch.Tensor | None = None,
-           num_tokens: int | None = None, block_size: int | None = None) -> torch.Tensor:
+           num_tokens: int | None = None, block_size: int | None = None,
+           validate: bool | None = None) -> torch.Tensor:
     """Pack blocks (and a head range) of one layer into a contiguous staging buffer.
 
     Returns ``[n, 2, h, N, D]`` (K/V, heads, tokens, dim: canonical HND) for K/V backends,
@@ -110,7 +121,8 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
     any layout. Re-chunking: with ``block_size=Ns`` the staging blocks hold ``Ns`` tokens (token
     ``i`` goes to staging block ``i // Ns`` slot ``i % Ns``) and ``n = ceil(num_tokens / Ns)``;
     ``num_tokens`` defaults to ``len(block_ids) * spec.block_size``. Staging slots past
-    ``num_tokens`` are zero when gather allocates, untouched in ``out``.
+    ``num_tokens`` are zero when gather allocates, untouched in ``out``. ``validate`` as in
+    :func:`move` (unchecked out-of-range ids leave their staging tokens unwritten).
 
     >>> import torch, fkv
     >>> spec = fkv.KVCacheSpec(layout="NHD", num_blocks=8, block_size=4, num_kv_heads=4, head_size=8)
@@ -120,19 +132,32 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
     >>> tuple(st.shape), torch.equal(st[0, 1, 0], cache[5, 1, :, 2])
     ((2, 2, 2, 4, 8), True)
     """
-    m, staging = _check_gather(cache, spec, block_ids, heads, out, num_tokens, block_size)
+    sig = _staging_signature("gather", cache, spec, block_ids, heads, out, num_tokens, block_size)
+    fast = _FAST.get(sig) if sig is not None else None
+    if fast is not None:
+        if fast.host_ids if validate is None else validate:
+            _check_range(block_ids, spec, "block_ids")
+        if out is None:
+            out = fast.alloc(fast.shape, dtype=fast.dtype, device=cache.device)
+        fast.site(fast.grid, (cache, out, block_ids, cache, fast.num_tokens))
+        return out
+    m, staging = _check_gather(cache, spec, block_ids, heads, out, num_tokens, block_size,
+                               validate=validate)
     _launch(m)
+    if sig is not None and m.num_tokens and m.src_ids is block_ids:
+        _remember(sig, m, staging, zero=out is None and m.num_tokens % m.dst_spec.block_size != 0)
     return staging
 
 
 def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
             heads: tuple[int, int] | None = None, num_tokens: int | None = None,
-            block_size: int | None = None) -> None:
+            block_size: int | None = None, validate: bool | None = None) -> None:
     """The inverse of :func:`gather`: write a staging buffer into blocks (and heads) of one layer.
 
     ``staging`` is ``[n, 2, h, Ns, D]`` (mla ``[n, Ns, D]``), contiguous, with ``Ns = block_size``
     (default ``spec.block_size``) and ``n = ceil(num_tokens / Ns)``; ``num_tokens`` defaults to
     ``len(block_ids) * spec.block_size``. Only the selected heads of the tokens moved are written.
+    ``validate`` as in :func:`move` (tokens of unchecked out-of-range ids are not written).
 
     >>> import torch, fkv
     >>> spec = fkv.KVCacheSpec(layout="HND", num_blocks=8, block_size=4, num_kv_heads=4, head_size=8)
@@ -142,8 +167,19 @@ def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block
     >>> torch.equal(cache[1, 0, :, 1], staging[1, 0, 1])
     True
     """
-    m = _check_scatter(staging, cache, spec, block_ids, heads, num_tokens, block_size)
+    sig = _staging_signature("scatter", cache, spec, block_ids, heads, staging, num_tokens,
+                             block_size)
+    fast = _FAST.get(sig) if sig is not None else None
+    if fast is not None:
+        if fast.host_ids if validate is None else validate:
+            _check_range(block_ids, spec, "block_ids")
+        fast.site(fast.grid, (staging, cache, cache, block_ids, fast.num_tokens))
+        return
+    m = _check_scatter(staging, cache, spec, block_ids, heads, num_tokens, block_size,
+                       validate=validate)
     _launch(m)
+    if sig is not None and m.num_tokens and m.dst_ids is block_ids:
+        _remember(sig, m, None, zero=False)
 
 
 def staging_spec(spec: KVCacheSpec, num_blocks: int, *, num_heads: int | None = None,
@@ -277,8 +313,13 @@ def _bounds(t: Any) -> tuple[int, int]:
     return lo, hi
 
 
-def _block_ids(ids: Any, spec: KVCacheSpec, name: str, device: Any) -> _Ids:
-    """Validate block ids against ``spec.num_blocks``; None means every block in order."""
+def _block_ids(ids: Any, spec: KVCacheSpec, name: str, device: Any,
+               validate: bool | None = True) -> _Ids:
+    """Block ids as an int32/int64 tensor on ``device``; None means every block in order.
+
+    ``validate``: range-check against ``spec.num_blocks`` (True), or only ids that are not on a GPU
+    already (None: free on the host, a device sync otherwise), or not at all (False).
+    """
     if isinstance(ids, _Ids):
         return ids
     torch = require_torch()
@@ -300,13 +341,18 @@ def _block_ids(ids: Any, spec: KVCacheSpec, name: str, device: Any) -> _Ids:
     if t.dtype not in (torch.int32, torch.int64):
         t = t.to(torch.int64)
     n = t.numel()
-    if n:
-        lo, hi = _bounds(t)
-        if lo < 0 or hi >= spec.num_blocks:
-            bad = lo if lo < 0 else hi
-            raise FkvError(f"{name!r} holds block id {bad} but the cache has num_blocks="
-                           f"{spec.num_blocks} (valid ids: 0..{spec.num_blocks - 1})")
+    if n and (t.device.type == "cpu" if validate is None else validate):
+        _check_range(t, spec, name)
     return _Ids(t.to(device).contiguous(), n)
+
+
+def _check_range(t: Any, spec: KVCacheSpec, name: str) -> None:
+    """Raise FkvError unless every id of the (non-empty, 1-D int) tensor ``t`` is a block of spec."""
+    lo, hi = _bounds(t)
+    if lo < 0 or hi >= spec.num_blocks:
+        bad = lo if lo < 0 else hi
+        raise FkvError(f"{name!r} holds block id {bad} but the cache has num_blocks="
+                       f"{spec.num_blocks} (valid ids: 0..{spec.num_blocks - 1})")
 
 
 def _num_tokens(num_tokens: Any, default: int, capacity: dict[str, int]) -> int:
@@ -330,7 +376,8 @@ def _num_tokens(num_tokens: Any, default: int, capacity: dict[str, int]) -> int:
 def _check_move(src: Any, src_spec: Any, src_block_ids: Any, dst: Any, dst_spec: Any,
                 dst_block_ids: Any, *, src_heads: Any, dst_heads: Any, num_tokens: Any,
                 names: tuple[str, str] = ("src_block_ids", "dst_block_ids"),
-                head_names: tuple[str, str] = ("src_heads", "dst_heads")) -> _Move:
+                head_names: tuple[str, str] = ("src_heads", "dst_heads"),
+                validate: bool | None = True) -> _Move:
     _check_spec(src_spec, "src_spec")
     _check_spec(dst_spec, "dst_spec")
     for what in ("is_mla", "head_size", "dtype"):
@@ -352,8 +399,8 @@ def _check_move(src: Any, src_spec: Any, src_block_ids: Any, dst: Any, dst_spec:
         raise FkvError(f"{head_names[0]!r} {(sa, sb)} selects {sb - sa} heads but "
                        f"{head_names[1]!r} {(da, db)} selects {db - da}; both ranges must "
                        f"have the same length")
-    sids = _block_ids(src_block_ids, src_spec, names[0], src.device)
-    dids = _block_ids(dst_block_ids, dst_spec, names[1], src.device)
+    sids = _block_ids(src_block_ids, src_spec, names[0], src.device, validate)
+    dids = _block_ids(dst_block_ids, dst_spec, names[1], src.device, validate)
     cap_src, cap_dst = sids.count * src_spec.block_size, dids.count * dst_spec.block_size
     n = _num_tokens(num_tokens, cap_src, {f"the {sids.count} {names[0]}": cap_src,
                                           f"the {dids.count} {names[1]}": cap_dst})
@@ -376,8 +423,8 @@ def _check_no_overlap(a: list[Any], b: list[Any], what: str) -> None:
         reach[side] = max(reach[side], end)
 
 
-def _check_convert(src: Any, src_spec: Any, dst_spec: Any, out: Any,
-                   block_ids: Any) -> tuple[list[Any], list[Any] | None, _Ids, bool]:
+def _check_convert(src: Any, src_spec: Any, dst_spec: Any, out: Any, block_ids: Any,
+                   validate: bool | None = True) -> tuple[list[Any], list[Any] | None, _Ids, bool]:
     _check_spec(src_spec, "src_spec")
     _check_spec(dst_spec, "dst_spec")
     check_same_geometry(src_spec, dst_spec, "convert")
@@ -393,7 +440,7 @@ def _check_convert(src: Any, src_spec: Any, dst_spec: Any, out: Any,
         for t in out_layers:
             _check_device(t, device, "out", "src")
         _check_no_overlap(src_layers, out_layers, "convert")
-    ids = _block_ids(block_ids, src_spec, "block_ids", device)
+    ids = _block_ids(block_ids, src_spec, "block_ids", device, validate)
     return src_layers, out_layers, ids, single
 
 
@@ -418,13 +465,14 @@ def _check_staging(staging: Any, stage: KVCacheSpec, name: str, device: Any, hea
 
 
 def _staging_geometry(cache: Any, spec: Any, block_ids: Any, heads: Any, num_tokens: Any,
-                      block_size: Any) -> tuple[_Ids, tuple[int, int], int, KVCacheSpec]:
+                      block_size: Any,
+                      validate: bool | None) -> tuple[_Ids, tuple[int, int], int, KVCacheSpec]:
     _check_spec(spec, "spec")
     if not _is_tensor(cache):
         raise field_error("cache", type(cache).__name__, "one layer's cache view (a tensor)")
     check_cache(cache, spec, "cache")
     a, b = _heads(heads, spec, "heads")
-    ids = _block_ids(block_ids, spec, "block_ids", cache.device)
+    ids = _block_ids(block_ids, spec, "block_ids", cache.device, validate)
     if block_size is None:
         block_size = spec.block_size
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -437,9 +485,10 @@ def _staging_geometry(cache: Any, spec: Any, block_ids: Any, heads: Any, num_tok
 
 
 def _check_gather(cache: Any, spec: Any, block_ids: Any, heads: Any, out: Any, num_tokens: Any,
-                  block_size: Any) -> tuple[_Move, Any]:
+                  block_size: Any, validate: bool | None = True) -> tuple[_Move, Any]:
     torch = require_torch()
-    ids, (a, b), n, stage = _staging_geometry(cache, spec, block_ids, heads, num_tokens, block_size)
+    ids, (a, b), n, stage = _staging_geometry(cache, spec, block_ids, heads, num_tokens, block_size,
+                                              validate)
     shape = stage.physical_shape if n else (0, *stage.physical_shape[1:])
     if out is None:
         make = torch.zeros if n % stage.block_size else torch.empty
@@ -452,8 +501,9 @@ def _check_gather(cache: Any, spec: Any, block_ids: Any, heads: Any, out: Any, n
 
 
 def _check_scatter(staging: Any, cache: Any, spec: Any, block_ids: Any, heads: Any,
-                   num_tokens: Any, block_size: Any) -> _Move:
-    ids, (a, b), n, stage = _staging_geometry(cache, spec, block_ids, heads, num_tokens, block_size)
+                   num_tokens: Any, block_size: Any, validate: bool | None = True) -> _Move:
+    ids, (a, b), n, stage = _staging_geometry(cache, spec, block_ids, heads, num_tokens, block_size,
+                                              validate)
     if n == 0:
         _check_empty(staging, (0, *stage.physical_shape[1:]), "staging")
         return _Move(cache, spec, None, a, cache, spec, ids.tensor, a, b - a, 0)
@@ -465,3 +515,61 @@ def _check_empty(t: Any, shape: tuple[int, ...], name: str) -> None:
     if not _is_tensor(t) or tuple(t.shape) != shape:
         raise FkvError(f"{name!r} must have shape {shape} for zero tokens "
                        f"(got {tuple(getattr(t, 'shape', ())) or type(t).__name__})")
+
+
+# -- the repeat-call fast path of gather/scatter ---------------------------------------------------
+class _Fast(NamedTuple):
+    """A checked gather/scatter signature: what a repeat call needs to launch directly."""
+
+    site: Any          # fkv.ops._launch.LaunchSite of the move kernel, fixed args bound
+    grid: tuple[int, int, int]
+    num_tokens: int
+    host_ids: bool     # ids on the CPU: validated by default (free)
+    shape: tuple[int, ...]  # staging shape gather allocates when out is None
+    dtype: Any
+    alloc: Any         # torch.empty, or torch.zeros when the last staging block is partial
+
+
+_FAST: dict[tuple, _Fast] = {}
+_FAST_MAX = 1024
+
+
+def _plain(v: Any) -> bool:
+    """None, an int, or a tuple of ints: values whose equality means the same checks pass
+    (``(0.0, 1) == (0, 1)`` and ``True == 1`` in Python, so floats and bools are kept out)."""
+    return v is None or type(v) is int or (type(v) is tuple and all(type(x) is int for x in v))
+
+
+def _staging_signature(op: str, cache: Any, spec: Any, block_ids: Any, heads: Any, other: Any,
+                       num_tokens: Any, block_size: Any) -> tuple | None:
+    """What gather's/scatter's checks depend on (``other``: ``out`` or ``staging``); None when the
+    arguments are not of the kinds the fast path takes (the checked path then handles them)."""
+    torch = require_torch()
+    if (type(block_ids) is not torch.Tensor or not _plain(heads) or not _plain(num_tokens)
+            or not _plain(block_size)):
+        return None
+    try:
+        return (op, spec, cache.shape, cache.stride(), cache.dtype, cache.device,
+                block_ids.shape, block_ids.stride(), block_ids.dtype, block_ids.device,
+                heads, num_tokens, block_size,
+                None if other is None else (other.shape, other.stride(), other.dtype, other.device))
+    except (AttributeError, TypeError):
+        return None
+
+
+def _remember(sig: tuple, m: _Move, staging: Any, *, zero: bool) -> None:
+    """Keep a checked gather/scatter signature (its ids were used as given: no copy/conversion)."""
+    from fkv.ops._move_kernel import move_site
+
+    torch = require_torch()
+    site, grid = move_site(m.src_spec, m.dst_spec,
+                           None if m.src_ids is None else m.src_ids.dtype,
+                           None if m.dst_ids is None else m.dst_ids.dtype,
+                           m.src_head_start, m.dst_head_start, m.num_heads, m.num_tokens)
+    ids = m.src_ids if m.src_ids is not None else m.dst_ids
+    shape = tuple(staging.shape) if staging is not None else ()
+    dtype = staging.dtype if staging is not None else None
+    if len(_FAST) >= _FAST_MAX:
+        _FAST.clear()
+    _FAST[sig] = _Fast(site, grid, m.num_tokens, ids.device.type == "cpu", shape, dtype,
+                       torch.zeros if zero else torch.empty)

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from fkv.errors import FkvError
 from fkv.layout import KVCacheSpec
+from fkv.ops._launch import KernelLauncher, LaunchSite
 from fkv.ops._spec import cache_constexprs, cache_strides
 from fkv.ops.reference._write import check_slots, check_token_counts, check_write_inputs
 
@@ -43,6 +44,8 @@ _TILE_ELEMENTS = 8192
 _ELEMENTS_PER_WARP = 2048
 # fp8 dtype -> (largest finite value, mantissa bits, smallest normal exponent)
 _FP8 = {"float8_e4m3fn": (448.0, 3, -6), "float8_e5m2": (57344.0, 2, -14)}
+# Cache modifier of the cache stores ("" = default write-back; ".cs" = streaming): a bench knob.
+_STORE_MODIFIER = ""
 
 
 @triton.jit
@@ -87,15 +90,22 @@ def _round_to_fp8_grid(y, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
 
 @triton.jit
 def _copy_half(src_ptr, src_tok, stride_h, stride_d, dst_ptr, dst_off, mask, scale_ptr,
-               h, d, HEADS_OUTER: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
-               FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr):
+               h, d, HEADS_OUTER: tl.constexpr, QUANT: tl.constexpr, NATIVE_FP8: tl.constexpr,
+               FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+               STORE_MODIFIER: tl.constexpr):
     src_off = _arrange(src_tok, h * stride_h, d * stride_d, HEADS_OUTER)
     x = tl.load(src_ptr + src_off, mask=mask, eviction_policy="evict_first")
     if QUANT:
         scale = tl.load(scale_ptr)
         y = tl.math.div_rn(x.to(tl.float32), scale)
-        x = _round_to_fp8_grid(y, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
-    tl.store(dst_ptr + dst_off, x.to(dst_ptr.dtype.element_ty), mask=mask)
+        if NATIVE_FP8:
+            # The GPU's own fp32 -> fp8 conversion rounds to nearest even (a saturating cvt on
+            # sm_89+); clamping first (NaN kept) saturates exactly like the reference.
+            x = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            x = _round_to_fp8_grid(y, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+    tl.store(dst_ptr + dst_off, x.to(dst_ptr.dtype.element_ty), mask=mask,
+             cache_modifier=STORE_MODIFIER)
 
 
 @triton.jit(do_not_specialize=_DO_NOT_SPECIALIZE)
@@ -108,7 +118,8 @@ def _write_kv_kernel(
     STRIDE_TOKEN: tl.constexpr, STRIDE_HEAD: tl.constexpr, STRIDE_DIM: tl.constexpr,
     HEADS_OUTER: tl.constexpr, IS_MLA: tl.constexpr, CACHE_FP8: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
-    QUANT: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+    QUANT: tl.constexpr, NATIVE_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr, STORE_MODIFIER: tl.constexpr,
     BLOCK_T: tl.constexpr, HEAD_TILE: tl.constexpr, D_PAD: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -126,11 +137,12 @@ def _write_kv_kernel(
     t64 = t.to(tl.int64)
     if half == 0:
         _copy_half(key_ptr, t64 * key_stride_t, key_stride_h, key_stride_d, cache_ptr, dst_off,
-                   mask, k_scale_ptr, h, d, HEADS_OUTER, QUANT, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+                   mask, k_scale_ptr, h, d, HEADS_OUTER, QUANT, NATIVE_FP8, FP8_MAX, FP8_MANT,
+                   FP8_MIN_EXP, STORE_MODIFIER)
     else:
         _copy_half(value_ptr, t64 * value_stride_t, value_stride_h, value_stride_d,
                    cache_ptr + stride_kv, dst_off, mask, v_scale_ptr, h, d, HEADS_OUTER, QUANT,
-                   FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+                   NATIVE_FP8, FP8_MAX, FP8_MANT, FP8_MIN_EXP, STORE_MODIFIER)
 
 
 class WriteTiling(NamedTuple):
@@ -163,6 +175,10 @@ def write_tiling(spec: KVCacheSpec) -> WriteTiling:
 def write_constexprs(spec: KVCacheSpec, quantize: bool) -> dict[str, Any]:
     """Every constexpr of the kernel for ``spec``: the layout's (``cache_constexprs``), the in-page
     strides, fp8 handling and the tiling. Equal specs give equal dicts, hence one compiled variant.
+
+    fp8 rounding: compiled kernels use the GPU's conversion (``NATIVE_FP8``); the CPU interpreter's
+    fp8 downcast does not carry a rounded mantissa into the exponent, so there the kernel rounds to
+    the fp8 grid in float32 itself (same bits, ~2x the instructions).
     """
     st = cache_strides(spec)
     tiling = write_tiling(spec)
@@ -173,23 +189,35 @@ def write_constexprs(spec: KVCacheSpec, quantize: bool) -> dict[str, Any]:
         "STRIDE_HEAD": st["stride_head"],
         "STRIDE_DIM": st["stride_dim"],
         "QUANT": quantize,
+        "NATIVE_FP8": _LAUNCHER.compiles,
         "FP8_MAX": fp8_max,
         "FP8_MANT": fp8_mant,
         "FP8_MIN_EXP": fp8_min_exp,
+        "STORE_MODIFIER": _STORE_MODIFIER,
         "BLOCK_T": tiling.block_t,
         "HEAD_TILE": tiling.head_tile,
         "D_PAD": tiling.d_pad,
-        "num_warps": tiling.num_warps,
     }
+
+
+# Per call: the tensors and the token count; everything after them is fixed per input signature.
+_LAUNCHER = KernelLauncher(
+    _write_kv_kernel,
+    per_call=("key_ptr", "value_ptr", "cache_ptr", "slot_ptr", "k_scale_ptr", "v_scale_ptr",
+              "num_tokens"),
+    pointers=("key_ptr", "value_ptr", "cache_ptr", "slot_ptr", "k_scale_ptr", "v_scale_ptr"),
+)
 
 
 class _Prepared(NamedTuple):
     """Everything a launch needs that does not depend on the token count or the data."""
 
-    static: dict[str, Any]  # strides, sizes and constexprs, passed as kernel kwargs
+    site: LaunchSite  # the kernel with its strides, sizes, constexprs and num_warps bound
     block_t: int
-    grid_tail: tuple[int, int]  # (K/V halves, head tiles)
+    kv_halves: int
+    head_tiles: int
     quantize: bool
+    is_mla: bool
     cpu_slots: bool  # validate by default: reading slots back costs no device sync on CPU
 
 
@@ -205,7 +233,8 @@ def _signature(key: Any, value: Any, cache: Any, slot_mapping: Any, spec: Any, k
     """
     return (
         spec, key.shape[1:], key.stride(), key.dtype, key.device,
-        None if spec.is_mla else (value.shape[1:], value.stride(), value.dtype, value.device),
+        None if value is None or spec.is_mla else
+        (value.shape[1:], value.stride(), value.dtype, value.device),
         cache.shape, cache.stride(), cache.dtype, cache.device,
         slot_mapping.dim(), slot_mapping.dtype, slot_mapping.device,
         None if k_scale is None else (k_scale.dtype, k_scale.numel(), k_scale.device),
@@ -219,7 +248,7 @@ def _prepare(key: Any, value: Any, cache: Any, slot_mapping: Any, spec: Any, k_s
     if not isinstance(spec, KVCacheSpec):
         raise FkvError(f"'spec' must be a KVCacheSpec (got {type(spec).__name__})")
     ins = check_write_inputs(key, value, cache, slot_mapping, spec, k_scale, v_scale)
-    if cache.device.type != "cuda" and isinstance(_write_kv_kernel, triton.runtime.jit.JITFunction):
+    if cache.device.type != "cuda" and isinstance(_LAUNCHER.kernel, triton.runtime.jit.JITFunction):
         raise FkvError(f"'cache' is on {cache.device}: the Triton kernel runs on CUDA tensors, or "
                        f"on CPU with TRITON_INTERPRET=1 set before triton is imported; or use "
                        f"fkv.ops.reference.write_kv")
@@ -227,15 +256,16 @@ def _prepare(key: Any, value: Any, cache: Any, slot_mapping: Any, spec: Any, k_s
     v = k if ins.value is None else ins.value
     st = cache_strides(spec)
     tiling = write_tiling(spec)
-    static = dict(
+    fixed = dict(
         num_slots=spec.num_blocks * spec.block_size,
         key_stride_t=k.stride(0), key_stride_h=k.stride(1), key_stride_d=k.stride(2),
         value_stride_t=v.stride(0), value_stride_h=v.stride(1), value_stride_d=v.stride(2),
         stride_block=st["stride_block"], stride_kv=st["stride_kv"],
         **write_constexprs(spec, ins.quantize),
     )
-    grid_tail = (1 if spec.is_mla else 2, triton.cdiv(spec.num_kv_heads, tiling.head_tile))
-    return _Prepared(static, tiling.block_t, grid_tail, ins.quantize,
+    site = _LAUNCHER.site(fixed, {"num_warps": tiling.num_warps})
+    return _Prepared(site, tiling.block_t, 1 if spec.is_mla else 2,
+                     triton.cdiv(spec.num_kv_heads, tiling.head_tile), ins.quantize, spec.is_mla,
                      slot_mapping.device.type == "cpu")
 
 
@@ -261,6 +291,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
       on for CPU tensors, off for CUDA (checking needs a device sync). Such slots are never written
       either way (masked in the kernel); with ``validate=False`` the call is CUDA-graph capturable.
 
+    Repeated calls with the same input signature (spec, shapes but T, strides, dtypes, devices)
+    reuse the checks and the compiled kernel and launch it directly (:mod:`fkv.ops._launch`).
+
     >>> import torch
     >>> from fkv import KVCacheSpec, allocate
     >>> spec = KVCacheSpec(layout="HND", num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
@@ -283,18 +316,19 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
             if len(_PREPARED) >= _PREPARED_MAX:
                 _PREPARED.clear()
             _PREPARED[sig] = prep
+        num_tokens = slot_mapping.shape[0]
     else:  # same signature as a checked call: only the token counts remain to check
-        check_token_counts(key, None if spec.is_mla else value, slot_mapping)
+        num_tokens = slot_mapping.shape[0]
+        rows = key.shape[0]
+        if num_tokens > rows or (not prep.is_mla and value.shape[0] != rows):
+            check_token_counts(key, None if prep.is_mla else value, slot_mapping)
     if prep.cpu_slots if validate is None else validate:
         check_slots(slot_mapping, spec)
-    num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    if spec.is_mla:
+    if prep.is_mla:
         value, v_scale = key, k_scale
     if not prep.quantize:
         k_scale = v_scale = key
-    grid = ((num_tokens + prep.block_t - 1) // prep.block_t, *prep.grid_tail)
-    _write_kv_kernel[grid](key_ptr=key, value_ptr=value, cache_ptr=cache, slot_ptr=slot_mapping,
-                           k_scale_ptr=k_scale, v_scale_ptr=v_scale, num_tokens=num_tokens,
-                           **prep.static)
+    grid = ((num_tokens + prep.block_t - 1) // prep.block_t, prep.kv_halves, prep.head_tiles)
+    prep.site(grid, (key, value, cache, slot_mapping, k_scale, v_scale, num_tokens))

@@ -1,0 +1,195 @@
+"""A cheap host-side launch path for fkv's Triton kernels.
+
+``kernel[grid](*args)`` makes Triton bind, type and specialize every argument and look the variant
+up in its cache on every call: tens of µs of Python per launch on a slow host, more than a
+decode-sized kernel runs on the GPU. fkv's launchers know which arguments change from call to call
+(the tensors, the token count) and which are fixed for a given input signature (strides, sizes,
+constexprs, ``num_warps``). A :class:`LaunchSite` holds the fixed ones; after one normal launch per
+*specialization key* of the per-call ones it keeps the compiled variant and calls Triton's compiled
+launcher directly, skipping the binder.
+
+The kernel's parameters must list the per-call ones first (:class:`KernelLauncher` checks this), so
+a launch is ``run(grid, stream, ..., *per_call, *fixed)`` with no reordering.
+
+**Specialization key.** Finer than or equal to Triton's own, so a cached variant is always the one
+Triton would pick for the same arguments: the current CUDA device; per pointer argument its
+address modulo 16; per integer argument whether it fits in int32 and, unless the kernel marks it
+``do_not_specialize``, whether it equals 1 and whether 16 divides it. The rest is the site owner's
+contract: a site is made per input signature, which must include the dtype of every pointer
+argument (Triton types pointers by dtype) besides the fixed values themselves.
+
+**Triton internals used** (the ``CompiledKernel`` calling convention of Triton 3.3 to 3.9):
+``kernel[grid](...)`` returns the ``CompiledKernel``; ``compiled.run(gx, gy, gz, stream,
+compiled.function, compiled.packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` with
+``args`` every bound argument in parameter order, constexprs included (as ``JITFunction.run``
+passes them). Anything that does not match falls back to the normal launch for good:
+
+- ``FKV_FAST_LAUNCH=0`` in the environment (or :data:`ENABLED` set False) -- always normal;
+- the CPU interpreter (``TRITON_INTERPRET=1``: the kernel is not a ``JITFunction``) -- normal;
+- a Triton launch-enter hook installed (profilers) -- normal while it is installed;
+- a compiled object without ``run``/``function``/``packed_metadata``, or a first direct call that
+  raises ``TypeError`` (another calling convention) -- normal, and the fast path is turned off.
+
+What is skipped compared with ``JITFunction.run``: its pre-run hooks (fkv kernels have none), the
+check that global values the kernel read have not changed (fkv kernels read only constants), and
+re-reading ``TRITON_DEBUG``-style knobs per call (a variant compiled before such a knob changed
+keeps being used).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import triton
+
+from fkv.errors import FkvError
+
+__all__ = ["ENABLED", "KernelLauncher", "LaunchSite"]
+
+#: Master switch of the direct-launch path (``FKV_FAST_LAUNCH=0`` turns it off at import).
+ENABLED: bool = os.environ.get("FKV_FAST_LAUNCH", "1").strip().lower() not in ("0", "false",
+                                                                                "no", "off")
+
+_I32_MIN, _I32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+class _Runtime:
+    """Triton's current-device/stream getters and launch hooks, resolved once on first use."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.get_device: Any = None
+        self.get_stream: Any = None
+        self.knobs: Any = None
+
+    def resolve(self) -> bool:
+        """Resolve the getters (needs a GPU driver); False if this Triton lacks what we use."""
+        if not self.ready:
+            try:
+                driver = triton.runtime.driver.active
+                self.get_device = driver.get_current_device
+                self.get_stream = driver.get_current_stream
+                self.knobs = triton.knobs.runtime
+            except (AttributeError, RuntimeError):
+                return False
+            self.ready = True
+        return True
+
+
+_RUNTIME = _Runtime()
+
+
+def _hooks() -> tuple[Any, Any] | None:
+    """Triton's (enter, exit) launch hooks, or None when an enter hook is active (use the normal
+    path then: it builds the launch metadata the hook expects)."""
+    rt = _RUNTIME.knobs
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    if enter is not None and getattr(enter, "calls", True):  # 3.9: an empty HookChain is inactive
+        return None
+    return enter, leave
+
+
+class KernelLauncher:
+    """One ``@triton.jit`` kernel whose first parameters (``per_call``) change between calls.
+
+    ``pointers`` names the per-call parameters that take tensors; the other per-call parameters
+    take Python ints. Everything after them is fixed per :class:`LaunchSite`.
+    """
+
+    def __init__(self, kernel: Any, per_call: Sequence[str], pointers: Sequence[str]) -> None:
+        names = tuple(getattr(kernel, "arg_names", ()))
+        per_call = tuple(per_call)
+        if names[:len(per_call)] != per_call or not set(pointers) <= set(per_call):
+            raise FkvError(f"KernelLauncher: the kernel's parameters {names} must start with the "
+                           f"per-call ones {per_call}, which must include the pointers {pointers}")
+        self.kernel = kernel
+        self.per_call = per_call
+        self.fixed_names = names[len(per_call):]
+        params = {p.name: p for p in getattr(kernel, "params", ())}
+        self._ptr = tuple(i for i, n in enumerate(per_call) if n in pointers)
+        ints = [(i, not getattr(params.get(n), "do_not_specialize", False))
+                for i, n in enumerate(per_call) if n not in pointers]
+        self._int_spec = tuple(i for i, spec in ints if spec)
+        self._int_plain = tuple(i for i, spec in ints if not spec)
+        self.compiles = isinstance(kernel, triton.runtime.jit.JITFunction)
+
+    def site(self, fixed: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> LaunchSite:
+        """A launch site for these fixed arguments (every parameter after the per-call ones) and
+        launch options (``num_warps``...)."""
+        missing = [n for n in self.fixed_names if n not in fixed]
+        extra = [n for n in fixed if n not in self.fixed_names]
+        if missing or extra:
+            raise FkvError(f"KernelLauncher.site: fixed arguments missing {missing}, unknown {extra}")
+        return LaunchSite(self, tuple(fixed[n] for n in self.fixed_names), dict(options or {}))
+
+    def key(self, device: int, args: tuple) -> tuple:
+        """The specialization key of the per-call ``args`` (see the module docstring)."""
+        key: list[Any] = [device]
+        for i in self._ptr:
+            key.append(args[i].data_ptr() & 15)
+        for i in self._int_spec:
+            v = args[i]
+            key.append((_I32_MIN <= v <= _I32_MAX, v == 1, v % 16 == 0))
+        for i in self._int_plain:
+            v = args[i]
+            key.append(_I32_MIN <= v <= _I32_MAX)
+        return tuple(key)
+
+
+class LaunchSite:
+    """Launches of one kernel with one set of fixed arguments; caches compiled variants by key."""
+
+    __slots__ = ("launcher", "fixed", "options", "variants", "direct_launches")
+
+    def __init__(self, launcher: KernelLauncher, fixed: tuple, options: dict[str, Any]) -> None:
+        self.launcher = launcher
+        self.fixed = fixed
+        self.options = options
+        # key -> (run, function, packed_metadata, the CompiledKernel: kept alive so its module is
+        # never unloaded under us); None: this site always launches normally
+        self.variants: dict[tuple, tuple] | None = {} if launcher.compiles else None
+        self.direct_launches = 0  # launches that skipped Triton's binder (tests read it)
+
+    def normal(self, grid: tuple[int, ...], args: tuple) -> Any:
+        """Triton's own launch (binds and specializes every argument); returns what it returns."""
+        return self.launcher.kernel[grid](*args, *self.fixed, **self.options)
+
+    def __call__(self, grid: tuple[int, int, int], args: tuple) -> None:
+        """Launch on ``grid`` with the per-call ``args`` (in parameter order)."""
+        variants = self.variants
+        if variants is None or not ENABLED or not _RUNTIME.resolve():
+            self.normal(grid, args)
+            return
+        hooks = _hooks()
+        if hooks is None:
+            self.normal(grid, args)
+            return
+        device = _RUNTIME.get_device()
+        key = self.launcher.key(device, args)
+        entry = variants.get(key)
+        if entry is None:
+            self._first(grid, args, key)
+            return
+        run, function, packed, _ = entry
+        try:
+            run(grid[0], grid[1], grid[2], _RUNTIME.get_stream(device), function, packed, None,
+                hooks[0], hooks[1], *args, *self.fixed)
+        except TypeError:  # arguments rejected before launching: another calling convention
+            self.variants = None
+            self.normal(grid, args)
+            return
+        self.direct_launches += 1
+
+    def _first(self, grid: tuple[int, int, int], args: tuple, key: tuple) -> None:
+        """Normal launch for a new key; keep what it compiled for the direct path."""
+        compiled = self.normal(grid, args)
+        try:
+            entry = (compiled.run, compiled.function, compiled.packed_metadata, compiled)
+        except AttributeError:
+            entry = None
+        if entry is None or entry[1] is None or not callable(entry[0]):
+            self.variants = None  # not the CompiledKernel this module knows: normal from now on
+            return
+        self.variants[key] = entry  # type: ignore[index]
