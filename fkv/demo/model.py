@@ -163,13 +163,15 @@ class DenseKV:
         self.k[layer] = k if prev_k is None else torch.cat([prev_k, k])
         self.v[layer] = v if prev_v is None else torch.cat([prev_v, v])
         keys, values = self.k[layer].to(torch.float32), self.v[layer].to(torch.float32)
+        q = q.to(self.dtype).to(torch.float32)  # the paged path feeds q in the cache dtype
         group = q.shape[1] // keys.shape[1]
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,shd->hts", q, keys) / math.sqrt(q.shape[-1])
         key_pos = torch.arange(keys.shape[0], device=q.device)
         scores = scores.masked_fill(key_pos[None, None, :] > positions[None, :, None], float("-inf"))
-        return torch.einsum("hts,shd->thd", scores.softmax(-1), values)
+        out = torch.einsum("hts,shd->thd", scores.softmax(-1), values)
+        return out.to(self.dtype)  # like the kernel, which returns q's (the cache's) dtype
 
 
 class PagedKV:
@@ -201,5 +203,5 @@ class PagedKV:
         # One query is the decode path (split-K); several are a causal prefill of the last t tokens.
         qsl = None if t == 1 else torch.tensor([0, t], dtype=torch.int32, device=dev)
         return self.ops.paged_attention(
-            q.contiguous(), self.caches[layer], self.spec, self.block_table,
+            q.to(cache_dtype).contiguous(), self.caches[layer], self.spec, self.block_table,
             torch.tensor([seq_len], dtype=torch.int32, device=dev), query_start_loc=qsl)

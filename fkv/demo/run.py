@@ -192,6 +192,8 @@ def _drive(cfg: DemoConfig, children: _Children, collector: Collector, console: 
                         progress.update(t_pre, note="request freed after notifications")
                 else:
                     _on_decode(ev, state, progress, t_xfer, t_dec)
+            if state["errors"]:
+                return  # a rank failed: the others may wait forever for it (stopped by the caller)
             if not told and len(serving) == cfg.prefill_tp and "prefill" in state:
                 for r in range(cfg.decode_tp):
                     children.tell("decode", r, {"address": serving[0],

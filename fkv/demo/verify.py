@@ -12,7 +12,7 @@ __all__ = ["Verdict", "compare_kv", "compare_run", "tolerance"]
 def tolerance(dtype: str) -> tuple[float, float]:
     """``(rtol, atol)`` for logits and KV values: float32 caches agree to rounding noise; 16-bit
     caches round the attention output too, so they get a looser bound."""
-    return (1e-4, 1e-4) if dtype == "float32" else (2e-2, 2e-2)
+    return (1e-4, 1e-4) if dtype == "float32" else (5e-2, 5e-2)
 
 
 class Verdict(dict):
