@@ -282,8 +282,10 @@ def test_decode_config_fills_the_gpu(batch: int, ctx: int) -> None:
 
 def test_prefill_config() -> None:
     cfg = attention_config(num_seqs=4, num_q_tokens=4 * 4096, max_context=4096, varlen=True, **H200)
-    assert (cfg.block_q, cfg.heads_per_program, cfg.num_splits) == (32, 4, 1)
-    assert cfg.block_q * cfg.heads_per_program == 128
+    assert (cfg.block_q, cfg.heads_per_program, cfg.num_splits) == (64, 4, 1)
+    assert (cfg.tile_n, cfg.num_warps, cfg.num_stages) == (64, 8, 3)        # 256 rows: 8 warps
+    mid = attention_config(num_seqs=4, num_q_tokens=4 * 20, max_context=4096, varlen=True, **H200)
+    assert (mid.block_q * mid.heads_per_program, mid.num_warps) == (128, 4)  # 128 rows: 4 warps
 
 
 def test_config_validation() -> None:

@@ -253,9 +253,9 @@ def _knobs(knobs: tuple[tuple[str, Any], ...]):
 def _sweep_variants(kind: str, default: Any) -> list[Variant]:
     """The alternatives ``--sweep`` times for one case (the default itself excluded).
 
-    Around the defaults chosen from the first H200 sweep (bench/NOTES.md): decode split counts
-    next to the default and the two best other tilings; prefill the neighbours of 128 rows x 64
-    keys on 4 warps, 256-row tiles, v1's 8 warps; both: the launcher knobs off.
+    Around the defaults chosen from the H200 sweeps (bench/NOTES.md): decode split counts next
+    to the default and other tilings; prefill the neighbours of 256 rows x 64 keys on 8 warps and
+    the earlier 128-row defaults; both: the launcher knobs off.
     """
     import attrs
 
@@ -268,9 +268,9 @@ def _sweep_variants(kind: str, default: Any) -> list[Variant]:
             out.append(Variant(attrs.evolve(default, tile_n=tile, num_warps=warps,
                                             num_stages=stages)))
     else:
-        for block_q, tile, warps, stages in ((32, 64, 4, 4), (32, 32, 4, 3), (32, 32, 4, 4),
-                                             (32, 128, 8, 3), (32, 64, 8, 3), (16, 64, 4, 2),
-                                             (64, 64, 8, 3), (64, 32, 8, 3)):
+        for block_q, tile, warps, stages in ((64, 64, 8, 2), (64, 64, 8, 4), (64, 128, 8, 3),
+                                             (64, 32, 8, 3), (32, 64, 4, 3), (32, 32, 4, 3),
+                                             (32, 128, 8, 3), (32, 64, 8, 3)):
             out.append(Variant(attrs.evolve(default, block_q=block_q, tile_n=tile,
                                             num_warps=warps, num_stages=stages)))
     out.append(Variant(default, (("_FMA_SCORES", False),)))

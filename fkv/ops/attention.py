@@ -33,9 +33,10 @@ __all__ = ["AttentionConfig", "attention_config", "check_attention_inputs", "pag
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_HEAD_SIZE = 1024
-#: flash-decoding splits, prefill-like tiles: aim for this many programs per SM; every split
-#: streams at least _MIN_SPLIT_TOKENS keys.
-_PROGRAMS_PER_SM = 16
+#: flash-decoding splits, prefill-like tiles (compute-bound, one or two programs per SM): split
+#: only a grid of fewer than this many programs per SM; every split streams at least
+#: _MIN_SPLIT_TOKENS keys.
+_PROGRAMS_PER_SM = 4
 _MIN_SPLIT_TOKENS = 512
 #: flash-decoding splits, decode-like tiles: a wave model of a memory-bound grid (fitted to the
 #: H200 sweep, bench/NOTES.md). _RESIDENT_PER_SM programs run at once per SM (the decode tile:
@@ -51,17 +52,18 @@ _FMA_SCORES = True
 #: neighbouring bytes of the same pages together (NHD interleaves heads within a token row).
 _HEADS_FIRST = True
 #: (head_pad up to, 32-bit inputs) -> (max rows (query token x head pairs) per program,
-#: decode-like (tile_n, num_warps, num_stages), prefill (tile_n, num_warps, num_stages)).
-#: Rows bound the fp32 accumulator's registers. D <= 128, 16-bit: measured on the H200 (Triton
-#: 3.6); prefill 128 rows x 64 keys on 4 warps (two programs per SM) beat 8 warps by 10 %.
-#: ``bench/bench_attention.py --sweep`` times alternatives on the GPU (bench/NOTES.md).
+#: (tile_n, num_warps, num_stages) for: decode-like tiles (<= 16 rows), mid tiles (<= half the
+#: max rows), full tiles). Rows bound the fp32 accumulator's registers. D <= 128, 16-bit: measured
+#: on the H200 (Triton 3.6, bench/NOTES.md): prefill 256 rows (64 queries x 4 heads) x 64 keys on
+#: 8 warps ran 13 % faster than 128 rows on 4 warps, which beat 128 rows on 8 warps by 10 %.
+#: ``bench/bench_attention.py --sweep`` times alternatives on the GPU.
 _TUNING = {
-    (128, False): (128, (64, 4, 3), (64, 4, 3)),
-    (256, False): (64, (32, 4, 2), (32, 8, 2)),
-    (1024, False): (16, (16, 8, 1), (16, 8, 1)),
-    (128, True): (32, (32, 8, 2), (16, 8, 2)),
-    (256, True): (16, (16, 8, 2), (16, 8, 2)),
-    (1024, True): (16, (16, 8, 1), (16, 8, 1)),
+    (128, False): (256, (64, 4, 3), (64, 4, 3), (64, 8, 3)),
+    (256, False): (64, (32, 4, 2), (32, 8, 2), (32, 8, 2)),
+    (1024, False): (16, (16, 8, 1), (16, 8, 1), (16, 8, 1)),
+    (128, True): (32, (32, 8, 2), (16, 8, 2), (16, 8, 2)),
+    (256, True): (16, (16, 8, 2), (16, 8, 2), (16, 8, 2)),
+    (1024, True): (16, (16, 8, 1), (16, 8, 1), (16, 8, 1)),
 }
 
 
@@ -103,7 +105,7 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     count never depends on ``seq_lens`` values, so choosing it needs no device sync. Decode (and
     varlen batches whose mean query length is small) takes the split count that minimizes
     :func:`_split_cost` (each split >= 512 keys); prefill-like tiles split only a small grid (to
-    about ``16 * num_sms`` programs).
+    about ``4 * num_sms`` programs).
 
     >>> c = attention_config(num_seqs=8, num_q_tokens=8, num_q_heads=32, num_kv_heads=8,
     ...                      head_size=128, max_context=32768, itemsize=2, num_sms=132, varlen=False)
@@ -115,19 +117,21 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     if head_pad > _MAX_HEAD_SIZE:
         raise field_error("head_size", head_size, f"<= {_MAX_HEAD_SIZE} for attention")
     size = next(k for k in _TUNING if head_pad <= k[0] and (itemsize >= 4) == k[1])
-    rows_cap, decode_tiles, prefill_tiles = _TUNING[size]
+    rows_cap, decode_tiles, mid_tiles, full_tiles = _TUNING[size]
     heads = min(group, rows_cap)
     if varlen:
         mean_q = max(1, -(-num_q_tokens // max(num_seqs, 1)))
         block_q = max(1, min(_pow2(mean_q), rows_cap // heads))
     else:
         block_q = 1
-    tile_n, warps, stages = decode_tiles if block_q * heads <= 16 else prefill_tiles
+    rows = block_q * heads
+    tile_n, warps, stages = (decode_tiles if rows <= 16 else
+                             mid_tiles if 2 * rows <= rows_cap else full_tiles)
     chunks = -(-group // heads)
     tiles = num_seqs if not varlen else num_q_tokens // block_q + num_seqs
     programs = max(1, tiles * num_kv_heads * chunks)
     most = max(1, -(-max_context // max(_MIN_SPLIT_TOKENS, tile_n)))
-    if block_q * heads <= 16:
+    if rows <= 16:
         full = [n for n in range(1, most + 1)
                 if programs * n >= _MIN_WAVES * _RESIDENT_PER_SM * num_sms]
         splits = min(full or [most], key=lambda n: _split_cost(n, programs, max_context, tile_n,
