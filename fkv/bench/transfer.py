@@ -155,6 +155,8 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         for view in caches:
             view.fill_(float("nan"))
         address = _recv(conn)["address"]
+        if address is None:  # the prefill rank failed to start
+            return
         client = connect(_engine("bench-d", tp, rank), spec, caches, remote_address=address,
                          timeout=60.0, strategy=case["strategy"])
         rng = np.random.default_rng(rank + 1)
@@ -223,10 +225,10 @@ def _run_case(cfg: dict[str, Any], case: Case) -> None:
         ds.append((proc, a))
     try:
         hello = _recv(pp)
+        for _, conn in ds:
+            _send(conn, address=hello.get("address"))
         if "error" in hello:
             raise RuntimeError(f"prefill: {hello['error']}")
-        for _, conn in ds:
-            _send(conn, address=hello["address"])
         outs = [_recv(conn) for _, conn in ds]
         _send(pp, stop=True)
         bye = _recv(pp)
