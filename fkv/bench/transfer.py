@@ -13,8 +13,8 @@ Cases (BENCH.md shape: bf16, N=16, 8 KV heads, head_size 128, 4096 blocks, one l
 Every rank is its own process (spawned; CUDA: all on ``--p-gpu``/``--d-gpu``). Per case: the
 prefill rank fills its cache from a seeded global KV, every decode rank checks one request bit for
 bit against it before timing, then all decode ranks read at once (a barrier per repetition),
-rotating through random block sets. Reported: aggregate GB/s (payload bytes of all decode ranks /
-slowest rank's time), per-rank GB/s, the share of time in READs (vs staging), descriptors per
+rotating through random block sets. Reported: aggregate GB/s (payload bytes landed in all decode
+caches / slowest rank's time; staging READs twice that over the link), per-rank GB/s, the share of time in READs (vs staging), descriptors per
 request, time to first byte (a one-block read, call to return), and the same-run ceiling: a device
 ``copy_`` of the request's bytes (payload bytes / time; CPU: a DRAM memcpy) — transfers are
 reported as ratios to it.
@@ -57,7 +57,8 @@ class Case:
     ucx_tls: str = ""
     # results
     plan_strategy: str = ""
-    bytes_per_request: int = 0
+    bytes_per_request: int = 0  # READ by all decode ranks (staging reads whole pages)
+    payload_per_request: int = 0  # landed in the decode caches (what GB/s counts)
     descriptors_per_request: float = 0.0
     gbps: float = 0.0
     rank_gbps: list[float] = field(default_factory=list)
@@ -238,11 +239,12 @@ def _run_case(cfg: dict[str, Any], case: Case) -> None:
             raise RuntimeError("; ".join(errors))
         case.plan_strategy = outs[0]["strategy"]
         reps = len(outs[0]["runs"])
+        payload = cfg["request_blocks"] * 2 * 16 * (HEADS // dtp) * 128 * 2 * cfg["layers"]
         agg, wall, share = [], [], []
         for i in range(reps):
             runs = [o["runs"][i] for o in outs]
             slowest = max(r[0] for r in runs)
-            agg.append(sum(r[2] for r in runs) / slowest / 1e9)
+            agg.append(dtp * payload / slowest / 1e9)
             wall.append(slowest)
             share.append(sum(r[1] for r in runs) / sum(r[0] for r in runs))
         half = max(1, reps // 2)  # the same case timed twice: first half, then second half
@@ -250,8 +252,9 @@ def _run_case(cfg: dict[str, Any], case: Case) -> None:
         case.gbps = statistics.median(agg[:half]) if reps > 1 else case.gbps
         case.ms = statistics.median(wall) * 1e3
         case.read_share = statistics.median(share)
-        case.rank_gbps = [statistics.median(r[2] / r[0] / 1e9 for r in o["runs"]) for o in outs]
+        case.rank_gbps = [statistics.median(payload / r[0] / 1e9 for r in o["runs"]) for o in outs]
         case.bytes_per_request = sum(o["runs"][0][2] for o in outs)
+        case.payload_per_request = dtp * payload
         case.descriptors_per_request = statistics.mean(o["runs"][0][3] for o in outs)
         case.ttfb_ms = statistics.median(t for o in outs for t in o["ttfb"]) * 1e3
     finally:
