@@ -189,3 +189,13 @@ def test_demo_catches_a_corrupted_transfer(tmp_path):
     assert s["transfer"]["ok"] and not s["verification"]["ok"]
     assert s["verification"]["first_divergence"].startswith(
         "KV after transfer differs first at layer 1, token 5, K, head 0, channel 3")
+
+
+@pytest.mark.interpreter  # on a CPU-only machine: a rank that cannot start fails the run fast
+def test_a_failing_rank_stops_the_run_with_exit_1(tmp_path):
+    r, s = _run_demo(tmp_path, "--device", "cuda", "--tokens", "8", "--new-tokens", "2")
+    assert r.returncode == 1, r.stdout[-4000:] + r.stderr[-4000:]
+    assert s["exit_code"] == 1 and not s["verification"]["ok"]
+    assert any("'--device' must be 'cpu' on a machine without a CUDA device" in e["error"]
+               for e in s["errors"])
+    assert all("exited with code -9" not in e["error"] for e in s["errors"])  # ours, not failures

@@ -112,10 +112,11 @@ def run_demo(cfg: DemoConfig, *, console: Console | None = None, json_path: str 
             _drive(cfg, children, collector, console, state)
             if not state["errors"]:
                 children.wait(30.0)
+            failed = children.failed()  # before stop(): the ones we kill are not failures
         finally:
             children.stop()
             collector.close()
-        for role, rank, code in children.failed():
+        for role, rank, code in failed:
             if (role, rank) in state["exited_ok"]:
                 continue  # it reported success and was only slow to tear down
             if not any(e["role"] == role and e["rank"] == rank for e in state["errors"]):

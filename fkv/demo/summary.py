@@ -97,14 +97,16 @@ def print_summary(console: Console, s: dict[str, Any]) -> None:
         table.add_row("tokens", f"prompt {tok['prompt']}, generated {len(tok['generated'])}: "
                       f"{tok['generated']}")
     v = s.get("verification")
-    if v:
+    if v and s.get("errors"):
+        table.add_row("verification", "[red]FAIL[/]: the run did not complete (see the errors below)")
+    elif v:
         mark = "[green]PASS[/]" if v["ok"] and not s.get("errors") else "[red]FAIL[/]"
         table.add_row("verification", (
             f"{mark}: tokens {'identical' if v['tokens_identical'] else 'DIFFER'}; "
             f"logits max |diff| {_fmt(v['logits_max_abs_diff'])}; "
             f"KV after transfer max |diff| {_fmt(v['kv_max_abs_diff'])} "
             f"(rtol {v['rtol']}, atol {v['atol']})"))
-        if v["first_divergence"]:
+        if v["first_divergence"] and not s.get("errors"):
             table.add_row("diverged at", f"[red]{v['first_divergence']}[/]")
     for e in s.get("errors", []):
         table.add_row("error", f"[red]{e['role']} rank {e['rank']}: {e['error']}[/]")

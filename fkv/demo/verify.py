@@ -66,7 +66,7 @@ def compare_run(ref_tokens: list[int], ref_logits: list[np.ndarray], tokens: lis
             i = int(np.argmax(np.abs(a.astype(np.float64) - b)))
             first = (f"{where}: logits differ by up to {d:.3g} (token {i}: {a[i]:.6g} vs "
                      f"reference {b[i]:.6g}; tolerance rtol={rtol}, atol={atol})")
-    identical = tokens == ref_tokens
+    identical = bool(tokens) and tokens == ref_tokens
     if first is None and not identical:
         first = f"generated {len(tokens)} tokens, reference {len(ref_tokens)}"
     kv_max = max((d for d, _ in kv_checks), default=0.0)

@@ -29,6 +29,20 @@ def _setup(cfg: DemoConfig) -> Any:
     return torch
 
 
+def _device(torch: Any, cfg: DemoConfig, slot: int) -> str:
+    """``cpu``, or the GPU of this process: ranks go round-robin over the visible GPUs
+    (prefill ranks first, then decode ranks; several ranks share a GPU when there are fewer)."""
+    if cfg.device == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        from fkv.errors import FkvError
+
+        raise FkvError("'--device' must be 'cpu' on a machine without a CUDA device (got 'cuda')")
+    index = slot % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
 def _group(torch: Any, workdir: str, side: str, rank: int, tp: int) -> Any:
     """The all-gather of this engine's ranks (identity for one rank)."""
     if tp == 1:
@@ -87,10 +101,11 @@ def run_reference(cfg: DemoConfig, rep: Reporter) -> None:
     from fkv.demo.model import DemoModel, DenseKV
     from fkv.tensors import torch_dtype
 
-    model = DemoModel(cfg.model, device=cfg.device)
+    device = _device(torch, cfg, 0)
+    model = DemoModel(cfg.model, device=device)
     kv = DenseKV(cfg.model.num_layers, torch_dtype(cfg.dtype))
-    prompt = torch.tensor(cfg.prompt(), device=cfg.device)
-    logits = model.forward(prompt, torch.arange(cfg.tokens, device=cfg.device), kv)[-1]
+    prompt = torch.tensor(cfg.prompt(), device=device)
+    logits = model.forward(prompt, torch.arange(cfg.tokens, device=device), kv)[-1]
     first = int(logits.argmax())
     rep.send("prefilled", token=first, logits=pack_array(logits.float()))
     dump = torch.stack([torch.stack([k, v], dim=1) for k, v in zip(kv.k, kv.v)])  # L T 2 H D
@@ -104,14 +119,15 @@ def run_prefill(cfg: DemoConfig, rank: int, workdir: str, rep: Reporter) -> None
     from fkv.demo.model import DemoModel, PagedKV
 
     tp = cfg.prefill_tp
-    model = DemoModel(cfg.model, tp=tp, rank=rank, device=cfg.device,
+    device = _device(torch, cfg, rank)
+    model = DemoModel(cfg.model, tp=tp, rank=rank, device=device,
                       all_gather=_group(torch, workdir, "prefill", rank, tp))
     spec = cfg.spec("prefill")
-    caches = _poisoned_caches(torch, spec, cfg.device)
+    caches = _poisoned_caches(torch, spec, device)
     kv = PagedKV(caches, spec, cfg.block_ids("prefill"))
-    prompt = torch.tensor(cfg.prompt(), device=cfg.device)
+    prompt = torch.tensor(cfg.prompt(), device=device)
     t0 = time.perf_counter()
-    logits = model.forward(prompt, torch.arange(cfg.tokens, device=cfg.device), kv,
+    logits = model.forward(prompt, torch.arange(cfg.tokens, device=device), kv,
                            on_layer=lambda i: rep.send("layer", layer=i))[-1]
     rep.send("prefilled", token=int(logits.argmax()), logits=pack_array(logits.float()),
              seconds=time.perf_counter() - t0)
@@ -142,10 +158,11 @@ def run_decode(cfg: DemoConfig, rank: int, workdir: str, rep: Reporter) -> int:
     from fkv.testing import token_major
 
     tp = cfg.decode_tp
-    model = DemoModel(cfg.model, tp=tp, rank=rank, device=cfg.device,
+    device = _device(torch, cfg, cfg.prefill_tp + rank)
+    model = DemoModel(cfg.model, tp=tp, rank=rank, device=device,
                       all_gather=_group(torch, workdir, "decode", rank, tp))
     spec = cfg.spec("decode")
-    caches = _poisoned_caches(torch, spec, cfg.device)
+    caches = _poisoned_caches(torch, spec, device)
     local_ids = cfg.block_ids("decode")
     rep.send("ready")
     go = json.loads(sys.stdin.readline())
