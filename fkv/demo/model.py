@@ -1,8 +1,9 @@
 """The demo's small transformer: random weights from a fixed seed, tensor parallel by heads.
 
-A decoder-only model (RMSNorm, rotary positions, grouped-query attention, SiLU-gated MLP). Rank ``r`` of a TP engine of size ``tp`` holds query heads
-``[r*Hq/tp, (r+1)*Hq/tp)`` and the KV heads those use (SPEC.md §4: ``max(1, Hkv // tp)`` per rank,
-one replicated head when ``tp > Hkv``). Each rank computes attention for its heads only; the head
+A decoder-only model (RMSNorm, rotary positions, grouped-query attention, SiLU-gated MLP).
+Rank ``r`` of a TP engine of size ``tp`` holds query heads ``[r*Hq/tp, (r+1)*Hq/tp)`` and the
+KV heads those use (SPEC.md §4: ``max(1, Hkv // tp)`` per rank, one replicated head when
+``tp > Hkv``). Each rank computes attention for its heads only; the head
 outputs are all-gathered (concatenated in rank order = head order) and every rank then applies the
 full output projection and MLP, so all ranks carry the same residual stream.
 
@@ -109,7 +110,8 @@ class DemoModel:
         def on(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=device, dtype=torch.float32).contiguous()
 
-        self.embed, self.norm_f, self.lm_head = on(full["embed"]), on(full["norm_f"]), on(full["lm_head"])
+        self.embed, self.norm_f = on(full["embed"]), on(full["norm_f"])
+        self.lm_head = on(full["lm_head"])
         self.layers = []
         for lw in full["layers"]:
             self.layers.append({

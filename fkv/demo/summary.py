@@ -79,8 +79,9 @@ def print_summary(console: Console, s: dict[str, Any]) -> None:
     table.add_column(style="bold")
     table.add_column()
     m = s["model"]
-    table.add_row("model", f"{m['num_layers']} layers, {m['num_q_heads']} query / {m['num_kv_heads']} KV "
-                  f"heads of {m['head_size']}, hidden {m['hidden']}, vocab {m['vocab']} (seed {m['seed']})")
+    table.add_row("model", f"{m['num_layers']} layers, {m['num_q_heads']} query / "
+                  f"{m['num_kv_heads']} KV heads of {m['head_size']}, hidden {m['hidden']}, "
+                  f"vocab {m['vocab']} (seed {m['seed']})")
     table.add_row("prefill", s["prefill"]["engine"])
     table.add_row("decode", s["decode"]["engine"])
     hs = s["handshake"]

@@ -37,11 +37,11 @@ def compare_kv(ref: np.ndarray, got: np.ndarray, heads: tuple[int, int], rtol: f
         worst = float("inf")
     if not bad.any():
         return worst, None
-    layer, tok, kv, head, ch = (int(i) for i in np.argwhere(bad)[0])
+    at = tuple(int(i) for i in np.argwhere(bad)[0])
+    layer, tok, kv, head, ch = at
     return worst, (f"KV after transfer differs first at layer {layer}, token {tok}, {'KV'[kv]}, "
-                   f"head {heads[0] + head}, channel {ch}: received {float(got[layer, tok, kv, head, ch])!r}, "
-                   f"reference {float(want[layer, tok, kv, head, ch])!r} ({int(bad.sum())} of {bad.size} "
-                   f"values differ)")
+                   f"head {heads[0] + head}, channel {ch}: received {float(got[at])!r}, "
+                   f"reference {float(want[at])!r} ({int(bad.sum())} of {bad.size} values differ)")
 
 
 def compare_run(ref_tokens: list[int], ref_logits: list[np.ndarray], tokens: list[int],
