@@ -196,6 +196,22 @@ def test_slot_mapping_shorter_than_key_ignores_extra_rows(device: str) -> None:
     assert_same_bytes(out, ref2)
 
 
+def test_strided_slot_mapping(device: str) -> None:
+    """A slot column of a wider int tensor (stride 3) is read element by element, not as if it
+    were contiguous; a repeat call with the contiguous copy is another signature."""
+    spec = make_spec("flashinfer", "HND")
+    key, value, _ = inputs(spec, 9, device, seed=12)
+    table = torch.stack([padded_slots(spec, 9, 9, device, seed=12),
+                         torch.full((9,), 5, device=device), torch.zeros(9, dtype=torch.long,
+                                                                          device=device)], dim=1)
+    slots = table[:, 0]
+    assert slots.stride() == (3,)
+    out, ref = run_both(spec, device, key, value, slots)
+    assert_same_bytes(out, ref)
+    out, ref = run_both(spec, device, key, value, slots.contiguous())
+    assert_same_bytes(out, ref)
+
+
 def test_all_padding_and_empty_write_nothing(device: str) -> None:
     spec = make_spec("triton", "NHD")
     key, value, _ = inputs(spec, 8, device)
@@ -631,7 +647,9 @@ def test_direct_launch_calls_the_compiled_launcher_after_one_normal_launch(fake_
     site((4, 2, 1), (x, y, 32, 5))
     assert kernel.normal == [((4, 2, 1), (x, y, 32, 5, 0.5, 64), {"num_warps": 2})]
     site((5, 2, 1), (y, x, 48, 6))  # same key: aligned pointers, n % 16 == 0, m in int32
-    assert compiled.runs == [(5, 2, 1, 99, 7, ("packed",), None, None, "exit-hook", y, x, 48, 6, 0.5, 64)]
+    # tensors go to Triton's launcher as their addresses (no per-pointer driver query there)
+    assert compiled.runs == [(5, 2, 1, 99, 7, ("packed",), None, None, "exit-hook", y.data_ptr(),
+                              x.data_ptr(), 48, 6, 0.5, 64)]
     assert site.direct_launches == 1 and len(kernel.normal) == 1
     # Every part of the key that Triton specializes on gets its own normal launch first.
     site((1, 1, 1), (buf[1:], y, 32, 5))       # x not 16-byte aligned

@@ -197,10 +197,10 @@ class _Cycle:
         return self.items[self.i]
 
 
-def _eager_us(fn, device: str, calls: int = 2000) -> float:
+def _eager_us(fns: list, device: str, calls: int = 2000) -> float:
     """Wall µs per call of back-to-back calls, host launch path included (what a decode step
-    pays): ``time.perf_counter`` around ``calls`` calls, synchronized before and after; the median
-    of 3 such runs."""
+    pays): ``time.perf_counter`` around ``calls`` calls cycling through the zero-argument
+    callables ``fns`` (one per input set), synchronized before and after; median of 3 runs."""
     import statistics
     import time
 
@@ -208,15 +208,16 @@ def _eager_us(fn, device: str, calls: int = 2000) -> float:
 
     if device != "cuda":
         calls = 3
+    seq = (fns * -(-calls // len(fns)))[:calls]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(min(calls, 50)):
-        fn()
+    for f in seq[:50]:
+        f()
     runs = []
     for _ in range(3):
         sync()
         start = time.perf_counter()
-        for _ in range(calls):
-            fn()
+        for f in seq:
+            f()
         sync()
         runs.append((time.perf_counter() - start) * 1e6 / calls)
     return statistics.median(runs)
@@ -282,9 +283,9 @@ def _run_case(case: Case, shape: Shape, ceiling: float, rep: int, device: str = 
     case.speedup_vs_baseline = case.baseline_ms / case.ms
     calls = 2000 if case.kind == "decode" else 200
     case.extra["kernel_us"] = case.ms * 1e3
-    case.extra["eager_us"] = _eager_us(lambda: kernel_call(cyc.next())(), device, calls)
+    case.extra["eager_us"] = _eager_us([kernel_call(x) for x in sets], device, calls)
     case.extra["eager_gbps"] = case.bytes / case.extra["eager_us"] / 1e3
-    case.extra["baseline_eager_us"] = _eager_us(lambda: baseline_call(cyc.next())(), device, calls)
+    case.extra["baseline_eager_us"] = _eager_us([baseline_call(x) for x in sets], device, calls)
     if case.kind == "decode" and device == "cuda":
         graph_sets = sets[: min(len(sets), 32)]
         case.extra["graph1_us"], case.extra["graph_per_call_us"] = _graph_us(
@@ -330,15 +331,15 @@ def _sweep(shape: Shape, ceiling: float, rep: int, device: str) -> list[dict]:
     from fkv.ops import write as write_mod
 
     saved = write_mod._TILE_ELEMENTS, write_mod._ELEMENTS_PER_WARP, write_mod._STORE_MODIFIER
-    configs = [(t, w, "") for t in (4096, 8192, 16384) for w in (1024, 2048, 4096)]
-    configs += [(8192, 2048, ".cs"), (16384, 4096, ".cs")]
+    configs = [(8192, 2048, ""), (16384, 2048, ""), (16384, 4096, ""), (32768, 4096, ""),
+               (8192, 2048, ".cs"), (16384, 4096, ".cs")]
     rows = []
     try:
         for tile, per_warp, store in configs:
             _set_constants(tile, per_warp, store)
-            for tokens, layout, dtype in [(t, lay, "bfloat16") for t in shape.prefill
-                                          for lay in ("NHD", "HND")] + [
-                                              (shape.prefill[0], "HND", "float8_e4m3fn")]:
+            for tokens, layout, dtype in [(shape.prefill[0], "NHD", "bfloat16"),
+                                          (shape.prefill[0], "HND", "bfloat16"),
+                                          (shape.prefill[0], "HND", "float8_e4m3fn")]:
                 case = Case("prefill", tokens, layout, dtype)
                 _run_case(case, shape, ceiling, max(20, rep // 4), device)
                 rows.append({"tile_elements": tile, "elements_per_warp": per_warp,
@@ -392,6 +393,12 @@ def _host_profile(device: str) -> dict[str, float]:
     def normal():
         prep.site.normal(grid, args)
 
+    def one(k, v, s):
+        return lambda: write_mod.write_kv(k, v, cache, s, spec, validate=False)
+
+    rotating = [one(torch.randn_like(key), torch.randn_like(value), slots.roll(i))
+                for i in range(64)]
+
     def fast_off():
         _launch.ENABLED = False
         try:
@@ -408,10 +415,12 @@ def _host_profile(device: str) -> dict[str, float]:
         "torch op (small.add_(1))": per_call(lambda: small.add_(1), 5000),
         "write_kv _signature": per_call(lambda: write_mod._signature(key, value, cache, slots, spec,
                                                                       None, None)),
-        "launch site key": per_call(lambda: prep.site.launcher.key(0, args)),
+        "launch site key (data_ptr()s included)": per_call(lambda: prep.site.launcher.key(
+            0, [a.data_ptr() for a in args[:6]], args)),
         "direct launch (site call)": per_call(lambda: prep.site(grid, args), 5000),
         "write_kv, direct launch": per_call(lambda: write_mod.write_kv(
             key, value, cache, slots, spec, validate=False), 5000),
+        "write_kv, direct, 64 rotating inputs": _eager_us(rotating, device, 5000),
         "Triton normal launch (kernel[grid])": per_call(normal, 2000),
         "write_kv, FKV fast launch off": per_call(fast_off, 2000),
     }

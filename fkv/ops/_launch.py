@@ -39,6 +39,7 @@ keeps being used).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,7 +57,8 @@ _I32_MIN, _I32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
 class _Runtime:
-    """Triton's current-device/stream getters and launch hooks, resolved once on first use."""
+    """Triton's current-device/stream getters and launch knobs, resolved once (after the first
+    normal launch, so CUDA is initialized)."""
 
     def __init__(self) -> None:
         self.ready = False
@@ -65,7 +67,7 @@ class _Runtime:
         self.knobs: Any = None
 
     def resolve(self) -> bool:
-        """Resolve the getters (needs a GPU driver); False if this Triton lacks what we use."""
+        """Resolve the getters; False if this Triton lacks what the direct path uses."""
         if not self.ready:
             try:
                 driver = triton.runtime.driver.active
@@ -74,6 +76,11 @@ class _Runtime:
                 self.knobs = triton.knobs.runtime
             except (AttributeError, RuntimeError):
                 return False
+            # torch.cuda.current_device() is _lazy_init() + this C call; CUDA is initialized by now
+            torch = sys.modules.get("torch")
+            raw = getattr(getattr(torch, "_C", None), "_cuda_getDevice", None)
+            if raw is not None and self.get_device is getattr(torch.cuda, "current_device", None):
+                self.get_device = raw
             self.ready = True
         return True
 
@@ -81,36 +88,27 @@ class _Runtime:
 _RUNTIME = _Runtime()
 
 
-def _hooks() -> tuple[Any, Any] | None:
-    """Triton's (enter, exit) launch hooks, or None when an enter hook is active (use the normal
-    path then: it builds the launch metadata the hook expects)."""
-    rt = _RUNTIME.knobs
-    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
-    if enter is not None and getattr(enter, "calls", True):  # 3.9: an empty HookChain is inactive
-        return None
-    return enter, leave
-
-
 class KernelLauncher:
     """One ``@triton.jit`` kernel whose first parameters (``per_call``) change between calls.
 
-    ``pointers`` names the per-call parameters that take tensors; the other per-call parameters
+    ``pointers``: the leading per-call parameters that take tensors; the other per-call parameters
     take Python ints. Everything after them is fixed per :class:`LaunchSite`.
     """
 
     def __init__(self, kernel: Any, per_call: Sequence[str], pointers: Sequence[str]) -> None:
         names = tuple(getattr(kernel, "arg_names", ()))
-        per_call = tuple(per_call)
-        if names[:len(per_call)] != per_call or not set(pointers) <= set(per_call):
+        per_call, pointers = tuple(per_call), tuple(pointers)
+        if names[:len(per_call)] != per_call or per_call[:len(pointers)] != pointers:
             raise FkvError(f"KernelLauncher: the kernel's parameters {names} must start with the "
-                           f"per-call ones {per_call}, which must include the pointers {pointers}")
+                           f"per-call ones {per_call}, which must start with the pointers "
+                           f"{pointers}")
         self.kernel = kernel
         self.per_call = per_call
         self.fixed_names = names[len(per_call):]
+        self.num_pointers = len(pointers)
         params = {p.name: p for p in getattr(kernel, "params", ())}
-        self._ptr = tuple(i for i, n in enumerate(per_call) if n in pointers)
         ints = [(i, not getattr(params.get(n), "do_not_specialize", False))
-                for i, n in enumerate(per_call) if n not in pointers]
+                for i, n in enumerate(per_call) if i >= len(pointers)]
         self._int_spec = tuple(i for i, spec in ints if spec)
         self._int_plain = tuple(i for i, spec in ints if not spec)
         self.compiles = isinstance(kernel, triton.runtime.jit.JITFunction)
@@ -124,22 +122,29 @@ class KernelLauncher:
             raise FkvError(f"KernelLauncher.site: fixed arguments missing {missing}, unknown {extra}")
         return LaunchSite(self, tuple(fixed[n] for n in self.fixed_names), dict(options or {}))
 
-    def key(self, device: int, args: tuple) -> tuple:
-        """The specialization key of the per-call ``args`` (see the module docstring)."""
-        key: list[Any] = [device]
-        for i in self._ptr:
-            key.append(args[i].data_ptr() & 15)
+    def key(self, device: int, pointers: Sequence[int], args: tuple) -> tuple:
+        """The specialization key (see the module docstring): ``pointers`` are the addresses of
+        the pointer arguments, ``args`` all per-call arguments."""
+        align = 0
+        for p in pointers:
+            align = (align << 4) | (p & 15)
+        ints = []
         for i in self._int_spec:
             v = args[i]
-            key.append((_I32_MIN <= v <= _I32_MAX, v == 1, v % 16 == 0))
+            ints.append((_I32_MIN <= v <= _I32_MAX, v == 1, v % 16 == 0))
         for i in self._int_plain:
             v = args[i]
-            key.append(_I32_MIN <= v <= _I32_MAX)
-        return tuple(key)
+            ints.append(_I32_MIN <= v <= _I32_MAX)
+        return device, align, tuple(ints)
 
 
 class LaunchSite:
-    """Launches of one kernel with one set of fixed arguments; caches compiled variants by key."""
+    """Launches of one kernel with one set of fixed arguments; caches compiled variants by key.
+
+    Direct launches pass the pointer arguments as integer addresses (``data_ptr()``, read once for
+    the key anyway): Triton's launcher then skips its per-pointer attribute call and driver query.
+    The site owner's signature already pins every tensor's device (a CPU tensor never gets here).
+    """
 
     __slots__ = ("launcher", "fixed", "options", "variants", "direct_launches")
 
@@ -159,23 +164,30 @@ class LaunchSite:
     def __call__(self, grid: tuple[int, int, int], args: tuple) -> None:
         """Launch on ``grid`` with the per-call ``args`` (in parameter order)."""
         variants = self.variants
-        if variants is None or not ENABLED or not _RUNTIME.resolve():
+        rt = _RUNTIME
+        if variants is None or not ENABLED or not rt.ready:
             self.normal(grid, args)
+            if variants is not None and not rt.resolve():
+                self.variants = None
             return
-        hooks = _hooks()
-        if hooks is None:
-            self.normal(grid, args)
+        knobs = rt.knobs
+        enter = knobs.launch_enter_hook
+        if enter is not None and getattr(enter, "calls", True):  # 3.9: an empty HookChain is off
+            self.normal(grid, args)  # a profiler's hook: Triton builds the metadata it expects
             return
-        device = _RUNTIME.get_device()
-        key = self.launcher.key(device, args)
+        launcher = self.launcher
+        n = launcher.num_pointers
+        pointers = [a.data_ptr() for a in args[:n]]
+        device = rt.get_device()
+        key = launcher.key(device, pointers, args)
         entry = variants.get(key)
         if entry is None:
             self._first(grid, args, key)
             return
         run, function, packed, _ = entry
         try:
-            run(grid[0], grid[1], grid[2], _RUNTIME.get_stream(device), function, packed, None,
-                hooks[0], hooks[1], *args, *self.fixed)
+            run(grid[0], grid[1], grid[2], rt.get_stream(device), function, packed, None, enter,
+                knobs.launch_exit_hook, *pointers, *args[n:], *self.fixed)
         except TypeError:  # arguments rejected before launching: another calling convention
             self.variants = None
             self.normal(grid, args)

@@ -111,7 +111,7 @@ def _copy_half(src_ptr, src_tok, stride_h, stride_d, dst_ptr, dst_off, mask, sca
 @triton.jit(do_not_specialize=_DO_NOT_SPECIALIZE)
 def _write_kv_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-    num_tokens, num_slots,
+    num_tokens, num_slots, slot_stride,
     key_stride_t, key_stride_h, key_stride_d,
     value_stride_t, value_stride_h, value_stride_d,
     stride_block, stride_kv,
@@ -127,7 +127,7 @@ def _write_kv_kernel(
     h = tl.program_id(2) * HEAD_TILE + tl.arange(0, HEAD_TILE)
     d = tl.arange(0, D_PAD)
     in_range = t < num_tokens
-    slot = tl.load(slot_ptr + t, mask=in_range, other=-1).to(tl.int64)
+    slot = tl.load(slot_ptr + t * slot_stride, mask=in_range, other=-1).to(tl.int64)
     # Padding (negative) and out-of-cache slots write nothing, validated or not.
     ok = in_range & (slot >= 0) & (slot < num_slots)
     block = slot // BLOCK_SIZE
@@ -236,7 +236,7 @@ def _signature(key: Any, value: Any, cache: Any, slot_mapping: Any, spec: Any, k
         None if value is None or spec.is_mla else
         (value.shape[1:], value.stride(), value.dtype, value.device),
         cache.shape, cache.stride(), cache.dtype, cache.device,
-        slot_mapping.dim(), slot_mapping.dtype, slot_mapping.device,
+        slot_mapping.stride(), slot_mapping.dtype, slot_mapping.device,
         None if k_scale is None else (k_scale.dtype, k_scale.numel(), k_scale.device),
         None if v_scale is None else (v_scale.dtype, v_scale.numel(), v_scale.device),
     )
@@ -257,7 +257,7 @@ def _prepare(key: Any, value: Any, cache: Any, slot_mapping: Any, spec: Any, k_s
     st = cache_strides(spec)
     tiling = write_tiling(spec)
     fixed = dict(
-        num_slots=spec.num_blocks * spec.block_size,
+        num_slots=spec.num_blocks * spec.block_size, slot_stride=slot_mapping.stride(0),
         key_stride_t=k.stride(0), key_stride_h=k.stride(1), key_stride_d=k.stride(2),
         value_stride_t=v.stride(0), value_stride_h=v.stride(1), value_stride_d=v.stride(2),
         stride_block=st["stride_block"], stride_kv=st["stride_kv"],
@@ -282,8 +282,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
     - ``cache``: one layer's logical view of ``spec`` (from ``fkv.allocate``, also a cross-layer
       layer view): triton/flashinfer ``(NB, 2, N, H, D)``, flash_attn ``(2, NB, N, H, D)``, mla
       ``(NB, N, D)``; NHD or HND strides.
-    - ``slot_mapping``: ``[T]`` int64 (or int32); negative = padding (nothing written). It may be
-      shorter than ``key`` (extra rows are ignored), never longer.
+    - ``slot_mapping``: ``[T]`` int64 (or int32), any stride; negative = padding (nothing
+      written). It may be shorter than ``key`` (extra rows are ignored), never longer.
     - fp8 ``spec.dtype`` fed with bf16/fp16/fp32: stored value is ``x / k_scale`` (``v_scale``),
       saturated to the fp8 range; ``k_scale``/``v_scale`` are float32 tensors of one element.
       Input already in the cache's fp8 dtype is stored unchanged.
