@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -34,41 +35,50 @@ def test_head_ranges_follow_spec_section_4():
         head_ranges(cfg, 3, 0)
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
-def test_tensor_parallel_shards_reproduce_the_whole_model(tp):
-    # Each rank's attention over its own heads, concatenated in rank order, is the whole model's.
-    torch.manual_seed(0)
-    full = DemoModel(SMALL)
-    tokens, pos = torch.randint(0, SMALL.vocab, (12,)), torch.arange(12)
-    x = full.embed[tokens]
-    shards = [DemoModel(SMALL, tp=tp, rank=r) for r in range(tp)]
-    kvs = [DenseKV(SMALL.num_layers, torch.float32) for _ in range(tp)]
-    want_kv = DenseKV(SMALL.num_layers, torch.float32)
-    want = full.forward(tokens, pos, want_kv)
-    # Drive the shards layer by layer with an explicit all-gather (what the gloo group does).
-    hidden = x
-    from fkv.demo import model as mod
+class _ThreadGroup:
+    """The ranks of one TP engine as threads; ``all_gather`` joins their parts like gloo does."""
 
-    for layer in range(SMALL.num_layers):
-        parts = []
-        for m, kv in zip(shards, kvs):
-            lw = m.layers[layer]
-            h = mod._rms(hidden, lw["norm1"])
-            d = SMALL.head_size
-            q = m._rope((h @ lw["wq"]).view(12, m.q_heads, d), pos)
-            k = m._rope((h @ lw["wk"]).view(12, m.kv_heads, d), pos)
-            v = (h @ lw["wv"]).view(12, m.kv_heads, d)
-            parts.append(kv.attend(layer, q, k, v, pos).reshape(12, -1))
-        lw = shards[0].layers[layer]
-        hidden = hidden + torch.cat(parts, dim=1) @ lw["wo"]
-        h = mod._rms(hidden, lw["norm2"])
-        hidden = hidden + (torch.nn.functional.silu(h @ lw["w_gate"]) * (h @ lw["w_up"])) @ lw["w_down"]
-    got = mod._rms(hidden, shards[0].norm_f) @ shards[0].lm_head
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # And each shard's K cache is the matching head slice of the whole model's.
-    for r, kv in enumerate(kvs):
+    def __init__(self, tp: int) -> None:
+        self.barrier = threading.Barrier(tp)
+        self.parts: list[torch.Tensor | None] = [None] * tp
+
+    def all_gather(self, rank: int):
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = x
+            self.barrier.wait()
+            out = torch.cat(self.parts, dim=1)
+            self.barrier.wait()
+            return out
+        return gather
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tensor_parallel_ranks_reproduce_the_whole_model(tp):
+    # Each rank attends over its own heads; after the all-gather every rank has the whole model's
+    # residual stream, so every rank's logits are the single-process logits.
+    tokens = torch.randint(0, SMALL.vocab, (12,), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(12)
+    want_kv = DenseKV(SMALL.num_layers, torch.float32)
+    want = DemoModel(SMALL).forward(tokens, pos, want_kv)
+    group = _ThreadGroup(tp)
+    ranks = [DemoModel(SMALL, tp=tp, rank=r, all_gather=group.all_gather(r)) for r in range(tp)]
+    kvs = [DenseKV(SMALL.num_layers, torch.float32) for _ in range(tp)]
+    got: list[torch.Tensor | None] = [None] * tp
+
+    def run(r: int) -> None:
+        got[r] = ranks[r].forward(tokens, pos, kvs[r])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for r in range(tp):
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
+        # Each rank's K/V cache is the matching head slice of the whole model's.
         lo, hi = head_ranges(SMALL, tp, r)[1]
-        torch.testing.assert_close(kv.k[1], want_kv.k[1][:, lo:hi], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kvs[r].k[1], want_kv.k[1][:, lo:hi], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kvs[r].v[1], want_kv.v[1][:, lo:hi], rtol=1e-5, atol=1e-5)
 
 
 # -- configuration --------------------------------------------------------------------------------
