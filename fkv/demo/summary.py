@@ -56,8 +56,9 @@ def summary_dict(cfg: DemoConfig, handshakes: list[Any], state: dict[str, Any] |
         "bytes": sum(t["bytes"] for t in transfers),
         "descriptors": sum(t["descriptors"] for t in transfers),
         "seconds": max((t["seconds"] for t in transfers), default=None),
-        "per_rank": [{k: t[k] for k in ("rank", "ok", "bytes", "descriptors", "seconds", "error")}
-                     for t in transfers],
+        "nixl_seconds": max((t["nixl_seconds"] for t in transfers), default=None),
+        "per_rank": [{k: t.get(k) for k in ("rank", "ok", "bytes", "descriptors", "seconds",
+                                            "nixl_seconds", "error")} for t in transfers],
     }
     out["tokens"] = {"prompt": cfg.tokens, "new": cfg.new_tokens,
                      "generated": state.get("tokens", []), "reference": state.get("ref_tokens", [])}
@@ -90,7 +91,9 @@ def print_summary(console: Console, s: dict[str, Any]) -> None:
     t = s.get("transfer")
     if t:
         status = "[green]ok[/]" if t["ok"] else "[red]FAILED[/]"
-        secs = "n/a" if t["seconds"] is None else f"{t['seconds'] * 1e3:.1f} ms (slowest rank)"
+        secs = "n/a" if t["seconds"] is None else (
+            f"read {t['seconds'] * 1e3:.1f} ms, of which NIXL {t['nixl_seconds'] * 1e3:.1f} ms "
+            "(slowest rank)")
         table.add_row("transfer", f"{status}: {t['bytes']:,} bytes in {t['descriptors']:,} descriptors "
                       f"over {len(t['per_rank'])} read(s); {secs}")
     tok = s.get("tokens")

@@ -173,6 +173,7 @@ def run_decode(cfg: DemoConfig, rank: int, workdir: str, rep: Reporter) -> int:
                              cfg.block_ids("prefill"), timeout=cfg.timeout)
     rep.send("transferred", ok=bool(result.ok), bytes=int(result.bytes),
              descriptors=int(result.descriptors), seconds=float(result.seconds),
+             nixl_seconds=float(result.transfer_seconds),
              error=None if result.error is None else str(result.error))
     if not result.ok:
         return 1
