@@ -143,7 +143,10 @@ def run_prefill(cfg: DemoConfig, rank: int, workdir: str, rep: Reporter) -> None
         server.hold(REQUEST_ID, cfg.block_ids("prefill"))
         rep.send("serving", address=server.address)
         deadline = time.monotonic() + cfg.timeout
+        parent = os.getppid()
         while REQUEST_ID in server.pending():
+            if os.getppid() != parent:
+                raise RuntimeError(f"prefill rank {rank}: the demo's parent process went away")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"prefill rank {rank}: {REQUEST_ID!r} still pending after "
                                    f"{cfg.timeout} s (decode ranks never notified)")
