@@ -250,7 +250,7 @@ def test_matrix(cluster: Any, ptp: int, dtp: int, variant: str) -> None:
 # -- more backends: MLA (replicated reads, notify-only ranks), flash_attn, cross-layer ------------
 
 BACKENDS = {
-    # name: (P TP, D TP, heads, prefill overrides, decode overrides)
+    # name: (P TP, D TP, heads, prefill overrides, decode overrides[, connect keywords])
     "mla-1-2": (1, 2, 1, {"backend": "mla", "head_size": 32}, {"backend": "mla", "head_size": 32}),
     "mla-2-1": (2, 1, 1, {"backend": "mla", "head_size": 32}, {"backend": "mla", "head_size": 32}),
     "flash_attn-cross-2-1": (2, 1, HEADS, {"backend": "flash_attn", "cross_layer": True},
@@ -259,15 +259,19 @@ BACKENDS = {
                   {"backend": "flashinfer", "cross_layer": True}),
     "fp8-cross-2-2": (2, 2, HEADS, {"dtype": "float8_e4m3fn", "cross_layer": True},
                       {"dtype": "float8_e4m3fn", "cross_layer": True}),
+    # a staging buffer of 2 remote blocks: reads go in chunks (8 + 3 tokens with 4/8-token blocks)
+    "chunks-2-1": (2, 1, HEADS, {"layout": "NHD"}, {"block_size": 8, "num_blocks": 8},
+                   {"staging_bytes": 2 * 2 * 2 * 4 * 4 * 16 * 2}),
+    "chunks-1-2": (1, 2, HEADS, {"layout": "NHD"}, {"layout": "NHD"}, {"staging_bytes": 8192}),
 }
 
 
 @pytest.mark.parametrize("case", list(BACKENDS))
 def test_backends(cluster: Any, case: str) -> None:
-    ptp, dtp, heads, pover, dover = BACKENDS[case]
+    ptp, dtp, heads, pover, dover, *connect_kw = BACKENDS[case]
     pspec = spec_dict(tp=ptp, heads=heads, **pover)
     dspec = spec_dict(tp=dtp, heads=heads, **dover)
-    pair = Pair(cluster, ptp, dtp, pspec, dspec, heads=heads)
+    pair = Pair(cluster, ptp, dtp, pspec, dspec, heads=heads, connect_kw=(connect_kw or [{}])[0])
     try:
         if case == "mla-2-1":  # one P rank read, the other only notified
             assert pair.connected[0]["remote_ranks"] == [0]

@@ -9,6 +9,8 @@ Cases (BENCH.md shape: bf16, N=16, 8 KV heads, head_size 128, 4096 blocks, one l
 - ``nhd-staging``: P TP=1 -> D TP=2, NHD: a head slice is not contiguous, so each D rank READs whole
   pages into its registered staging buffer, then ``fkv.ops.move`` (Triton on CUDA; the torch
   reference on CPU) extracts its heads.
+- ``hnd-staging``: ``hnd-direct`` forced through staging: one 64 KiB descriptor per block instead
+  of two of 16 KiB, twice the bytes over the link, then the move kernel (does it pay on a GPU?).
 
 Every rank is its own process (spawned; CUDA: all on ``--p-gpu``/``--d-gpu``). Per case: the
 prefill rank fills its cache from a seeded global KV, every decode rank checks one request bit for
@@ -287,7 +289,8 @@ def _copy_ceiling(cfg: dict[str, Any], nbytes: int) -> float:
 def _cases(args: argparse.Namespace) -> list[Case]:
     base = [Case("link", 1, 1, "HND", "HND", contiguous=True),
             Case("hnd-direct", 1, 2, "HND", "HND", strategy="direct"),
-            Case("nhd-staging", 1, 2, "NHD", "NHD")]
+            Case("nhd-staging", 1, 2, "NHD", "NHD"),
+            Case("hnd-staging", 1, 2, "HND", "HND", strategy="staging")]
     variants = args.ucx_tls.split(";") if args.ucx_tls else [""]
     return [Case(**{**asdict(c), "ucx_tls": v}) for v in variants for c in base
             if not args.cases or c.name in args.cases.split(",")]
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="blocks per request (default: half the cache)")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--cases", default="", help="comma list of link,hnd-direct,nhd-staging")
+    p.add_argument("--cases", default="", help="comma list of link,hnd-direct,nhd-staging,hnd-staging")
     p.add_argument("--ucx-tls", default="",
                    help="';'-separated UCX_TLS values to try (each case under each); "
                         "default: the environment's")
