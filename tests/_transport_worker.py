@@ -95,7 +95,7 @@ def verify(caches: list[torch.Tensor], spec: fkv.KVCacheSpec, engine: EngineDesc
         ref = global_kv(cmd["seed"], layer, rspec.num_blocks * rspec.block_size, total,
                         spec.head_size)[:, :1 if spec.is_mla else 2]
         want = ref[gtok][:, :, lo:hi].to(view.dtype)
-        canon = canonical(view, spec)
+        canon = canonical(view.cpu(), spec)
         got = canon.reshape(-1, *canon.shape[2:])[ltok]
         if not torch.equal(_bits(got), _bits(want)):
             bad = (got != want).nonzero()[0].tolist()
@@ -148,7 +148,7 @@ class Worker:
     # -- prefill -----------------------------------------------------------------------------
     def cmd_serve(self, cmd: dict[str, Any]) -> dict[str, Any]:
         spec, engine = make_spec(cmd["spec"]), make_engine(cmd["engine"])
-        caches = fkv.allocate(spec)
+        caches = fkv.allocate(spec, cmd.get("device", "cpu"))
         fill_prefill(caches, spec, engine, cmd["seed"])
         server = self._with_env(cmd.get("env"), lambda: serve(
             engine, spec, caches, host=cmd.get("host", "127.0.0.1"), join=cmd.get("join"),
@@ -172,7 +172,7 @@ class Worker:
     # -- decode ------------------------------------------------------------------------------
     def cmd_connect(self, cmd: dict[str, Any]) -> dict[str, Any]:
         spec, engine = make_spec(cmd["spec"]), make_engine(cmd["engine"])
-        caches = fkv.allocate(spec)
+        caches = fkv.allocate(spec, cmd.get("device", "cpu"))
         poison(caches)
         kwargs = {k: cmd[k] for k in ("strategy", "staging_bytes", "expected_engine") if k in cmd}
         client = self._with_env(cmd.get("env"), lambda: connect(

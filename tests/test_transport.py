@@ -149,25 +149,26 @@ class Pair:
                  dspec: dict[str, Any], *, heads: int = HEADS, lease: float = 60.0,
                  p_procs: list[Proc] | None = None, d_procs: list[Proc] | None = None,
                  p_env: dict[str, str] | None = None, d_env: dict[str, str] | None = None,
-                 host: str = "127.0.0.1", connect_kw: dict[str, Any] | None = None) -> None:
+                 host: str = "127.0.0.1", connect_kw: dict[str, Any] | None = None,
+                 device: str = "cpu") -> None:
         self.name = f"c{next(_counter)}"
         self.ptp, self.dtp, self.pspec, self.dspec, self.heads = ptp, dtp, pspec, dspec, heads
         self.P = (p_procs or cluster["P"])[:ptp]
         self.D = (d_procs or cluster["D"])[:dtp]
         self.address = self.P[0].call(
             "serve", name=self.name, spec=pspec, engine=engine_dict(f"P-{self.name}", ptp, 0, heads),
-            seed=SEED, lease=lease, env=p_env, host=host)["address"]
+            seed=SEED, lease=lease, env=p_env, host=host, device=device)["address"]
         for r, p in enumerate(self.P[1:], 1):
             p.send("serve", name=self.name, spec=pspec, seed=SEED, lease=lease, env=p_env,
                    engine=engine_dict(f"P-{self.name}", ptp, r, heads), join=self.address,
-                   host=host)
+                   host=host, device=device)
         for p in self.P[1:]:
             p.result()
         self.connected: list[dict[str, Any]] = []
         for r, d in enumerate(self.D):
             d.send("connect", name=self.name, spec=dspec, engine=engine_dict(f"D-{self.name}", dtp, r,
                                                                                heads),
-                   address=self.address, env=d_env, **(connect_kw or {}))
+                   address=self.address, env=d_env, device=device, **(connect_kw or {}))
         self.connected = [d.result() for d in self.D]
 
     def read_all(self, request_id: str, local: list[int], remote: list[int], **kw: Any
@@ -224,14 +225,12 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("ptp,dtp", [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)])
-def test_matrix(cluster: Any, ptp: int, dtp: int, variant: str) -> None:
+def _matrix_case(cluster: Any, ptp: int, dtp: int, variant: str, device: str = "cpu") -> None:
     pover, dover, connect_kw, strategy = VARIANTS[variant]
     if strategy is None:  # NHD: a head slice is not contiguous, so heterogeneous TP stages
         strategy = "direct" if ptp == dtp else "staging"
     pspec, dspec = spec_dict(tp=ptp, **pover), spec_dict(tp=dtp, **dover)
-    pair = Pair(cluster, ptp, dtp, pspec, dspec, connect_kw=connect_kw)
+    pair = Pair(cluster, ptp, dtp, pspec, dspec, connect_kw=connect_kw, device=device)
     try:
         assert {c["strategy"] for c in pair.connected} == {strategy}
         tokens = 4 * 4 - 2  # a partial last block
@@ -245,6 +244,19 @@ def test_matrix(cluster: Any, ptp: int, dtp: int, variant: str) -> None:
         assert pair.wait_released("r1") == ["notified"] * ptp
     finally:
         pair.stop()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("ptp,dtp", [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)])
+def test_matrix(cluster: Any, ptp: int, dtp: int, variant: str) -> None:
+    _matrix_case(cluster, ptp, dtp, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["HND", "NHD", "blocks"])
+def test_matrix_cuda(cluster: Any, variant: str) -> None:
+    """VRAM caches (every rank on GPU 0), the Triton move kernel for staging."""
+    _matrix_case(cluster, 1, 2, variant, device="cuda")
 
 
 # -- more backends: MLA (replicated reads, notify-only ranks), flash_attn, cross-layer ------------
