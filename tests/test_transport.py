@@ -396,6 +396,19 @@ def test_handshake_reject_carries_every_reason(cluster: Any) -> None:
         cluster["D"][0].call("stop", name=name)
 
 
+def test_connect_to_nothing_fails_within_its_timeout(cluster: Any) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    reply = cluster["D"][0].call("connect", check=False, name="nobody", spec=spec_dict(tp=1),
+                                 engine=engine_dict("D", 1, 0), timeout=1.0,
+                                 address=f"tcp://127.0.0.1:{port}")
+    assert not reply["ok"] and reply["type"] == "SideChannelError", reply
+    assert "no answer from the prefill side channel" in reply["error"]
+    assert time.monotonic() - t0 < 10.0
+
+
 def test_garbage_on_the_side_channel_gets_an_error_reply(cluster: Any) -> None:
     import msgspec
     import zmq
@@ -464,7 +477,7 @@ def test_prefill_killed_during_and_before_a_read_then_reconnect(cluster: Any) ->
         # posted, then the process is killed while the READ is in flight.
         victim.kill(signal.SIGSTOP)
         hung = D.call("read", name=name, request_id="hung", local=ids, remote=ids, timeout=1.0)
-        assert not hung["result_ok"] and 1.0 <= hung["read_seconds"] < 3.0, hung
+        assert not hung["result_ok"] and 1.0 <= hung["read_seconds"] < 5.0, hung
         assert "did not finish before the read's timeout" in hung["error"]
         D.send("read", name=name, request_id="during", local=ids, remote=ids[::-1], timeout=8.0)
         time.sleep(1.0)
