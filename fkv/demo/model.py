@@ -17,48 +17,12 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-import attrs
 import torch
 
-from fkv.errors import FkvError
+from fkv.demo.config import ModelConfig, head_ranges
 from fkv.layout import KVCacheSpec
 
 __all__ = ["DemoModel", "DenseKV", "ModelConfig", "PagedKV", "head_ranges"]
-
-
-@attrs.frozen(kw_only=True)
-class ModelConfig:
-    """Dimensions of the demo model (defaults sized for the Triton interpreter on 2 CPU cores)."""
-
-    vocab: int = 256
-    hidden: int = 128
-    num_layers: int = 4
-    num_q_heads: int = 16
-    num_kv_heads: int = 8
-    head_size: int = 64
-    mlp: int = 256
-    seed: int = 0
-    rope_theta: float = 10000.0
-
-
-def head_ranges(cfg: ModelConfig, tp: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """``((q_lo, q_hi), (kv_lo, kv_hi))``: the query and KV heads rank ``rank`` of ``tp`` holds.
-
-    >>> head_ranges(ModelConfig(), 2, 1)
-    ((8, 16), (4, 8))
-    >>> head_ranges(ModelConfig(num_kv_heads=2), 4, 3)   # replicated: one KV head per rank
-    ((12, 16), (1, 2))
-    """
-    if cfg.num_q_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
-        raise FkvError(f"'tp' must divide num_q_heads={cfg.num_q_heads} and divide or be a multiple "
-                       f"of num_kv_heads={cfg.num_kv_heads} (got {tp})")
-    if not 0 <= rank < tp:
-        raise FkvError(f"'rank' must be in [0, {tp}) (got {rank})")
-    q = cfg.num_q_heads // tp
-    group = cfg.num_q_heads // cfg.num_kv_heads
-    kv_lo = (rank * q) // group
-    kv_n = max(1, cfg.num_kv_heads // tp)
-    return (rank * q, (rank + 1) * q), (kv_lo, kv_lo + kv_n)
 
 
 def _weights(cfg: ModelConfig) -> dict[str, Any]:
