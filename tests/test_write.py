@@ -541,9 +541,10 @@ def test_tiling_covers_every_shape_with_power_of_two_tiles() -> None:
         for v in (t.block_t, t.head_tile, t.d_pad, t.num_warps):
             assert v & (v - 1) == 0
         assert t.d_pad >= size and t.num_warps <= 8
-        assert t.block_t * t.head_tile * t.d_pad <= max(8192, t.d_pad)
-    bench = write_tiling(KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=8, head_size=128))
-    assert bench == (8, 8, 128, 4)
+        assert t.block_t * t.head_tile * t.d_pad <= max(16384, t.d_pad)
+    bench = KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=8, head_size=128)
+    assert write_tiling(bench) == (16, 8, 128, 8)
+    assert write_tiling(bench.evolve(dtype="float8_e4m3fn")) == (8, 8, 128, 4)
 
 
 # -- GPU only: CUDA graph capture of the decode path ----------------------------------------------

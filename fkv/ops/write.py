@@ -38,9 +38,13 @@ __all__ = ["WriteTiling", "write_constexprs", "write_kv", "write_tiling"]
 # Integers only compared against, never used in addresses: specializing them (divisibility by 16)
 # would only multiply variants (the token count changes every step, num_slots with the cache size).
 _DO_NOT_SPECIALIZE = ("num_tokens", "num_slots")
-# Elements of one program's tile (one K or V half): 8192 bf16 = 16 KiB read + 16 KiB written.
-_TILE_ELEMENTS = 8192
-# One warp per this many tile elements (1..8 warps): 4 warps move a 16 KiB bf16 tile, 16 B a lane.
+# Elements of one program's tile (one K or V half). bf16/fp16/fp32 caches: 16384 (32 KiB of bf16
+# read + written; H200 sweep: HND 65536 tokens 3658 GB/s vs 3611 at 8192, NHD 3685 vs 3665). fp8
+# caches: 8192 (the quantizing kernel loses occupancy with bigger tiles: 3138 GB/s at 8192, 2692 at
+# 16384, 1870 at 16384 with 4096 per warp). bench/NOTES.md has the runs.
+_TILE_ELEMENTS = 16384
+_TILE_ELEMENTS_FP8 = 8192
+# One warp per this many tile elements (1..8 warps): 2048 bf16 elements = 4 KiB, 16 B a lane.
 _ELEMENTS_PER_WARP = 2048
 # fp8 dtype -> (largest finite value, mantissa bits, smallest normal exponent)
 _FP8 = {"float8_e4m3fn": (448.0, 3, -6), "float8_e5m2": (57344.0, 2, -14)}
@@ -156,16 +160,18 @@ class WriteTiling(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def write_tiling(spec: KVCacheSpec) -> WriteTiling:
-    """Tile sizes and ``num_warps`` for ``spec``: about 8192 elements per program, no autotune.
+    """Tile sizes and ``num_warps`` for ``spec``: about 16384 elements per program (8192 for fp8
+    caches), one warp per 2048 elements, no autotune.
 
     >>> from fkv import KVCacheSpec
     >>> write_tiling(KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=8, head_size=128))
-    WriteTiling(block_t=8, head_tile=8, d_pad=128, num_warps=4)
+    WriteTiling(block_t=16, head_tile=8, d_pad=128, num_warps=8)
     """
+    tile = _TILE_ELEMENTS_FP8 if spec.is_fp8 else _TILE_ELEMENTS
     d_pad = triton.next_power_of_2(spec.head_size)
     h_pad = triton.next_power_of_2(spec.num_kv_heads)
-    head_tile = max(1, min(h_pad, _TILE_ELEMENTS // d_pad))
-    block_t = max(1, _TILE_ELEMENTS // (head_tile * d_pad))
+    head_tile = max(1, min(h_pad, tile // d_pad))
+    block_t = max(1, tile // (head_tile * d_pad))
     elements = block_t * head_tile * d_pad
     num_warps = max(1, min(8, elements // _ELEMENTS_PER_WARP))
     return WriteTiling(block_t, head_tile, d_pad, num_warps)
