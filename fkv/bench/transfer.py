@@ -18,8 +18,8 @@ bit against it before timing, then all decode ranks read at once (a barrier per 
 rotating through random block sets. Reported: aggregate GB/s (payload bytes landed in all decode
 caches / slowest rank's time; staging READs twice that over the link), per-rank GB/s, the share
 of time in READs (vs staging), descriptors per request, time to first byte (a one-block read,
-call to return), and the same-run ceiling: a device ``copy_`` of the request's bytes (payload bytes / time; CPU: a DRAM memcpy) — transfers are
-reported as ratios to it.
+call to return), and the same-run ceiling: a device ``copy_`` of the request's bytes (payload
+bytes / time; CPU: a DRAM memcpy); transfers are reported as ratios to it.
 
     python bench/bench_transfer.py --json transfer.json          # CUDA if present, else CPU
     python bench/bench_transfer.py --quick                       # 1024 blocks, fewer reps
