@@ -21,4 +21,4 @@ demo: $(STAMP)
 	$(VENV)/bin/fkv demo
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q tests examples/quickstart.ipynb --nbmake

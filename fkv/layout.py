@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import html
 import math
 from typing import Any
 
@@ -205,6 +206,26 @@ class KVCacheSpec:
             f"num_blocks={self.num_blocks}, block_size={self.block_size}, "
             f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, dtype={self.dtype!r}{extra})"
         )
+
+    def _repr_html_(self) -> str:
+        """Notebook display: the spec and its derived shapes as a small table."""
+        rows = (("backend", self.backend), ("layout", self.layout.value),
+                ("logical shape", self.logical_shape), ("stride order", self.stride_order),
+                ("physical axes", " ".join(self.physical_axes)),
+                ("physical shape", self.physical_shape), ("strides (elements)", self.element_strides),
+                ("dtype", self.dtype), ("page bytes", f"{self.page_bytes:,}"),
+                ("regions", f"{self.num_regions} x {self.region_bytes:,} B"))
+        body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+                       f"<td><code>{html.escape(str(v))}</code></td></tr>" for k, v in rows)
+        return f"<table><caption><code>{html.escape(repr(self))}</code></caption>{body}</table>"
+
+    def __rich_repr__(self) -> Any:
+        yield "backend", self.backend
+        yield "layout", self.layout.value
+        for name in ("num_blocks", "block_size", "num_kv_heads", "head_size", "dtype"):
+            yield name, getattr(self, name)
+        yield "num_layers", self.num_layers, 1
+        yield "cross_layer", self.cross_layer, False
 
     # -- derived values (all pure, cached per spec) -------------------------------------------
     @property

@@ -24,7 +24,8 @@ from fkv.connector.wire import Peer, decode_untrusted, encode
 from fkv.errors import FkvWireError
 
 __all__ = [
-    "Accept", "EngineDesc", "FkvWireError", "PROTOCOL_VERSION", "Peer", "Reason", "Reject",
+    "Accept", "EngineDesc", "FkvWireError", "HandshakeRejected", "PROTOCOL_VERSION", "Peer",
+    "ReadResult", "Reason", "Reject", "SideChannelError", "TransferFailed",
     "StagingStep", "TransferPlan", "check_remote_ranks", "connect", "decode_untrusted", "encode",
     "handshake", "serve",
 ]
@@ -32,6 +33,10 @@ __all__ = [
 _LAZY = {
     "serve": "fkv.connector.transport",
     "connect": "fkv.connector.transport",
+    "HandshakeRejected": "fkv.connector.transport",
+    "ReadResult": "fkv.connector.transport",
+    "SideChannelError": "fkv.connector.transport",
+    "TransferFailed": "fkv.connector.transport",
 }
 
 
