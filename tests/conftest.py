@@ -26,14 +26,20 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    skip_interp = pytest.mark.skip(reason="CUDA present: kernels run on the GPU (gpu marker), "
-                                   "not in the CPU interpreter")
-    for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
-            item.add_marker(skip_gpu)
-        if "interpreter" in item.keywords and HAS_CUDA:
-            item.add_marker(skip_interp)
+    """Without CUDA the ``gpu`` tests are deselected (not skipped): they run on the GPU machine
+    with ``pytest -m gpu``. With CUDA the ``interpreter`` twins are deselected instead."""
+    drop = "gpu" if not HAS_CUDA else "interpreter"
+    keep = [item for item in items if drop not in item.keywords]
+    gone = [item for item in items if drop in item.keywords]
+    if gone:
+        config.hook.pytest_deselected(items=gone)
+        items[:] = keep
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if HAS_CUDA:
+        return "fkv: CUDA present: gpu tests run, interpreter twins deselected"
+    return "fkv: no CUDA: kernels run under TRITON_INTERPRET=1; gpu tests deselected"
 
 
 @pytest.fixture(params=[pytest.param("cpu", marks=pytest.mark.interpreter),
