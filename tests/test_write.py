@@ -660,9 +660,11 @@ def test_direct_launch_calls_the_compiled_launcher_after_one_normal_launch(fake_
     assert len(kernel.normal) == 5
     site((1, 1, 1), (x, y, 32, 7))             # m's value alone does not matter: direct
     assert site.direct_launches == 2
+    site((1, 1, 1), (x, y, 32.0, 5))           # == 32 but a float: Triton types it fp32
+    assert len(kernel.normal) == 6
     fake_runtime.get_device = lambda: 0        # another current device: another variant
     site((1, 1, 1), (x, y, 32, 5))
-    assert len(kernel.normal) == 6
+    assert len(kernel.normal) == 7
 
 
 def test_direct_launch_falls_back_to_the_normal_launch(fake_runtime, monkeypatch) -> None:

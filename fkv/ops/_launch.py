@@ -13,7 +13,8 @@ a launch is ``run(grid, stream, ..., *per_call, *fixed)`` with no reordering.
 
 **Specialization key.** Finer than or equal to Triton's own, so a cached variant is always the one
 Triton would pick for the same arguments: the current CUDA device; per pointer argument its
-address modulo 16; per integer argument whether it fits in int32 and, unless the kernel marks it
+address modulo 16; per scalar argument its Python type (an int and a float of equal value are
+typed i32 and fp32 by Triton), whether it fits in int32 and, unless the kernel marks it
 ``do_not_specialize``, whether it equals 1 and whether 16 divides it. The rest is the site owner's
 contract: a site is made per input signature, which must include the dtype of every pointer
 argument (Triton types pointers by dtype) besides the fixed values themselves.
@@ -92,7 +93,8 @@ class KernelLauncher:
     """One ``@triton.jit`` kernel whose first parameters (``per_call``) change between calls.
 
     ``pointers``: the leading per-call parameters that take tensors; the other per-call parameters
-    take Python ints. Everything after them is fixed per :class:`LaunchSite`.
+    take Python scalars (int, float, bool). Everything after them is fixed per
+    :class:`LaunchSite`.
     """
 
     def __init__(self, kernel: Any, per_call: Sequence[str], pointers: Sequence[str]) -> None:
@@ -131,10 +133,10 @@ class KernelLauncher:
         ints = []
         for i in self._int_spec:
             v = args[i]
-            ints.append((_I32_MIN <= v <= _I32_MAX, v == 1, v % 16 == 0))
+            ints.append((type(v), _I32_MIN <= v <= _I32_MAX, v == 1, v % 16 == 0))
         for i in self._int_plain:
             v = args[i]
-            ints.append(_I32_MIN <= v <= _I32_MAX)
+            ints.append((type(v), _I32_MIN <= v <= _I32_MAX))
         return device, align, tuple(ints)
 
 
