@@ -31,6 +31,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from fkv.bench._common import read_ceiling_gbps, time_ms
+
 __all__ = ["main"]
 
 DECODE_TARGET = 0.85   # x dense SDPA GB/s
@@ -69,31 +71,6 @@ class Result:
     @property
     def name(self) -> str:
         return f"{self.kind} B={self.batch} x {self.tokens} {self.layout}"
-
-
-def _time_ms(fn, rep: int, device: str) -> float:
-    if device == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, rep=rep, return_mode="median")
-    import statistics
-    import time
-
-    times = []
-    for _ in range(2):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def _read_ceiling_gbps(rep: int, device: str, nbytes: int) -> float:
-    import torch
-
-    buf = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
-    ms = _time_ms(lambda: buf.sum(), rep, device)
-    del buf
-    return nbytes / ms / 1e6
 
 
 class Problem:
@@ -293,17 +270,17 @@ def _run(res: Result, shape: Shape, ceiling: float, rep: int, device: str,
     res.bytes = p.bytes
     cfg = _default_config_for(shape, res.kind, res.batch, res.tokens)
     res.config = attrs.asdict(cfg)
-    res.ms = _time_ms(lambda: p.kernel(), rep, device)
+    res.ms = time_ms(lambda: p.kernel(), rep, device)
     # Baseline: the fastest fused SDPA backend that runs GQA on this case (default dispatch too).
     want = p.sdpa().float()
-    times = {"default": _time_ms(lambda: p.sdpa(), rep, device)}
+    times = {"default": time_ms(lambda: p.sdpa(), rep, device)}
     backends = _sdpa_backends(p, want)
     for name, backend in backends.items():
-        times[name] = _time_ms(lambda: p.sdpa(backend), rep, device)
+        times[name] = time_ms(lambda: p.sdpa(backend), rep, device)
     res.extra["sdpa_ms_by_backend"] = times
     res.extra["sdpa_baseline"] = min(times, key=times.get)
     res.sdpa_ms = min(times.values())
-    res.extra["ms_repeat"] = _time_ms(lambda: p.kernel(), rep, device)  # noise estimate
+    res.extra["ms_repeat"] = time_ms(lambda: p.kernel(), rep, device)  # noise estimate
     if device == "cuda":
         # Replayed in a CUDA graph: no host launch overhead (the engines' decode path).
         best = backends.get(res.extra["sdpa_baseline"])
@@ -342,7 +319,7 @@ def _sweep(p: Problem, res: Result, default: Any, rep: int, device: str, rows: l
         try:
             with _knobs(var.knobs):
                 err = (p.kernel(config=var.config).float() - want).abs().max().item()
-                ms = _time_ms(lambda: p.kernel(config=var.config), max(10, rep // 4), device)
+                ms = time_ms(lambda: p.kernel(config=var.config), max(10, rep // 4), device)
         except Exception as e:  # a variant that does not fit (shared memory, registers): record it
             rows.append(row | {"error": str(e)[:200]})
             continue
@@ -479,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         _precompile(results, shape, args.sweep, max(1, jobs), device)
     if args.compile_only:
         return 0
-    ceiling = _read_ceiling_gbps(rep, device, ceiling_bytes)
+    ceiling = read_ceiling_gbps(rep, device, ceiling_bytes)
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
     sweep: list[dict] | None = [] if args.sweep else None
     done: list[Result] = []

@@ -33,6 +33,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fkv.bench._common import Cycle, copy_ceiling_gbps, eager_us, graph_us, time_ms
+
 __all__ = ["main"]
 
 L2_ROTATE_BYTES = 512 << 20
@@ -142,64 +144,6 @@ def _scatter_baseline(cache, spec, heads):
 
 
 # -- cases ------------------------------------------------------------------------------------------
-def _copy_ceiling_gbps(rep: int) -> float:
-    import torch
-    import triton.testing
-
-    nbytes = 1 << 30
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=rep, return_mode="median")
-    del src, dst
-    return 2 * nbytes / ms / 1e6
-
-
-def _bench(fn, rep: int) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, rep=rep, return_mode="median")
-
-
-def _eager_us(fn, calls: int = 500) -> float:
-    """Wall µs per call of back-to-back calls (host launch path included): ``time.perf_counter``
-    around ``calls`` calls, synchronized before and after; median of 3 runs."""
-    import statistics
-    import time
-
-    import torch
-
-    for _ in range(20):
-        fn()
-    runs = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - start) * 1e6 / calls)
-    return statistics.median(runs)
-
-
-def _graph_us(fn, calls: int = 8) -> float:
-    """GPU µs per call with no host in the way: ``calls`` calls captured in one CUDA graph,
-    replays timed with do_bench (L2 flushed before each replay)."""
-    import torch
-    import triton.testing
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(graph.replay, rep=100, return_mode="median") * 1e3 / calls
-
-
 def _finish(case: Case, ceiling: float) -> None:
     case.gbps = case.bytes / case.ms / 1e6
     case.baseline_gbps = case.bytes / case.baseline_ms / 1e6 if case.baseline_ms else 0.0
@@ -234,19 +178,10 @@ def _run_convert(case: Case, shape: Shape, device: str, ceiling: float, rep: int
     case.bytes = 2 * src_spec.region_bytes * src_spec.num_regions
     if rep is None:
         return
-    case.ms = _bench(lambda: convert(src, src_spec, dst_spec, out=out), rep)
-    case.baseline_ms = _bench(baseline, rep)
-    case.ms_repeat = _bench(lambda: convert(src, src_spec, dst_spec, out=out), rep)
+    case.ms = time_ms(lambda: convert(src, src_spec, dst_spec, out=out), rep)
+    case.baseline_ms = time_ms(baseline, rep)
+    case.ms_repeat = time_ms(lambda: convert(src, src_spec, dst_spec, out=out), rep)
     _finish(case, ceiling)
-
-
-class _Cycle:
-    def __init__(self, items: list) -> None:
-        self.items, self.i = items, 0
-
-    def next(self):
-        self.i = (self.i + 1) % len(self.items)
-        return self.items[self.i]
 
 
 def _run_staging(case: Case, shape: Shape, device: str, ceiling: float, rep: int | None) -> None:
@@ -283,7 +218,7 @@ def _run_staging(case: Case, shape: Shape, device: str, ceiling: float, rep: int
         if not torch.equal(_bits(stages[0]), _bits(expected)):
             raise SystemExit(f"MISMATCH: the torch baseline differs from the reference "
                              f"({case.name})")
-        pairs = _Cycle(list(zip(ids, stages)))
+        pairs = Cycle(list(zip(ids, stages)))
 
         def kernel():
             i, s = pairs.next()
@@ -309,7 +244,7 @@ def _run_staging(case: Case, shape: Shape, device: str, ceiling: float, rep: int
             raise SystemExit(f"MISMATCH: the torch baseline differs from the reference "
                              f"({case.name})")
         del expected
-        pairs = _Cycle(list(zip(ids, stages)))
+        pairs = Cycle(list(zip(ids, stages)))
 
         def kernel():
             i, s = pairs.next()
@@ -320,15 +255,15 @@ def _run_staging(case: Case, shape: Shape, device: str, ceiling: float, rep: int
             baseline(i, s)
     if rep is None:
         return
-    case.ms = _bench(kernel, rep)
-    case.baseline_ms = _bench(base, rep)
-    case.ms_repeat = _bench(kernel, rep)
+    case.ms = time_ms(kernel, rep)
+    case.baseline_ms = time_ms(base, rep)
+    case.ms_repeat = time_ms(kernel, rep)
     _finish(case, ceiling)
-    case.extra["eager_us"] = _eager_us(kernel)
+    case.extra["eager_us"] = eager_us([kernel], "cuda", 500)
     case.extra["eager_gbps"] = case.bytes / case.extra["eager_us"] / 1e3
-    case.extra["baseline_eager_us"] = _eager_us(base)
+    case.extra["baseline_eager_us"] = eager_us([base], "cuda", 500)
     try:  # the ids are on the GPU: no validation, no sync, so the op is capturable
-        case.extra["graph_us"] = _graph_us(kernel)
+        case.extra["graph_us"] = graph_us([kernel] * 8)
         case.extra["graph_gbps"] = case.bytes / case.extra["graph_us"] / 1e3
     except RuntimeError as e:
         case.extra["graph_error"] = str(e).splitlines()[0]
@@ -439,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rep = 40 if args.quick else 200
     shape = Shape()
-    ceiling = _copy_ceiling_gbps(rep)
+    ceiling = copy_ceiling_gbps(rep)
     cases = [c for c in _cases(args.quick) if args.only in c.name]
     for case in cases:
         _run(case, shape, "cuda", ceiling, rep)

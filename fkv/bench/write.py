@@ -26,6 +26,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fkv.bench._common import Cycle, copy_ceiling_gbps, eager_us, graph_us, time_ms
+
 __all__ = ["main"]
 
 L2_ROTATE_BYTES = 512 << 20  # inputs rotated through at least this many bytes (H200 L2: 50 MB)
@@ -160,89 +162,9 @@ def _scales(spec, device: str) -> dict:
             "v_scale": torch.tensor([0.04], device=device)}
 
 
-def _time_ms(fn, rep: int, device: str) -> float:
-    """Median ms per call: ``triton.testing.do_bench`` on CUDA (L2 flushed between calls); on CPU
-    (``--cpu-smoke`` only: exercises the code path, the figure means nothing) a perf_counter median."""
-    if device == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, rep=rep, return_mode="median")
-    import statistics
-    import time
-
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def _copy_ceiling_gbps(rep: int, device: str, nbytes: int = 1 << 30) -> float:
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), rep, device)
-    del src, dst
-    return 2 * nbytes / ms / 1e6
-
-
-class _Cycle:
-    def __init__(self, items: list) -> None:
-        self.items, self.i = items, 0
-
-    def next(self):
-        self.i = (self.i + 1) % len(self.items)
-        return self.items[self.i]
-
-
-def _eager_us(fns: list, device: str, calls: int = 2000) -> float:
-    """Wall µs per call of back-to-back calls, host launch path included (what a decode step
-    pays): ``time.perf_counter`` around ``calls`` calls cycling through the zero-argument
-    callables ``fns`` (one per input set), synchronized before and after; median of 3 runs."""
-    import statistics
-    import time
-
-    import torch
-
-    if device != "cuda":
-        calls = 3
-    seq = (fns * -(-calls // len(fns)))[:calls]
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for f in seq[:50]:
-        f()
-    runs = []
-    for _ in range(3):
-        sync()
-        start = time.perf_counter()
-        for f in seq:
-            f()
-        sync()
-        runs.append((time.perf_counter() - start) * 1e6 / calls)
-    return statistics.median(runs)
-
-
 def _graph_us(make_call, sets: list, rep: int) -> tuple[float, float]:
     """(µs per replay of a one-call graph, µs per call inside a graph of len(sets) calls)."""
-    import torch
-    import triton.testing
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        make_call(sets[0])()  # compiled before capture
-    torch.cuda.synchronize()
-    one, many = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(one, stream=stream):
-        make_call(sets[0])()
-    with torch.cuda.graph(many, stream=stream):
-        for s in sets:
-            make_call(s)()
-    torch.cuda.synchronize()
-    one_ms = triton.testing.do_bench(one.replay, rep=rep, return_mode="median")
-    many_ms = triton.testing.do_bench(many.replay, rep=rep, return_mode="median")
-    return one_ms * 1e3, many_ms * 1e3 / len(sets)
+    return graph_us([make_call(sets[0])], rep), graph_us([make_call(x) for x in sets], rep)
 
 
 def _run_case(case: Case, shape: Shape, ceiling: float, rep: int, device: str = "cuda") -> None:
@@ -274,18 +196,18 @@ def _run_case(case: Case, shape: Shape, ceiling: float, rep: int, device: str = 
         k, v, s = item
         return lambda: baseline(k, v, s, **scales)
 
-    cyc = _Cycle(sets)
-    case.ms = _time_ms(lambda: kernel_call(cyc.next())(), rep, device)
-    case.baseline_ms = _time_ms(lambda: baseline_call(cyc.next())(), rep, device)
+    cyc = Cycle(sets)
+    case.ms = time_ms(lambda: kernel_call(cyc.next())(), rep, device)
+    case.baseline_ms = time_ms(lambda: baseline_call(cyc.next())(), rep, device)
     case.gbps = case.bytes / case.ms / 1e6
     case.baseline_gbps = case.bytes / case.baseline_ms / 1e6
     case.pct_of_copy = 100 * case.gbps / ceiling
     case.speedup_vs_baseline = case.baseline_ms / case.ms
     calls = 2000 if case.kind == "decode" else 200
     case.extra["kernel_us"] = case.ms * 1e3
-    case.extra["eager_us"] = _eager_us([kernel_call(x) for x in sets], device, calls)
+    case.extra["eager_us"] = eager_us([kernel_call(x) for x in sets], device, calls)
     case.extra["eager_gbps"] = case.bytes / case.extra["eager_us"] / 1e3
-    case.extra["baseline_eager_us"] = _eager_us([baseline_call(x) for x in sets], device, calls)
+    case.extra["baseline_eager_us"] = eager_us([baseline_call(x) for x in sets], device, calls)
     if case.kind == "decode" and device == "cuda":
         graph_sets = sets[: min(len(sets), 32)]
         case.extra["graph1_us"], case.extra["graph_per_call_us"] = _graph_us(
@@ -435,7 +357,7 @@ def _host_profile(device: str) -> dict[str, float]:
         "direct launch (site call)": per_call(lambda: prep.site(grid, args), 5000),
         "write_kv, direct launch": per_call(lambda: write_mod.write_kv(
             key, value, cache, slots, spec, validate=False), 5000),
-        "write_kv, direct, 64 rotating inputs": _eager_us(rotating, device, 5000),
+        "write_kv, direct, 64 rotating inputs": eager_us(rotating, device, 5000),
         "Triton normal launch (kernel[grid])": per_call(normal, 2000),
         "write_kv, FKV fast launch off": per_call(fast_off, 2000),
     }
@@ -505,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     host = _host_profile(device) if args.host_profile else {}
-    ceiling = _copy_ceiling_gbps(rep, device, ceiling_bytes)
+    ceiling = copy_ceiling_gbps(rep, device, ceiling_bytes)
     cases = [c for c in _cases(shape, args.quick) if args.only in c.name]
     for case in cases:
         _run_case(case, shape, ceiling, rep, device)

@@ -1,0 +1,121 @@
+"""Timing helpers shared by the benchmarks: do_bench medians, same-run ceilings, eager and graph
+per-call times, input rotation, and the JSON header every result file carries.
+
+On CUDA every time is ``triton.testing.do_bench(..., return_mode="median")``; on CPU (the
+``--cpu-smoke`` paths, which only exercise the code) a short ``perf_counter`` median whose figure
+means nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["Cycle", "copy_ceiling_gbps", "eager_us", "environment", "graph_us", "read_ceiling_gbps",
+           "time_ms", "write_json"]
+
+
+def time_ms(fn: Callable[[], Any], rep: int, device: str = "cuda") -> float:
+    """Median milliseconds per call of ``fn`` (do_bench on CUDA: events, L2 flushed between calls)."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, rep=rep, return_mode="median")
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def copy_ceiling_gbps(rep: int, device: str = "cuda", nbytes: int = 1 << 30) -> float:
+    """Same-run copy ceiling: a ``nbytes`` device copy, counting bytes read plus bytes written."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), rep, device)
+    del src, dst
+    return 2 * nbytes / ms / 1e6
+
+
+def read_ceiling_gbps(rep: int, device: str = "cuda", nbytes: int = 2 << 30) -> float:
+    """Same-run read ceiling: a sum over ``nbytes`` of random float32."""
+    import torch
+
+    buf = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    ms = time_ms(lambda: buf.sum(), rep, device)
+    del buf
+    return nbytes / ms / 1e6
+
+
+class Cycle:
+    """Rotate through input sets larger than L2 so repeated calls do not measure the cache."""
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        self.items, self.i = list(items), 0
+
+    def next(self) -> Any:
+        self.i = (self.i + 1) % len(self.items)
+        return self.items[self.i]
+
+
+def eager_us(fns: Sequence[Callable[[], Any]], device: str = "cuda", calls: int = 2000) -> float:
+    """Wall µs per call of back-to-back calls, host launch path included (what an eager decode step
+    pays): ``perf_counter`` around ``calls`` calls cycling through ``fns``, synchronized before and
+    after; median of 3 runs."""
+    import torch
+
+    if device != "cuda":
+        calls = 3
+    seq = (list(fns) * -(-calls // len(fns)))[:calls]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for f in seq[:50]:
+        f()
+    runs = []
+    for _ in range(3):
+        sync()
+        start = time.perf_counter()
+        for f in seq:
+            f()
+        sync()
+        runs.append((time.perf_counter() - start) * 1e6 / calls)
+    return statistics.median(runs)
+
+
+def graph_us(calls: Sequence[Callable[[], Any]], rep: int = 100) -> float:
+    """GPU µs per call with no host in the way: ``calls`` captured in one CUDA graph (compiled
+    before capture), replays timed with do_bench."""
+    import torch
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls[0]()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for call in calls:
+            call()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(graph.replay, rep=rep, return_mode="median") * 1e3 / len(calls)
+
+
+def environment(device: str) -> dict[str, str]:
+    """The header of every result file: device name, torch and triton versions."""
+    import torch
+    import triton
+
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return {"device": name, "torch": torch.__version__, "triton": triton.__version__}
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
