@@ -33,7 +33,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fkv.bench._common import Cycle, copy_ceiling_gbps, eager_us, graph_us, time_ms
+from fkv.bench._common import (Cycle, copy_ceiling_gbps, eager_us, environment, graph_us, time_ms,
+                               write_json)
 
 __all__ = ["main"]
 
@@ -366,7 +367,6 @@ def main(argv: list[str] | None = None) -> int:
         return _cpu_smoke(args)
 
     import torch
-    import triton
 
     if not torch.cuda.is_available():
         print("fkv bench convert needs a CUDA device (use --cpu-smoke for the correctness path)",
@@ -384,17 +384,13 @@ def main(argv: list[str] | None = None) -> int:
     sweep = _sweep(shape, ceiling, rep) if args.sweep else []
     result = {
         "bench": "convert",
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        **environment("cuda"),
         "shape": asdict(shape),
         "copy_ceiling_gbps": ceiling,
         "cases": [{"name": c.name, **asdict(c)} for c in cases],
         "sweep": sweep,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     print(_table(cases, ceiling))
     return 0
 

@@ -20,13 +20,13 @@ CUDA graphs (one call per graph, and per call in a graph of many calls).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fkv.bench._common import Cycle, copy_ceiling_gbps, eager_us, graph_us, time_ms
+from fkv.bench._common import (Cycle, copy_ceiling_gbps, eager_us, environment, graph_us, time_ms,
+                               write_json)
 
 __all__ = ["main"]
 
@@ -413,7 +413,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
     import torch
-    import triton
 
     if args.cpu_smoke:
         device, rep, ceiling_bytes = "cpu", 1, 16 << 20
@@ -437,18 +436,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "bench": "write",
         "mode": "cpu-smoke (timings meaningless)" if args.cpu_smoke else "cuda",
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        **environment(device),
         "shape": asdict(shape),
         "copy_ceiling_gbps": ceiling,
         "cases": [{"name": c.name, **asdict(c)} for c in cases],
         "sweep": sweep,
         "host_profile_us": host,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     print(_table(cases, ceiling))
     return 0
 
