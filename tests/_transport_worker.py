@@ -152,7 +152,7 @@ class Worker:
         fill_prefill(caches, spec, engine, cmd["seed"])
         server = self._with_env(cmd.get("env"), lambda: serve(
             engine, spec, caches, host=cmd.get("host", "127.0.0.1"), join=cmd.get("join"),
-            lease=cmd.get("lease", 60.0)))
+            lease=cmd.get("lease", 60.0), pack_bytes=cmd.get("pack_bytes")))
         self.servers[cmd["name"]] = server
         self.caches[cmd["name"]] = (caches, spec, engine)
         return {"address": server.address, "pid": os.getpid()}
@@ -169,12 +169,44 @@ class Worker:
         caches = self.caches[cmd["name"]][0]
         return {"sum": [float(c.float().nan_to_num().sum()) for c in caches]}
 
+    def cmd_pack_state(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The pack buffer's size, slots held and a digest of its bytes (to see it untouched)."""
+        server = self.servers[cmd["name"]]
+        buf = server._packer.buffer.cpu()
+        digest = int((buf.to(torch.int64) * torch.arange(1, buf.numel() + 1)).sum())
+        return {"pack_bytes": server.pack_bytes, "held": server.packs_held(), "digest": digest}
+
+    def cmd_stop_after_pack(self, cmd: dict[str, Any]) -> None:
+        """Stop this process (SIGSTOP) right after its server answers a pack request of
+        ``request_id``: the decode rank gets its reply, and its READ then finds nobody serving."""
+        import signal
+
+        from fkv.connector import _side
+
+        server = self.servers[cmd["name"]]
+        answer = server._answer
+
+        def answer_then_stop(frames: list[bytes]) -> None:
+            answer(frames)
+            try:
+                msg = _side.decode_request(frames[-1])
+            except _side.SideChannelError:
+                return
+            if isinstance(msg, _side.Pack) and msg.request_id == cmd["request_id"]:
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        server._answer = answer_then_stop
+
+    def cmd_poison_pack(self, cmd: dict[str, Any]) -> None:
+        self.servers[cmd["name"]]._packer.buffer.fill_(0xA5)
+
     # -- decode ------------------------------------------------------------------------------
     def cmd_connect(self, cmd: dict[str, Any]) -> dict[str, Any]:
         spec, engine = make_spec(cmd["spec"]), make_engine(cmd["engine"])
         caches = fkv.allocate(spec, cmd.get("device", "cpu"))
         poison(caches)
-        kwargs = {k: cmd[k] for k in ("strategy", "staging_bytes", "expected_engine") if k in cmd}
+        kwargs = {k: cmd[k] for k in ("strategy", "staging_bytes", "expected_engine",
+                                      "pack_threshold") if k in cmd}
         client = self._with_env(cmd.get("env"), lambda: connect(
             engine, spec, caches, remote_address=cmd["address"], timeout=cmd.get("timeout", 20.0),
             **kwargs))
@@ -182,14 +214,15 @@ class Worker:
         self.caches[cmd["name"]] = (caches, spec, engine)
         plan = client.plan
         return {"strategy": plan.strategy, "remote_ranks": list(plan.remote_ranks),
-                "notify_only_ranks": list(plan.notify_only_ranks), "pid": os.getpid()}
+                "notify_only_ranks": list(plan.notify_only_ranks), "pid": os.getpid(),
+                "packed": client.packed, "describe": client.describe()}
 
     def _read(self, name: str, r: dict[str, Any]) -> dict[str, Any]:
         result = self.clients[name].read(r["request_id"], r["local"], r["remote"],
                                          timeout=r.get("timeout", 30.0),
                                          num_tokens=r.get("num_tokens"))
         return {"result_ok": result.ok, "bytes": result.bytes, "descriptors": result.descriptors,
-                "error": result.error, "read_seconds": result.seconds}
+                "error": result.error, "read_seconds": result.seconds, "path": result.strategy}
 
     def cmd_read(self, cmd: dict[str, Any]) -> dict[str, Any]:
         return self._read(cmd["name"], cmd)

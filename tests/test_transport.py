@@ -150,18 +150,19 @@ class Pair:
                  p_procs: list[Proc] | None = None, d_procs: list[Proc] | None = None,
                  p_env: dict[str, str] | None = None, d_env: dict[str, str] | None = None,
                  host: str = "127.0.0.1", connect_kw: dict[str, Any] | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", serve_kw: dict[str, Any] | None = None) -> None:
         self.name = f"c{next(_counter)}"
         self.ptp, self.dtp, self.pspec, self.dspec, self.heads = ptp, dtp, pspec, dspec, heads
         self.P = (p_procs or cluster["P"])[:ptp]
         self.D = (d_procs or cluster["D"])[:dtp]
         self.address = self.P[0].call(
             "serve", name=self.name, spec=pspec, engine=engine_dict(f"P-{self.name}", ptp, 0, heads),
-            seed=SEED, lease=lease, env=p_env, host=host, device=device)["address"]
+            seed=SEED, lease=lease, env=p_env, host=host, device=device, **(serve_kw or {})
+        )["address"]
         for r, p in enumerate(self.P[1:], 1):
             p.send("serve", name=self.name, spec=pspec, seed=SEED, lease=lease, env=p_env,
                    engine=engine_dict(f"P-{self.name}", ptp, r, heads), join=self.address,
-                   host=host, device=device)
+                   host=host, device=device, **(serve_kw or {}))
         for p in self.P[1:]:
             p.result()
         self.connected: list[dict[str, Any]] = []
@@ -295,6 +296,187 @@ def test_backends(cluster: Any, case: str) -> None:
         assert pair.wait_released("r1") == ["notified"] * ptp
     finally:
         pair.stop()
+
+
+# -- packed reads: the prefill rank gathers, one READ per rank, the decode rank scatters ----------
+
+PACKED = {
+    # name: (prefill spec overrides, decode spec overrides)
+    "HND": ({}, {}),
+    "NHD": ({"layout": "NHD"}, {"layout": "NHD"}),
+    "blocks": ({"layout": "NHD", "block_size": 4}, {"block_size": 8, "num_blocks": 8}),
+}
+
+
+def _packed_case(cluster: Any, ptp: int, dtp: int, pover: dict[str, Any], dover: dict[str, Any],
+                 *, heads: int = HEADS, tokens: int = 14, device: str = "cpu",
+                 connect_kw: dict[str, Any] | None = None, serve_kw: dict[str, Any] | None = None,
+                 chunks: int = 1) -> None:
+    pspec = spec_dict(tp=ptp, heads=heads, **pover)
+    dspec = spec_dict(tp=dtp, heads=heads, **dover)
+    pair = Pair(cluster, ptp, dtp, pspec, dspec, heads=heads, device=device, serve_kw=serve_kw,
+                connect_kw={"strategy": "packed", **(connect_kw or {})})
+    try:
+        assert all(c["packed"] for c in pair.connected)
+        assert "packed: each prefill rank read gathers the request" in pair.connected[0]["describe"]
+        for p in pair.P:
+            p.call("poison_pack", name=pair.name)  # stale pack bytes must not reach a cache
+        local, remote = request_blocks(pspec, dspec, tokens)
+        results = pair.read_all("r1", local, remote, num_tokens=tokens)
+        assert [r["result_ok"] for r in results] == [True] * dtp, results
+        assert {r["path"] for r in results} == {"packed"}
+        reads = [len(c["remote_ranks"]) for c in pair.connected]
+        assert [r["descriptors"] for r in results] == [n * chunks for n in reads], results
+        assert pair.verify_all(local, remote, tokens) == [None] * dtp
+        assert pair.wait_released("r1") == ["notified"] * ptp
+        for p in pair.P:  # every slot came back with its READ's notification
+            state = p.call("pending", name=pair.name)
+            assert p.call("pack_state", name=pair.name)["held"] == 0 and state["errors"] == []
+    finally:
+        pair.stop()
+
+
+@pytest.mark.parametrize("variant", list(PACKED))
+@pytest.mark.parametrize("ptp,dtp", [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_packed_matrix(cluster: Any, ptp: int, dtp: int, variant: str) -> None:
+    _packed_case(cluster, ptp, dtp, *PACKED[variant])
+
+
+PACKED_MORE = {
+    # name: (P TP, D TP, heads, prefill overrides, decode overrides, keywords)
+    "mla-2-1": (2, 1, 1, {"backend": "mla", "head_size": 32}, {"backend": "mla", "head_size": 32},
+                {}),
+    "cross-1-2": (1, 2, HEADS, {"backend": "flash_attn", "layout": "NHD", "block_size": 8,
+                                "num_blocks": 8},
+                  {"backend": "flashinfer", "cross_layer": True}, {}),
+    # a pack is 2 KiB per block (4 heads, 2 layers). A prefill pack buffer of 4 KiB shared by 2
+    # decode ranks: 14 tokens of 4-token blocks go in 4 chunks of 4, 4, 4 and 2 tokens.
+    "chunks-1-2": (1, 2, HEADS, {"layout": "NHD"}, {},
+                   {"serve_kw": {"pack_bytes": 4096}, "chunks": 4}),
+    # a decode staging buffer of 2 blocks from each of 2 prefill ranks: chunks of 8 and 6 tokens
+    "chunks-2-1": (2, 1, HEADS, {}, {"layout": "NHD"},
+                   {"connect_kw": {"staging_bytes": 2 * 4096 + 2 * 256}, "chunks": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(PACKED_MORE))
+def test_packed_backends_and_chunks(cluster: Any, case: str) -> None:
+    ptp, dtp, heads, pover, dover, kw = PACKED_MORE[case]
+    _packed_case(cluster, ptp, dtp, pover, dover, heads=heads, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["HND", "blocks"])
+def test_packed_cuda(cluster: Any, variant: str) -> None:
+    """VRAM caches on GPU 0: gather on the prefill side, scatter on the decode side (Triton)."""
+    _packed_case(cluster, 1, 2, *PACKED[variant], device="cuda")
+
+
+@pytest.mark.gpu
+def test_auto_packs_large_requests_on_cuda(cluster: Any) -> None:
+    """``strategy="auto"`` on CUDA: a request over ``pack_threshold`` descriptors reads packed,
+    a small one follows the plan (direct)."""
+    pspec, dspec = spec_dict(tp=1), spec_dict(tp=2)
+    pair = Pair(cluster, 1, 2, pspec, dspec, device="cuda", connect_kw={"pack_threshold": 8})
+    try:
+        assert all(c["packed"] for c in pair.connected)
+        local, remote = request_blocks(pspec, dspec, 4)  # 1 block x 2 layers x K/V: 4 rows
+        small = pair.read_all("small", local, remote)
+        assert {r["path"] for r in small} == {"direct"} and all(r["result_ok"] for r in small)
+        assert pair.verify_all(local, remote) == [None, None]
+        local, remote = request_blocks(pspec, dspec, 30)  # 8 blocks: 32 rows
+        large = pair.read_all("large", local, remote)
+        assert {r["path"] for r in large} == {"packed"} and all(r["result_ok"] for r in large)
+        assert pair.verify_all(local, remote, also_written=[2]) == [None, None]
+    finally:
+        pair.stop()
+
+
+def test_auto_does_not_pack_on_cpu(cluster: Any) -> None:
+    pspec, dspec = spec_dict(tp=1), spec_dict(tp=2)
+    pair = Pair(cluster, 1, 2, pspec, dspec, connect_kw={"pack_threshold": 0})
+    try:
+        assert [c["packed"] for c in pair.connected] == [False, False]
+        assert "'auto' packs only when the caches of both sides are on CUDA" in \
+            pair.connected[0]["describe"]
+        local, remote = request_blocks(pspec, dspec, 16)
+        plan = {c["strategy"] for c in pair.connected}
+        assert {r["path"] for r in pair.read_all("r1", local, remote)} == plan != {"packed"}
+        assert pair.verify_all(local, remote) == [None, None]
+    finally:
+        pair.stop()
+
+
+def test_pack_requests_are_checked_before_anything_is_written(cluster: Any) -> None:
+    """Raw ``Pack`` messages on a prefill rank's side channel: bad ids, heads or token counts and
+    packs larger than the buffer get an error reply and leave the buffer untouched; a good one
+    reserves a slot; one that does not fit next to it is told to retry."""
+    import zmq
+
+    from fkv.connector import _side
+
+    pspec = spec_dict(tp=1)  # a pack of all 8 heads is 4 KiB per block (2 layers of 2 KiB)
+    P = cluster["P"][0]
+    name = f"c{next(_counter)}"
+    address = P.call("serve", name=name, spec=pspec, engine=engine_dict(f"P-{name}", 1, 0),
+                     seed=SEED, pack_bytes=36 * 1024)["address"]
+    P.call("poison_pack", name=name)
+    before = P.call("pack_state", name=name)
+    before.pop("seconds")
+    ctx = zmq.Context()
+    dealer = _side.Dealer(ctx, address)
+
+    def ask(token: int, **kw: Any) -> Any:
+        fields = {"request_id": "r", "block_ids": [1, 2], "heads": (0, 8), "num_tokens": 8,
+                  "timeout": 30.0, **kw}
+        dealer.send(_side.Pack(token=token, **fields))
+        reply = dealer.wait(token, time.monotonic() + 10)
+        assert reply is not None, "the prefill rank stopped answering"
+        return reply
+
+    try:
+        assert before["pack_bytes"] == 36 * 1024 and before["held"] == 0
+        refusals = {
+            "'block_ids'[1] = 12 is outside this rank's cache [0, num_blocks=12)":
+                {"block_ids": [3, 12]},
+            "'heads' (2, 9) must be a range (a, b) with 0 <= a < b <= 8": {"heads": (2, 9)},
+            "'num_tokens' 9 needs 3 blocks of 4 tokens but 'block_ids' holds 2": {"num_tokens": 9},
+            "is 49152 bytes but this rank's pack buffer holds 36864": {
+                "block_ids": list(range(12)), "num_tokens": 48},
+        }
+        for token, (message, kw) in enumerate(refusals.items(), 1):
+            reply = ask(token, **kw)
+            assert isinstance(reply, _side.Error) and not reply.retry, reply
+            assert message in reply.message and "nothing was packed" in reply.message, reply
+        after = P.call("pack_state", name=name)
+        after.pop("seconds")
+        assert after == before  # not one byte written, no slot held
+        good = ask(10, block_ids=list(range(8)), num_tokens=32)  # 16 KiB x 2 layers = 32 KiB
+        assert isinstance(good, _side.Packed) and good.nbytes == 32 * 1024, good
+        assert P.call("pack_state", name=name)["held"] == 1
+        busy = ask(11)  # 8 KiB more do not fit next to the held 32 KiB
+        assert isinstance(busy, _side.Error) and busy.retry and "busy" in busy.message, busy
+        assert P.call("pending", name=name)["errors"] == []
+    finally:
+        dealer.close()
+        ctx.term()
+        P.call("stop", name=name)
+
+
+def test_packed_needs_a_pack_buffer(cluster: Any) -> None:
+    pspec = spec_dict(tp=1)
+    P, D = cluster["P"][0], cluster["D"][0]
+    name = f"c{next(_counter)}"
+    address = P.call("serve", name=name, spec=pspec, engine=engine_dict(f"P-{name}", 1, 0),
+                     seed=SEED, pack_bytes=0)["address"]
+    try:
+        reply = D.call("connect", check=False, name=name, spec=pspec, strategy="packed",
+                       engine=engine_dict("D", 1, 0), address=address)
+        assert not reply["ok"] and reply["type"] == "FkvError", reply
+        assert "prefill rank 0 serves no pack buffer (serve(..., pack_bytes=0))" in reply["error"]
+    finally:
+        P.call("stop", name=name)
+        D.call("stop", name=name)
 
 
 # -- notifications and leases ---------------------------------------------------------------------
@@ -503,6 +685,60 @@ def test_prefill_killed_during_and_before_a_read_then_reconnect(cluster: Any) ->
         mismatch = D.call("verify", name=name, local=local, remote=remote, seed=SEED,
                           remote_spec=pspec)["mismatch"]
         assert mismatch is None
+    finally:
+        D.call("stop", name=name, check=False)
+        victim.close()
+        if reborn is not None:
+            reborn.close()
+
+
+def test_prefill_stopped_or_killed_during_a_packed_read_then_reconnect(cluster: Any) -> None:
+    """Packed reads: a prefill rank stopped before it packs, one killed after it packed (the READ
+    in flight), one dead before the read: ``ok=False`` within the timeout each time; the engine
+    comes back and the client reconnects and reads correct bytes packed."""
+    pspec = dspec = spec_dict(tp=1, num_blocks=64, block_size=16, head_size=64)
+    D = cluster["D"][0]
+    name = f"c{next(_counter)}"
+    victim = Proc("packed-victim", cluster["logdir"], env=TCP_LO)
+    reborn = None
+    try:
+        address = victim.call("serve", name=name, spec=pspec, seed=SEED,
+                              engine=engine_dict(f"P-{name}", 1, 0), wait=120)["address"]
+        D.call("connect", name=name, spec=dspec, engine=engine_dict("D", 1, 0), address=address,
+               env=TCP_LO, strategy="packed")
+        ids = list(range(8))
+        warm = D.call("read", name=name, request_id="warm", local=ids, remote=ids)
+        assert warm["result_ok"] and warm["path"] == "packed", warm
+        # During the pack: the stopped process cannot answer the pack request.
+        victim.kill(signal.SIGSTOP)
+        hung = D.call("read", name=name, request_id="hung", local=ids, remote=ids, timeout=1.0)
+        assert not hung["result_ok"] and 1.0 <= hung["read_seconds"] < 5.0, hung
+        assert "did not answer the pack request before the read's timeout" in hung["error"]
+        victim.kill(signal.SIGCONT)
+        # During the READ: the rank packs and answers, then stops (nobody serves the READ over
+        # TCP) and is killed while the READ is in flight.
+        victim.call("stop_after_pack", name=name, request_id="during")
+        D.send("read", name=name, request_id="during", local=ids, remote=ids[::-1], timeout=4.0)
+        time.sleep(1.0)
+        victim.kill(signal.SIGKILL)
+        victim.proc.wait()
+        during = D.result(timeout=30)
+        assert not during["result_ok"] and during["read_seconds"] < 4.0 + 2.0, during
+        assert "READ from prefill rank 0" in during["error"], during
+        # Before: the process is already dead when the read starts.
+        before = D.call("read", name=name, request_id="before", local=ids, remote=ids,
+                        timeout=1.5)
+        assert not before["result_ok"] and before["read_seconds"] < 1.5 + 2.0, before
+        assert "prefill rank 0" in before["error"] and "reconnect" in before["error"], before
+        reborn = Proc("packed-reborn", cluster["logdir"], env=TCP_LO)
+        address = reborn.call("serve", name=name, spec=pspec, seed=SEED,
+                              engine=engine_dict(f"P-{name}", 1, 0), wait=120)["address"]
+        D.call("reconnect", name=name, address=address)
+        local, remote = [5, 9, 2], [40, 1, 63]
+        again = D.call("read", name=name, request_id="again", local=local, remote=remote)
+        assert again["result_ok"] and again["path"] == "packed", again
+        assert D.call("verify", name=name, local=local, remote=remote, seed=SEED,
+                      remote_spec=pspec)["mismatch"] is None
     finally:
         D.call("stop", name=name, check=False)
         victim.close()

@@ -3,7 +3,8 @@
 Everything NIXL-specific lives here: loading ``nixl`` (quietly), registering memory, building the
 ``Nx3`` uint64 descriptor tables ``(address, length, device)``, preparing descriptor lists, posting
 READs with a notification, polling them against a deadline and releasing handles. The caller
-(``fkv.connector.transport``) must call one :class:`Agent` from one thread at a time (SPEC.md §6).
+(the transport's server and client) must call one :class:`Agent` from one thread at a time
+(SPEC.md §6).
 
 Descriptors are *granules*: each registered region is cut into ``len // granule`` equal pieces, so
 a plan row ``(region, offset, nbytes)`` is the index run ``offset // granule`` .. ``+ nbytes //
@@ -129,18 +130,37 @@ class Agent:
         self._dlists: list[Any] = []
         self._remotes: set[str] = set()
         self._leaked: list[Any] = []
+        self._kept: list[Any] = []
 
     # -- memory ------------------------------------------------------------------------------
-    def register(self, regions: Any, mem_type: str, device_id: int) -> None:
-        """Register ``[(base, nbytes), ...]`` of one memory type once (until :meth:`close`)."""
+    def register(self, regions: Any, mem_type: str, device_id: int) -> Any:
+        """Register ``[(base, nbytes), ...]`` of one memory type (until :meth:`deregister` or
+        :meth:`close`); returns the registration handle (None for no regions)."""
         descs = [(int(b), int(n), int(device_id), "") for b, n in regions]
         if not descs:
-            return
+            return None
         try:
-            self._registered.append(self._agent.register_memory(descs, mem_type))
+            reg = self._agent.register_memory(descs, mem_type)
         except Exception as e:
             raise TransferFailed(f"NIXL could not register {len(descs)} {mem_type} region(s): "
                                  f"{type(e).__name__}: {e}") from e
+        self._registered.append(reg)
+        return reg
+
+    def deregister(self, reg: Any, keep: Any = None) -> None:
+        """Deregister what :meth:`register` returned (a no-op for None or an unknown handle).
+        While a transfer NIXL could not release is pending the memory stays registered (until
+        :meth:`close`), and ``keep`` (the memory's owner, e.g. its tensor) stays referenced until
+        then: a late READ must not land in memory that was freed or that UCX no longer maps."""
+        if reg is not None and self._leaked:
+            self._kept.append(keep)
+            return
+        if reg is not None and any(r is reg for r in self._registered):
+            self._registered = [r for r in self._registered if r is not reg]
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception:  # memory already gone with a dead transfer: nothing left to undo
+                return
 
     def metadata(self) -> bytes:
         """This agent's NIXL metadata (connection info and registered memory) for peers."""
@@ -193,6 +213,23 @@ class Agent:
         except Exception as e:
             raise TransferFailed(f"could not create a READ from {remote_name!r}: "
                                  f"{type(e).__name__}: {e}") from e
+        return self._post(handle, remote_name, nbytes)
+
+    def read_descs(self, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str,
+                   remote_name: str, nbytes: int, notif: bytes = b"") -> Xfer:
+        """Create and post one READ of explicit ``Nx3`` uint64 ``(address, length, device)``
+        tables, remote row -> local row (both inside memory the agents registered). Packed reads
+        use it: one or a few large descriptors, a different place each time."""
+        try:
+            handle = self._agent.initialize_xfer(
+                "READ", self._agent.get_xfer_descs(local, local_mem),
+                self._agent.get_xfer_descs(remote, remote_mem), remote_name, notif)
+        except Exception as e:
+            raise TransferFailed(f"could not create a READ of {len(remote)} descriptor(s) from "
+                                 f"{remote_name!r}: {type(e).__name__}: {e}") from e
+        return self._post(handle, remote_name, nbytes)
+
+    def _post(self, handle: Any, remote_name: str, nbytes: int) -> Xfer:
         xfer = Xfer(handle, remote_name, nbytes)
         try:
             xfer.state = self._agent.transfer(handle)
@@ -281,4 +318,5 @@ class Agent:
             except Exception:
                 continue
         self._registered.clear()
+        self._kept.clear()
         self._agent = None

@@ -9,12 +9,20 @@ decode gets an :class:`Error` reply and the server keeps serving.
 Rank 0 stores wire bytes only after ``decode_untrusted`` accepted them; the decode side decodes
 them again itself (each side trusts only its own decoder).
 
+Packed reads: every prefill rank with a pack buffer also answers on its own address (listed in
+its :class:`RankEntry`). A decode rank sends :class:`Pack` there through a persistent
+:class:`Dealer` socket (one per prefill rank); the rank gathers the request's blocks into its pack
+buffer and replies :class:`Packed` (where the bytes lie, under which slot) or :class:`Error`
+(``retry=True``: the buffer is busy, ask again). Replies carry the request's ``token``, so a late
+reply to an earlier, abandoned request is recognised and dropped.
+
 >>> decode_reply(encode_message(Error(message="nope", retry=False)))
 Error(message='nope', retry=False)
 """
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -22,14 +30,20 @@ import msgspec
 from fkv.errors import FkvError
 
 __all__ = [
-    "Error", "Fetch", "MAX_SIDE_MESSAGE_BYTES", "Ok", "Ping", "Publish", "RankEntry", "Ranks",
-    "SideChannelError", "decode_reply", "decode_request", "encode_message", "request",
+    "Dealer", "Error", "Fetch", "MAX_SIDE_MESSAGE_BYTES", "Ok", "Pack", "Packed", "Ping", "Publish",
+    "RankEntry", "Ranks", "SideChannelError", "decode_reply", "decode_request", "encode_message",
+    "request",
 ]
 
 #: Largest side-channel message either side decodes (checked before decoding).
 MAX_SIDE_MESSAGE_BYTES = 256 << 20
 
 _Wire = Annotated[bytes, msgspec.Meta(max_length=64 << 20)]
+_Address = Annotated[str, msgspec.Meta(max_length=1024)]
+_Size = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+_Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+#: Most blocks one pack request may name.
+MAX_PACK_BLOCKS = 1 << 22
 
 
 class SideChannelError(FkvError):
@@ -42,6 +56,9 @@ class Publish(msgspec.Struct, tag="publish", forbid_unknown_fields=True, frozen=
     rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
     peer: _Wire
     mem_type: Literal["DRAM", "VRAM"]
+    address: _Address = ""  # where this rank answers pack requests ("" : no pack buffer)
+    pack_base: _Size = 0     # address and size of its registered pack buffer
+    pack_bytes: _Size = 0
 
 
 class Fetch(msgspec.Struct, tag="fetch", forbid_unknown_fields=True, frozen=True):
@@ -53,8 +70,38 @@ class Ping(msgspec.Struct, tag="ping", forbid_unknown_fields=True, frozen=True):
 
 
 class RankEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One prefill rank as rank 0 lists it: wire bytes, memory type, pack address and buffer."""
+
     peer: _Wire
     mem_type: Literal["DRAM", "VRAM"]
+    address: _Address = ""
+    pack_base: _Size = 0
+    pack_bytes: _Size = 0
+
+
+class Pack(msgspec.Struct, tag="pack", forbid_unknown_fields=True, frozen=True):
+    """A decode rank asks one prefill rank to gather ``num_tokens`` tokens of ``block_ids`` (heads
+    ``[heads[0], heads[1])`` of that rank, all layers) into its pack buffer, and to keep them
+    there for at most ``timeout`` seconds (until the READ's free notification)."""
+
+    token: _Token
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    block_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]],
+                         msgspec.Meta(min_length=1, max_length=MAX_PACK_BLOCKS)]
+    heads: tuple[Annotated[int, msgspec.Meta(ge=0, le=1 << 16)],
+                 Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]]
+    num_tokens: Annotated[int, msgspec.Meta(ge=1, lt=1 << 40)]
+    timeout: Annotated[float, msgspec.Meta(gt=0, le=86400)]
+
+
+class Packed(msgspec.Struct, tag="packed", forbid_unknown_fields=True, frozen=True):
+    """The bytes of :class:`Pack` ``token`` lie at ``offset`` of the pack buffer, ``nbytes`` long
+    (layer after layer, each ``[n, 2, h, N, D]``, MLA ``[n, N, D]``), held under ``slot``."""
+
+    token: _Token
+    slot: _Token
+    offset: _Size
+    nbytes: _Size
 
 
 class Ok(msgspec.Struct, tag="ok", forbid_unknown_fields=True, frozen=True):
@@ -67,11 +114,12 @@ class Ranks(msgspec.Struct, tag="ranks", forbid_unknown_fields=True, frozen=True
 
 class Error(msgspec.Struct, tag="error", forbid_unknown_fields=True, frozen=True):
     message: Annotated[str, msgspec.Meta(max_length=1 << 16)]
-    retry: bool = False  # True: ask again later (ranks still joining)
+    retry: bool = False  # True: ask again later (ranks still joining, pack buffer busy)
+    token: _Token = 0    # the Pack request answered (0 for other requests)
 
 
-_REQUESTS = msgspec.msgpack.Decoder(Publish | Fetch | Ping)
-_REPLIES = msgspec.msgpack.Decoder(Ok | Ranks | Error)
+_REQUESTS = msgspec.msgpack.Decoder(Publish | Fetch | Ping | Pack)
+_REPLIES = msgspec.msgpack.Decoder(Ok | Ranks | Error | Packed)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -90,17 +138,17 @@ def _decode(decoder: Any, data: Any, what: str) -> Any:
         raise SideChannelError(f"{what} refused: {e}") from None
 
 
-def decode_request(data: Any) -> Publish | Fetch | Ping:
+def decode_request(data: Any) -> Publish | Fetch | Ping | Pack:
     """A request as rank 0 receives it; raises only SideChannelError."""
     return _decode(_REQUESTS, data, "side-channel request")
 
 
-def decode_reply(data: Any) -> Ok | Ranks | Error:
+def decode_reply(data: Any) -> Ok | Ranks | Error | Packed:
     """A reply as a requester receives it; raises only SideChannelError."""
     return _decode(_REPLIES, data, "side-channel reply")
 
 
-def request(ctx: Any, address: str, msg: Any, timeout: float) -> Ok | Ranks | Error:
+def request(ctx: Any, address: str, msg: Any, timeout: float) -> Ok | Ranks | Error | Packed:
     """Send one request to ``address`` and wait at most ``timeout`` seconds for the reply.
 
     A fresh REQ socket per request: a lost reply never wedges the next one.
@@ -123,3 +171,53 @@ def request(ctx: Any, address: str, msg: Any, timeout: float) -> Ok | Ranks | Er
         return decode_reply(sock.recv())
     finally:
         sock.close(0)
+
+
+class Dealer:
+    """A persistent DEALER socket to one prefill rank's address, for token-matched requests
+    (:class:`Pack`). Not thread-safe: its owner serializes calls (the client's lock).
+
+    ``send`` queues a request (ZMQ connects and reconnects in the background); ``wait`` returns
+    the reply carrying ``token``, dropping replies to other tokens, or None at the deadline.
+    """
+
+    def __init__(self, ctx: Any, address: str) -> None:
+        import zmq
+
+        self.address = address
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIDE_MESSAGE_BYTES)
+        try:
+            self._sock.connect(address)
+        except zmq.ZMQError as e:
+            self._sock.close(0)
+            raise SideChannelError(f"prefill pack address {address!r} is not a ZMQ address: "
+                                   f"{e}") from None
+
+    def send(self, msg: Any) -> None:
+        import zmq
+
+        try:
+            self._sock.send_multipart([b"", encode_message(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            raise SideChannelError(f"the pack request to {self.address} could not be queued "
+                                   f"(the prefill rank is not reachable)") from None
+
+    def wait(self, token: int, deadline: float) -> Error | Packed | None:
+        import zmq
+
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                return None
+            frames = self._sock.recv_multipart()
+            try:
+                reply = decode_reply(frames[-1])
+            except SideChannelError:
+                continue  # not ours to answer; keep waiting for the real reply
+            if isinstance(reply, Error | Packed) and reply.token == token:
+                return reply
+
+    def close(self) -> None:
+        self._sock.close(0)

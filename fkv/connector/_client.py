@@ -1,0 +1,234 @@
+"""The decode side of the transport: a :class:`Client` per decode rank (``fkv.connector.connect``).
+
+A client registers its rank's caches with its own NIXL agent once, fetches every prefill rank's
+metadata through the prefill engine's rank-0 side channel, runs the handshake and builds a
+:class:`fkv.connector._connection.Connection` (plan, descriptor lists, staging buffer, packed
+path). ``read`` validates the block ids against both caches before anything moves, picks the
+request's path (:meth:`Connection.choose`: the plan's direct/staging rows, or a packed read) and
+notifies the prefill ranks.
+
+Threads: every method takes the client's lock, so NIXL (and the ZMQ sockets of packed reads) are
+used by one thread at a time even when several threads read concurrently.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from fkv.connector import _side
+from fkv.connector._common import (
+    DEFAULT_PACK_THRESHOLD,
+    DEFAULT_STAGING_BYTES,
+    HandshakeRejected,
+    ReadResult,
+    cache_regions,
+    check_engine,
+    layer_views,
+    zmq,
+)
+from fkv.connector._connection import Connection, Tally, block_ids, count_tokens
+from fkv.connector._nixl import Agent, TransferFailed
+from fkv.connector._side import SideChannelError
+from fkv.connector.handshake import EngineDesc, check_remote_ranks, handshake
+from fkv.connector.plan import TransferPlan
+from fkv.connector.wire import Peer, decode_untrusted
+from fkv.errors import FkvError, field_error
+from fkv.layout import KVCacheSpec
+
+__all__ = ["Client"]
+
+
+class Client:
+    """One decode rank connected to one prefill engine. Use ``fkv.connector.connect``; a context
+    manager."""
+
+    def __init__(self, engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, remote_address: str,
+                 timeout: float = 10.0, expected_engine: str | None = None, strategy: str = "auto",
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, telemetry: bool = False,
+                 pack_threshold: int = DEFAULT_PACK_THRESHOLD) -> None:
+        self.engine = check_engine(engine)
+        self.spec = spec
+        self._views = layer_views(spec, caches)
+        regions, self._mem_type, self._device_id, self._device = cache_regions(spec, caches)
+        self._regions = regions
+        if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
+            raise field_error("staging_bytes", staging_bytes, "a non-negative int")
+        if isinstance(pack_threshold, bool) or not isinstance(pack_threshold, int) \
+                or pack_threshold < 0:
+            raise field_error("pack_threshold", pack_threshold, "a non-negative int")
+        self._staging_bytes_max = staging_bytes
+        self._pack_threshold = pack_threshold
+        self._expected_engine, self._strategy, self._telemetry = expected_engine, strategy, telemetry
+        self._lock = threading.RLock()
+        self._zctx = zmq().Context()
+        self._agent: Agent | None = None
+        self._state: Connection | None = None
+        self.address = remote_address
+        try:
+            self._agent = Agent("decode", telemetry=telemetry)
+            self._agent.register(regions, self._mem_type, self._device_id)
+            self._connect(remote_address, timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- public ------------------------------------------------------------------------------------
+    @property
+    def plan(self) -> TransferPlan:
+        """The accepted plan of the current connection."""
+        return self._connected().plan
+
+    @property
+    def peers(self) -> tuple[Peer, ...]:
+        """Every prefill rank's decoded metadata (rank order)."""
+        return self._connected().peers
+
+    @property
+    def strategy(self) -> str:
+        """What ``connect`` was asked for: ``"auto"``, ``"direct"``, ``"staging"`` or
+        ``"packed"`` (each :class:`ReadResult` says which path its request took)."""
+        return self._strategy
+
+    @property
+    def packed(self) -> bool:
+        """Whether this connection can read packed (forced, or picked by ``"auto"``)."""
+        return self._connected().packed is not None
+
+    def describe(self) -> str:
+        """The plan's description and how this client uses it (packed reads or not, and why)."""
+        state = self._connected()
+        if self._strategy == "packed":
+            how = state.packed.describe()
+        elif self._strategy != "auto":
+            how = f"strategy {self._strategy!r} forced: every request follows the plan"
+        elif state.packed is None:
+            how = f"packed reads off ({state.packed_reason}): every request follows the plan"
+        else:
+            how = (f"auto: a request whose plan needs more than {self._pack_threshold} "
+                   f"descriptors reads packed; {state.packed.describe()}")
+        return f"{state.plan.describe()}\n{how}"
+
+    def reconnect(self, remote_address: str | None = None, *, timeout: float = 10.0) -> None:
+        """Drop the current prefill engine's state and connect again (e.g. after it restarted),
+        to ``remote_address`` or the previous address; the local registration is kept."""
+        with self._lock:
+            self._disconnect()
+            self._connect(remote_address or self.address, timeout)
+
+    def read(self, request_id: str, local_block_ids: Any, remote_block_ids: Any, *,
+             timeout: float = 30.0, num_tokens: int | None = None) -> ReadResult:
+        """Pull one request's KV from the prefill ranks into the local blocks; never hangs.
+
+        Token ``i`` of the request lives in remote block ``remote_block_ids[i // N_remote]`` and
+        lands in local block ``local_block_ids[i // N_local]``. ``num_tokens`` defaults to what
+        both lists hold; each list must hold exactly the blocks of those tokens. Bad ids raise
+        FkvError before anything moves; a dead, hung or unreachable prefill rank gives
+        ``ok=False`` with ``error`` within ``timeout`` seconds.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise field_error("request_id", request_id, "a non-empty str")
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
+            raise field_error("timeout", timeout, "a positive number of seconds")
+        with self._lock:
+            state = self._connected()
+            local = block_ids("local_block_ids", local_block_ids, self.spec, "local", True)
+            remote = block_ids("remote_block_ids", remote_block_ids, state.remote_spec,
+                               "remote", False)
+            tokens = count_tokens(local, remote, self.spec.block_size,
+                                  state.remote_spec.block_size, num_tokens)
+            t0 = time.perf_counter()
+            deadline = time.monotonic() + float(timeout)
+            tally = Tally()
+            path, rows = state.choose(local, remote, tokens)
+            plan = state.plan
+            try:
+                if path == "packed":
+                    state.packed.read(request_id, local, remote, tokens, deadline, tally)
+                    notify = (*plan.remote_ranks, *plan.notify_only_ranks)
+                else:
+                    chunks = state.chunks(local, remote, tokens)
+                    for k, (lc, rc, n_tok) in enumerate(chunks):
+                        state.read_rows(request_id, lc, rc, n_tok, k == len(chunks) - 1,
+                                        deadline, tally, rows if len(chunks) == 1 else None)
+                    notify = plan.notify_only_ranks
+                for rank in notify:
+                    self._agent.notify(state.names[rank], state.notif(request_id))
+            except TransferFailed as e:
+                return self._result(False, request_id, tally, t0, path, str(e))
+            return self._result(True, request_id, tally, t0, path, None)
+
+    def close(self) -> None:
+        """Release descriptor lists, peers, registrations and the NIXL agent. Idempotent."""
+        with self._lock:
+            self._disconnect()
+            if self._agent is not None:
+                self._agent.close()
+                self._agent = None
+            if self._zctx is not None:
+                self._zctx.term()
+                self._zctx = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = "closed" if self._state is None else f"{self._state.plan!r}"
+        return (f"Client(engine_id={self.engine.engine_id!r}, rank={self.engine.tp_rank}, "
+                f"strategy={self._strategy!r}, {where})")
+
+    # -- connection --------------------------------------------------------------------------------
+    @staticmethod
+    def _result(ok: bool, request_id: str, tally: Tally, t0: float, path: str,
+                error: str | None) -> ReadResult:
+        return ReadResult(ok, request_id, tally.bytes, tally.descriptors, time.perf_counter() - t0,
+                          error, tally.transfer_seconds, path, tally.pack_seconds)
+
+    def _connected(self) -> Connection:
+        if self._state is None:
+            raise FkvError("the client is not connected (a previous reconnect failed or it was "
+                           "closed): call reconnect()")
+        return self._state
+
+    def _fetch(self, address: str, timeout: float) -> tuple[list[Peer], list[_side.RankEntry]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = _side.request(self._zctx, address, _side.Fetch(),
+                                  max(0.05, deadline - time.monotonic()))
+            if isinstance(reply, _side.Ranks):
+                break
+            message = reply.message if isinstance(reply, _side.Error) else repr(reply)
+            if not (isinstance(reply, _side.Error) and reply.retry) or time.monotonic() > deadline:
+                raise SideChannelError(f"prefill side channel at {address}: {message}")
+            time.sleep(0.05)
+        peers = [decode_untrusted(entry.peer) for entry in reply.ranks]
+        reasons = check_remote_ranks([(p.engine, p.spec) for p in peers])
+        if reasons:
+            raise HandshakeRejected(f"prefill side channel at {address}: its ranks disagree:\n"
+                                    + "\n".join(f"  - {r}" for r in reasons), reasons)
+        if [p.engine.tp_rank for p in peers] != list(range(len(peers))):
+            raise SideChannelError(f"prefill side channel at {address} listed ranks "
+                                   f"{[p.engine.tp_rank for p in peers]} out of order")
+        return peers, list(reply.ranks)
+
+    def _connect(self, address: str, timeout: float) -> None:
+        if not isinstance(address, str):
+            raise field_error("remote_address", address, "a str like 'tcp://127.0.0.1:5555'")
+        peers, entries = self._fetch(address, timeout)
+        outcome = handshake((self.engine, self.spec), (peers[0].engine, peers[0].spec),
+                            expected_remote_engine=self._expected_engine,
+                            strategy="auto" if self._strategy == "packed" else self._strategy)
+        if not outcome.ok:
+            raise HandshakeRejected(f"prefill engine {peers[0].engine.engine_id!r} at {address}: "
+                                    f"{outcome}", outcome.reasons)
+        self.address = address
+        self._state = Connection(self, outcome.plan, peers, entries)
+
+    def _disconnect(self) -> None:
+        state, self._state = self._state, None
+        if state is not None:
+            state.close()

@@ -1,0 +1,174 @@
+"""What the transport's server and client share: results, errors, defaults, cache checks, kernels.
+
+``cache_regions`` turns ``fkv.allocate``-style views into NIXL regions (checking shape, dtype,
+strides, device and storage); ``kernels`` picks the Triton ops (CUDA, or CPU under
+``TRITON_INTERPRET=1``) or the torch references; ``on_device`` makes a tensor's GPU the current one
+for a block (kernels launch on the current device, and the server packs from its own thread).
+
+>>> ReadResult(True, "req-1", 512, 2, 0.001).strategy
+''
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import attrs
+
+from fkv.connector._nixl import tensor_memory
+from fkv.connector.handshake import EngineDesc
+from fkv.errors import FkvError, field_error
+from fkv.layout import KVCacheSpec
+
+__all__ = [
+    "DEFAULT_LEASE", "DEFAULT_PACK_BYTES", "DEFAULT_PACK_THRESHOLD", "DEFAULT_STAGING_BYTES",
+    "HandshakeRejected", "ReadResult", "STRATEGIES", "cache_regions", "check_engine", "kernels",
+    "layer_views", "on_device", "zmq",
+]
+
+#: Seconds a prefill rank holds a request's blocks waiting for notifications (configurable).
+DEFAULT_LEASE = 120.0
+#: Default decode-side staging capacity (bytes) for staging and packed reads; larger reads go in
+#: chunks.
+DEFAULT_STAGING_BYTES = 128 << 20
+#: Default prefill-side pack (send-staging) buffer, capped at the size of the rank's caches.
+DEFAULT_PACK_BYTES = 256 << 20
+#: ``strategy="auto"`` packs a request (on CUDA) whose plan needs more descriptors than this.
+DEFAULT_PACK_THRESHOLD = 64
+#: What ``connect(strategy=...)`` takes.
+STRATEGIES = ("auto", "direct", "staging", "packed")
+
+
+class HandshakeRejected(FkvError):
+    """``connect`` refused the pair: ``reasons`` holds every :class:`~fkv.connector.Reason`."""
+
+    def __init__(self, message: str, reasons: tuple[Any, ...]) -> None:
+        super().__init__(message)
+        self.reasons = reasons
+
+
+@attrs.frozen
+class ReadResult:
+    """Outcome of ``Client.read``. ``ok`` only when every READ finished, the staging/unpack moves
+    ran and the prefill ranks were notified; ``bytes`` moved by finished READs; ``descriptors`` the
+    descriptors posted (direct/staging: the plan's coalesced rows; packed: one per prefill rank per
+    chunk); ``error`` says what failed (None when ok); ``seconds`` the whole call,
+    ``transfer_seconds`` the part spent posting READs and waiting for them; ``strategy`` the path
+    this request took (``"direct"``, ``"staging"`` or ``"packed"``); ``pack_seconds`` (packed) the
+    time from asking the prefill ranks to pack until every one replied."""
+
+    ok: bool
+    request_id: str
+    bytes: int
+    descriptors: int
+    seconds: float
+    error: str | None = None
+    transfer_seconds: float = 0.0  # of ``seconds``: posting the READs until they were DONE
+    strategy: str = ""
+    pack_seconds: float = 0.0
+
+
+def layer_views(spec: KVCacheSpec, caches: Any) -> list[Any]:
+    """The per-layer views of ``caches`` (a list, or one tensor for one layer)."""
+    if not isinstance(spec, KVCacheSpec):
+        raise field_error("spec", spec, "a KVCacheSpec")
+    if hasattr(caches, "shape"):
+        caches = [caches]
+    try:
+        views = list(caches)
+    except TypeError:
+        raise field_error("caches", type(caches).__name__,
+                          "the list of per-layer views fkv.allocate(spec) returns") from None
+    if len(views) != spec.num_layers:
+        raise field_error("caches", f"{len(views)} views", f"{spec.num_layers} views (spec.num_layers)",
+                          "pass the list fkv.allocate(spec, device) returns")
+    return views
+
+
+def cache_regions(spec: KVCacheSpec, caches: Any) -> tuple[list[tuple[int, int]], str, int, Any]:
+    """``(regions, mem_type, device_id, device)`` of ``fkv.allocate``-style views of ``spec``.
+
+    Checks shape, dtype, strides (the layout is read from the tensors, never trusted), device and
+    that each region's bytes really lie in the tensor's storage.
+    """
+    from fkv.tensors import torch_dtype
+
+    views = layer_views(spec, caches)
+    dtype = torch_dtype(spec.dtype)
+    device = views[0].device
+    for i, t in enumerate(views):
+        if not hasattr(t, "stride"):
+            raise field_error(f"caches[{i}]", type(t).__name__, "a torch.Tensor")
+        if tuple(t.shape) != spec.logical_shape or t.dtype != dtype:
+            raise field_error(f"caches[{i}]", f"shape {tuple(t.shape)} dtype {t.dtype}",
+                              f"shape {spec.logical_shape} dtype {dtype} (the spec's logical view)")
+        if tuple(t.stride()) != spec.element_strides:
+            raise field_error(f"caches[{i}].stride()", tuple(t.stride()),
+                              f"{spec.element_strides} (the {spec.layout.value} layout of the spec)",
+                              "allocate caches with fkv.allocate(spec), or pass the spec "
+                              "fkv.infer_spec derives from them")
+        if t.device != device:
+            raise field_error(f"caches[{i}].device", str(t.device), f"{device} like caches[0]")
+    mem_type, device_id = tensor_memory(views[0])
+    item = spec.itemsize
+    if spec.cross_layer:
+        base = views[0].data_ptr()
+        for layer, t in enumerate(views):
+            want = base + layer * spec.layer_stride * item
+            if t.data_ptr() != want:
+                raise field_error(f"caches[{layer}]", f"data at 0x{t.data_ptr():x}",
+                                  f"layer {layer} of one cross-layer buffer at 0x{want:x}")
+        regions = [(base, spec.region_bytes)]
+        starts = [views[0]]
+    else:
+        regions = [(t.data_ptr(), spec.region_bytes) for t in views]
+        starts = views
+    for i, t in enumerate(starts):
+        room = t.untyped_storage().nbytes() - t.storage_offset() * item
+        if room < spec.region_bytes:
+            raise field_error(f"caches[{i}]", f"a view with {room} bytes of storage",
+                              f"{spec.region_bytes} bytes (spec.region_bytes)")
+    return regions, mem_type, device_id, device
+
+
+def check_engine(engine: Any) -> EngineDesc:
+    if not isinstance(engine, EngineDesc):
+        raise field_error("engine", type(engine).__name__, "an fkv.connector.EngineDesc")
+    return engine
+
+
+def zmq() -> Any:
+    """The ``zmq`` module (pyzmq), with a clear error when it is missing."""
+    try:
+        import zmq as module
+    except ImportError as e:  # pragma: no cover - pyzmq is a declared dependency
+        raise FkvError("the fkv side channel needs pyzmq: pip install pyzmq") from e
+    return module
+
+
+def kernels(device: Any) -> SimpleNamespace:
+    """``move``/``gather``/``scatter`` for caches on ``device``: the Triton kernels on CUDA (or on
+    CPU under ``TRITON_INTERPRET=1``), else the torch references (CPU DRAM)."""
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        from fkv.ops import gather, move, scatter
+    else:
+        from fkv.ops.reference import gather, move, scatter
+    return SimpleNamespace(move=move, gather=gather, scatter=scatter)
+
+
+@contextlib.contextmanager
+def on_device(device: Any) -> Iterator[None]:
+    """Make ``device`` (a CUDA device) the current one inside the block, and wait for its work
+    at the end; nothing for CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    import torch
+
+    with torch.cuda.device(device):
+        yield
+        torch.cuda.current_stream(device).synchronize()

@@ -1,0 +1,184 @@
+"""Packed reads, prefill side: the pack buffer, its slots, and gathering a request into it.
+
+A packed read turns one request into one large descriptor per prefill rank instead of thousands
+of small ones (NIXL/UCX pays tens of µs per descriptor on a GPU). The decode rank sends a
+:class:`fkv.connector._side.Pack` (block ids, the head range it needs, token count); the prefill
+rank's server thread checks it, reserves a *slot* of its registered pack buffer, runs
+``fkv.ops.gather`` once per layer into the slot and replies :class:`~fkv.connector._side.Packed`.
+The decode rank READs the slot and attaches the notification :data:`FREE_PREFIX` ``+ slot`` to
+that READ: NIXL delivers it once the bytes moved, and the slot is free again. A slot whose READ
+never comes (decode died, READ failed) is freed when its lease runs out: the pack request's
+``timeout`` (capped by the server's lease) plus :data:`SLOT_GRACE` seconds, so a slot outlives the
+decode side's deadline and is never reused under a READ the decoder still waits for.
+
+One pack, ``nbytes = num_layers * layer_bytes``: layer ``l`` at byte ``l * layer_bytes`` is a
+contiguous ``[n, 2, h, N, D]`` (MLA ``[n, N, D]``) tensor, ``n = ceil(num_tokens / N)`` staging
+blocks of the prefill block size ``N``, ``h`` the heads asked for (:func:`pack_layer_bytes`).
+
+>>> from fkv import KVCacheSpec
+>>> pack_layer_bytes(KVCacheSpec(num_blocks=8, block_size=16, num_kv_heads=8, head_size=128), 3, 4)
+98304
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from fkv.connector import _side
+from fkv.connector._common import kernels, on_device
+from fkv.layout import KVCacheSpec
+
+__all__ = ["ALIGN", "FREE_PREFIX", "Packer", "SLOT_GRACE", "align", "pack_layer_bytes"]
+
+#: NIXL notification that frees a pack slot (the slot id follows). Not UTF-8, so never a request id.
+FREE_PREFIX = b"\xfffkv-free:"
+#: Byte alignment of slots and of the per-rank areas of the decode staging buffer.
+ALIGN = 256
+#: Seconds a slot outlives the pack request's own timeout before the server reclaims it.
+SLOT_GRACE = 10.0
+
+
+def align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def pack_layer_bytes(spec: KVCacheSpec, num_blocks: int, num_heads: int) -> int:
+    """Bytes of one layer of a pack: ``num_blocks`` staging blocks of ``num_heads`` heads."""
+    per_token = (1 if spec.is_mla else 2 * num_heads) * spec.head_size * spec.itemsize
+    return num_blocks * spec.block_size * per_token
+
+
+class _Slots:
+    """First-fit reservations ``[offset, offset + size)`` of a buffer of ``capacity`` bytes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held: dict[int, tuple[int, int, float]] = {}  # slot -> (offset, size, deadline)
+        self._next = 1
+
+    def allocate(self, nbytes: int, deadline: float) -> tuple[int, int] | None:
+        size = align(nbytes)
+        start = 0
+        for lo, hi in sorted((o, o + s) for o, s, _ in self.held.values()):
+            if lo - start >= size:
+                break
+            start = max(start, hi)
+        if self.capacity - start < size:
+            return None
+        slot, self._next = self._next, self._next + 1
+        self.held[slot] = (start, size, deadline)
+        return slot, start
+
+    def used(self) -> int:
+        return sum(s for _, s, _ in self.held.values())
+
+    def expire(self, now: float) -> int:
+        gone = [slot for slot, (_, _, deadline) in self.held.items() if deadline <= now]
+        for slot in gone:
+            del self.held[slot]
+        return len(gone)
+
+
+class Packer:
+    """One prefill rank's pack buffer (registered with the rank's NIXL agent at start-up) and
+    the slots reserved in it. Called only from the server's thread."""
+
+    def __init__(self, spec: KVCacheSpec, views: list[Any], device: Any, nbytes: int,
+                 agent: Any, mem_type: str, device_id: int) -> None:
+        import torch
+
+        self.spec, self.views, self.device = spec, views, device
+        self.capacity = align(nbytes)
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
+        agent.register([(self.buffer.data_ptr(), self.capacity)], mem_type, device_id)
+        self.slots = _Slots(self.capacity)
+        self._ops = kernels(device)
+
+    @property
+    def base(self) -> int:
+        return self.buffer.data_ptr()
+
+    # -- requests ----------------------------------------------------------------------------------
+    def pack(self, msg: _side.Pack, lease: float) -> _side.Packed | _side.Error:
+        """Check ``msg``, reserve a slot, gather every layer into it and wait for the device."""
+        problem = self._check(msg)
+        if problem is not None:
+            return _side.Error(message=f"pack refused: {problem}; nothing was packed",
+                               token=msg.token)
+        spec = self.spec
+        n = len(msg.block_ids)
+        heads = msg.heads[1] - msg.heads[0]
+        layer_bytes = pack_layer_bytes(spec, n, heads)
+        nbytes = spec.num_layers * layer_bytes
+        if nbytes > self.capacity:
+            return _side.Error(
+                message=f"pack refused: {n} blocks x {heads} heads x {spec.num_layers} layers is "
+                        f"{nbytes} bytes but this rank's pack buffer holds {self.capacity} "
+                        f"(serve(..., pack_bytes=)); ask for fewer blocks at a time; nothing "
+                        f"was packed", token=msg.token)
+        now = time.monotonic()
+        self.slots.expire(now)
+        got = self.slots.allocate(nbytes, now + min(msg.timeout, lease) + SLOT_GRACE)
+        if got is None:
+            return _side.Error(message=f"pack buffer busy: {self.slots.used()} of "
+                                       f"{self.capacity} bytes held by other reads; ask again",
+                               retry=True, token=msg.token)
+        slot, offset = got
+        try:
+            self._gather(msg, offset, layer_bytes)
+        except BaseException:
+            del self.slots.held[slot]
+            raise
+        return _side.Packed(token=msg.token, slot=slot, offset=offset, nbytes=nbytes)
+
+    def _check(self, msg: _side.Pack) -> str | None:
+        spec = self.spec
+        ids = np.asarray(msg.block_ids, dtype=np.int64)
+        bad = np.flatnonzero(ids >= spec.num_blocks)
+        if bad.size:
+            return (f"'block_ids'[{bad[0]}] = {ids[bad[0]]} is outside this rank's cache "
+                    f"[0, num_blocks={spec.num_blocks})")
+        a, b = msg.heads
+        top = 1 if spec.is_mla else spec.num_kv_heads
+        if not 0 <= a < b <= top:
+            return (f"'heads' {tuple(msg.heads)} must be a range (a, b) with 0 <= a < b <= {top} "
+                    f"(this rank's KV heads)")
+        need = -(-msg.num_tokens // spec.block_size)
+        if need != ids.size:
+            return (f"'num_tokens' {msg.num_tokens} needs {need} blocks of {spec.block_size} "
+                    f"tokens but 'block_ids' holds {ids.size}")
+        return None
+
+    def _gather(self, msg: _side.Pack, offset: int, layer_bytes: int) -> None:
+        import torch
+
+        from fkv.ops.relayout import staging_spec
+        from fkv.tensors import torch_dtype
+
+        spec = self.spec
+        a, b = msg.heads
+        n = len(msg.block_ids)
+        shape = staging_spec(spec, n, num_heads=b - a).physical_shape
+        dtype = torch_dtype(spec.dtype)
+        heads = None if spec.is_mla else (a, b)
+        with on_device(self.device):
+            ids = torch.as_tensor(msg.block_ids, dtype=torch.int64).to(self.device)
+            for layer, view in enumerate(self.views):
+                start = offset + layer * layer_bytes
+                out = self.buffer[start:start + layer_bytes].view(dtype).view(shape)
+                self._ops.gather(view, spec, ids, heads=heads, out=out, num_tokens=msg.num_tokens)
+
+    # -- slots -------------------------------------------------------------------------------------
+    def free(self, message: bytes) -> bool:
+        """Handle a :data:`FREE_PREFIX` notification; False when it names no held slot."""
+        try:
+            slot = int(message[len(FREE_PREFIX):])
+        except ValueError:
+            return False
+        return self.slots.held.pop(slot, None) is not None
+
+    def expire(self) -> None:
+        self.slots.expire(time.monotonic())
