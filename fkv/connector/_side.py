@@ -17,7 +17,7 @@ buffer and replies :class:`Packed` (where the bytes lie, under which slot) or :c
 reply to an earlier, abandoned request is recognised and dropped.
 
 >>> decode_reply(encode_message(Error(message="nope", retry=False)))
-Error(message='nope', retry=False)
+Error(message='nope', retry=False, token=0)
 """
 
 from __future__ import annotations
