@@ -375,16 +375,17 @@ def test_packed_cuda(cluster: Any, variant: str) -> None:
 @pytest.mark.gpu
 def test_auto_packs_large_requests_on_cuda(cluster: Any) -> None:
     """``strategy="auto"`` on CUDA: a request over ``pack_threshold`` descriptors reads packed,
-    a small one follows the plan (direct)."""
+    a small one follows the plan."""
     pspec, dspec = spec_dict(tp=1), spec_dict(tp=2)
     pair = Pair(cluster, 1, 2, pspec, dspec, device="cuda", connect_kw={"pack_threshold": 8})
     try:
         assert all(c["packed"] for c in pair.connected)
-        local, remote = request_blocks(pspec, dspec, 4)  # 1 block x 2 layers x K/V: 4 rows
+        plan = {c["strategy"] for c in pair.connected}
+        local, remote = request_blocks(pspec, dspec, 4)  # one block: at most 4 rows
         small = pair.read_all("small", local, remote)
-        assert {r["path"] for r in small} == {"direct"} and all(r["result_ok"] for r in small)
+        assert {r["path"] for r in small} == plan and all(r["result_ok"] for r in small), small
         assert pair.verify_all(local, remote) == [None, None]
-        local, remote = request_blocks(pspec, dspec, 30)  # 8 blocks: 32 rows
+        local, remote = request_blocks(pspec, dspec, 30)  # 8 scattered blocks: 16 rows or more
         large = pair.read_all("large", local, remote)
         assert {r["path"] for r in large} == {"packed"} and all(r["result_ok"] for r in large)
         assert pair.verify_all(local, remote, also_written=[2]) == [None, None]

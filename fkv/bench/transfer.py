@@ -11,15 +11,24 @@ Cases (BENCH.md shape: bf16, N=16, 8 KV heads, head_size 128, 4096 blocks, one l
   reference on CPU) extracts its heads.
 - ``hnd-staging``: ``hnd-direct`` forced through staging: one 64 KiB descriptor per block instead
   of two of 16 KiB, twice the bytes over the link, then the move kernel (does it pay on a GPU?).
+- ``hnd-packed`` / ``nhd-packed``: the same requests read packed: each D rank asks the P rank (side
+  channel) to gather its blocks and heads into the P rank's registered pack buffer
+  (``fkv.ops.gather``), READs that as one descriptor and scatters it into its cache.
+- ``hnd-auto``: ``hnd-direct``'s pair under ``strategy="auto"`` (packs requests over 64
+  descriptors on CUDA; the one-block TTFB reads follow the plan).
+- ``link-packed``: ``link``'s contiguous requests forced packed: what packing costs when the plan
+  needs one descriptor anyway.
 
 Every rank is its own process (spawned; CUDA: all on ``--p-gpu``/``--d-gpu``). Per case: the
 prefill rank fills its cache from a seeded global KV, every decode rank checks one request bit for
 bit against it before timing, then all decode ranks read at once (a barrier per repetition),
 rotating through random block sets. Reported: aggregate GB/s (payload bytes landed in all decode
 caches / slowest rank's time; staging READs twice that over the link), per-rank GB/s, the share
-of time in READs (vs staging), descriptors per request, time to first byte (a one-block read,
-call to return), and the same-run ceiling: a device ``copy_`` of the request's bytes (payload
-bytes / time; CPU: a DRAM memcpy); transfers are reported as ratios to it.
+of time in READs and (packed) in waiting for the packs, descriptors actually posted per request
+and rank, the path the requests took, time to first byte (a one-block read, call to return), and
+the same-run ceiling: a 1 GiB device ``copy_`` (CPU: a 256 MiB DRAM memcpy) counted as bytes read
++ bytes written (BENCH.md); ``%copy`` compares a transfer with the copy's payload rate (half that:
+each payload byte is read once and written once).
 
     python bench/bench_transfer.py --json transfer.json          # CUDA if present, else CPU
     python bench/bench_transfer.py --quick                       # 1024 blocks, fewer reps
@@ -67,6 +76,8 @@ class Case:
     ms: float = 0.0
     read_share: float = 0.0
     ttfb_ms: float = 0.0
+    pack_share: float = 0.0
+    path: str = ""  # the path ReadResult.strategy reported for the timed requests
     pct_of_copy: float = 0.0
     repeat_gbps: float = 0.0
     error: str = ""
@@ -202,7 +213,8 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
             if not r.ok:
                 raise RuntimeError(f"read failed: {r.error}")
             if i >= cfg["warmup"]:
-                runs.append((r.seconds, r.transfer_seconds, r.bytes, r.descriptors))
+                runs.append((r.seconds, r.transfer_seconds, r.bytes, r.descriptors,
+                             r.pack_seconds, r.strategy))
         _send(conn, strategy=client.plan.strategy, runs=runs, ttfb=ttfb)
         client.close()
     except Exception as e:
@@ -242,18 +254,21 @@ def _run_case(cfg: dict[str, Any], case: Case) -> None:
         case.plan_strategy = outs[0]["strategy"]
         reps = len(outs[0]["runs"])
         payload = cfg["request_blocks"] * 2 * 16 * (HEADS // dtp) * 128 * 2 * cfg["layers"]
-        agg, wall, share = [], [], []
+        agg, wall, share, pack = [], [], [], []
         for i in range(reps):
             runs = [o["runs"][i] for o in outs]
             slowest = max(r[0] for r in runs)
             agg.append(dtp * payload / slowest / 1e9)
             wall.append(slowest)
             share.append(sum(r[1] for r in runs) / sum(r[0] for r in runs))
+            pack.append(sum(r[4] for r in runs) / sum(r[0] for r in runs))
         half = max(1, reps // 2)  # the same case timed twice: first half, then second half
         case.repeat_gbps = statistics.median(agg[half:]) if reps > 1 else case.gbps
         case.gbps = statistics.median(agg[:half]) if reps > 1 else case.gbps
         case.ms = statistics.median(wall) * 1e3
         case.read_share = statistics.median(share)
+        case.pack_share = statistics.median(pack)
+        case.path = "/".join(sorted({r[5] for o in outs for r in o["runs"]}))
         case.rank_gbps = [statistics.median(payload / r[0] / 1e9 for r in o["runs"]) for o in outs]
         case.bytes_per_request = sum(o["runs"][0][2] for o in outs)
         case.payload_per_request = dtp * payload
@@ -266,31 +281,39 @@ def _run_case(cfg: dict[str, Any], case: Case) -> None:
                 proc.kill()
 
 
-def _copy_ceiling(cfg: dict[str, Any], nbytes: int) -> float:
-    """GB/s of a same-run device copy of ``nbytes`` (payload bytes / time)."""
+def _copy_ceiling(cfg: dict[str, Any]) -> float:
+    """GB/s of a same-run device copy, bytes read + bytes written (BENCH.md): 1 GiB on a GPU (well
+    beyond L2), 256 MiB of DRAM on the CPU."""
     import torch
 
     dev = _device(cfg, "d_gpu")
+    nbytes = (1 << 30) if dev.type == "cuda" else (256 << 20)
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_()
     dst = torch.empty_like(src)
     if dev.type == "cuda":
         from triton.testing import do_bench
 
         ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-        return nbytes / (ms * 1e-3) / 1e9
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * nbytes / (ms * 1e-3) / 1e9
     times = []
     for _ in range(7):
         t0 = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
+    return 2 * nbytes / statistics.median(times) / 1e9
 
 
 def _cases(args: argparse.Namespace) -> list[Case]:
     base = [Case("link", 1, 1, "HND", "HND", contiguous=True),
             Case("hnd-direct", 1, 2, "HND", "HND", strategy="direct"),
             Case("nhd-staging", 1, 2, "NHD", "NHD"),
-            Case("hnd-staging", 1, 2, "HND", "HND", strategy="staging")]
+            Case("hnd-staging", 1, 2, "HND", "HND", strategy="staging"),
+            Case("hnd-packed", 1, 2, "HND", "HND", strategy="packed"),
+            Case("nhd-packed", 1, 2, "NHD", "NHD", strategy="packed"),
+            Case("hnd-auto", 1, 2, "HND", "HND"),
+            Case("link-packed", 1, 1, "HND", "HND", strategy="packed", contiguous=True)]
     variants = args.ucx_tls.split(";") if args.ucx_tls else [""]
     return [Case(**{**asdict(c), "ucx_tls": v}) for v in variants for c in base
             if not args.cases or c.name in args.cases.split(",")]
@@ -309,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="blocks per request (default: half the cache)")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--cases", default="", help="comma list of link,hnd-direct,nhd-staging,hnd-staging")
+    p.add_argument("--cases", default="",
+                   help="comma list of link,hnd-direct,nhd-staging,hnd-staging,hnd-packed,"
+                        "nhd-packed,hnd-auto,link-packed (default: all)")
     p.add_argument("--ucx-tls", default="",
                    help="';'-separated UCX_TLS values to try (each case under each); "
                         "default: the environment's")
@@ -326,15 +351,16 @@ def main(argv: list[str] | None = None) -> int:
     cases = _cases(args)
     page = 2 * 16 * HEADS * 128 * 2
     request_bytes = cfg["request_blocks"] * page * cfg["layers"]
-    ceiling = _copy_ceiling(cfg, request_bytes)
+    ceiling = _copy_ceiling(cfg)
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "FKV_NIXL_", "NIXL_"))}
     print(f"fkv bench transfer: {args.device}, {blocks} blocks x {cfg['layers']} layer(s), "
           f"requests of {cfg['request_blocks']} blocks ({request_bytes / 2**20:.0f} MiB per P "
-          f"page set), same-run copy ceiling {ceiling:.2f} GB/s; env {env or '{}'}", flush=True)
+          f"page set), same-run copy ceiling {ceiling:.0f} GB/s (read + written); env "
+          f"{env or '{}'}", flush=True)
     for case in cases:
         try:
             _run_case(cfg, case)
-            case.pct_of_copy = 100 * case.gbps / ceiling
+            case.pct_of_copy = 100 * case.gbps / (ceiling / 2)
         except Exception as e:
             case.error = f"{type(e).__name__}: {e}"
         print(f"  {case.name:12s} {case.ucx_tls or '(env)':24s} "
@@ -350,9 +376,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(cases: list[Case], ceiling: float) -> None:
-    head = (f"{'case':12s} {'UCX_TLS':22s} {'strategy':8s} {'GB/s':>7s} {'%copy':>6s} "
-            f"{'rank GB/s':>14s} {'ms':>8s} {'READ%':>6s} {'desc/req':>9s} {'TTFB ms':>8s}")
-    print(f"\ncopy ceiling (same run): {ceiling:.2f} GB/s")
+    head = (f"{'case':12s} {'UCX_TLS':22s} {'path':8s} {'GB/s':>7s} {'%copy':>6s} "
+            f"{'rank GB/s':>14s} {'ms':>8s} {'READ%':>6s} {'pack%':>6s} {'desc/req':>9s} "
+            f"{'TTFB ms':>8s}")
+    print(f"\ncopy ceiling (same run, read + written): {ceiling:.0f} GB/s; %copy = GB/s over its "
+          f"payload rate {ceiling / 2:.0f} GB/s")
     print(head)
     print("-" * len(head))
     for c in cases:
@@ -360,9 +388,9 @@ def _table(cases: list[Case], ceiling: float) -> None:
             print(f"{c.name:12s} {c.ucx_tls or '(env)':22s} error: {c.error}")
             continue
         ranks = "/".join(f"{g:.2f}" for g in c.rank_gbps)
-        print(f"{c.name:12s} {c.ucx_tls or '(env)':22s} {c.plan_strategy:8s} {c.gbps:7.2f} "
+        print(f"{c.name:12s} {c.ucx_tls or '(env)':22s} {c.path:8s} {c.gbps:7.2f} "
               f"{c.pct_of_copy:5.1f}% {ranks:>14s} {c.ms:8.2f} {100 * c.read_share:5.1f}% "
-              f"{c.descriptors_per_request:9.0f} {c.ttfb_ms:8.3f}")
+              f"{100 * c.pack_share:5.1f}% {c.descriptors_per_request:9.0f} {c.ttfb_ms:8.3f}")
 
 
 if __name__ == "__main__":
