@@ -184,18 +184,19 @@ class Worker:
         from fkv.connector import _side
 
         server = self.servers[cmd["name"]]
-        answer = server._answer
+        answer_all = server._answer_all
 
-        def answer_then_stop(frames: list[bytes]) -> None:
-            answer(frames)
-            try:
-                msg = _side.decode_request(frames[-1])
-            except _side.SideChannelError:
-                return
-            if isinstance(msg, _side.Pack) and msg.request_id == cmd["request_id"]:
-                os.kill(os.getpid(), signal.SIGSTOP)
+        def answer_then_stop(batch: list[list[bytes]]) -> None:
+            answer_all(batch)
+            for frames in batch:
+                try:
+                    msg = _side.decode_request(frames[-1])
+                except _side.SideChannelError:
+                    continue
+                if isinstance(msg, _side.Pack) and msg.request_id == cmd["request_id"]:
+                    os.kill(os.getpid(), signal.SIGSTOP)
 
-        server._answer = answer_then_stop
+        server._answer_all = answer_then_stop
 
     def cmd_poison_pack(self, cmd: dict[str, Any]) -> None:
         self.servers[cmd["name"]]._packer.buffer.fill_(0xA5)

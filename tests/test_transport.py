@@ -311,11 +311,11 @@ PACKED = {
 def _packed_case(cluster: Any, ptp: int, dtp: int, pover: dict[str, Any], dover: dict[str, Any],
                  *, heads: int = HEADS, tokens: int = 14, device: str = "cpu",
                  connect_kw: dict[str, Any] | None = None, serve_kw: dict[str, Any] | None = None,
-                 chunks: int = 1) -> None:
+                 chunks: int = 1, env: dict[str, str] | None = None) -> None:
     pspec = spec_dict(tp=ptp, heads=heads, **pover)
     dspec = spec_dict(tp=dtp, heads=heads, **dover)
     pair = Pair(cluster, ptp, dtp, pspec, dspec, heads=heads, device=device, serve_kw=serve_kw,
-                connect_kw={"strategy": "packed", **(connect_kw or {})})
+                connect_kw={"strategy": "packed", **(connect_kw or {})}, p_env=env, d_env=env)
     try:
         assert all(c["packed"] for c in pair.connected)
         assert "packed: each prefill rank read gathers the request" in pair.connected[0]["describe"]
@@ -356,6 +356,8 @@ PACKED_MORE = {
     # a decode staging buffer of 2 blocks from each of 2 prefill ranks: chunks of 8 and 6 tokens
     "chunks-2-1": (2, 1, HEADS, {}, {"layout": "NHD"},
                    {"connect_kw": {"staging_bytes": 2 * 4096 + 2 * 256}, "chunks": 2}),
+    # both sides busy-poll (side channel, READ states, the server loop) instead of sleeping
+    "spin-2-2": (2, 2, HEADS, {}, {}, {"env": {"FKV_TRANSPORT_SPIN": "0.002"}}),
 }
 
 

@@ -78,6 +78,9 @@ class Case:
     ttfb_ms: float = 0.0
     pack_share: float = 0.0
     path: str = ""  # the path ReadResult.strategy reported for the timed requests
+    # median ms per call of each timed stage (prefill: its last calls, the timed requests'; decode:
+    # the timed requests), and calls per request
+    profile: dict[str, list[float]] = field(default_factory=dict)
     pct_of_copy: float = 0.0
     repeat_gbps: float = 0.0
     error: str = ""
@@ -122,6 +125,25 @@ def _canon(view: Any, spec: Any) -> Any:
     return view.permute(*[axes.index(a) for a in ("B", "N", "two", "H", "C")])
 
 
+def _timers(targets: list[tuple[Any, str]]) -> dict[str, list[float]]:
+    """Wrap methods (in this process) to record each call's seconds: ``"Class.method"`` -> list.
+    The bench's stage profile; a wrapper costs about a µs per call."""
+    stats: dict[str, list[float]] = {}
+    for owner, attr in targets:
+        seconds = stats[f"{owner.__name__}.{attr}"] = []
+
+        def timed(*args: Any, _fn: Any = getattr(owner, attr), _rec: list[float] = seconds,
+                  **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kw)
+            finally:
+                _rec.append(time.perf_counter() - t0)
+
+        setattr(owner, attr, timed)
+    return stats
+
+
 def _send(conn: Any, **msg: Any) -> None:
     conn.send_bytes(json.dumps(msg).encode())
 
@@ -143,10 +165,15 @@ def _prefill_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any]) -> None:
             ref = _global_kv(layer, spec.num_blocks * spec.block_size, dev)
             _canon(view, spec).copy_(ref.view(spec.num_blocks, spec.block_size, 2, HEADS, 128))
         del ref
+        from fkv.connector._pack import Packer
+        from fkv.connector._server import Server
+
+        stats = _timers([(Server, "_answer_all"), (Packer, "pack"), (Packer, "_gather"),
+                         (Packer, "sync")])
         with serve(_engine("bench-p", 1, 0), spec, caches, lease=600.0) as server:
             _send(conn, address=server.address)
             _recv(conn)  # stop
-            _send(conn, pending=len(server.pending()), errors=server.errors[-3:])
+            _send(conn, pending=len(server.pending()), errors=server.errors[-3:], stats=stats)
     except Exception as e:
         _send(conn, error=f"{type(e).__name__}: {e}")
 
@@ -171,6 +198,13 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         address = _recv(conn)["address"]
         if address is None:  # the prefill rank failed to start
             return
+        from fkv.connector._connection import Connection
+        from fkv.connector._nixl import Agent
+        from fkv.connector._unpack import PackedPath
+
+        stats = _timers([(PackedPath, "_ask"), (Agent, "read_descs"), (Agent, "read"),
+                         (Agent, "wait"), (PackedPath, "_scatter"), (Connection, "run_staging"),
+                         (Agent, "notify")])
         client = connect(_engine("bench-d", tp, rank), spec, caches, remote_address=address,
                          timeout=60.0, strategy=case["strategy"])
         rng = np.random.default_rng(rank + 1)
@@ -205,6 +239,8 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
             r = client.read(f"ttfb-{i}", [i % nb], [(7 * i) % nb], timeout=60.0)
             ttfb.append(r.seconds)
         # throughput: all ranks at once, rotating block sets
+        for seconds in stats.values():
+            seconds.clear()
         runs = []
         for i in range(cfg["warmup"] + cfg["reps"]):
             local, remote = blocks(i + 1)
@@ -215,7 +251,7 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
             if i >= cfg["warmup"]:
                 runs.append((r.seconds, r.transfer_seconds, r.bytes, r.descriptors,
                              r.pack_seconds, r.strategy))
-        _send(conn, strategy=client.plan.strategy, runs=runs, ttfb=ttfb)
+        _send(conn, strategy=client.plan.strategy, runs=runs, ttfb=ttfb, stats=stats)
         client.close()
     except Exception as e:
         barrier.abort()
@@ -269,6 +305,7 @@ def _run_case(cfg: dict[str, Any], case: Case) -> None:
         case.read_share = statistics.median(share)
         case.pack_share = statistics.median(pack)
         case.path = "/".join(sorted({r[5] for o in outs for r in o["runs"]}))
+        case.profile = _profile(bye.get("stats", {}), [o["stats"] for o in outs], reps)
         case.rank_gbps = [statistics.median(payload / r[0] / 1e9 for r in o["runs"]) for o in outs]
         case.bytes_per_request = sum(o["runs"][0][2] for o in outs)
         case.payload_per_request = dtp * payload
@@ -279,6 +316,24 @@ def _run_case(cfg: dict[str, Any], case: Case) -> None:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+
+
+def _profile(prefill: dict[str, list[float]], decode: list[dict[str, list[float]]], reps: int
+             ) -> dict[str, list[float]]:
+    """``stage -> [median ms per call, calls per request]``: the decode ranks' timed requests,
+    and the prefill's last calls (as many as the timed requests made; earlier ones were the check,
+    TTFB and warm-up requests)."""
+    out: dict[str, list[float]] = {}
+    for name, seconds in decode[0].items():
+        calls = [t for d in decode for t in d[name]]
+        if calls:
+            out[f"D {name.split('.')[1]}"] = [1e3 * statistics.median(calls),
+                                              len(calls) / reps / len(decode)]
+    for name, seconds in prefill.items():
+        last = seconds[-reps * len(decode):]
+        if last:
+            out[f"P {name.split('.')[1]}"] = [1e3 * statistics.median(last), 0.0]
+    return out
 
 
 def _copy_ceiling(cfg: dict[str, Any]) -> float:
@@ -366,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {case.name:12s} {case.ucx_tls or '(env)':24s} "
               + (f"error: {case.error}" if case.error else
                  f"{case.gbps:7.2f} GB/s (repeat {case.repeat_gbps:.2f})"), flush=True)
+        if case.profile:
+            print("      ms/call: " + ", ".join(f"{k} {v[0]:.3f}" for k, v in case.profile.items()),
+                  flush=True)
     out = {"device": args.device, "config": cfg, "env": env, "copy_ceiling_gbps": ceiling,
            "cases": [asdict(c) for c in cases]}
     if args.json:

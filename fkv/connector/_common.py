@@ -27,7 +27,7 @@ from fkv.layout import KVCacheSpec
 __all__ = [
     "DEFAULT_LEASE", "DEFAULT_PACK_BYTES", "DEFAULT_PACK_THRESHOLD", "DEFAULT_STAGING_BYTES",
     "HandshakeRejected", "ReadResult", "STRATEGIES", "cache_regions", "check_engine", "kernels",
-    "layer_views", "on_device", "zmq",
+    "layer_views", "on_device", "spin_seconds", "zmq",
 ]
 
 #: Seconds a prefill rank holds a request's blocks waiting for notifications (configurable).
@@ -161,9 +161,9 @@ def kernels(device: Any) -> SimpleNamespace:
 
 
 @contextlib.contextmanager
-def on_device(device: Any) -> Iterator[None]:
-    """Make ``device`` (a CUDA device) the current one inside the block, and wait for its work
-    at the end; nothing for CPU."""
+def on_device(device: Any, sync: bool = True) -> Iterator[None]:
+    """Make ``device`` (a CUDA device) the current one inside the block and (``sync``) wait for
+    its work at the end; nothing for CPU."""
     if device.type != "cuda":
         yield
         return
@@ -171,4 +171,15 @@ def on_device(device: Any) -> Iterator[None]:
 
     with torch.cuda.device(device):
         yield
-        torch.cuda.current_stream(device).synchronize()
+        if sync:
+            torch.cuda.current_stream(device).synchronize()
+
+
+def spin_seconds() -> float:
+    """``FKV_TRANSPORT_SPIN``: seconds the transport busy-polls (side channel, READ states, the
+    server loop after a request) before it sleeps; 0 (default) sleeps at once. Spinning trades a
+    CPU core for the wake-up latency of sleeping threads."""
+    try:
+        return max(0.0, float(os.environ.get("FKV_TRANSPORT_SPIN", "0") or 0))
+    except ValueError:
+        return 0.0

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from fkv.connector._common import kernels, on_device
+from fkv.connector._common import kernels, on_device, spin_seconds
 from fkv.connector._nixl import TransferFailed, Xfer, granule_table, row_indices
 from fkv.connector.plan import TransferPlan
 from fkv.connector.wire import Peer
@@ -95,10 +95,10 @@ class Tally:
 
 
 def wait_reads(agent: Any, xfers: list[Xfer], ranks: list[int], engine_id: str,
-               deadline: float) -> None:
+               deadline: float, spin: float = 0.0) -> None:
     """Poll posted READs (``ranks[i]`` is ``xfers[i]``'s prefill rank) until DONE; raise
-    TransferFailed naming the rank on ERR or at the deadline."""
-    stuck = agent.wait(xfers, deadline)
+    TransferFailed naming the rank on ERR or at the deadline (busy-polls the first ``spin`` s)."""
+    stuck = agent.wait(xfers, deadline, spin)
     if stuck is None:
         return
     who = f"prefill rank {ranks[xfers.index(stuck)]} of engine {engine_id!r} ({stuck.remote})"
@@ -131,6 +131,7 @@ class Connection:
         self.staging_path_bytes = 0
         self.packed: PackedPath | None = None
         self.packed_reason = ""   # why packed reads are off (empty when on)
+        self.spin = spin_seconds()  # busy-poll READ states this long before sleeping
         agent = client._agent
         ls, rs = client.spec, self.remote_spec
         step = math.lcm(ls.block_size, rs.block_size)
@@ -280,7 +281,7 @@ class Connection:
                                          f"the prefill process may have died: reconnect once it "
                                          f"is back (client.reconnect())") from e
                 ranks.append(rank)
-            wait_reads(agent, xfers, ranks, self.engine_id, deadline)
+            wait_reads(agent, xfers, ranks, self.engine_id, deadline, self.spin)
         finally:
             tally.bytes += sum(x.nbytes for x in xfers if x.state == "DONE")
             tally.transfer_seconds += time.perf_counter() - t0

@@ -248,10 +248,12 @@ class Agent:
                 xfer.state = "ERR"
         return xfer.state
 
-    def wait(self, xfers: list[Xfer], deadline: float) -> Xfer | None:
+    def wait(self, xfers: list[Xfer], deadline: float, spin: float = 0.0) -> Xfer | None:
         """Poll until every transfer is DONE (returns None), one failed, or the deadline passes
-        (returns the first unfinished one; its state says ``"ERR"`` or ``"PROC"``)."""
+        (returns the first unfinished one; its state says ``"ERR"`` or ``"PROC"``). The first
+        ``spin`` seconds poll without sleeping."""
         pause = 0.0
+        busy_until = time.monotonic() + spin
         while True:
             pending = [x for x in xfers if self.poll(x) != "DONE"]
             if not pending:
@@ -259,8 +261,11 @@ class Agent:
             failed = [x for x in pending if x.state == "ERR"]
             if failed:
                 return failed[0]
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return pending[0]
+            if now < busy_until:
+                continue
             time.sleep(pause)
             pause = min(0.001, pause + 0.00005)
 

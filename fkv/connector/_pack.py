@@ -102,8 +102,10 @@ class Packer:
         return self.buffer.data_ptr()
 
     # -- requests ----------------------------------------------------------------------------------
-    def pack(self, msg: _side.Pack, lease: float) -> _side.Packed | _side.Error:
-        """Check ``msg``, reserve a slot, gather every layer into it and wait for the device."""
+    def pack(self, msg: _side.Pack, lease: float, sync: bool = True
+             ) -> _side.Packed | _side.Error:
+        """Check ``msg``, reserve a slot and gather every layer into it; ``sync``: wait for the
+        device too (else the caller calls :meth:`sync` before it replies)."""
         problem = self._check(msg)
         if problem is not None:
             return _side.Error(message=f"pack refused: {problem}; nothing was packed",
@@ -128,7 +130,7 @@ class Packer:
                                retry=True, token=msg.token)
         slot, offset = got
         try:
-            self._gather(msg, offset, layer_bytes)
+            self._gather(msg, offset, layer_bytes, sync)
         except BaseException:
             del self.slots.held[slot]
             raise
@@ -152,7 +154,12 @@ class Packer:
                     f"tokens but 'block_ids' holds {ids.size}")
         return None
 
-    def _gather(self, msg: _side.Pack, offset: int, layer_bytes: int) -> None:
+    def sync(self) -> None:
+        """Wait until every gather launched so far has finished (a no-op on CPU)."""
+        with on_device(self.device):
+            return
+
+    def _gather(self, msg: _side.Pack, offset: int, layer_bytes: int, sync: bool) -> None:
         import torch
 
         from fkv.ops.relayout import staging_spec
@@ -164,7 +171,7 @@ class Packer:
         shape = staging_spec(spec, n, num_heads=b - a).physical_shape
         dtype = torch_dtype(spec.dtype)
         heads = None if spec.is_mla else (a, b)
-        with on_device(self.device):
+        with on_device(self.device, sync):
             ids = torch.as_tensor(msg.block_ids, dtype=torch.int64).to(self.device)
             for layer, view in enumerate(self.views):
                 start = offset + layer * layer_bytes

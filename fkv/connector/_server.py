@@ -4,15 +4,19 @@ A server registers its rank's caches (and its pack buffer) with its own NIXL age
 thread that does everything afterwards, so NIXL is only ever called from that thread:
 
 - answers its side-channel socket: rank 0 for the whole engine (``Fetch``, ``Publish`` from ranks
-  ``1..tp-1``), every rank with a pack buffer for ``Pack`` requests of packed reads. A pack runs on
-  this thread between polls (``fkv.ops.gather`` per layer, then a wait for the device), so packs
-  of several decode ranks are served one after another;
+  ``1..tp-1``), every rank with a pack buffer for ``Pack`` requests of packed reads. Packs run on
+  this thread between polls: the requests waiting on the socket are taken as one batch, their
+  gathers (``fkv.ops.gather`` per layer) launched one after another, then one wait for the device,
+  then every reply. A pack that finds the buffer full first takes in the NIXL notifications that
+  free slots, then asks the requester to retry if it still does not fit;
 - polls NIXL notifications: ``"<request id>:<decode tp>"`` counts a reader of a request (held
   blocks are released after the expected count, or when the lease runs out); a
   :data:`fkv.connector._pack.FREE_PREFIX` notification frees a pack slot;
 - expires leases and pack slots.
 
-Errors inside the loop never stop it: they land in ``server.errors``.
+Errors inside the loop never stop it: they land in ``server.errors``. ``FKV_TRANSPORT_SPIN``
+(seconds, default 0) keeps the loop busy-polling that long after each request instead of sleeping
+in ``poll``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from fkv.connector._common import (
     cache_regions,
     check_engine,
     layer_views,
+    spin_seconds,
     zmq,
 )
 from fkv.connector._nixl import Agent
@@ -88,6 +93,7 @@ class Server:
         self._sock: Any = None
         self._ranks: dict[int, _side.RankEntry] = {}
         self._packer: Packer | None = None
+        self._spin = spin_seconds()
         self.errors: list[str] = []
         self._ctx = zmq().Context()
         self._agent = Agent("prefill")
@@ -225,48 +231,70 @@ class Server:
     # -- the server thread -------------------------------------------------------------------------
     def _run(self) -> None:
         z = zmq()
+        spin, active = self._spin, 0.0
         while not self._stop.is_set():
             try:
                 if self._sock is not None:
-                    if self._sock.poll(2, z.POLLIN):
+                    wait = 0 if time.monotonic() - active < spin else 2
+                    if self._sock.poll(wait, z.POLLIN):
+                        batch = []
                         for _ in range(64):
                             try:
-                                frames = self._sock.recv_multipart(z.NOBLOCK)
+                                batch.append(self._sock.recv_multipart(z.NOBLOCK))
                             except z.Again:
                                 break
-                            self._answer(frames)
+                        self._answer_all(batch)
+                        active = time.monotonic()
                 else:
                     self._stop.wait(0.002)
-                for message in self._agent.notifications():
-                    if message.startswith(FREE_PREFIX):
-                        if self._packer is None or not self._packer.free(message):
-                            self.errors.append(f"ignored a free of no held slot {message[:40]!r}")
-                    else:
-                        self._notified(message)
+                self._take_notifications()
                 self._expire()
             except Exception as e:  # keep serving; the error is visible in server.errors
                 self.errors.append(f"{type(e).__name__}: {e}")
                 del self.errors[:-100]
                 self._stop.wait(0.01)
 
-    def _answer(self, frames: list[bytes]) -> None:
+    def _take_notifications(self) -> None:
+        for message in self._agent.notifications():
+            if message.startswith(FREE_PREFIX):
+                if self._packer is None or not self._packer.free(message):
+                    self.errors.append(f"ignored a free of no held slot {message[:40]!r}")
+            else:
+                self._notified(message)
+
+    def _answer_all(self, batch: list[list[bytes]]) -> None:
+        """Answer a batch of requests: packs launched one after another, one device wait, then
+        every reply."""
+        out = [self._reply(frames) for frames in batch]
+        if any(isinstance(reply, _side.Packed) for _, reply in out):
+            try:
+                self._packer.sync()
+            except Exception as e:  # the gathers may not have run: refuse every pack of the batch
+                for i, (envelope, reply) in enumerate(out):
+                    if isinstance(reply, _side.Packed):
+                        self._packer.slots.held.pop(reply.slot, None)
+                        out[i] = (envelope, _side.Error(
+                            message=f"pack failed on prefill rank {self.engine.tp_rank}: "
+                                    f"{type(e).__name__}: {e}", token=reply.token))
+        for envelope, reply in out:
+            try:
+                self._sock.send_multipart([*envelope, _side.encode_message(reply)], zmq().NOBLOCK)
+            except Exception as e:  # the requester left: nothing to answer
+                self.errors.append(f"reply not sent: {e}")
+
+    def _reply(self, frames: list[bytes]) -> tuple[list[bytes], Any]:
         if len(frames) >= 3 and frames[1] == b"":
             envelope, body = frames[:2], frames[2:]
         else:
             envelope, body = frames[:1], frames[1:]
         if len(body) != 1:
-            reply: Any = _side.Error(message=f"expected one message frame, got {len(body)}")
-        else:
-            try:
-                reply = self._handle(_side.decode_request(body[0]))
-            except FkvError as e:
-                reply = _side.Error(message=str(e))
-            except Exception as e:
-                reply = _side.Error(message=f"internal error: {type(e).__name__}: {e}")
+            return envelope, _side.Error(message=f"expected one message frame, got {len(body)}")
         try:
-            self._sock.send_multipart([*envelope, _side.encode_message(reply)], zmq().NOBLOCK)
-        except Exception as e:  # the requester left: nothing to answer
-            self.errors.append(f"reply not sent: {e}")
+            return envelope, self._handle(_side.decode_request(body[0]))
+        except FkvError as e:
+            return envelope, _side.Error(message=str(e))
+        except Exception as e:
+            return envelope, _side.Error(message=f"internal error: {type(e).__name__}: {e}")
 
     def _handle(self, msg: Any) -> Any:
         tp, rank = self.engine.tp_size, self.engine.tp_rank
@@ -277,7 +305,11 @@ class Server:
                 return _side.Error(message=f"prefill rank {rank} serves no pack buffer "
                                    f"(serve(..., pack_bytes=0))", token=msg.token)
             try:
-                return self._packer.pack(msg, self.lease)
+                reply = self._packer.pack(msg, self.lease, sync=False)
+                if isinstance(reply, _side.Error) and reply.retry:  # frees may be waiting
+                    self._take_notifications()
+                    reply = self._packer.pack(msg, self.lease, sync=False)
+                return reply
             except Exception as e:
                 return _side.Error(message=f"pack failed on prefill rank {rank}: "
                                    f"{type(e).__name__}: {e}", token=msg.token)

@@ -204,12 +204,20 @@ class Dealer:
             raise SideChannelError(f"the pack request to {self.address} could not be queued "
                                    f"(the prefill rank is not reachable)") from None
 
-    def wait(self, token: int, deadline: float) -> Error | Packed | None:
+    def wait(self, token: int, deadline: float, spin: float = 0.0) -> Error | Packed | None:
+        """The reply to ``token`` (None at the deadline); busy-polls the first ``spin`` s."""
         import zmq
 
+        busy_until = time.monotonic() + spin
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+            now = time.monotonic()
+            left = deadline - now
+            if left <= 0:
+                return None
+            if now < busy_until:
+                if not self._sock.poll(0, zmq.POLLIN):
+                    continue
+            elif not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
                 return None
             frames = self._sock.recv_multipart()
             try:

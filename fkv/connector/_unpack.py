@@ -58,6 +58,7 @@ class PackedPath:
         self.chunk_tokens = chunk_tokens    # most tokens one chunk moves
         self.buffer_bytes = buffer_bytes    # local staging bytes packed reads need
         self.dealers: dict[int, _side.Dealer] = {}
+        self.spin = conn.spin
         try:
             for read in conn.plan.reads:
                 rank = read.remote_rank
@@ -139,7 +140,7 @@ class PackedPath:
                                               FREE_PREFIX + str(pack.slot).encode()))
                 ranks.append(rank)
                 tally.descriptors += len(local_tab)
-            wait_reads(agent, xfers, ranks, conn.engine_id, deadline)
+            wait_reads(agent, xfers, ranks, conn.engine_id, deadline, self.spin)
         except TransferFailed:
             self._free(packs[len(xfers):], reads[len(xfers):])
             raise
@@ -185,7 +186,7 @@ class PackedPath:
         who = f"prefill rank {rank} of engine {conn.engine_id!r} ({conn.entries[rank].address})"
         pause = 0.0002
         while True:
-            reply = self.dealers[rank].wait(token, deadline)
+            reply = self.dealers[rank].wait(token, deadline, self.spin)
             if reply is None:
                 raise TransferFailed(f"{who} did not answer the pack request before the read's "
                                      f"timeout: the prefill process is hung, dead or unreachable: "
