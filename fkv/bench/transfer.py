@@ -34,6 +34,7 @@ each payload byte is read once and written once).
     python bench/bench_transfer.py --quick                       # 1024 blocks, fewer reps
     python bench/bench_transfer.py --ucx-tls "cuda_ipc,cuda_copy,tcp;rc,cuda_copy;tcp"
     FKV_NIXL_PROGRESS_THREAD=0 FKV_NIXL_NUM_THREADS=4 python bench/bench_transfer.py ...
+    FKV_TRANSPORT_SPIN=0.005 python bench/bench_transfer.py --cases link,hnd-packed   # busy-poll
 
 ``--ucx-tls`` takes ``;``-separated UCX_TLS values and runs every case under each (fresh processes).
 """

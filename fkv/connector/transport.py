@@ -39,6 +39,12 @@ Caches are ``fkv.allocate(spec, device)`` views (CPU DRAM or CUDA VRAM). NIXL is
 from one thread at a time per agent: the server's own thread after start-up (it also does the
 packing, between polls), the client under its lock.
 
+Environment knobs: ``FKV_TRANSPORT_SPIN`` (seconds; default 0) busy-polls the side channel, READ
+states and the server loop that long before sleeping (on an H200 VM: 1.65x for packed reads, 2x
+for one-descriptor reads, at the cost of a busy core per rank; bench/NOTES.md "transfer");
+``FKV_PACK_DESCRIPTORS`` splits each pack READ in that many descriptors (default 1);
+``FKV_NIXL_PROGRESS_THREAD`` / ``FKV_NIXL_NUM_THREADS`` (see ``fkv.connector._nixl.Agent``).
+
 Modules: ``_server`` (prefill ranks), ``_pack`` (pack buffer and slots), ``_client`` (decode
 ranks), ``_connection`` (plan paths, descriptors, staging), ``_unpack`` (packed reads, decode
 side), ``_side`` (the ZMQ messages), ``_nixl`` (the NIXL agent), ``_common`` (shared helpers).
