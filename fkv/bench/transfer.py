@@ -339,26 +339,18 @@ def _profile(prefill: dict[str, list[float]], decode: list[dict[str, list[float]
 
 def _copy_ceiling(cfg: dict[str, Any]) -> float:
     """GB/s of a same-run device copy, bytes read + bytes written (BENCH.md): 1 GiB on a GPU (well
-    beyond L2), 256 MiB of DRAM on the CPU."""
+    beyond L2), 256 MiB of DRAM on the CPU (``fkv.bench._common.copy_ceiling_gbps``)."""
     import torch
 
-    dev = _device(cfg, "d_gpu")
-    nbytes = (1 << 30) if dev.type == "cuda" else (256 << 20)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_()
-    dst = torch.empty_like(src)
-    if dev.type == "cuda":
-        from triton.testing import do_bench
+    from fkv.bench._common import copy_ceiling_gbps
 
-        ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-        del src, dst
+    dev = _device(cfg, "d_gpu")
+    if dev.type == "cuda":
+        with torch.cuda.device(dev):
+            gbps = copy_ceiling_gbps(100, "cuda")
         torch.cuda.empty_cache()
-        return 2 * nbytes / (ms * 1e-3) / 1e9
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 2 * nbytes / statistics.median(times) / 1e9
+        return gbps
+    return copy_ceiling_gbps(100, "cpu", 256 << 20)
 
 
 def _cases(args: argparse.Namespace) -> list[Case]:
@@ -425,11 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         if case.profile:
             print("      ms/call: " + ", ".join(f"{k} {v[0]:.3f}" for k, v in case.profile.items()),
                   flush=True)
-    out = {"device": args.device, "config": cfg, "env": env, "copy_ceiling_gbps": ceiling,
-           "cases": [asdict(c) for c in cases]}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    from fkv.bench._common import environment, write_json
+
+    write_json(args.json, {**environment(args.device), "config": cfg, "env": env,
+                           "copy_ceiling_gbps": ceiling, "cases": [asdict(c) for c in cases]})
     _table(cases, ceiling)
     return 1 if any(c.error for c in cases) else 0
 
