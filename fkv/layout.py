@@ -31,6 +31,8 @@ import enum
 import functools
 import html
 import math
+import types
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -160,7 +162,7 @@ def _check_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise field_error(attribute.name, value, "a bool")
 
 
-@attrs.frozen(kw_only=True, repr=False)
+@attrs.frozen(kw_only=True, repr=False, cache_hash=True)
 class KVCacheSpec:
     """The memory layout of one rank's paged KV cache, as an immutable, hashable value.
 
@@ -268,15 +270,12 @@ class KVCacheSpec:
     @property
     def physical_shape(self) -> tuple[int, ...]:
         """Shape of the allocated buffer: one layer's, or all layers' when ``cross_layer``."""
-        return tuple(self.axis_sizes[a] for a in self.physical_axes)
+        return _physical_shape(self)
 
     @property
-    def axis_sizes(self) -> dict[str, int]:
-        sizes = {"L": self.num_layers, "B": self.num_blocks, "two": 2, "N": self.block_size,
-                 "H": self.num_kv_heads, "C": self.head_size}
-        if self.is_mla:
-            del sizes["two"], sizes["H"]
-        return sizes
+    def axis_sizes(self) -> Mapping[str, int]:
+        """Size of every axis this spec has (read-only), e.g. ``{'L': 1, 'B': 8, 'two': 2, ...}``."""
+        return _axis_sizes(self)
 
     @property
     def page_bytes(self) -> int:
@@ -297,7 +296,7 @@ class KVCacheSpec:
     @property
     def axis_strides(self) -> dict[str, int]:
         """Element stride of every axis in the buffer that holds it (``L`` present when cross_layer)."""
-        return _axis_strides(self.backend, self.layout, self.cross_layer, tuple(self.physical_shape))
+        return _axis_strides(self.backend, self.layout, self.cross_layer, self.physical_shape)
 
     @property
     def element_strides(self) -> tuple[int, ...]:
@@ -347,36 +346,59 @@ class KVCacheSpec:
         >>> s.evolve(layout="NHD").span(B=0, two=0, H=(4, 8)) is None
         True
         """
-        sizes = self.axis_sizes
-        unknown = set(ranges) - set(sizes)
-        if unknown:
-            raise FkvError(f"span: axes {sorted(unknown)} are not axes of {self.backend!r} "
-                           f"(axes: {tuple(sizes)})")
-        box: dict[str, tuple[int, int]] = {}
-        for axis in self.physical_axes:
-            r = ranges.get(axis, (0, 1) if axis == "L" else (0, sizes[axis]))
-            lo, hi = (r, r + 1) if isinstance(r, int) else r
-            if not 0 <= lo < hi <= sizes[axis]:
-                raise FkvError(f"span: {axis}={r!r} outside [0, {sizes[axis]})")
-            box[axis] = (lo, hi)
-        st = self.axis_strides
-        offset = sum(box[a][0] * st[a] for a in box)
+        axes = _span_axes(self)
+        for name in ranges:
+            if name not in self.axis_sizes:
+                raise FkvError(f"span: axes {sorted(set(ranges) - set(self.axis_sizes))} are not "
+                               f"axes of {self.backend!r} (axes: {tuple(self.axis_sizes)})")
+        offset, length, partial_seen, contiguous = 0, 1, False, True
         # Contiguous iff, innermost outward: full axes, then at most one partial axis, then extent 1.
-        partial_seen = False
-        for axis in reversed(self.physical_axes):
-            lo, hi = box[axis]
-            if partial_seen and hi - lo != 1:
-                return None
-            if hi - lo != sizes[axis]:
+        for axis, size, stride in axes:
+            r = ranges.get(axis)
+            if r is None:
+                lo, hi = (0, 1) if axis == "L" else (0, size)
+            elif isinstance(r, int):
+                lo, hi = r, r + 1
+            else:
+                lo, hi = r
+            if not 0 <= lo < hi <= size:
+                raise FkvError(f"span: {axis}={r!r} outside [0, {size})")
+            extent = hi - lo
+            if partial_seen and extent != 1:
+                contiguous = False
+            if extent != size:
                 partial_seen = True
-        length = math.prod(hi - lo for lo, hi in box.values())
-        return offset * self.itemsize, length * self.itemsize
+            offset += lo * stride
+            length *= extent
+        return (offset * self.itemsize, length * self.itemsize) if contiguous else None
 
     def same_bytes(self, other: KVCacheSpec) -> bool:
         """True when both specs put every element at the same byte (size-1 axes make NHD == HND)."""
         return (self.logical_axes == other.logical_axes and self.axis_sizes == other.axis_sizes
                 and self.dtype == other.dtype
                 and _squeezed_order(self) == _squeezed_order(other))
+
+
+@functools.lru_cache(maxsize=4096)
+def _axis_sizes(spec: KVCacheSpec) -> Mapping[str, int]:
+    sizes = {"L": spec.num_layers, "B": spec.num_blocks, "two": 2, "N": spec.block_size,
+             "H": spec.num_kv_heads, "C": spec.head_size}
+    if spec.is_mla:
+        del sizes["two"], sizes["H"]
+    return types.MappingProxyType(sizes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _span_axes(spec: KVCacheSpec) -> tuple[tuple[str, int, int], ...]:
+    """(axis, size, element stride) of every physical axis, innermost first (for ``span``)."""
+    sizes, strides = _axis_sizes(spec), spec.axis_strides
+    return tuple((a, sizes[a], strides[a]) for a in reversed(spec.physical_axes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _physical_shape(spec: KVCacheSpec) -> tuple[int, ...]:
+    sizes = _axis_sizes(spec)
+    return tuple(sizes[a] for a in spec.physical_axes)
 
 
 def _squeezed_order(spec: KVCacheSpec) -> tuple[str, ...]:
