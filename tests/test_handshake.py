@@ -16,6 +16,7 @@ from fkv import FkvError, KVCacheSpec
 from fkv.connector.handshake import (
     PROTOCOL_VERSION, REASON_CODES, Accept, EngineDesc, Reason, Reject, handshake, rank_heads,
 )
+from fkv.testing import EnginePair, engine_pairs
 
 
 def rank(tp: int, r: int, *, heads: int = 8, engine: dict | None = None, **kw):
@@ -159,21 +160,29 @@ def test_internal_errors_come_back_as_a_reason():
 
 # -- accepted pairs -----------------------------------------------------------------------------
 
+# One model's facts for the acceptance properties (aliases included: the spec normalizes them).
+ONE_MODEL = dict(total_num_kv_heads=(1, 2, 4, 8), layout=("NHD", "HND", "LBHNC", "BLNHC"),
+                 block_size=(1, 16, 32), head_size=(64, 576), dtype=("bfloat16", "float8_e5m2"),
+                 num_layers=range(1, 5), num_blocks=range(5, 65))
+TPS = (1, 2, 4, 8, 16)
+KV_BACKENDS = ("triton", "flashinfer", "flash_attn")
+
+
 @st.composite
-def ranks(draw, tp=None, heads=None, mla=None):
-    mla = draw(st.booleans()) if mla is None else mla
-    heads = 1 if mla else (heads or draw(st.sampled_from([1, 2, 4, 8])))
-    tp = tp or draw(st.sampled_from([1, 2, 4, 8, 16]))
-    return rank(tp, draw(st.integers(0, tp - 1)), heads=heads,
-                backend="mla" if mla else draw(st.sampled_from(["triton", "flashinfer", "flash_attn"])),
-                layout=draw(st.sampled_from(["NHD", "HND", "LBHNC", "BLNHC"])),
-                cross_layer=draw(st.booleans()), num_layers=draw(st.integers(1, 4)),
-                block_size=draw(st.sampled_from([1, 16, 32])), head_size=draw(st.sampled_from([64, 576])),
-                dtype=draw(st.sampled_from(["bfloat16", "float8_e5m2"])))
+def mixed_backend_pairs(draw, pairs):
+    """A pair from ``pairs`` (an ``fkv.testing.engine_pairs`` strategy, built once: building one
+    per draw is slow), then each K/V side's own backend (engine_pairs draws one backend for both
+    sides; fkv pairs any two K/V backends)."""
+    pair = draw(pairs)
+
+    def side(engine, spec):
+        return (engine, spec if spec.is_mla else spec.evolve(backend=draw(st.sampled_from(KV_BACKENDS))))
+
+    return EnginePair(prefill=side(*pair.prefill), decode=side(*pair.decode))
 
 
 @settings(max_examples=300)
-@given(ranks())
+@given(engine_pairs(**ONE_MODEL, prefill_tp=1, decode_tp=TPS).map(lambda pair: pair.decode))
 def test_handshake_with_itself_accepts(x):
     result = handshake(x, x)
     assert isinstance(result, Accept), str(result)
@@ -186,20 +195,15 @@ def test_handshake_with_itself_accepts(x):
 
 
 @settings(max_examples=300)
-@given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8, 16]), st.sampled_from([1, 2, 4, 8, 16]),
-       st.booleans(), st.data())
-def test_every_consistent_pair_of_one_model_is_accepted(heads, tp_d, tp_p, mla, data):
+@given(mixed_backend_pairs(engine_pairs(**ONE_MODEL, prefill_tp=TPS, decode_tp=TPS)))
+def test_every_consistent_pair_of_one_model_is_accepted(pair):
     # Same model and dtypes, any TP pair, layout, backend, cross_layer and block sizes: fkv serves it.
-    local = data.draw(ranks(tp=tp_d, heads=heads, mla=mla))
-    remote = data.draw(ranks(tp=tp_p, heads=heads, mla=mla))
-    common = dict(head_size=local[1].head_size, dtype=local[1].dtype, num_layers=local[1].num_layers)
-    remote = (attrs.evolve(remote[0], tp_rank=0), remote[1].evolve(**common))
-    result = handshake(local, remote)
+    result = handshake(pair.decode, pair.prefill)
     assert isinstance(result, Accept), str(result)
     plan = result.plan
     group = plan.remote_ranks + plan.notify_only_ranks
     assert sorted(group) == list(range(min(group), min(group) + len(group)))
-    assert len(group) == max(1, tp_p // tp_d)
+    assert len(group) == max(1, pair.prefill[0].tp_size // pair.decode[0].tp_size)
 
 
 # -- totality on arbitrary pairs ------------------------------------------------------------------
