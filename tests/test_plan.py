@@ -16,6 +16,7 @@ from inline_snapshot import snapshot
 from fkv import FkvError, KVCacheSpec
 from fkv.connector.handshake import Accept, EngineDesc, handshake
 from fkv.connector.plan import StagingStep, expected_notifications
+from fkv.testing import engine_pairs
 
 _ELEM = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 _CANON = ("B", "two", "N", "H", "C")
@@ -556,28 +557,30 @@ def test_matrix_simulates_exactly():
 
 # -- properties: every accepted pair moves exactly the right bytes --------------------------------
 
+KV_BACKENDS = ("triton", "flashinfer", "flash_attn")
+ENGINE_PAIRS = engine_pairs(
+    backend=st.integers(0, 5).map(lambda i: "mla" if i == 0 else "triton"),  # K/V: redrawn below
+    head_size=(1, 2, 3, 4), block_size=(1, 2, 3, 4, 6, 8),
+    dtype=("bfloat16", "float32", "float8_e4m3fn"), num_blocks=1)
+
+
 @st.composite
 def accepted_pairs(draw):
-    mla = draw(st.integers(0, 5)) == 0
-    heads = 1 if mla else draw(st.sampled_from([1, 2, 4, 8]))
-    tp_p, tp_d = draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([1, 2, 4, 8]))
-    common = dict(head_size=draw(st.sampled_from([1, 2, 3, 4])),
-                  dtype=draw(st.sampled_from(["bfloat16", "float32", "float8_e4m3fn"])),
-                  num_layers=draw(st.integers(1, 3)))
-
-    def side(tp: int, r: int) -> tuple[EngineDesc, KVCacheSpec]:
-        backend = "mla" if mla else draw(st.sampled_from(["triton", "flashinfer", "flash_attn"]))
-        return rank(tp, r, heads=heads, backend=backend, layout=draw(st.sampled_from(["NHD", "HND"])),
-                    cross_layer=draw(st.booleans()), block_size=draw(st.sampled_from([1, 2, 3, 4, 6, 8])),
-                    **common)
-
-    local, remote = side(tp_d, draw(st.integers(0, tp_d - 1))), side(tp_p, 0)
-    n_l_tok, n_r_tok = local[1].block_size, remote[1].block_size
+    """``fkv.testing.engine_pairs`` (MLA, replicated KV, both TP directions, layout, block-size and
+    cross_layer mismatch), then each K/V side's own backend (engine_pairs shares one) and num_blocks
+    fitted to a request of 1..20 tokens."""
+    pair = draw(ENGINE_PAIRS)
+    local, remote = pair.decode, pair.prefill
     want = draw(st.integers(1, 20))
-    n_l, n_r = -(-want // n_l_tok), -(-want // n_r_tok)
+    n_l, n_r = -(-want // local[1].block_size), -(-want // remote[1].block_size)
     nb_l, nb_r = n_l + draw(st.integers(0, 3)), n_r + draw(st.integers(0, 3))
-    local = (local[0], local[1].evolve(num_blocks=nb_l))
-    remote = (remote[0], remote[1].evolve(num_blocks=nb_r))
+
+    def fit(side, num_blocks):
+        engine, spec = side
+        backend = spec.backend if spec.is_mla else draw(st.sampled_from(KV_BACKENDS))
+        return engine, spec.evolve(backend=backend, num_blocks=num_blocks)
+
+    local, remote = fit(local, nb_l), fit(remote, nb_r)
     if draw(st.booleans()):
         local_ids, remote_ids = np.arange(nb_l - n_l, nb_l), np.arange(n_r)
     else:
