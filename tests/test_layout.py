@@ -12,6 +12,7 @@ from inline_snapshot import snapshot
 
 import fkv
 from fkv import FkvError, KVCacheSpec, Layout, rearrange_pattern
+from fkv.testing import specs
 
 
 def _spec(**kw):
@@ -184,30 +185,22 @@ torch = pytest.importorskip("torch")
 einops = pytest.importorskip("einops")
 
 
-@st.composite
-def geometries(draw, mla=None):
-    is_mla = draw(st.booleans()) if mla is None else mla
-    return dict(
-        num_blocks=draw(st.integers(1, 4)), block_size=draw(st.integers(1, 5)),
-        num_kv_heads=1 if is_mla else draw(st.integers(1, 4)), head_size=draw(st.integers(1, 6)),
-        num_layers=draw(st.integers(1, 3)), dtype=draw(st.sampled_from(["float32", "bfloat16"])),
-        _mla=is_mla,
-    )
-
-
-@st.composite
-def specs_of(draw, geometry):
-    geometry = dict(geometry)
-    is_mla = geometry.pop("_mla")
-    backend = "mla" if is_mla else draw(st.sampled_from(["triton", "flashinfer", "flash_attn"]))
-    return KVCacheSpec(backend=backend, layout=draw(st.sampled_from(["NHD", "HND"])),
-                       cross_layer=draw(st.booleans()), **geometry)
+# Tiny geometries (fkv.testing.specs); MLA about half the time, as often as all K/V backends.
+KV_BACKENDS = ("triton", "flashinfer", "flash_attn")
+TINY_SPECS = specs(num_blocks=range(1, 5), block_size=range(1, 6), num_kv_heads=range(1, 5),
+                   head_size=range(1, 7), num_layers=range(1, 4), dtype=("float32", "bfloat16"),
+                   layout=("NHD", "HND"), max_bytes=None,
+                   backend=st.one_of(st.just("mla"), st.sampled_from(KV_BACKENDS)))
 
 
 @st.composite
 def spec_pairs(draw):
-    g = draw(geometries())
-    return draw(specs_of(g)), draw(specs_of(g))
+    """A spec from ``fkv.testing.specs`` and one of the same geometry with its own backend (same
+    family: MLA or K/V), layout and cross_layer (an evolve: building specs() per draw is slow)."""
+    a = draw(TINY_SPECS)
+    b = a.evolve(backend="mla" if a.is_mla else draw(st.sampled_from(KV_BACKENDS)),
+                 layout=draw(st.sampled_from(["NHD", "HND"])), cross_layer=draw(st.booleans()))
+    return a, b
 
 
 def _memory(views, spec):
@@ -250,10 +243,8 @@ def test_pattern_moves_real_memory(pair, seed):
     assert torch.equal(back, src_mem)
 
 
-@given(st.data())
-def test_allocate_and_infer_round_trip(data):
-    g = data.draw(geometries())
-    spec = data.draw(specs_of(g))
+@given(TINY_SPECS)
+def test_allocate_and_infer_round_trip(spec):
     views = fkv.allocate(spec)
     for v in views:
         v.copy_(torch.randn(v.shape))
