@@ -26,6 +26,7 @@ import torch
 import fkv
 from fkv.connector import EngineDesc, connect, serve
 from fkv.connector.handshake import rank_heads
+from fkv.testing import assert_kv_equal
 
 _CANON = ("B", "N", "two", "H", "C")
 
@@ -70,10 +71,6 @@ def fill_prefill(caches: list[torch.Tensor], spec: fkv.KVCacheSpec, engine: Engi
         canonical(view, spec).copy_(src.to(view.dtype))
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 def poison(caches: list[torch.Tensor]) -> None:
     for view in caches:
         view.fill_(float("nan"))
@@ -81,27 +78,25 @@ def poison(caches: list[torch.Tensor]) -> None:
 
 def verify(caches: list[torch.Tensor], spec: fkv.KVCacheSpec, engine: EngineDesc,
            cmd: dict[str, Any]) -> str | None:
-    """None when the request's tokens equal the global KV and every other block is still NaN."""
+    """None when the request's tokens equal the global KV bit for bit (``fkv.testing``'s
+    ``assert_kv_equal`` against a one-rank prefill cache of all heads: its message names layer,
+    token, blocks and slots, K/V, head and channel) and every other block is still NaN."""
     rspec = make_spec(cmd["remote_spec"])
     total = 1 if spec.is_mla else engine.total_num_kv_heads
     local, remote = cmd["local"], cmd["remote"]
     n = cmd.get("num_tokens") or min(len(local) * spec.block_size, len(remote) * rspec.block_size)
-    i = torch.arange(n)
-    gtok = torch.tensor(remote)[i // rspec.block_size] * rspec.block_size + i % rspec.block_size
-    lo, hi = heads_of(engine, spec)
-    ltok = torch.tensor(local)[i // spec.block_size] * spec.block_size + i % spec.block_size
+    whole = rspec.evolve(num_kv_heads=total, dtype=spec.dtype)  # all heads, one rank
+    reference = fkv.allocate(whole)
+    fill_prefill(reference, whole, EngineDesc(engine_id="reference", tp_size=1, tp_rank=0,
+                                              total_num_kv_heads=total), cmd["seed"])
+    try:
+        assert_kv_equal(caches, spec, reference, whole, block_ids_a=local, block_ids_b=remote,
+                        num_tokens=n, heads_b=heads_of(engine, spec))
+    except AssertionError as e:
+        return str(e)
     others = sorted(set(range(spec.num_blocks)) - set(local) - set(cmd.get("also_written", ())))
     for layer, view in enumerate(caches):
-        ref = global_kv(cmd["seed"], layer, rspec.num_blocks * rspec.block_size, total,
-                        spec.head_size)[:, :1 if spec.is_mla else 2]
-        want = ref[gtok][:, :, lo:hi].to(view.dtype)
-        canon = canonical(view.cpu(), spec)
-        got = canon.reshape(-1, *canon.shape[2:])[ltok]
-        if not torch.equal(_bits(got), _bits(want)):
-            bad = (got != want).nonzero()[0].tolist()
-            return (f"layer {layer}: token/kv/head/channel {bad} got {got[tuple(bad)].item()} "
-                    f"want {want[tuple(bad)].item()} ({int((got != want).sum())} differ)")
-        if others and not bool(canon[others].isnan().all()):
+        if others and not bool(canonical(view.cpu(), spec)[others].isnan().all()):
             return f"layer {layer}: blocks outside the request were written"
     return None
 
