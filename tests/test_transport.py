@@ -695,6 +695,18 @@ def test_prefill_killed_during_and_before_a_read_then_reconnect(cluster: Any) ->
             reborn.close()
 
 
+def _wait_stopped(pid: int, timeout: float) -> None:
+    """Wait until process ``pid`` is stopped (SIGSTOP: state 'T' in /proc), so a kill that
+    follows lands after whatever it did before stopping, however loaded the machine is."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout} s")
+
+
 def test_prefill_stopped_or_killed_during_a_packed_read_then_reconnect(cluster: Any) -> None:
     """Packed reads: a prefill rank stopped before it packs, one killed after it packed (the READ
     in flight), one dead before the read: ``ok=False`` within the timeout each time; the engine
@@ -721,12 +733,12 @@ def test_prefill_stopped_or_killed_during_a_packed_read_then_reconnect(cluster: 
         # During the READ: the rank packs and answers, then stops (nobody serves the READ over
         # TCP) and is killed while the READ is in flight.
         victim.call("stop_after_pack", name=name, request_id="during")
-        D.send("read", name=name, request_id="during", local=ids, remote=ids[::-1], timeout=4.0)
-        time.sleep(1.0)
+        D.send("read", name=name, request_id="during", local=ids, remote=ids[::-1], timeout=10.0)
+        _wait_stopped(victim.proc.pid, timeout=10.0)  # it answered the pack, then stopped itself
         victim.kill(signal.SIGKILL)
         victim.proc.wait()
         during = D.result(timeout=30)
-        assert not during["result_ok"] and during["read_seconds"] < 4.0 + 2.0, during
+        assert not during["result_ok"] and during["read_seconds"] < 10.0 + 2.0, during
         assert "READ from prefill rank 0" in during["error"], during
         # Before: the process is already dead when the read starts.
         before = D.call("read", name=name, request_id="before", local=ids, remote=ids,
