@@ -662,7 +662,7 @@ def test_prefill_killed_during_and_before_a_read_then_reconnect(cluster: Any) ->
         # posted, then the process is killed while the READ is in flight.
         victim.kill(signal.SIGSTOP)
         hung = D.call("read", name=name, request_id="hung", local=ids, remote=ids, timeout=1.0)
-        assert not hung["result_ok"] and 1.0 <= hung["read_seconds"] < 5.0, hung
+        assert not hung["result_ok"] and 0.9 <= hung["read_seconds"] < 5.0, hung
         assert "did not finish before the read's timeout" in hung["error"]
         D.send("read", name=name, request_id="during", local=ids, remote=ids[::-1], timeout=8.0)
         time.sleep(1.0)
@@ -727,7 +727,7 @@ def test_prefill_stopped_or_killed_during_a_packed_read_then_reconnect(cluster: 
         # During the pack: the stopped process cannot answer the pack request.
         victim.kill(signal.SIGSTOP)
         hung = D.call("read", name=name, request_id="hung", local=ids, remote=ids, timeout=1.0)
-        assert not hung["result_ok"] and 1.0 <= hung["read_seconds"] < 5.0, hung
+        assert not hung["result_ok"] and 0.9 <= hung["read_seconds"] < 5.0, hung
         assert "did not answer the pack request before the read's timeout" in hung["error"]
         victim.kill(signal.SIGCONT)
         # During the READ: the rank packs and answers, then stops (nobody serves the READ over
