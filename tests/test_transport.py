@@ -733,13 +733,17 @@ def test_prefill_stopped_or_killed_during_a_packed_read_then_reconnect(cluster: 
         # During the READ: the rank packs and answers, then stops (nobody serves the READ over
         # TCP) and is killed while the READ is in flight.
         victim.call("stop_after_pack", name=name, request_id="during")
-        D.send("read", name=name, request_id="during", local=ids, remote=ids[::-1], timeout=10.0)
+        D.send("read", name=name, request_id="during", local=ids, remote=ids[::-1], timeout=4.0)
         _wait_stopped(victim.proc.pid, timeout=10.0)  # it answered the pack, then stopped itself
         victim.kill(signal.SIGKILL)
         victim.proc.wait()
         during = D.result(timeout=30)
-        assert not during["result_ok"] and during["read_seconds"] < 10.0 + 2.0, during
-        assert "READ from prefill rank 0" in during["error"], during
+        assert not during["result_ok"] and during["read_seconds"] < 4.0 + 2.0, during
+        # The pack reply is queued in ZMQ when the process stops itself; whether its I/O thread
+        # flushed it first is a race, so the failure is reported at the READ (usual) or at the
+        # pack reply (loaded machine). Either way: ok=False, in time, naming the rank.
+        assert ("READ from prefill rank 0" in during["error"]
+                or "did not answer the pack request" in during["error"]), during
         # Before: the process is already dead when the read starts.
         before = D.call("read", name=name, request_id="before", local=ids, remote=ids,
                         timeout=1.5)
