@@ -739,11 +739,13 @@ def test_prefill_stopped_or_killed_during_a_packed_read_then_reconnect(cluster: 
         victim.proc.wait()
         during = D.result(timeout=30)
         assert not during["result_ok"] and during["read_seconds"] < 4.0 + 2.0, during
-        # The pack reply is queued in ZMQ when the process stops itself; whether its I/O thread
-        # flushed it first is a race, so the failure is reported at the READ (usual) or at the
-        # pack reply (loaded machine). Either way: ok=False, in time, naming the rank.
-        assert ("READ from prefill rank 0" in during["error"]
-                or "did not answer the pack request" in during["error"]), during
+        # Where the failure surfaces is a race the test cannot pin: the pack reply is queued in
+        # ZMQ when the process stops itself (its I/O thread may not have flushed it: "did not
+        # answer the pack request"); the READ needs the stopped peer ("READ from prefill rank 0"),
+        # unless a UCX transport reads its memory without it (cma), and then the notification to
+        # the dead rank fails ("could not notify"). Every stage must give ok=False in time.
+        assert any(stage in during["error"] for stage in (
+            "READ from prefill rank 0", "did not answer the pack request", "could not notify")), during
         # Before: the process is already dead when the read starts.
         before = D.call("read", name=name, request_id="before", local=ids, remote=ids,
                         timeout=1.5)
