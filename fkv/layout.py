@@ -401,6 +401,31 @@ def _physical_shape(spec: KVCacheSpec) -> tuple[int, ...]:
     return tuple(sizes[a] for a in spec.physical_axes)
 
 
+@functools.lru_cache(maxsize=8192)
+def box_is_contiguous(spec: KVCacheSpec, extents: tuple[tuple[str, int], ...]) -> bool:
+    """Whether the box ``[0, e)`` on each named axis is one contiguous run of ``spec``'s memory.
+
+    Axes not named: ``B`` and ``L`` one index, every other axis whole; the same rule as
+    :meth:`KVCacheSpec.span` (full axes innermost, then one partial axis, then extent 1), without
+    the offsets, for the planner's search over atom shapes.
+
+    >>> s = KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128)
+    >>> box_is_contiguous(s, (("two", 1), ("H", 4))), box_is_contiguous(s.evolve(layout="NHD"), (("two", 1), ("H", 4)))
+    (True, False)
+    """
+    ext = dict(extents)
+    partial_seen = False
+    for axis, size, _stride in _span_axes(spec):
+        extent = ext.get(axis, 1 if axis in ("L", "B") else size)
+        if not 1 <= extent <= size:
+            raise FkvError(f"box_is_contiguous: {axis} extent {extent} outside [1, {size}]")
+        if partial_seen and extent != 1:
+            return False
+        if extent != size:
+            partial_seen = True
+    return True
+
+
 def _squeezed_order(spec: KVCacheSpec) -> tuple[str, ...]:
     sizes = spec.axis_sizes
     return tuple(a for a in spec.physical_axes if sizes[a] != 1)

@@ -47,7 +47,7 @@ import attrs
 import numpy as np
 
 from fkv.errors import FkvError
-from fkv.layout import KVCacheSpec
+from fkv.layout import KVCacheSpec, box_is_contiguous
 
 __all__ = [
     "DESCRIPTOR_COST_BYTES", "STAGING_COST_FRACTION", "Cost", "Read", "StagingStep",
@@ -139,32 +139,28 @@ class StagingStep:
 # -- contiguity of atoms (the layout algebra decides; cached per spec and extents) -------------
 
 @functools.lru_cache(maxsize=8192)
-def _contiguous(spec: KVCacheSpec, extents: tuple[tuple[str, int], ...]) -> bool:
-    return spec.span(B=0, **{a: (0, e) for a, e in extents}) is not None
-
-
-@functools.lru_cache(maxsize=8192)
 def _order(spec: KVCacheSpec, extents: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
     ext = dict(extents)
     ext.setdefault("C", spec.head_size)
     return tuple(a for a in spec.physical_axes if ext.get(a, 1) > 1)
 
 
-def _splits(full: dict[str, int]) -> list[tuple[tuple[str, ...], int]]:
-    """Every subset of axes to split, with its atom count, fewest atoms first."""
-    axes = tuple(full)
-    out = [(s, math.prod(full[a] for a in s))
-           for k in range(len(axes) + 1) for s in itertools.combinations(axes, k)]
-    return sorted(out, key=lambda x: (x[1], len(x[0])))
+@functools.lru_cache(maxsize=1024)
+def _splits(full: tuple[tuple[str, int], ...]
+            ) -> tuple[tuple[tuple[str, ...], int, tuple[tuple[str, int], ...]], ...]:
+    """Every subset of axes to split, with its atom count and atom extents, fewest atoms first."""
+    sizes = dict(full)
+    out = [(s, math.prod(sizes[a] for a in s), tuple((a, 1 if a in s else e) for a, e in full))
+           for k in range(len(full) + 1) for s in itertools.combinations(sizes, k)]
+    return tuple(sorted(out, key=lambda x: (x[1], len(x[0]))))
 
 
 @functools.lru_cache(maxsize=4096)
 def _best_split(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[str, int], ...]
                 ) -> tuple[tuple[str, ...], int]:
     """Fewest atoms such that one atom is contiguous with the same element order on every side."""
-    for split, count in _splits(dict(full)):
-        ext = tuple((a, 1 if a in split else e) for a, e in full)
-        if len({_order(s, ext) for s in sides}) == 1 and all(_contiguous(s, ext) for s in sides):
+    for split, count, ext in _splits(full):
+        if len({_order(s, ext) for s in sides}) == 1 and all(box_is_contiguous(s, ext) for s in sides):
             return split, count
     raise AssertionError("single-row atoms are always contiguous")  # C is innermost everywhere
 
