@@ -635,9 +635,9 @@ def test_staging_layout_matches_staging_md():
 
 def test_segments_validation():
     plan = plan_of(rank(2, 0), rank(1, 0))
-    with pytest.raises(FkvError, match=r"'local_block_ids'\[1\] = 64 outside \[0, num_blocks=64\)"):
+    with pytest.raises(FkvError, match=r"'local_block_ids'\[1\] = 64 is outside the local cache's \[0, num_blocks=64\)"):
         plan.segments([0, 64], [0, 1])
-    with pytest.raises(FkvError, match=r"'remote_block_ids'\[0\] = -1 outside"):
+    with pytest.raises(FkvError, match=r"'remote_block_ids'\[0\] = -1 is outside the remote cache's"):
         plan.segments([0], [-1])
     with pytest.raises(FkvError, match="'local_block_ids' must hold integers"):
         plan.segments([0.5], [1])

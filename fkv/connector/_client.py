@@ -28,11 +28,11 @@ from fkv.connector._common import (
     layer_views,
     zmq,
 )
-from fkv.connector._connection import Connection, Tally, block_ids, count_tokens
+from fkv.connector._connection import Connection, Tally
 from fkv.connector._nixl import Agent, TransferFailed
 from fkv.connector._side import SideChannelError
 from fkv.connector.handshake import EngineDesc, check_remote_ranks, handshake
-from fkv.connector.plan import TransferPlan
+from fkv.connector.plan import TransferPlan, check_block_ids, request_tokens
 from fkv.connector.wire import Peer, decode_untrusted
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
@@ -133,11 +133,17 @@ class Client:
             raise field_error("timeout", timeout, "a positive number of seconds")
         with self._lock:
             state = self._connected()
-            local = block_ids("local_block_ids", local_block_ids, self.spec, "local", True)
-            remote = block_ids("remote_block_ids", remote_block_ids, state.remote_spec,
-                               "remote", False)
-            tokens = count_tokens(local, remote, self.spec.block_size,
-                                  state.remote_spec.block_size, num_tokens)
+            try:  # the plan's checks, before anything moves
+                local = check_block_ids("local_block_ids", local_block_ids, self.spec, True)
+                remote = check_block_ids("remote_block_ids", remote_block_ids,
+                                         state.remote_spec, False)
+                tokens = request_tokens(local, remote, self.spec.block_size,
+                                        state.remote_spec.block_size, num_tokens)
+                if tokens == 0:
+                    raise FkvError("'local_block_ids' and 'remote_block_ids' are empty: pass the "
+                                   "blocks of at least one token")
+            except FkvError as e:
+                raise FkvError(f"{e}; nothing was transferred") from None
             t0 = time.perf_counter()
             deadline = time.monotonic() + float(timeout)
             tally = Tally()

@@ -26,48 +26,9 @@ from fkv.connector._common import kernels, on_device, spin_seconds
 from fkv.connector._nixl import TransferFailed, Xfer, granule_table, row_indices
 from fkv.connector.plan import TransferPlan
 from fkv.connector.wire import Peer
-from fkv.errors import FkvError, field_error
-from fkv.layout import KVCacheSpec
+from fkv.errors import FkvError
 
-__all__ = ["Connection", "Tally", "block_ids", "count_tokens", "split_chunks", "wait_reads"]
-
-
-def block_ids(name: str, ids: Any, spec: KVCacheSpec, side: str, unique: bool) -> np.ndarray:
-    """Block ids as int64 numpy, checked against ``spec`` (FkvError before anything moves)."""
-    try:
-        a = np.asarray(ids.cpu() if hasattr(ids, "cpu") else ids)
-    except Exception as e:
-        raise field_error(name, type(ids).__name__, f"a 1-D sequence of block ids ({e})") from None
-    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-        raise field_error(name, f"shape {a.shape} dtype {a.dtype}", "a 1-D sequence of int block ids")
-    a = a.astype(np.int64)
-    bad = np.flatnonzero((a < 0) | (a >= spec.num_blocks))
-    if bad.size:
-        raise FkvError(f"{name!r}[{bad[0]}] = {a[bad[0]]} is outside the {side} cache's "
-                       f"[0, num_blocks={spec.num_blocks}); nothing was transferred")
-    if unique and np.unique(a).size != a.size:
-        raise FkvError(f"{name!r} repeats a block: two tokens would land in one slot; pass each "
-                       f"local block once; nothing was transferred")
-    return a
-
-
-def count_tokens(local: np.ndarray, remote: np.ndarray, nl_tok: int, nr_tok: int,
-                 num_tokens: Any) -> int:
-    """The request's token count: ``num_tokens`` or what both id lists hold (checked)."""
-    nl, nr = local.size, remote.size
-    cap = min(nl * nl_tok, nr * nr_tok)
-    if num_tokens is None:
-        tokens = cap
-    elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer) \
-            or not 1 <= num_tokens <= cap:
-        raise field_error("num_tokens", num_tokens, f"an int in [1, {cap}] (what both id lists hold)")
-    else:
-        tokens = int(num_tokens)
-    if tokens == 0 or (nl, nr) != (-(-tokens // nl_tok), -(-tokens // nr_tok)):
-        raise FkvError(f"local_block_ids has {nl} blocks of {nl_tok} tokens and remote_block_ids "
-                       f"{nr} blocks of {nr_tok}: pass the blocks of the same tokens on both sides "
-                       f"(at least one); nothing was transferred")
-    return tokens
+__all__ = ["Connection", "Tally", "split_chunks", "wait_reads"]
 
 
 def split_chunks(local: np.ndarray, remote: np.ndarray, tokens: int, per: int, nl: int, nr: int

@@ -51,7 +51,7 @@ from fkv.layout import KVCacheSpec, box_is_contiguous
 
 __all__ = [
     "DESCRIPTOR_COST_BYTES", "STAGING_COST_FRACTION", "Cost", "Read", "StagingStep",
-    "TransferPlan", "build_plan", "expected_notifications",
+    "TransferPlan", "build_plan", "check_block_ids", "expected_notifications", "request_tokens",
 ]
 
 #: Byte-equivalent cost of one more descriptor (per-READ overhead in NIXL/UCX) when choosing.
@@ -250,9 +250,15 @@ def build_plan(le: Any, ls: KVCacheSpec, re_: Any, rs: KVCacheSpec, strategy: st
 
 # -- the plan -----------------------------------------------------------------------------------
 
-def _ids(name: str, ids: Any, spec: KVCacheSpec, unique: bool) -> np.ndarray:
+def check_block_ids(name: str, ids: Any, spec: KVCacheSpec, unique: bool) -> np.ndarray:
+    """Block ids as int64 numpy, checked against ``spec`` (FkvError naming the first bad one).
+
+    ``name`` is ``'local_block_ids'`` or ``'remote_block_ids'``; ``unique`` refuses a repeated
+    block (two tokens would land in one slot). Tensors on any device are accepted.
+    """
+    side = name.split("_", 1)[0]
     try:
-        a = np.asarray(ids)
+        a = np.asarray(ids.cpu() if hasattr(ids, "cpu") else ids)
     except Exception as e:
         raise FkvError(f"{name!r} must be a 1-D sequence of block ids (got {type(ids).__name__}: "
                        f"{e})") from None
@@ -267,7 +273,8 @@ def _ids(name: str, ids: Any, spec: KVCacheSpec, unique: bool) -> np.ndarray:
     a = a.astype(np.int64, copy=False)
     if a.min() < 0 or a.max() >= spec.num_blocks:
         bad = np.flatnonzero((a < 0) | (a >= spec.num_blocks))
-        raise FkvError(f"{name!r}[{bad[0]}] = {a[bad[0]]} outside [0, num_blocks={spec.num_blocks})")
+        raise FkvError(f"{name!r}[{bad[0]}] = {a[bad[0]]} is outside the {side} cache's "
+                       f"[0, num_blocks={spec.num_blocks})")
     if unique:
         counts = np.bincount(a, minlength=1) if spec.num_blocks <= 64 * a.size + 4096 else \
             np.unique(a, return_counts=True)[1]
@@ -278,7 +285,10 @@ def _ids(name: str, ids: Any, spec: KVCacheSpec, unique: bool) -> np.ndarray:
     return a
 
 
-def _tokens(local: np.ndarray, remote: np.ndarray, nl_tok: int, nr_tok: int, num_tokens: Any) -> int:
+def request_tokens(local: np.ndarray, remote: np.ndarray, nl_tok: int, nr_tok: int,
+                   num_tokens: Any) -> int:
+    """The request's token count: ``num_tokens``, or what both id lists hold (0 when both are
+    empty); each list must hold exactly the blocks of those tokens (FkvError otherwise)."""
     nl, nr = local.size, remote.size
     if nl == 0 or nr == 0:
         if nl or nr:
@@ -377,9 +387,9 @@ class TransferPlan:
         [[0, 0, 0, 0, 0, 8192], [0, 0, 8192, 0, 16384, 8192], [1, 0, 0, 0, 8192, 8192], [1, 0, 8192, 0, 24576, 8192]]
         """
         ls, rs = self.local_spec, self.remote_spec
-        local = _ids("local_block_ids", local_block_ids, ls, unique=True)
-        remote = _ids("remote_block_ids", remote_block_ids, rs, unique=False)
-        tokens = _tokens(local, remote, ls.block_size, rs.block_size, num_tokens)
+        local = check_block_ids("local_block_ids", local_block_ids, ls, unique=True)
+        remote = check_block_ids("remote_block_ids", remote_block_ids, rs, unique=False)
+        tokens = request_tokens(local, remote, ls.block_size, rs.block_size, num_tokens)
         if tokens == 0:
             return np.empty((0, 6), dtype=np.int64)
         n = remote.size
@@ -408,9 +418,9 @@ class TransferPlan:
         """The ``fkv.ops.move`` calls after the READs (empty for ``direct``): one per remote
         rank read and layer, run as STAGING.md says with ``src_block_ids = arange(n)``."""
         ls, rs = self.local_spec, self.remote_spec
-        local = _ids("local_block_ids", local_block_ids, ls, unique=True)
-        remote = _ids("remote_block_ids", remote_block_ids, rs, unique=False)
-        tokens = _tokens(local, remote, ls.block_size, rs.block_size, num_tokens)
+        local = check_block_ids("local_block_ids", local_block_ids, ls, unique=True)
+        remote = check_block_ids("remote_block_ids", remote_block_ids, rs, unique=False)
+        tokens = request_tokens(local, remote, ls.block_size, rs.block_size, num_tokens)
         if self.strategy != "staging" or tokens == 0:
             return ()
         stage = rs.evolve(num_blocks=remote.size)
