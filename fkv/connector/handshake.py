@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 
 from fkv.errors import FkvError, field_error
+from fkv.connector.plan import build_plan, rank_heads
 from fkv.layout import KVCacheSpec
 
 __all__ = [
@@ -111,15 +112,6 @@ class EngineDesc:
     def replicated(self) -> bool:
         """True when ``tp_size > total_num_kv_heads``: every rank holds one whole, copied head."""
         return self.tp_size > self.total_num_kv_heads
-
-
-def rank_heads(total: int, tp_size: int, rank: int) -> tuple[int, int]:
-    """``(first, count)`` of the KV heads rank ``rank`` of ``tp_size`` holds out of ``total``.
-
-    >>> rank_heads(8, 2, 1), rank_heads(2, 8, 5), rank_heads(1, 4, 3)
-    ((4, 4), (1, 1), (0, 1))
-    """
-    return rank * total // tp_size, max(1, total // tp_size)
 
 
 @attrs.frozen
@@ -323,8 +315,6 @@ def handshake(local: Any, remote: Any, *, expected_remote_engine: str | None = N
 
 
 def _handshake(local: Any, remote: Any, expected_remote_engine: Any, strategy: Any) -> Accept | Reject:
-    from fkv.connector.plan import build_plan
-
     reasons: list[Reason] = []
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         reasons.append(Reason("strategy", "strategy", strategy, None,

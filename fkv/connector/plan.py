@@ -199,12 +199,19 @@ def _staging_move(rs: KVCacheSpec, read: Read) -> _Move:
     return min(options)[2]
 
 
+def rank_heads(total: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """``(first, count)`` of the KV heads rank ``rank`` of ``tp_size`` holds out of ``total``.
+
+    >>> rank_heads(8, 2, 1), rank_heads(2, 8, 5), rank_heads(1, 4, 3)
+    ((4, 4), (1, 1), (0, 1))
+    """
+    return rank * total // tp_size, max(1, total // tp_size)
+
+
 # -- reads: which remote ranks hold which of our heads ------------------------------------------
 
 def _reads(local_tp: int, local_rank: int, remote_tp: int, total: int
            ) -> tuple[tuple[Read, ...], tuple[int, ...]]:
-    from fkv.connector.handshake import rank_heads
-
     if local_tp >= remote_tp:
         group = [local_rank // (local_tp // remote_tp)]
     else:

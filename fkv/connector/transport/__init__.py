@@ -67,19 +67,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fkv.connector._client import Client
-from fkv.connector._common import (
+from fkv.connector.handshake import EngineDesc
+from fkv.connector.transport._base import (
     DEFAULT_LEASE,
     DEFAULT_PACK_THRESHOLD,
     DEFAULT_STAGING_BYTES,
     HandshakeRejected,
     ReadResult,
+    SideChannelError,
+    TransferFailed,
     cache_regions,
 )
-from fkv.connector._nixl import TransferFailed
-from fkv.connector._server import Server
-from fkv.connector._side import SideChannelError
-from fkv.connector.handshake import EngineDesc
+from fkv.connector.transport._client import Client
+from fkv.connector.transport._server import Server
 from fkv.layout import KVCacheSpec
 
 __all__ = [
