@@ -55,26 +55,21 @@ def _as_int(ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _layer_base(ptr, layer, layer_stride, TABLE: tl.constexpr, BITS: tl.constexpr):
-    """Layer ``layer``'s base as a same-width integer pointer: read from a table of int64
-    addresses (``TABLE``: layers at arbitrary addresses, e.g. separate allocations or a peer's
-    mapped caches) or ``ptr + layer * layer_stride`` elements."""
+def _layer_base(ptr, table_ptr, layer, layer_stride, TABLE: tl.constexpr, BITS: tl.constexpr):
+    """Layer ``layer``'s base as a same-width integer pointer: ``ptr`` (layer 0) plus the layer's
+    element offset from it, read from a table (``TABLE``: layers at arbitrary addresses, e.g.
+    separate allocations or a peer's mapped caches) or ``layer * layer_stride``."""
+    base = _as_int(ptr, BITS)
     if TABLE:
-        addr = tl.load(ptr + layer)
-        if BITS == 8:
-            out = addr.to(tl.pointer_type(tl.int8))
-        elif BITS == 16:
-            out = addr.to(tl.pointer_type(tl.int16))
-        else:
-            out = addr.to(tl.pointer_type(tl.int32))
+        out = base + tl.load(table_ptr + layer)
     else:
-        out = _as_int(ptr, BITS) + layer * layer_stride
+        out = base + layer * layer_stride
     return out
 
 
 @triton.jit(do_not_specialize=["num_tokens", "src_num_blocks", "dst_num_blocks"])
 def _move_kernel(
-    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, num_tokens,
+    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, src_table_ptr, dst_table_ptr, num_tokens,
     src_stride_block, src_stride_kv, src_stride_token, src_stride_head,
     dst_stride_block, dst_stride_kv, dst_stride_token, dst_stride_head,
     src_head_start, dst_head_start, src_num_blocks, dst_num_blocks,
@@ -91,8 +86,8 @@ def _move_kernel(
     kv = (pid_y % KV_HALVES).to(tl.int64)
     layer = (pid_y // KV_HALVES).to(tl.int64)
     pid_h = tl.program_id(2)
-    src = _layer_base(src_ptr, layer, src_layer_stride, SRC_TABLE, ELEM_BITS)
-    dst = _layer_base(dst_ptr, layer, dst_layer_stride, DST_TABLE, ELEM_BITS)
+    src = _layer_base(src_ptr, src_table_ptr, layer, src_layer_stride, SRC_TABLE, ELEM_BITS)
+    dst = _layer_base(dst_ptr, dst_table_ptr, layer, dst_layer_stride, DST_TABLE, ELEM_BITS)
 
     t = pid_t * TILE_T + tl.arange(0, TILE_T)
     t_ok = t < num_tokens
@@ -169,8 +164,10 @@ def tile_config(num_tokens: int, num_heads: int, head_size: int, itemsize: int, 
 
 # Per call: the two views, the two id tensors (or placeholders) and the token count.
 _LAUNCHER = KernelLauncher(
-    _move_kernel, per_call=("src_ptr", "dst_ptr", "src_ids_ptr", "dst_ids_ptr", "num_tokens"),
-    pointers=("src_ptr", "dst_ptr", "src_ids_ptr", "dst_ids_ptr"))
+    _move_kernel, per_call=("src_ptr", "dst_ptr", "src_ids_ptr", "dst_ids_ptr", "src_table_ptr",
+                            "dst_table_ptr", "num_tokens"),
+    pointers=("src_ptr", "dst_ptr", "src_ids_ptr", "dst_ids_ptr", "src_table_ptr",
+              "dst_table_ptr"))
 
 
 def move_site(src_spec: KVCacheSpec, dst_spec: KVCacheSpec, src_ids_dtype: Any, dst_ids_dtype: Any,
@@ -181,12 +178,16 @@ def move_site(src_spec: KVCacheSpec, dst_spec: KVCacheSpec, src_ids_dtype: Any, 
 
     ``src_ids_dtype``/``dst_ids_dtype``: the id tensors' dtypes, or None for the identity.
     ``max_tile_bytes``/``num_warps`` default to the module constants (read at call time, so a
-    benchmark sweep can set them). Cached: a repeated shape costs one dict lookup.
+    benchmark sweep can set them). Cached: a repeated shape costs one dict lookup. ``layers =
+    (count, src, dst)`` moves ``count`` layers in one launch; each side is a layer stride in
+    elements (an int: layer ``l`` at ``ptr + l * stride``) or ``"table"`` (layer ``l`` at ``ptr +
+    table[l]``: an int64 tensor of element offsets from layer 0, given to :func:`launch_move` as
+    ``tables``).
     """
     return _move_site(src_spec, dst_spec, src_ids_dtype, dst_ids_dtype, src_head_start,
                       dst_head_start, num_heads, num_tokens,
                       MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes,
-                      NUM_WARPS if num_warps is None else num_warps)
+                      NUM_WARPS if num_warps is None else num_warps, layers)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -226,14 +227,15 @@ def _move_site(src_spec: KVCacheSpec, dst_spec: KVCacheSpec, src_ids_dtype: Any,
 def launch_move(src: Any, src_spec: KVCacheSpec, src_ids: Any, src_head_start: int,
                 dst: Any, dst_spec: KVCacheSpec, dst_ids: Any, dst_head_start: int,
                 num_heads: int, num_tokens: int, *, max_tile_bytes: int | None = None,
-                num_warps: int | None = None, layers: tuple[int, Any, Any] = (1, 0, 0)) -> None:
+                num_warps: int | None = None, layers: tuple[int, Any, Any] = (1, 0, 0),
+                tables: tuple[Any, Any] = (None, None)) -> None:
     """Launch the kernel on validated inputs (``fkv.ops.convert`` checks everything first).
 
     ``src``/``dst`` are one layer's logical views of their specs (or any tensor with the same
     data pointer, e.g. a contiguous staging buffer); ``src_ids``/``dst_ids`` are contiguous int32/
     int64 tensors on the views' device, or None for the identity (block ``j`` is block ``j``).
     Ids outside ``0..num_blocks-1`` move nothing (masked in the kernel). ``layers``: see
-    :func:`move_site` (a ``"table"`` side passes its int64 address tensor as ``src``/``dst``).
+    :func:`move_site`; ``tables``: the int64 element-offset tensors of its ``"table"`` sides.
     """
     if num_tokens <= 0:
         return
@@ -242,5 +244,7 @@ def launch_move(src: Any, src_spec: KVCacheSpec, src_ids: Any, src_head_start: i
                            dst_head_start, num_heads, num_tokens, max_tile_bytes=max_tile_bytes,
                            num_warps=num_warps, layers=layers)
     # Placeholders the kernel never reads stand in for absent id lists.
+    src_table, dst_table = tables
     site(grid, (src, dst, src if src_ids is None else src_ids, src if dst_ids is None else dst_ids,
+                src if src_table is None else src_table, src if dst_table is None else dst_table,
                 num_tokens))

@@ -8,8 +8,9 @@ addresses, and then moves any request's tokens of all layers with one launch of 
 The layers may live anywhere: separate allocations, one cross-layer buffer, a pack buffer, or a
 peer's caches mapped into this process (CUDA IPC), as long as every view is on this device.
 
-On CPU it loops over ``fkv.ops.move`` per layer (under ``TRITON_INTERPRET=1``; Triton's
-interpreter cannot follow addresses read from a table) or ``fkv.ops.reference.move``.
+The table holds each layer's element offset from layer 0 (any sign), so the kernel only ever
+adds offsets to a real tensor pointer. On CPU outside ``TRITON_INTERPRET=1`` it loops over
+``fkv.ops.reference.move`` per layer.
 
 >>> import torch, fkv
 >>> a = fkv.KVCacheSpec(layout="NHD", num_blocks=4, block_size=4, num_kv_heads=2, head_size=8,
@@ -89,10 +90,14 @@ class LayerMove:
             raise FkvError(f"'src_heads' {(sa, sb)} selects {sb - sa} heads but 'dst_heads' "
                            f"{(da, db)} selects {db - da}; both ranges must have the same length")
         self.src_heads, self.dst_heads = (sa, sb), (da, db)
-        self.triton = self.device.type == "cuda"
-        if self.triton:
-            self._tables = [torch.tensor([v.data_ptr() for v in views], dtype=torch.int64,
-                                         device=self.device) for views in (self.src, self.dst)]
+        self.triton = self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        self._tables = []
+        for views, spec in ((self.src, src_spec), (self.dst, dst_spec)):
+            deltas = [v.data_ptr() - views[0].data_ptr() for v in views]
+            if any(d % spec.itemsize for d in deltas):
+                raise FkvError("LayerMove: layer views must lie a whole number of elements apart")
+            self._tables.append(torch.tensor([d // spec.itemsize for d in deltas],
+                                             dtype=torch.int64, device=self.device))
 
     @property
     def num_layers(self) -> int:
@@ -112,10 +117,7 @@ class LayerMove:
             return
         heads = self.src_heads[1] - self.src_heads[0]
         if not self.triton:
-            if os.environ.get("TRITON_INTERPRET") == "1":
-                from fkv.ops.relayout import move
-            else:
-                from fkv.ops.reference import move
+            from fkv.ops.reference import move
 
             for a, b in zip(self.src, self.dst, strict=True):
                 move(a, s, sids.tensor, b, d, dids.tensor, src_heads=self.src_heads,
@@ -123,6 +125,6 @@ class LayerMove:
             return
         from fkv.ops._move_kernel import launch_move
 
-        launch_move(self._tables[0], s, sids.tensor, self.src_heads[0], self._tables[1], d,
+        launch_move(self.src[0], s, sids.tensor, self.src_heads[0], self.dst[0], d,
                     dids.tensor, self.dst_heads[0], heads, n,
-                    layers=(self.num_layers, "table", "table"))
+                    layers=(self.num_layers, "table", "table"), tables=tuple(self._tables))

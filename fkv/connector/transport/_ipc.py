@@ -101,7 +101,7 @@ def export_regions(regions: list[tuple[int, int]], device: Any) -> IpcInfo:
             handle = _Handle()
             _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), base.value),
                    f"cuIpcGetMemHandle(0x{base.value:x})")
-            handles.append(bytes(handle.reserved).ljust(64, b"\0"))
+            handles.append(bytes(handle))  # all 64 bytes (``.reserved`` stops at a NUL byte)
             offsets.append(ptr - base.value)
     return IpcInfo(host=host_identity(), device_uuid=_uuid(device.index or 0),
                    handles=tuple(handles), offsets=tuple(offsets), pid=os.getpid())
@@ -208,7 +208,7 @@ class Mapping:
                     if handle not in self._opened:
                         base = ctypes.c_uint64()
                         _check(lib.cuIpcOpenMemHandle_v2(ctypes.byref(base),
-                                                         _Handle(handle),
+                                                         _Handle.from_buffer_copy(handle),
                                                          _LAZY_ENABLE_PEER_ACCESS),
                                "cuIpcOpenMemHandle")
                         self._opened[handle] = base.value
