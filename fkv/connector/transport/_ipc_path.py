@@ -77,16 +77,21 @@ class IpcPath:
         return (f"ipc: the prefill caches of {ranks} are mapped into cuda:"
                 f"{self.local.device.index}; one kernel per read moves every layer")
 
+    #: Token counts that reach every compiled variant of the move kernel (its tile covers 1 to 32
+    #: tokens, a power of two, with or without a ragged last tile).
+    WARM_TOKENS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
+
     def warm(self) -> None:
-        """Compile and run the kernels once (one token into nothing: ids outside the cache are
-        masked), so the first request pays no compile."""
+        """Compile and run every kernel variant a request can need, into nothing (ids outside
+        the caches are masked), so the first request after connect pays no compile."""
         import torch
 
         dev = self.local.device
         with torch.cuda.device(dev):
-            far = torch.full((1,), -1, dtype=torch.int64, device=dev)
+            far = torch.full((max(self.WARM_TOKENS),), -1, dtype=torch.int64, device=dev)
             for _, mover in self.movers:
-                mover(far, far, 1, validate=False)
+                for tokens in self.WARM_TOKENS:
+                    mover(far, far, tokens, validate=False)
             torch.cuda.current_stream(dev).synchronize()
 
     def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
