@@ -17,7 +17,7 @@ SAMPLE = ROOT / "tests" / "data"
 
 
 def _run(**kw) -> results.Run:
-    env = {"gpu": "NVIDIA H200", "torch": "2.11.0", "git_commit": "abc", "ucx_env": {}}
+    env = {"gpu": "NVIDIA H200", "torch": "2.11.0", "git_commit": "abc", "env_vars": {}}
     run = results.Run("write", config={"quick": False}, env=env, **kw)
     run.created = "2026-12-01T10:20:30Z"
     return run
@@ -135,8 +135,8 @@ def test_latest_case_comes_from_the_newest_file_unless_it_errored() -> None:
 def test_environment_header_names_versions_git_and_ucx(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UCX_TLS", "cuda_ipc,tcp")
     env = results.environment("cpu")
-    assert env["ucx_env"] == {"UCX_TLS": "cuda_ipc,tcp"} | {
-        k: v for k, v in env["ucx_env"].items() if k != "UCX_TLS"}
+    assert env["env_vars"] == {"UCX_TLS": "cuda_ipc,tcp"} | {
+        k: v for k, v in env["env_vars"].items() if k != "UCX_TLS"}
     for key in ("torch", "triton", "nixl", "python", "git_commit", "git_dirty", "date", "host"):
         assert env[key] is not None, key
     assert env["device"] == "cpu" and env["gpu"] is None

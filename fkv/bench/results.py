@@ -16,7 +16,7 @@ Every benchmark (and a GPU test run, see ``tests/conftest.py``) writes one file,
      "extra": {"sweep": [...]}}
 
 Metric names end in a unit suffix (``_gbps`` GB/s, ``_ms``, ``_us``, ``_s``, ``_bytes``, ``_x`` a
-ratio, ``pct_``/``_pct`` percent, ``_count``, ``_tflops``) from which :func:`unit_of` fills
+ratio, ``pct_``/``_pct`` percent, ``_count``, ``_tflops``, ``_err`` an absolute error) from which :func:`unit_of` fills
 ``units``; ``metrics`` hold numbers only (``None`` = not measured), everything else goes to
 ``params`` or ``extra``.
 
@@ -41,7 +41,7 @@ import msgspec
 from fkv.errors import FkvError, field_error
 
 __all__ = ["SCHEMA", "Case", "ResultFile", "Run", "add_output_arguments", "check",
-           "default_results_dir", "environment", "json_schema", "latest_cases", "load", "load_all",
+           "default_results_dir", "environment", "json_schema", "latest_cases", "load", "load_all", "load_paths",
            "save", "unit_of", "write"]
 
 SCHEMA = "fkv.bench/1"
@@ -51,7 +51,8 @@ Param = Scalar | list[Scalar] | dict[str, Scalar]
 
 # Metric-name suffix -> unit (longest match first); see the module docstring.
 _UNITS = (("_tflops", "TFLOP/s"), ("_gbps", "GB/s"), ("_bytes", "B"), ("_count", "1"),
-          ("_ms", "ms"), ("_us", "us"), ("_s", "s"), ("_x", "x"), ("_pct", "%"))
+          ("_ms", "ms"), ("_us", "us"), ("_s", "s"), ("_x", "x"), ("_pct", "%"),
+          ("_err", "1"))
 
 
 class Case(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -224,10 +225,16 @@ def load(path: str | os.PathLike) -> ResultFile:
 
 def load_all(folder: str | os.PathLike | None = None, bench: str | None = None) -> list[ResultFile]:
     """Every result file in ``folder`` (default :func:`default_results_dir`), oldest first."""
+    return [f for _, f in load_paths(folder, bench)]
+
+
+def load_paths(folder: str | os.PathLike | None = None,
+               bench: str | None = None) -> list[tuple[Path, ResultFile]]:
+    """``(path, file)`` of every result file in ``folder``, oldest first."""
     folder = Path(folder) if folder is not None else default_results_dir()
-    files = [load(p) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
-    return sorted((f for f in files if bench is None or f.bench == bench),
-                  key=lambda f: f.created)
+    found = [(p, load(p)) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+    return sorted(((p, f) for p, f in found if bench is None or f.bench == bench),
+                  key=lambda pf: (pf[1].created, pf[0].name))
 
 
 def latest_cases(files: Iterable[ResultFile]) -> dict[tuple[str, str], tuple[Case, ResultFile]]:
@@ -258,7 +265,8 @@ def default_results_dir() -> Path:
 # -- environment header ----------------------------------------------------------------------------
 
 def environment(device: str = "cpu") -> dict[str, Param]:
-    """Where a run happened: GPU(s), driver, CUDA, library versions, UCX settings, git, date."""
+    """Where a run happened: GPU(s), driver, CUDA, library versions, the ``UCX_*``, ``NIXL_*``
+    and ``FKV_*`` environment variables set (``env_vars``), git commit and dirty flag, date."""
     env: dict[str, Param] = {
         "date": _utc_now(),
         "host": platform.node(),
@@ -270,8 +278,8 @@ def environment(device: str = "cpu") -> dict[str, Param]:
     }
     env |= _versions()
     env |= _cuda(device)
-    env["ucx_env"] = {k: v for k, v in sorted(os.environ.items())
-                      if k.startswith(("UCX_", "NIXL_", "FKV_"))}
+    env["env_vars"] = {k: v for k, v in sorted(os.environ.items())
+                       if k.startswith(("UCX_", "NIXL_", "FKV_")) and k != "FKV_RESULTS_DIR"}
     env |= _git()
     return env
 
