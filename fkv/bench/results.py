@@ -21,8 +21,8 @@ ratio, ``pct_``/``_pct`` percent, ``_count``, ``_tflops``, ``_err`` an absolute 
 ``params`` or ``extra``.
 
 >>> run = Run("plan", config={"quick": True}, env={})
->>> run.add("handshake A", params={"strategy": "direct"}, metrics={"warm_us": 28.1})
->>> run.cases[0].units
+>>> case = run.add("handshake A", params={"strategy": "direct"}, metrics={"warm_us": 28.1})
+>>> case.units
 {'warm_us': 'us'}
 """
 
