@@ -3,7 +3,6 @@ files say; rendering, ``--check``, and pictures drawn from the small sample file
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
@@ -25,12 +24,6 @@ def test_readme_and_notes_tables_are_what_the_committed_results_say() -> None:
         assert report.BEGIN.search(text), f"{doc.name} has no fkv-report section"
         assert report.render(doc, files, ROOT / "bench" / "results") == text, (
             f"{doc.name} differs from bench/results/: run `fkv bench report`")
-
-
-def test_readme_links_and_pictures_exist() -> None:
-    for target in re.findall(r"\]\(([^)#]+)\)", (ROOT / "README.md").read_text()):
-        if not target.startswith(("http://", "https://")):
-            assert (ROOT / target).exists(), f"README links {target}, which is not in the repo"
 
 
 @pytest.fixture
@@ -121,9 +114,9 @@ def test_check_exits_1_when_a_document_is_stale_and_writing_fixes_it(
 
 def test_update_refuses_unknown_or_unclosed_sections() -> None:
     with pytest.raises(FkvError, match=r"'<!-- fkv-report:nope -->' must name one of .*\(got 'nope'\)"):
-        report.update("<!-- fkv-report:nope -->\n<!-- /fkv-report -->", report.sections([]), "R.md")
-    with pytest.raises(FkvError, match=r"R.md: section 'tests' must end with '<!-- /fkv-report -->'"):
-        report.update("<!-- fkv-report:tests -->\nx\n", report.sections([]), "R.md")
+        report.update("<!-- fkv-report:nope -->\n<!-- /fkv-report -->", report.sections([]), "README.md")
+    with pytest.raises(FkvError, match=r"README.md: section 'tests' must end with '<!-- /fkv-report -->'"):
+        report.update("<!-- fkv-report:tests -->\nx\n", report.sections([]), "README.md")
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.stem)
@@ -140,7 +133,7 @@ def test_plots_from_the_sample_files(sample: Path, tmp_path: Path) -> None:
 
 
 def test_report_draws_each_benchmarks_newest_run(sample_dir: Path, tmp_path: Path) -> None:
-    doc = tmp_path / "R.md"
+    doc = tmp_path / "README.md"
     doc.write_text("no sections\n")
     assert cli(["bench", "report", "--results", str(sample_dir), "--docs", str(doc),
                 "--plots", str(tmp_path / "plots")]) == 0
