@@ -68,7 +68,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     import time
 
     folder = os.environ.get("FKV_RESULTS_DIR")
-    if not folder or hasattr(config, "workerinput"):
+    if not folder or hasattr(config, "workerinput") or config.option.collectonly:
         return
     from fkv.bench import results
 

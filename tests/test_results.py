@@ -134,7 +134,9 @@ def test_latest_case_comes_from_the_newest_file_unless_it_errored() -> None:
 
 def test_environment_header_names_versions_git_and_ucx(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UCX_TLS", "cuda_ipc,tcp")
+    monkeypatch.setenv("FKV_RESULTS_DIR", "somewhere")       # a local path: never recorded
     env = results.environment("cpu")
+    assert "FKV_RESULTS_DIR" not in env["env_vars"]
     assert env["env_vars"] == {"UCX_TLS": "cuda_ipc,tcp"} | {
         k: v for k, v in env["env_vars"].items() if k != "UCX_TLS"}
     for key in ("torch", "triton", "nixl", "python", "git_commit", "git_dirty", "date", "host"):
@@ -148,3 +150,31 @@ def test_json_schema_is_exported() -> None:
     props = schema["$defs"]["ResultFile"]["properties"]
     assert set(props) == {"schema", "bench", "created", "env", "cases", "config", "ceilings",
                           "extra"}
+
+
+def test_a_test_run_leaves_a_summary_in_fkv_results_dir(tmp_path: Path) -> None:
+    """tests/conftest.py: with FKV_RESULTS_DIR set, pytest writes tests-<UTC>.json (bench
+    "tests") with the run's counts, its marker expression and the machine."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FKV_RESULTS_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    "tests/test_results.py", "-k", "unit_of or refuses_a_case", "-m", "not gpu"],
+                   cwd=ROOT, env=env, check=True, capture_output=True)
+    (path,) = tmp_path.glob("tests-*.json")
+    f = results.load(path)
+    (case,) = f.cases
+    assert (f.bench, case.case, case.params["markers"]) == ("tests", "pytest -m not gpu", "not gpu")
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p",
+                             "no:cacheprovider", "tests/test_results.py"], cwd=ROOT,
+                            env={k: v for k, v in env.items() if k != "FKV_RESULTS_DIR"},
+                            check=True, capture_output=True, text=True).stdout
+    total = sum("::" in line for line in listed.splitlines())
+    assert {k: v for k, v in case.metrics.items() if k != "duration_s"} == {
+        "passed_count": 2, "failed_count": 0, "skipped_count": 0, "xfailed_count": 0,
+        "xpassed_count": 0, "errors_count": 0, "deselected_count": case.metrics["deselected_count"]}
+    assert case.metrics["deselected_count"] == total - 2 > 20
+    assert 0 < case.metrics["duration_s"] < 600
+    assert f.env["device"] in ("cpu", "cuda") and f.env["git_commit"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -212,15 +212,14 @@ def _machine(f: ResultFile) -> str:
     return f"CPU ({f.env.get('cpu_count') or '?'} cores)"
 
 
-def _link(f: ResultFile, prefix: str) -> str:
-    name = _NAMES.get(id(f)) or f"{f.bench}-{f.created.replace('-', '').replace(':', '')}.json"
+def _link(f: ResultFile, prefix: str, names: Mapping[int, str]) -> str:
+    """``[machine, date](prefix + file name)``; ``names``: id(file) -> its name on disk (default:
+    the name fkv gives it)."""
+    name = names.get(id(f)) or f"{f.bench}-{f.created.replace('-', '').replace(':', '')}.json"
     return f"[{_machine(f)}, {f.created[:10]}]({prefix}{name})"
 
 
-_NAMES: dict[int, str] = {}   # id(ResultFile) -> its file name, for files loaded from disk
-
-
-def _kernel_row(row: Row, latest: dict, prefix: str) -> str:
+def _kernel_row(row: Row, latest: dict, prefix: str, names: Mapping[int, str]) -> str:
     found = [latest[(row.bench, c)] for c in row.cases if (row.bench, c) in latest]
     if not found:
         return f"| {row.op} | {row.label} | {NO_RESULT} | | | {row.target or 'none'} | |"
@@ -236,12 +235,12 @@ def _kernel_row(row: Row, latest: dict, prefix: str) -> str:
         target += f": {met}"
     elif row.target:
         target += {True: ", met", False: ", **missed**", None: ""}[met]
-    run = " ".join(_link(f, prefix) for f in
+    run = " ".join(_link(f, prefix, names) for f in
                    sorted(files.values(), key=lambda f: f.created))
     return f"| {row.op} | {label} | {fkv} | {base} | {ceiling} | {target} | {run} |"
 
 
-def _transfer(files: list[ResultFile], prefix: str) -> str:
+def _transfer(files: list[ResultFile], prefix: str, names: Mapping[int, str]) -> str:
     runs = [f for f in files if f.bench == "transfer"]
     head = ("| case | path | request | GB/s | ratios (same run) | run |\n"
             "|---|---|---|---|---|---|")
@@ -257,11 +256,11 @@ def _transfer(files: list[ResultFile], prefix: str) -> str:
         gbps = c.metrics.get("gbps")
         shown = f"error: {c.error}" if c.error else ("-" if gbps is None else f"{gbps:.2f}")
         lines.append(f"| {c.case} | {c.params.get('path', '')} | {req} | {shown} | {ratios} | "
-                     f"{_link(f, prefix)} |")
+                     f"{_link(f, prefix, names)} |")
     return "\n".join(lines)
 
 
-def _tests(files: list[ResultFile], prefix: str) -> str:
+def _tests(files: list[ResultFile], prefix: str, names: Mapping[int, str]) -> str:
     head = ("| test run | machine | passed | failed | skipped | deselected | duration | commit | run |\n"
             "|---|---|---|---|---|---|---|---|---|")
     latest: dict[str, tuple[Case, ResultFile]] = {}
@@ -278,23 +277,26 @@ def _tests(files: list[ResultFile], prefix: str) -> str:
                      f"{m.get('failed_count', 0) + m.get('errors_count', 0)} | "
                      f"{m.get('skipped_count', 0)} | {m.get('deselected_count', 0)} | "
                      f"{c.metrics.get('duration_s') or 0:.0f} s | "
-                     f"`{str(f.env.get('git_commit') or '?')[:9]}` | {_link(f, prefix)} |")
+                     f"`{str(f.env.get('git_commit') or '?')[:9]}` | {_link(f, prefix, names)} |")
     return "\n".join(lines)
 
 
 def sections(files: list[ResultFile], prefix: str = "bench/results/",
-             plots: str | None = "docs/plots/") -> dict[str, str]:
+             plots: str | None = "docs/plots/", names: Mapping[int, str] | None = None
+             ) -> dict[str, str]:
     """Every generated section by name; ``prefix`` is the results folder as seen from the
-    document the tables go into, ``plots`` the plots folder (``None``: no picture links)."""
+    document the tables go into, ``plots`` the plots folder (``None``: no picture links),
+    ``names`` maps ``id(file)`` to its file name when it is not the default one."""
+    names = names or {}
     files = sorted(_usable(files), key=lambda f: f.created)
     latest = results.latest_cases(files)
     out = {}
     for name, rows in KERNEL_ROWS.items():
-        out[name] = "\n".join([KERNEL_HEAD] + [_kernel_row(r, latest, prefix) for r in rows])
-    out["standing"] = "\n".join([KERNEL_HEAD] + [_kernel_row(r, latest, prefix)
+        out[name] = "\n".join([KERNEL_HEAD] + [_kernel_row(r, latest, prefix, names) for r in rows])
+    out["standing"] = "\n".join([KERNEL_HEAD] + [_kernel_row(r, latest, prefix, names)
                                                  for rows in KERNEL_ROWS.values() for r in rows])
-    out["transfer"] = _transfer(files, prefix)
-    out["tests"] = _tests(files, prefix)
+    out["transfer"] = _transfer(files, prefix, names)
+    out["tests"] = _tests(files, prefix, names)
     if plots is not None:
         for bench in PLOTTED:
             if any(f.bench == bench for f in files):
@@ -318,12 +320,14 @@ def update(text: str, rendered: dict[str, str], source: str = "document") -> str
     return "".join(out) + text[pos:]
 
 
-def render(path: Path, files: list[ResultFile], results_dir: Path) -> str:
-    """The document at ``path`` with its sections rendered from ``files``."""
+def render(path: Path, files: list[ResultFile], results_dir: Path,
+           names: Mapping[int, str] | None = None) -> str:
+    """The document at ``path`` with its sections rendered from ``files`` (which lie in
+    ``results_dir``; ``names`` as for :func:`sections`)."""
     root = path.parent.resolve()
     prefix = _relative(results_dir.resolve(), root)
     plots = _relative((results_dir / ".." / ".." / "docs" / "plots").resolve(), root)
-    return update(path.read_text(), sections(files, prefix, plots), str(path))
+    return update(path.read_text(), sections(files, prefix, plots, names), str(path))
 
 
 def _relative(target: Path, start: Path) -> str:
@@ -348,11 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     folder = args.results or root / "bench" / "results"
     loaded = results.load_paths(folder)
-    _NAMES.update({id(f): p.name for p, f in loaded})
+    names = {id(f): p.name for p, f in loaded}
     files = [f for _, f in loaded]
     stale = []
     for doc in args.docs:
-        new = render(doc, files, folder)
+        new = render(doc, files, folder, names)
         if new != doc.read_text():
             stale.append(str(doc))
             if not args.check:
