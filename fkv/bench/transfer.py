@@ -1,11 +1,11 @@
 """Benchmark real prefill -> decode transfers (``fkv.connector``: NIXL READs between processes).
 
-Cases (BENCH.md shape: bf16, N=16, 8 KV heads, head_size 128, 4096 blocks, one layer):
+Cases (docs/benchmarks.md shape: bf16, N=16, 8 KV heads, head_size 128, 4096 blocks, one layer):
 
 - ``link``: P TP=1 -> D TP=1, same layout, *contiguous* blocks: the plan coalesces every request
   into one descriptor per layer, the best NIXL/UCX can do between these processes (the link).
 - ``hnd-direct``: P TP=1 -> D TP=2, HND, random blocks: each D rank READs its head half, two
-  descriptors (K, V) per block, straight into its cache (SPEC.md §5 example A).
+  descriptors (K, V) per block, straight into its cache (docs/handshake.md example A).
 - ``nhd-staging``: P TP=1 -> D TP=2, NHD: a head slice is not contiguous, so each D rank READs whole
   pages into its registered staging buffer, then ``fkv.ops.move`` (Triton on CUDA; the torch
   reference on CPU) extracts its heads.
@@ -27,7 +27,7 @@ caches / slowest rank's time; staging READs twice that over the link), per-rank 
 of time in READs and (packed) in waiting for the packs, descriptors actually posted per request
 and rank, the path the requests took, time to first byte (a one-block read, call to return), and
 the same-run ceiling: a 1 GiB device ``copy_`` (CPU: a 256 MiB DRAM memcpy) counted as bytes read
-+ bytes written (BENCH.md); ``%copy`` compares a transfer with the copy's payload rate (half that:
++ bytes written (docs/benchmarks.md); ``%copy`` compares a transfer with the copy's payload rate (half that:
 each payload byte is read once and written once).
 
     python bench/bench_transfer.py --json transfer.json          # CUDA if present, else CPU
@@ -366,7 +366,7 @@ def _profile(prefill: dict[str, list[float]], decode: list[dict[str, list[float]
 
 
 def _copy_ceiling(cfg: dict[str, Any]) -> float:
-    """GB/s of a same-run device copy, bytes read + bytes written (BENCH.md): 1 GiB on a GPU (well
+    """GB/s of a same-run device copy, bytes read + bytes written (docs/benchmarks.md): 1 GiB on a GPU (well
     beyond L2), 256 MiB of DRAM on the CPU (``fkv.bench._common.copy_ceiling_gbps``)."""
     import torch
 
@@ -493,8 +493,10 @@ def _cases(args: argparse.Namespace) -> list[Case]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fkv.bench import results
+
     p = argparse.ArgumentParser(prog="fkv bench transfer", description=__doc__.split("\n")[0])
-    p.add_argument("--json", help="write results here")
+    results.add_output_arguments(p, plot=True)
     p.add_argument("--quick", action="store_true", help="1024 blocks, fewer repetitions")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the caches live (default: cuda when available)")
@@ -557,12 +559,43 @@ def main(argv: list[str] | None = None) -> int:
                                                    for k, v in row.profile.items()), flush=True)
         done += rows
     cases = done
-    from fkv.bench._common import environment, write_json
+    run = results.Run("transfer", config={**cfg, "sizes": sorted({c.request_blocks
+                                                                 for c in cases})},
+                      device=args.device)
+    run.ceiling("copy_gbps", ceiling)
+    if 0 in links:
+        run.ceiling("peer_copy_gbps", links[0]["peer_copy_gbps"])
+    where = (f"cuda:{cfg['p_gpu']}->cuda:{cfg['d_gpu']}" if args.device == "cuda" else "cpu")
+    for c in cases:
+        link = links.get(c.request_blocks, {})
+        run.add(f"{c.name} {c.request_blocks} blocks x{cfg['layers']} layers of {blocks} "
+                f"{where}{' UCX_TLS=' + c.ucx_tls if c.ucx_tls else ''}",
+                params={"path": c.path or c.strategy, "series": c.name, "strategy": c.strategy,
+                        "request_blocks": c.request_blocks,
+                        "request_bytes": c.payload_per_request, "layers": cfg["layers"],
+                        "cache_blocks": blocks, "prefill_tp": c.prefill_tp,
+                        "decode_tp": c.decode_tp, "prefill_layout": c.prefill_layout,
+                        "decode_layout": c.decode_layout, "devices": where,
+                        "ucx_tls": c.ucx_tls},
+                metrics=None if c.error else {
+                    "gbps": c.gbps, "repeat_gbps": c.repeat_gbps, "read_ms": c.ms,
+                    "ttfb_ms": c.ttfb_ms, "first_read_ms": c.first_read_ms,
+                    "of_copy_pct": c.pct_of_copy,
+                    "peer_copy_gbps": link.get("peer_copy_gbps"),
+                    "nccl_gbps": link.get("nccl_gbps") or None,
+                    "of_peer_copy_x": c.vs_peer_copy or None, "of_nccl_x": c.vs_nccl or None,
+                    "descriptors_count": c.descriptors_per_request,
+                    "read_share_pct": 100 * c.read_share, "pack_share_pct": 100 * c.pack_share},
+                error=c.error,
+                extra={"rank_gbps": c.rank_gbps, "profile_ms_per_call": c.profile,
+                       "plan_strategy": c.plan_strategy, "nccl_note": link.get("nccl_note", "")})
+    run.extra["env_transport"] = env
+    results.save(run, args)
+    if getattr(args, "plot", None):
+        from fkv.bench import plots
 
-    write_json(args.json, {**environment(args.device), "config": cfg, "env": env,
-                           "copy_ceiling_gbps": ceiling,
-                           "link_ceilings": {str(k): v for k, v in links.items()},
-                           "cases": [asdict(c) for c in cases]})
+        plots.require(cli=True)
+        print(f"plot: {plots.plot_transfer(run.to_file(), args.plot)}")
     _table(cases, ceiling)
     return 1 if any(c.error for c in cases) else 0
 

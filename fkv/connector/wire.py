@@ -4,7 +4,7 @@
 ``decode_untrusted(data)`` is the only door for peer bytes: it checks the size, decodes into typed
 structs with bounds on every number, string and list, rebuilds the validated fkv values and checks
 the regions against the spec. Whatever the bytes, it returns a :class:`Peer` or raises
-:class:`~fkv.errors.FkvWireError`; nothing else escapes. No pickle anywhere (SPEC.md §6: NIXL's own
+:class:`~fkv.errors.FkvWireError`; nothing else escapes. No pickle anywhere (docs/transport.md: NIXL's own
 serialization is pickle; never hand it peer bytes before they passed through here).
 
 >>> from fkv import KVCacheSpec

@@ -4,7 +4,7 @@ Everything NIXL-specific lives here: loading ``nixl`` (quietly), registering mem
 ``Nx3`` uint64 descriptor tables ``(address, length, device)``, preparing descriptor lists, posting
 READs with a notification, polling them against a deadline and releasing handles. The caller
 (the transport's server and client) must call one :class:`Agent` from one thread at a time
-(SPEC.md §6).
+(docs/transport.md).
 
 Descriptors are *granules*: each registered region is cut into ``len // granule`` equal pieces, so
 a plan row ``(region, offset, nbytes)`` is the index run ``offset // granule`` .. ``+ nbytes //
