@@ -248,6 +248,14 @@ class Worker:
         caches = self.caches[cmd["name"]][0]
         return {"untouched": all(bool(c.isnan().all()) for c in caches)}
 
+    def cmd_stats(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The client's or server's ``stats()`` and a few of its Prometheus samples."""
+        obj = self.clients.get(cmd["name"]) or self.servers[cmd["name"]]
+        registry = obj.prometheus()
+        samples = {f"{name}|{json.dumps(labels, sort_keys=True)}":
+                   registry.get_sample_value(name, labels) for name, labels in cmd["samples"]}
+        return {"stats": obj.stats(), "samples": samples}
+
     def cmd_reconnect(self, cmd: dict[str, Any]) -> None:
         self.clients[cmd["name"]].reconnect(cmd.get("address"), timeout=cmd.get("timeout", 20.0))
         poison(self.caches[cmd["name"]][0])

@@ -496,6 +496,55 @@ def test_ipc_is_refused_without_cuda_naming_why(cluster: Any) -> None:
         pair.stop()
 
 
+def test_stats_and_prometheus_match_what_happened(cluster: Any) -> None:
+    """Two good reads and one that fails (the prefill server stopped): the client's stats and
+    Prometheus samples count exactly that (bytes, descriptors, the failure once); the server
+    counted the notifications and a refused side-channel message."""
+    import zmq
+
+    pspec, dspec = spec_dict(tp=1), spec_dict(tp=1)
+    pair = Pair(cluster, 1, 1, pspec, dspec, connect_kw={"strategy": "direct"})
+    try:
+        local, remote = request_blocks(pspec, dspec, 14)
+        good = [pair.read_all(f"r{i}", local, remote)[0] for i in range(2)]
+        assert [r["result_ok"] for r in good] == [True, True]
+        pair.wait_released("r1")
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(pair.address)
+        sock.send(b"\x93garbage")
+        assert sock.poll(5000)
+        sock.recv()
+        sock.close()
+        ctx.term()
+        labels = {"role": "server", "engine_id": f"P-{pair.name}"}
+        served = pair.P[0].call("stats", name=pair.name, samples=[
+            ["fkv_notifications_total", labels],
+            ["fkv_refused_messages_total", {**labels, "reason": "undecodable"}]])
+        assert served["stats"]["notifications"] == 2
+        assert served["stats"]["refused_messages"] == {"undecodable": 1}
+        assert list(served["samples"].values()) == [2.0, 1.0]
+        pair.P[0].call("stop", name=pair.name)
+        bad = pair.D[0].call("read", name=pair.name, request_id="r2", local=local,
+                             remote=remote, timeout=2.0)
+        assert bad["result_ok"] is False
+        clabels = {"role": "client", "engine_id": f"D-{pair.name}", "path": "direct"}
+        got = pair.D[0].call("stats", name=pair.name, samples=[
+            ["fkv_transfer_size_bytes_sum", clabels], ["fkv_transfer_duration_seconds_count",
+                                                      clabels],
+            ["fkv_transfer_descriptors_total", clabels]])
+        stats = got["stats"]
+        assert stats["paths"]["direct"]["count"] == 2
+        assert stats["paths"]["direct"]["bytes"]["sum"] == sum(r["bytes"] for r in good)
+        assert stats["paths"]["direct"]["descriptors"]["sum"] == sum(r["descriptors"] for r in good)
+        assert sum(stats["failures"].values()) == 1, stats["failures"]
+        assert list(got["samples"].values()) == [float(sum(r["bytes"] for r in good)), 2.0,
+                                                 float(sum(r["descriptors"] for r in good))]
+    finally:
+        pair.stop()
+
+
 def test_auto_does_not_pack_on_cpu(cluster: Any) -> None:
     pspec, dspec = spec_dict(tp=1), spec_dict(tp=2)
     pair = Pair(cluster, 1, 2, pspec, dspec, connect_kw={"pack_threshold": 0})

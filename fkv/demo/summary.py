@@ -58,7 +58,8 @@ def summary_dict(cfg: DemoConfig, handshakes: list[Any], state: dict[str, Any] |
         "seconds": max((t["seconds"] for t in transfers), default=None),
         "nixl_seconds": max((t["nixl_seconds"] for t in transfers), default=None),
         "per_rank": [{k: t.get(k) for k in ("rank", "ok", "bytes", "descriptors", "seconds",
-                                            "nixl_seconds", "error")} for t in transfers],
+                                            "nixl_seconds", "path", "stats", "error")}
+                     for t in transfers],
     }
     out["tokens"] = {"prompt": cfg.tokens, "new": cfg.new_tokens,
                      "generated": state.get("tokens", []), "reference": state.get("ref_tokens", [])}
@@ -96,6 +97,14 @@ def print_summary(console: Console, s: dict[str, Any]) -> None:
             "(slowest rank)")
         table.add_row("transfer", f"{status}: {t['bytes']:,} bytes in {t['descriptors']:,} descriptors "
                       f"over {len(t['per_rank'])} read(s); {secs}")
+        for r in t["per_rank"]:
+            st = r.get("stats") or {}
+            if st:
+                gbps = st.get("gbps")
+                table.add_row(f"  rank {r['rank']} stats",
+                              f"path {r.get('path')}, {st.get('reads', 0)} read(s), failures "
+                              f"{st.get('failures') or 'none'}"
+                              + ("" if gbps is None else f", {gbps:.3g} GB/s"))
     tok = s.get("tokens")
     if tok:
         table.add_row("tokens", f"prompt {tok['prompt']}, generated {len(tok['generated'])}: "

@@ -174,9 +174,12 @@ def run_decode(cfg: DemoConfig, rank: int, workdir: str, rep: Reporter) -> int:
                                expected_engine=cfg.engine("prefill", 0).engine_id) as client:
         result = client.read(REQUEST_ID, local_ids[: cfg.decode_prompt_blocks()],
                              cfg.block_ids("prefill"), timeout=cfg.timeout)
+        stats = client.stats()
     rep.send("transferred", ok=bool(result.ok), bytes=int(result.bytes),
              descriptors=int(result.descriptors), seconds=float(result.seconds),
-             nixl_seconds=float(result.transfer_seconds),
+             nixl_seconds=float(result.transfer_seconds), path=result.strategy,
+             stats={"reads": stats["total"]["count"], "failures": stats["failures"],
+                    "gbps": stats["total"]["gbps"].get("overall")},
              error=None if result.error is None else str(result.error))
     if not result.ok:
         return 1

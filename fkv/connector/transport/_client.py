@@ -41,7 +41,18 @@ from fkv.connector.wire import Peer, decode_untrusted
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 
-__all__ = ["Client"]
+__all__ = ["Client", "failure_kind"]
+
+
+def failure_kind(error: str) -> str:
+    """The telemetry reason of a failed read, from its error text."""
+    if "before the read's timeout" in error or "until the read's timeout" in error:
+        return "timeout"
+    if "NIXL state ERR" in error or "exited during the read" in error or "may have died" in error:
+        return "peer_failed"
+    if "refused" in error or "pack failed" in error:
+        return "refused"
+    return "other"
 
 
 class Client:
@@ -68,6 +79,9 @@ class Client:
         self._pack_threshold = pack_threshold
         self._expected_engine, self._strategy, self._telemetry = expected_engine, strategy, telemetry
         self._lock = threading.RLock()
+        from fkv.telemetry import Telemetry
+
+        self.telemetry = Telemetry("client", engine_id=engine.engine_id)
         self._zctx = zmq().Context()
         self._agent: Agent | None = None
         self._state: Connection | None = None
@@ -110,6 +124,17 @@ class Client:
     def describe(self) -> str:
         """The plan's description and the paths this client takes (and why not the others)."""
         return self._connected().describe()
+
+    def stats(self) -> dict[str, Any]:
+        """This client's reads so far as plain dicts: per path count, seconds, bytes,
+        descriptors, GB/s and waits (``transfer``, ``pack``), failures by reason (see
+        ``fkv.telemetry.Telemetry.stats``)."""
+        return self.telemetry.stats()
+
+    def prometheus(self, registry: Any = None) -> Any:
+        """Register this client's metrics (``fkv_transfer_*``, label ``role="client"``) on
+        ``registry`` (default: a new ``prometheus_client.CollectorRegistry``); returns it."""
+        return self.telemetry.prometheus(registry)
 
     def reconnect(self, remote_address: str | None = None, *, timeout: float = 10.0) -> None:
         """Drop the current prefill engine's state and connect again (e.g. after it restarted),
@@ -156,8 +181,14 @@ class Client:
                     path.read(request_id, local, remote, tokens, deadline, tally)
                 state.link.notify(state.notify_after(path), request_id)
             except TransferFailed as e:
+                self.telemetry.failure(failure_kind(str(e)))
                 return self._result(False, request_id, tally, t0, path.name, str(e))
-            return self._result(True, request_id, tally, t0, path.name, None)
+            result = self._result(True, request_id, tally, t0, path.name, None)
+            self.telemetry.record(path=path.name, seconds=result.seconds, nbytes=result.bytes,
+                                  descriptors=result.descriptors,
+                                  waits={"transfer": tally.transfer_seconds,
+                                         "pack": tally.pack_seconds})
+            return result
 
     def close(self) -> None:
         """Release descriptor lists, peers, registrations and the NIXL agent. Idempotent."""

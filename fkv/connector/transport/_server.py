@@ -95,6 +95,9 @@ class Server:
         self._packer: Packer | None = None
         self._spin = spin_seconds()
         self.errors: list[str] = []
+        from fkv.telemetry import Telemetry
+
+        self.telemetry = Telemetry("server", engine_id=engine.engine_id)
         self._ctx = zmq().Context()
         self._agent = Agent("prefill")
         try:
@@ -160,6 +163,17 @@ class Server:
         """Recently released request ids and why: ``"notified"`` or ``"lease expired"``."""
         with self._lock:
             return dict(self._released)
+
+    def stats(self) -> dict[str, Any]:
+        """What this rank served so far as plain dicts: packs (path ``packed``: gather time and
+        bytes), notifications, lease expiries, refused peer messages by reason (see
+        ``fkv.telemetry.Telemetry.stats``)."""
+        return self.telemetry.stats()
+
+    def prometheus(self, registry: Any = None) -> Any:
+        """Register this rank's metrics (label ``role="server"``) on ``registry`` (default: a new
+        ``prometheus_client.CollectorRegistry``); returns it."""
+        return self.telemetry.prometheus(registry)
 
     @property
     def pack_bytes(self) -> int:
@@ -270,16 +284,24 @@ class Server:
             if message.startswith(FREE_PREFIX):
                 if self._packer is None or not self._packer.free(message):
                     self.errors.append(f"ignored a free of no held slot {message[:40]!r}")
+                    self.telemetry.refused("unknown_slot")
             else:
+                self.telemetry.notification()
                 self._notified(message)
 
     def _answer_all(self, batch: list[list[bytes]]) -> None:
         """Answer a batch of requests: packs launched one after another, one device wait, then
         every reply."""
+        t0 = time.perf_counter()
         out = [self._reply(frames) for frames in batch]
-        if any(isinstance(reply, _side.Packed) for _, reply in out):
+        packed = [reply for _, reply in out if isinstance(reply, _side.Packed)]
+        if packed:
             try:
                 self._packer.sync()
+                share = (time.perf_counter() - t0) / len(packed)
+                for reply in packed:
+                    self.telemetry.record(path="packed", seconds=share, nbytes=reply.nbytes,
+                                          descriptors=1, waits={"gather": share})
             except Exception as e:  # the gathers may not have run: refuse every pack of the batch
                 for i, (envelope, reply) in enumerate(out):
                     if isinstance(reply, _side.Packed):
@@ -299,10 +321,17 @@ class Server:
         else:
             envelope, body = frames[:1], frames[1:]
         if len(body) != 1:
+            self.telemetry.refused("frames")
             return envelope, _side.Error(message=f"expected one message frame, got {len(body)}")
         try:
-            return envelope, self._handle(_side.decode_request(body[0]))
+            msg = _side.decode_request(body[0])
         except FkvError as e:
+            self.telemetry.refused("undecodable")
+            return envelope, _side.Error(message=str(e))
+        try:
+            return envelope, self._handle(msg)
+        except FkvError as e:
+            self.telemetry.refused(type(msg).__name__.lower())
             return envelope, _side.Error(message=str(e))
         except Exception as e:
             return envelope, _side.Error(message=f"internal error: {type(e).__name__}: {e}")
@@ -347,6 +376,7 @@ class Server:
             problems.append(f"spec {peer.spec!r} differs from rank 0's {self.spec!r} (every rank "
                             f"of an engine must share one spec, num_blocks included)")
         if problems:
+            self.telemetry.refused("publish")
             return _side.Error(message="publish refused: " + "; ".join(problems))
         self._ranks[msg.rank] = _side.RankEntry(peer=msg.peer, mem_type=msg.mem_type,
                                                 address=msg.address, pack_base=msg.pack_base,
@@ -361,6 +391,7 @@ class Server:
                 raise ValueError(message)
         except (UnicodeDecodeError, ValueError):
             self.errors.append(f"ignored a malformed notification {message[:80]!r}")
+            self.telemetry.refused("malformed_notification")
             return
         with self._lock:
             held = self._held.get(request_id)
@@ -380,6 +411,8 @@ class Server:
             expired = [r for r, h in self._held.items() if h.deadline <= now]
         for request_id in expired:
             self._release(request_id, "lease expired")
+        if expired:
+            self.telemetry.lease_expired(len(expired))
         if self._packer is not None:
             self._packer.expire()
 
