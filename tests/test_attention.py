@@ -158,7 +158,7 @@ def test_split_heads_into_chunks(device: str) -> None:
 
 def test_default_config_runs_splits(device: str) -> None:
     """The default configuration, with a block-table capacity large enough to split."""
-    case = Case(device, seq_lens=(700, 5), head_size=16, block_size=32, hq=2, hkv=1)
+    case = Case(device, seq_lens=(1100, 5), head_size=16, block_size=32, hq=2, hkv=1)
     cfg = attention_config(num_seqs=2, num_q_tokens=2, num_q_heads=2, num_kv_heads=1, head_size=16,
                            max_context=case.block_table.shape[1] * 32, itemsize=2,
                            num_sms=1 if device == "cpu" else
@@ -280,6 +280,87 @@ def test_decode_config_fills_the_gpu(batch: int, ctx: int) -> None:
     assert ctx / cfg.num_splits >= 512                     # each split streams >= 512 keys
 
 
+@pytest.mark.parametrize(("batch", "ctx"), [(64, 8192), (256, 2048), (8, 32768), (16, 4096)])
+def test_decode_config_ignores_padding_columns(batch: int, ctx: int) -> None:
+    """Engines allocate block tables with spare columns: the configuration (split count, hence
+    the grid) is the same with 0 to 7 spare columns of 16 tokens (issue: one spare column took
+    B=8 x 32768 from 16 splits to 18 ragged ones, 3990 -> 3472 GB/s)."""
+    base = attention_config(num_seqs=batch, num_q_tokens=batch, max_context=ctx, varlen=False,
+                            **H200)
+    assert base.num_splits == {8192: 2, 2048: 2, 32768: 16, 4096: 8}[ctx]
+    for spare in range(1, 8):
+        assert attention_config(num_seqs=batch, num_q_tokens=batch, max_context=ctx + 16 * spare,
+                                varlen=False, **H200) == base
+
+
+class GridRecorder:
+    """Stands in for the attention kernel: records each launch's grid and num_splits, then runs
+    the real kernel."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            self.launches.append((tuple(grid), args[19]))  # args[19]: num_splits
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_padding_columns_change_neither_grid_nor_bits(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same sequences with 0, 1 and 5 spare block-table columns (garbage in them): the same
+    grid and split count are launched and the outputs are bit-identical, because each split is
+    cut from the sequence's real length, not from the table's capacity."""
+    K = importlib.import_module("fkv.ops._attention_kernels")
+    recorder = GridRecorder(K._paged_attention_kernel)
+    monkeypatch.setattr(K, "_paged_attention_kernel", recorder)
+    case = Case(device, seq_lens=(1100, 1030), head_size=16, block_size=32, hq=2, hkv=1, seed=3)
+    need = -(-1100 // 32)
+    outs = []
+    for spare in (0, 1, 5):
+        table = torch.randint(-5, 1 << 20, (2, need + spare), dtype=torch.int32).to(device)
+        table[:, :need] = case.block_table[:, :need]
+        out = torch.full_like(case.q, float("nan"))
+        paged_attention(case.q, case.cache, case.spec, table, case.seq_lens, out=out)
+        outs.append(out)
+    grids = {g for g, _ in recorder.launches}
+    assert len(recorder.launches) == 3 and len(grids) == 1, recorder.launches
+    assert recorder.launches[0][1] > 1  # flash-decoding splits ran
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    case.check()
+
+
+def test_splits_follow_the_real_length_under_heavy_padding(device: str) -> None:
+    """A forced split count over a block table 4x longer than the sequences (an engine's fixed
+    max_model_len table): every split still gets keys, and the result is the reference's."""
+    case = Case(device, seq_lens=(70, 33, 17), head_size=16, block_size=4, hq=4, hkv=2, seed=5)
+    need = case.block_table.shape[1]
+    table = torch.randint(-5, 1 << 20, (3, 4 * need), dtype=torch.int32).to(device)
+    table[:, :need] = case.block_table
+    case.block_table = table
+    for splits in (2, 3, 5):
+        case.check(config=AttentionConfig(block_q=1, heads_per_program=2, tile_n=16,
+                                          num_splits=splits))
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_zero_softcap_and_window_mean_off(device: str, mode: str) -> None:
+    """Engines pass softcap=0 and sliding_window=0 for "off": bit-identical to None, kernel and
+    reference."""
+    q_lens = None if mode == "decode" else (9, 33, 2, 20)
+    case = Case(device, q_lens=q_lens, layout="HND", seed=4, **LONG)
+    off = case.run()
+    assert torch.equal(case.run(softcap=0, sliding_window=0), off)
+    assert torch.equal(case.run(softcap=0.0, sliding_window=None), off)
+    assert torch.equal(case.run(softcap=None, sliding_window=0), off)
+    ref = R.paged_attention(*case.args(), query_start_loc=case.query_start_loc)
+    assert torch.equal(R.paged_attention(*case.args(), query_start_loc=case.query_start_loc,
+                                         softcap=0, sliding_window=0), ref)
+    # and 0 is really "off", not a window of zero keys or a zero cap: the reference agrees
+    case.check(softcap=0, sliding_window=0)
+    assert not torch.equal(case.run(softcap=0, sliding_window=5), off)
+
+
 def test_prefill_config() -> None:
     cfg = attention_config(num_seqs=4, num_q_tokens=4 * 4096, max_context=4096, varlen=True, **H200)
     assert (cfg.block_q, cfg.heads_per_program, cfg.num_splits) == (64, 4, 1)
@@ -350,8 +431,12 @@ BAD = {
                      r"'k_scale' is required for an fp8 cache"),
     "scale-on-bf16": (lambda c: _bad(c, k_scale=torch.ones(1)),
                       r"'k_scale'/'v_scale' apply only to fp8 caches"),
-    "window": (lambda c: _bad(c, sliding_window=0), r"'sliding_window' must be a positive int or None \(got 0\)"),
-    "softcap": (lambda c: _bad(c, softcap=-1.0), r"'softcap' must be a positive finite float or None"),
+    "window": (lambda c: _bad(c, sliding_window=-1),
+               r"'sliding_window' must be a positive int, or 0 / None for no window \(got -1\)"),
+    "window-float": (lambda c: _bad(c, sliding_window=4.0), r"'sliding_window' must be a positive int"),
+    "softcap": (lambda c: _bad(c, softcap=-1.0),
+                r"'softcap' must be a positive finite float, or 0 / None for no softcap \(got -1.0\)"),
+    "softcap-inf": (lambda c: _bad(c, softcap=math.inf), r"'softcap' must be a positive finite float"),
     "scale": (lambda c: _bad(c, scale=math.inf), r"'scale' must be a positive finite float"),
     "out-shape": (lambda c: _bad(c, out=torch.empty(4, 4, 16, dtype=torch.bfloat16)),
                   r"'out' must be a tensor of q's shape \(4, 4, 32\) and dtype torch.bfloat16"),
