@@ -232,6 +232,60 @@ def test_mla_is_mqa_over_the_latent(device: str, cross: bool) -> None:
     assert torch.allclose(got[0].double(), lat.expand(4, -1), atol=2e-2, rtol=2e-2)
 
 
+def _cos_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """FlashMLA's accuracy measure: ``1 - 2 sum(xy) / sum(x^2 + y^2)`` (0 when equal)."""
+    x, y = x.double(), y.double()
+    return 1.0 - 2.0 * (x * y).sum().item() / max((x * x + y * y).sum().item(), 1e-12)
+
+
+def _mla_decode(device: str, seq_lens: tuple[int, ...], hq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 MLA decode (DeepSeek geometry: latent 512 + rope 64, block 64, scale 576**-0.5) over
+    randn values: the kernel's bf16 output and the fp32 reference's, value part ([..., :512])."""
+    g = torch.Generator().manual_seed(seed)
+    d, dv, n = 576, 512, 64
+    need = [-(-s // n) for s in seq_lens]
+    spec = KVCacheSpec(backend="mla", num_blocks=sum(need) + 3, block_size=n, num_kv_heads=1,
+                       head_size=d)
+    (cache,) = fkv.allocate(spec, device=device)
+    cache.copy_(torch.randn(cache.shape, generator=g).bfloat16())
+    perm = torch.randperm(spec.num_blocks, generator=g).tolist()
+    table = torch.randint(-5, 1 << 20, (len(seq_lens), max(need) + 1), generator=g)
+    for b, k in enumerate(need):
+        table[b, :k] = torch.tensor(perm[:k])
+        perm = perm[k:]
+    bt = table.to(torch.int32).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(seq_lens), hq, d, generator=g).bfloat16().to(device)
+    out = paged_attention(q, cache, spec, bt, lens, scale=d ** -0.5)
+    ref = RA.attend(q, cache, spec, bt, lens, scale=d ** -0.5, acc_dtype=torch.float32)
+    return out[..., :dv].cpu(), ref[..., :dv].cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq", [16, 128])
+def test_mla_decode_bf16_meets_the_flashmla_bound(hq: int) -> None:
+    """bf16 MLA decode on the GPU: cosine difference < 1e-5 against the fp32 reference, the
+    bound FlashMLA's tests (and the engine) hold its kernels to."""
+    g = torch.Generator().manual_seed(hq)
+    lens = tuple(int(x) for x in torch.randint(1, 4097, (8,), generator=g))
+    out, ref = _mla_decode("cuda", lens + (4096, 1), hq, seed=hq)
+    assert _cos_diff(out, ref) < 1e-5
+
+
+@pytest.mark.interpreter
+def test_mla_decode_bf16_accuracy_in_the_interpreter() -> None:
+    """The CPU twin of the FlashMLA bound. The interpreter's fp32 -> bf16 cast truncates instead
+    of rounding to nearest (the kernel casts P before the PV product and casts the output): a
+    truncation error is uniform in [0, ulp) instead of [-ulp/2, ulp/2), four times the mean
+    squared error, so the cosine difference (a relative squared error) gets 4x the GPU's bound:
+    < 4e-5 (measured 1.4e-5 here; rounding the same fp32 output to nearest alone gives 1.4e-6,
+    truncating it 5.3e-6)."""
+    out, ref = _mla_decode("cpu", (300, 257), 16, seed=0)
+    diff = _cos_diff(out, ref)
+    assert diff < 4e-5
+    assert _cos_diff(ref.bfloat16(), ref) < 1e-5  # the GPU's rounding meets the bound
+
+
 def test_noncontiguous_q_and_out(device: str) -> None:
     case = Case(device, q_lens=(1, 7, 2, 4))
     big = torch.randn(case.q.shape[0], case.q.shape[1] * 2, 48).to(case.q.dtype).to(device)

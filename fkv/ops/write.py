@@ -53,6 +53,7 @@ _ELEMENTS_PER_WARP = 2048
 _TARGET_PROGRAMS = 512
 _MIN_TILE_ELEMENTS = 1024
 _SMALL_ELEMENTS_PER_WARP = 512
+_SMALL_MAX_WARPS = 4
 # A forced tiling (see _set_tiling_override): None = the default choice.
 _TILING_OVERRIDE: Any = None
 # fp8 dtype -> (largest finite value, mantissa bits, smallest normal exponent)
@@ -221,7 +222,8 @@ def write_tiling(spec: KVCacheSpec, num_tokens: int | None = None) -> WriteTilin
     occupancy with bigger tiles), one warp per 2048 elements. Small T: tiles shrink (down to
     ``_MIN_TILE_ELEMENTS``, one whole token of the bench shape) until the grid has about
     ``_TARGET_PROGRAMS`` programs, so a decode step spreads over the GPU instead of running a few
-    long programs; fewer elements per warp there (``_SMALL_ELEMENTS_PER_WARP``).
+    long programs; fewer elements per warp there (``_SMALL_ELEMENTS_PER_WARP``, at most
+    ``_SMALL_MAX_WARPS`` warps).
 
     >>> from fkv import KVCacheSpec
     >>> spec = KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=8, head_size=128)
@@ -242,16 +244,16 @@ def _tiling(spec: KVCacheSpec, tokens: int | None) -> WriteTiling:
     d_pad = triton.next_power_of_2(spec.head_size)
     h_pad = triton.next_power_of_2(spec.num_kv_heads)
     halves = 1 if spec.is_mla else 2
-    tile, per_warp = largest, _ELEMENTS_PER_WARP
+    tile, per_warp, most_warps = largest, _ELEMENTS_PER_WARP, 8
     if tokens is not None:
         spread = _pow2_floor(tokens * h_pad * d_pad * halves // _TARGET_PROGRAMS)
         if spread < largest:
             tile = max(spread, _MIN_TILE_ELEMENTS)
-            per_warp = _SMALL_ELEMENTS_PER_WARP
+            per_warp, most_warps = _SMALL_ELEMENTS_PER_WARP, _SMALL_MAX_WARPS
     head_tile = max(1, min(h_pad, tile // d_pad))
     block_t = max(1, tile // (head_tile * d_pad))
     elements = block_t * head_tile * d_pad
-    num_warps = max(1, min(8, elements // per_warp))
+    num_warps = max(1, min(most_warps, elements // per_warp))
     return WriteTiling(block_t, head_tile, d_pad, num_warps)
 
 
