@@ -7,10 +7,14 @@ Three thin layers (STYLE.md):
    (grid axis 1 picks the half; MLA has one). In HND (``HEADS_OUTER``) the tile is arranged
    ``[heads, tokens, dim]`` so that, for a run of consecutive slots, every head's rows land as one
    contiguous stretch of its (head, block) page tile; in NHD it is ``[tokens, heads, dim]``, one
-   contiguous stretch per token. Loads read whole head rows of ``key``/``value`` (any strides).
-2. :func:`write_tiling`: a pure, cached function of the spec giving the tile sizes and
-   ``num_warps`` (no autotuning), and :func:`write_constexprs`: the spec's constexprs
-   (``fkv.ops._spec.cache_constexprs`` plus the in-page strides), so each layout compiles once.
+   contiguous stretch per token. Loads read whole head rows of ``key``/``value`` (any strides)
+   and do not wait for the slot load (their mask depends only on the token count), so a decode
+   step costs one memory round trip before its stores, not two.
+2. :func:`write_tiling`: a pure, cached function of the spec and the token count's power-of-two
+   class giving the tile sizes and ``num_warps`` (no autotuning): prefill-sized T gets big tiles,
+   decode-sized T many one-token programs; and :func:`write_constexprs`: the spec's constexprs
+   (``fkv.ops._spec.cache_constexprs`` plus the in-page strides), so each (layout, tiling)
+   compiles once.
 3. :func:`write_kv`: checks tensors against the spec (FkvError before launch), then launches with
    keyword arguments. No per-token Python work and no host sync when ``validate=False``, so the
    call can be captured in a CUDA graph.
