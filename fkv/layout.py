@@ -15,7 +15,7 @@ Canonical axis names (outermost-first letters of the engine vocabulary):
 ====== =========================================
 
 A backend's *logical shape* is the order its kernels index by; a *stride order* ``p`` says physical
-dim ``k`` is logical dim ``p[k]`` (SPEC.md §1).  A spec allocates its physical shape contiguously and
+dim ``k`` is logical dim ``p[k]`` (docs/layouts.md).  A spec allocates its physical shape contiguously and
 views it with the inverse permutation.
 
 >>> spec = KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128)
@@ -97,7 +97,7 @@ class Layout(enum.StrEnum):
         raise field_error("layout", value, f"in ('NHD', 'HND') or an alias in {_ALIAS_HELP}")
 
 
-# Engine vocabulary (SPEC.md §1).  Letters are outermost-first; the K/V selector is not named.
+# Engine vocabulary (docs/layouts.md).  Letters are outermost-first; the K/V selector is not named.
 _ALIASES = {
     "NHD": Layout.NHD,
     "HND": Layout.HND,
@@ -114,14 +114,14 @@ _FOREIGN_ALIASES = {
 }
 _ALIAS_HELP = "('NHD', 'HND', 'LBNHC', 'LBHNC', 'BLNHC', 'BHLNC')"
 
-# Logical axes of one layer, per backend family (SPEC.md §1 table).
+# Logical axes of one layer, per backend family (the docs/layouts.md table).
 _LOGICAL_AXES = {
     "triton": ("B", "two", "N", "H", "C"),
     "flashinfer": ("B", "two", "N", "H", "C"),
     "flash_attn": ("two", "B", "N", "H", "C"),
     "mla": ("B", "N", "C"),
 }
-# (backend, layout, cross_layer) -> stride order, exactly the SPEC.md §1 table.
+# (backend, layout, cross_layer) -> stride order, exactly the docs/layouts.md table.
 _STRIDE_ORDERS = {
     ("blocks_first", Layout.NHD, False): (0, 1, 2, 3, 4),
     ("blocks_first", Layout.HND, False): (0, 1, 3, 2, 4),
@@ -290,7 +290,7 @@ class KVCacheSpec:
 
     @property
     def stride_order(self) -> tuple[int, ...]:
-        """SPEC.md §1 permutation; with ``cross_layer`` the one-longer tuple over ``(L, *logical)``."""
+        """The stride order (docs/layouts.md); with ``cross_layer`` the one-longer tuple over ``(L, *logical)``."""
         return _STRIDE_ORDERS[(self.family, self.layout, self.cross_layer)]
 
     @property

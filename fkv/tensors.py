@@ -37,8 +37,8 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
 def allocate(spec: KVCacheSpec, device: Any = "cpu") -> list[torch.Tensor]:
     """``num_layers`` logical views (``spec.logical_shape`` each) whose strides encode the order.
 
-    The physical shape is allocated contiguously and viewed with the inverse permutation (SPEC.md
-    §1). With ``cross_layer=True`` every view is ``buffer_view[l]`` of one shared buffer.
+    The physical shape is allocated contiguously and viewed with the inverse permutation
+    (docs/layouts.md). With ``cross_layer=True`` every view is ``buffer_view[l]`` of one shared buffer.
 
     >>> from fkv import KVCacheSpec
     >>> spec = KVCacheSpec(layout="HND", num_blocks=2, block_size=16, num_kv_heads=8, head_size=128)

@@ -176,7 +176,7 @@ class Worker:
         ``request_id``: the decode rank gets its reply, and its READ then finds nobody serving."""
         import signal
 
-        from fkv.connector import _side
+        from fkv.connector.transport import _side
 
         server = self.servers[cmd["name"]]
         answer_all = server._answer_all
@@ -211,7 +211,7 @@ class Worker:
         plan = client.plan
         return {"strategy": plan.strategy, "remote_ranks": list(plan.remote_ranks),
                 "notify_only_ranks": list(plan.notify_only_ranks), "pid": os.getpid(),
-                "packed": client.packed, "describe": client.describe()}
+                "packed": client.packed, "ipc": client.ipc, "describe": client.describe()}
 
     def _read(self, name: str, r: dict[str, Any]) -> dict[str, Any]:
         result = self.clients[name].read(r["request_id"], r["local"], r["remote"],

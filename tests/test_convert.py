@@ -513,7 +513,7 @@ def test_bad_move_ranges(small):
 
 
 def test_public_names_route_here(device):
-    # The public names (API.md) are the functions of fkv.ops.relayout, whatever was imported first.
+    # The public names (fkv.ops) are the functions of fkv.ops.relayout, whatever was imported first.
     assert fkv.ops.convert is C.convert and fkv.ops.gather is C.gather
     assert fkv.ops.scatter is C.scatter and fkv.ops.move is C.move
     assert R.convert is RC.convert and R.gather is RC.gather and R.scatter is RC.scatter

@@ -1,4 +1,4 @@
-"""The layout algebra: the SPEC.md §1 table, normalization, validation, addressing."""
+"""The layout algebra: the docs/layouts.md table, normalization, validation, addressing."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _table() -> dict[str, tuple]:
 
 
 def test_spec_table_matches_spec_md():
-    # NB=7, L=3, N=16, H=8, D=128 (mla: D=576): SPEC.md §1, every backend × layout × cross_layer.
+    # NB=7, L=3, N=16, H=8, D=128 (mla: D=576): docs/layouts.md, every backend × layout × cross_layer.
     assert _table() == snapshot(
         {
             "triton NHD": ((7, 2, 16, 8, 128), (0, 1, 2, 3, 4), (7, 2, 16, 8, 128)),
@@ -62,7 +62,7 @@ def test_spec_table_matches_spec_md():
 
 
 def test_worked_strides_and_page_bytes():
-    # SPEC.md §1 worked strides (bf16, N=16, H=8, D=128).
+    # docs/layouts.md worked strides (bf16, N=16, H=8, D=128).
     assert _spec(layout="NHD").element_strides == (32768, 16384, 1024, 128, 1)
     assert _spec(layout="HND").element_strides == (32768, 16384, 128, 2048, 1)
     assert _spec().page_bytes == 65536
@@ -181,7 +181,7 @@ def test_patterns_snapshot():
 
 
 def test_span_and_offsets_match_worked_example_a():
-    # SPEC.md §5 example A: P TP=1 page 65536 B, D rank t reads heads [4t, 4t+4).
+    # docs/handshake.md example A: P TP=1 page 65536 B, D rank t reads heads [4t, 4t+4).
     p = _spec(layout="HND")
     assert p.span(B=0, two=0, H=(0, 4)) == (0, 16384)
     assert p.span(B=0, two=1, H=(0, 4)) == (32768, 16384)

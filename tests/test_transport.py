@@ -150,7 +150,8 @@ class Pair:
                  p_procs: list[Proc] | None = None, d_procs: list[Proc] | None = None,
                  p_env: dict[str, str] | None = None, d_env: dict[str, str] | None = None,
                  host: str = "127.0.0.1", connect_kw: dict[str, Any] | None = None,
-                 device: str = "cpu", serve_kw: dict[str, Any] | None = None) -> None:
+                 device: str = "cpu", serve_kw: dict[str, Any] | None = None,
+                 d_device: str | None = None) -> None:
         self.name = f"c{next(_counter)}"
         self.ptp, self.dtp, self.pspec, self.dspec, self.heads = ptp, dtp, pspec, dspec, heads
         self.P = (p_procs or cluster["P"])[:ptp]
@@ -169,7 +170,8 @@ class Pair:
         for r, d in enumerate(self.D):
             d.send("connect", name=self.name, spec=dspec, engine=engine_dict(f"D-{self.name}", dtp, r,
                                                                                heads),
-                   address=self.address, env=d_env, device=device, **(connect_kw or {}))
+                   address=self.address, env=d_env, device=d_device or device,
+                   **(connect_kw or {}))
         self.connected = [d.result() for d in self.D]
 
     def read_all(self, request_id: str, local: list[int], remote: list[int], **kw: Any
@@ -376,10 +378,11 @@ def test_packed_cuda(cluster: Any, variant: str) -> None:
 
 @pytest.mark.gpu
 def test_auto_packs_large_requests_on_cuda(cluster: Any) -> None:
-    """``strategy="auto"`` on CUDA: a request over ``pack_threshold`` descriptors reads packed,
-    a small one follows the plan."""
+    """``strategy="nixl"`` (auto without ipc) on CUDA: a request over ``pack_threshold``
+    descriptors reads packed, a small one follows the plan."""
     pspec, dspec = spec_dict(tp=1), spec_dict(tp=2)
-    pair = Pair(cluster, 1, 2, pspec, dspec, device="cuda", connect_kw={"pack_threshold": 8})
+    pair = Pair(cluster, 1, 2, pspec, dspec, device="cuda",
+                connect_kw={"pack_threshold": 8, "strategy": "nixl"})
     try:
         assert all(c["packed"] for c in pair.connected)
         plan = {c["strategy"] for c in pair.connected}
@@ -391,6 +394,104 @@ def test_auto_packs_large_requests_on_cuda(cluster: Any) -> None:
         large = pair.read_all("large", local, remote)
         assert {r["path"] for r in large} == {"packed"} and all(r["result_ok"] for r in large)
         assert pair.verify_all(local, remote, also_written=[2]) == [None, None]
+    finally:
+        pair.stop()
+
+
+# -- ipc: same-host CUDA processes, the decode GPU reads the mapped prefill caches ----------------
+
+IPC = {
+    # name: (prefill spec overrides, decode spec overrides, tokens)
+    "HND": ({}, {}, 14),
+    "NHD": ({"layout": "NHD"}, {"layout": "NHD"}, 14),
+    "HND-NHD": ({}, {"layout": "NHD"}, 14),
+    "blocks-16-32": ({"block_size": 16, "num_blocks": 6}, {"block_size": 32, "num_blocks": 3}, 59),
+    "blocks-32-16": ({"block_size": 32, "num_blocks": 3}, {"block_size": 16, "num_blocks": 6}, 59),
+    "cross-P": ({"backend": "flash_attn", "cross_layer": True}, {"layout": "NHD"}, 14),
+    "cross-D": ({"layout": "NHD"}, {"backend": "flashinfer", "cross_layer": True}, 14),
+}
+
+
+def _d_device() -> str:
+    import torch
+
+    return "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+
+
+def _ipc_case(cluster: Any, ptp: int, dtp: int, variant: str, d_device: str) -> None:
+    pover, dover, tokens = IPC[variant]
+    pspec, dspec = spec_dict(tp=ptp, **pover), spec_dict(tp=dtp, **dover)
+    pair = Pair(cluster, ptp, dtp, pspec, dspec, device="cuda:0", d_device=d_device,
+                connect_kw={"strategy": "ipc"})
+    try:
+        assert all(c["ipc"] for c in pair.connected), pair.connected
+        assert "ipc: the prefill caches of" in pair.connected[0]["describe"]
+        local, remote = request_blocks(pspec, dspec, tokens)
+        for p in pair.P:
+            p.call("hold", name=pair.name, request_id="r1", blocks=remote)
+        results = pair.read_all("r1", local, remote, num_tokens=tokens)
+        assert [r["result_ok"] for r in results] == [True] * dtp, results
+        assert {r["path"] for r in results} == {"ipc"}
+        assert pair.verify_all(local, remote, tokens) == [None] * dtp
+        assert pair.wait_released("r1") == ["notified"] * ptp
+    finally:
+        pair.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(IPC))
+@pytest.mark.parametrize("ptp,dtp", [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)])
+def test_ipc_matrix(cluster: Any, ptp: int, dtp: int, variant: str) -> None:
+    """Bit-exact ipc reads, P on cuda:0 and D on cuda:1 (cuda:0 too on a one-GPU machine)."""
+    _ipc_case(cluster, ptp, dtp, variant, _d_device())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["HND", "HND-NHD", "blocks-16-32"])
+def test_ipc_same_device(cluster: Any, variant: str) -> None:
+    _ipc_case(cluster, 1, 2, variant, "cuda:0")
+
+
+@pytest.mark.gpu
+def test_auto_takes_ipc_and_killed_prefill_fails_the_read(cluster: Any, tmp_path: Path) -> None:
+    """``auto`` on one host picks ipc; a prefill process that died gives ok=False within the
+    timeout (its bytes are not trusted) and nothing is reported as done."""
+    p = Proc("P-ipc-victim", tmp_path)
+    try:
+        p.call("ping", wait=120)
+        pspec, dspec = spec_dict(tp=1), spec_dict(tp=1)
+        pair = Pair(cluster, 1, 1, pspec, dspec, device="cuda:0", d_device=_d_device(),
+                    p_procs=[p])
+        assert pair.connected[0]["ipc"] and "ipc" in pair.connected[0]["describe"]
+        local, remote = request_blocks(pspec, dspec, 14)
+        ok = pair.read_all("r1", local, remote)
+        assert [r["path"] for r in ok] == ["ipc"] and ok[0]["result_ok"]
+        p.kill()
+        p.proc.wait(10)
+        t0 = time.monotonic()
+        bad = pair.D[0].call("read", name=pair.name, request_id="r2", local=local, remote=remote,
+                             timeout=5.0)
+        assert time.monotonic() - t0 < 6.0
+        assert bad["result_ok"] is False and "exited during the read" in bad["error"], bad
+        pair.D[0].call("stop", name=pair.name)
+    finally:
+        p.close()
+
+
+def test_ipc_is_refused_without_cuda_naming_why(cluster: Any) -> None:
+    """CPU caches: ``strategy="ipc"`` is refused at connect with the reason; ``auto`` says in
+    ``describe()`` why ipc is off and reads over NIXL."""
+    pspec, dspec = spec_dict(tp=1), spec_dict(tp=1)
+    with pytest.raises(AssertionError, match="strategy='ipc' is not possible with prefill engine "
+                       r"'P-c\d+': the decode caches are not on CUDA \(ipc maps GPU memory\)"):
+        Pair(cluster, 1, 1, pspec, dspec, connect_kw={"strategy": "ipc"})
+    pair = Pair(cluster, 1, 1, pspec, dspec)
+    try:
+        assert pair.connected[0]["ipc"] is False
+        assert "ipc: off (the decode caches are not on CUDA (ipc maps GPU memory))" in \
+            pair.connected[0]["describe"]
+        local, remote = request_blocks(pspec, dspec, 14)
+        assert {r["path"] for r in pair.read_all("r1", local, remote)} == {"direct"}
     finally:
         pair.stop()
 
@@ -416,7 +517,7 @@ def test_pack_requests_are_checked_before_anything_is_written(cluster: Any) -> N
     reserves a slot; one that does not fit next to it is told to retry."""
     import zmq
 
-    from fkv.connector import _side
+    from fkv.connector.transport import _side
 
     pspec = spec_dict(tp=1)  # a pack of all 8 heads is 4 KiB per block (2 layers of 2 KiB)
     P = cluster["P"][0]
@@ -598,7 +699,7 @@ def test_garbage_on_the_side_channel_gets_an_error_reply(cluster: Any) -> None:
     import msgspec
     import zmq
 
-    from fkv.connector import _side
+    from fkv.connector.transport import _side
 
     pspec = spec_dict(tp=1)
     P = cluster["P"][0]

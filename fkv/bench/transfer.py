@@ -1,11 +1,11 @@
 """Benchmark real prefill -> decode transfers (``fkv.connector``: NIXL READs between processes).
 
-Cases (BENCH.md shape: bf16, N=16, 8 KV heads, head_size 128, 4096 blocks, one layer):
+Cases (docs/benchmarks.md shape: bf16, N=16, 8 KV heads, head_size 128, 4096 blocks, one layer):
 
 - ``link``: P TP=1 -> D TP=1, same layout, *contiguous* blocks: the plan coalesces every request
   into one descriptor per layer, the best NIXL/UCX can do between these processes (the link).
 - ``hnd-direct``: P TP=1 -> D TP=2, HND, random blocks: each D rank READs its head half, two
-  descriptors (K, V) per block, straight into its cache (SPEC.md §5 example A).
+  descriptors (K, V) per block, straight into its cache (docs/handshake.md example A).
 - ``nhd-staging``: P TP=1 -> D TP=2, NHD: a head slice is not contiguous, so each D rank READs whole
   pages into its registered staging buffer, then ``fkv.ops.move`` (Triton on CUDA; the torch
   reference on CPU) extracts its heads.
@@ -27,7 +27,7 @@ caches / slowest rank's time; staging READs twice that over the link), per-rank 
 of time in READs and (packed) in waiting for the packs, descriptors actually posted per request
 and rank, the path the requests took, time to first byte (a one-block read, call to return), and
 the same-run ceiling: a 1 GiB device ``copy_`` (CPU: a 256 MiB DRAM memcpy) counted as bytes read
-+ bytes written (BENCH.md); ``%copy`` compares a transfer with the copy's payload rate (half that:
++ bytes written (docs/benchmarks.md); ``%copy`` compares a transfer with the copy's payload rate (half that:
 each payload byte is read once and written once).
 
     python bench/bench_transfer.py --json transfer.json          # CUDA if present, else CPU
@@ -67,6 +67,9 @@ class Case:
     strategy: str = "auto"
     contiguous: bool = False
     ucx_tls: str = ""
+    request_blocks: int = 0
+    sizes: list[int] = field(default_factory=list)
+    first_read_ms: float = 0.0  # the first read after connect (the correctness check), slowest rank
     # results
     plan_strategy: str = ""
     bytes_per_request: int = 0  # READ by all decode ranks (staging reads whole pages)
@@ -84,6 +87,8 @@ class Case:
     profile: dict[str, list[float]] = field(default_factory=dict)
     pct_of_copy: float = 0.0
     repeat_gbps: float = 0.0
+    vs_peer_copy: float = 0.0   # GB/s over the same-run peer copy of the request's payload
+    vs_nccl: float = 0.0        # GB/s over the same-run NCCL send/recv of the same bytes
     error: str = ""
 
 
@@ -166,8 +171,8 @@ def _prefill_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any]) -> None:
             ref = _global_kv(layer, spec.num_blocks * spec.block_size, dev)
             _canon(view, spec).copy_(ref.view(spec.num_blocks, spec.block_size, 2, HEADS, 128))
         del ref
-        from fkv.connector._pack import Packer
-        from fkv.connector._server import Server
+        from fkv.connector.transport._packer import Packer
+        from fkv.connector.transport._server import Server
 
         stats = _timers([(Server, "_answer_all"), (Packer, "pack"), (Packer, "_gather"),
                          (Packer, "sync")])
@@ -199,28 +204,33 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         address = _recv(conn)["address"]
         if address is None:  # the prefill rank failed to start
             return
-        from fkv.connector._connection import Connection
-        from fkv.connector._nixl import Agent
-        from fkv.connector._unpack import PackedPath
+        from fkv.connector.transport._agent import Agent
+        from fkv.connector.transport._ipc_path import IpcPath
+        from fkv.connector.transport._packed_path import PackedPath
+        from fkv.connector.transport._plan_path import PlanPath
 
         stats = _timers([(PackedPath, "_ask"), (Agent, "read_descs"), (Agent, "read"),
-                         (Agent, "wait"), (PackedPath, "_scatter"), (Connection, "run_staging"),
-                         (Agent, "notify")])
+                         (Agent, "wait"), (PackedPath, "_scatter"), (PlanPath, "_run_staging"),
+                         (Agent, "notify"), (IpcPath, "read")])
         client = connect(_engine("bench-d", tp, rank), spec, caches, remote_address=address,
                          timeout=60.0, strategy=case["strategy"])
         rng = np.random.default_rng(rank + 1)
-        n, nb = cfg["request_blocks"], cfg["blocks"]
+        nb = cfg["blocks"]
+        n = case["sizes"][-1]
 
-        def blocks(i: int) -> tuple[list[int], list[int]]:
+        def blocks(i: int, n: int = n) -> tuple[list[int], list[int]]:
             if case["contiguous"]:
                 start = (i * n) % (nb - n + 1)
                 ids = list(range(start, start + n))
                 return ids, ids
             return rng.permutation(nb)[:n].tolist(), rng.permutation(nb)[:n].tolist()
 
-        # correctness first: one request, bit for bit against the global KV
+        # correctness first: one request, bit for bit against the global KV (the first read
+        # after connect, timed: it must not pay compiles)
         local, remote = blocks(0)
+        t_first = time.perf_counter()
         result = client.read("check", local, remote, timeout=120.0)
+        first = time.perf_counter() - t_first
         if not result.ok:
             raise RuntimeError(f"check read failed: {result.error}")
         lo, cnt = rank_heads(HEADS, tp, rank)
@@ -239,20 +249,26 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
             barrier.wait()
             r = client.read(f"ttfb-{i}", [i % nb], [(7 * i) % nb], timeout=60.0)
             ttfb.append(r.seconds)
-        # throughput: all ranks at once, rotating block sets
-        for seconds in stats.values():
-            seconds.clear()
-        runs = []
-        for i in range(cfg["warmup"] + cfg["reps"]):
-            local, remote = blocks(i + 1)
-            barrier.wait()
-            r = client.read(f"rep-{i}", local, remote, timeout=120.0)
-            if not r.ok:
-                raise RuntimeError(f"read failed: {r.error}")
-            if i >= cfg["warmup"]:
-                runs.append((r.seconds, r.transfer_seconds, r.bytes, r.descriptors,
-                             r.pack_seconds, r.strategy))
-        _send(conn, strategy=client.plan.strategy, runs=runs, ttfb=ttfb, stats=stats)
+        # throughput: all ranks at once, rotating block sets, each request size in turn
+        runs_by_size: dict[int, list[Any]] = {}
+        stats_by_size: dict[int, Any] = {}
+        for n in case["sizes"]:
+            for seconds in stats.values():
+                seconds.clear()
+            runs = []
+            for i in range(cfg["warmup"] + cfg["reps"]):
+                local, remote = blocks(i + 1, n)
+                barrier.wait()
+                r = client.read(f"rep-{n}-{i}", local, remote, timeout=120.0)
+                if not r.ok:
+                    raise RuntimeError(f"read failed: {r.error}")
+                if i >= cfg["warmup"]:
+                    runs.append((r.seconds, r.transfer_seconds, r.bytes, r.descriptors,
+                                 r.pack_seconds, r.strategy))
+            runs_by_size[n] = runs
+            stats_by_size[n] = {k: list(v) for k, v in stats.items()}
+        _send(conn, strategy=client.plan.strategy, runs=runs_by_size, ttfb=ttfb,
+              stats=stats_by_size, first_read=first)
         client.close()
     except Exception as e:
         barrier.abort()
@@ -261,7 +277,35 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
 
 # -- the parent ---------------------------------------------------------------------------------------
 
-def _run_case(cfg: dict[str, Any], case: Case) -> None:
+def _summarize(case: Case, cfg: dict[str, Any], outs: list[dict[str, Any]], bye: dict[str, Any],
+               dtp: int) -> None:
+    case.plan_strategy = outs[0]["strategy"]
+    reps = len(outs[0]["runs"])
+    payload = case.request_blocks * 2 * 16 * (HEADS // dtp) * 128 * 2 * cfg["layers"]
+    agg, wall, share, pack = [], [], [], []
+    for i in range(reps):
+        runs = [o["runs"][i] for o in outs]
+        slowest = max(r[0] for r in runs)
+        agg.append(dtp * payload / slowest / 1e9)
+        wall.append(slowest)
+        share.append(sum(r[1] for r in runs) / sum(r[0] for r in runs))
+        pack.append(sum(r[4] for r in runs) / sum(r[0] for r in runs))
+    half = max(1, reps // 2)  # the same case timed twice: first half, then second half
+    case.repeat_gbps = statistics.median(agg[half:]) if reps > 1 else 0.0
+    case.gbps = statistics.median(agg[:half]) if reps > 1 else agg[0]
+    case.ms = statistics.median(wall) * 1e3
+    case.read_share = statistics.median(share)
+    case.pack_share = statistics.median(pack)
+    case.path = "/".join(sorted({r[5] for o in outs for r in o["runs"]}))
+    case.profile = _profile(bye.get("stats", {}), [o["stats"] for o in outs], reps)
+    case.rank_gbps = [statistics.median(payload / r[0] / 1e9 for r in o["runs"]) for o in outs]
+    case.bytes_per_request = sum(o["runs"][0][2] for o in outs)
+    case.payload_per_request = dtp * payload
+    case.descriptors_per_request = statistics.mean(o["runs"][0][3] for o in outs)
+    case.ttfb_ms = statistics.median(t for o in outs for t in o["ttfb"]) * 1e3
+
+
+def _run_case(cfg: dict[str, Any], case: Case) -> list[Case]:
     ctx = mp.get_context("spawn")
     dtp = case.decode_tp
     barrier = ctx.Barrier(dtp)
@@ -288,30 +332,14 @@ def _run_case(cfg: dict[str, Any], case: Case) -> None:
                                                                 else [])
         if errors:
             raise RuntimeError("; ".join(errors))
-        case.plan_strategy = outs[0]["strategy"]
-        reps = len(outs[0]["runs"])
-        payload = cfg["request_blocks"] * 2 * 16 * (HEADS // dtp) * 128 * 2 * cfg["layers"]
-        agg, wall, share, pack = [], [], [], []
-        for i in range(reps):
-            runs = [o["runs"][i] for o in outs]
-            slowest = max(r[0] for r in runs)
-            agg.append(dtp * payload / slowest / 1e9)
-            wall.append(slowest)
-            share.append(sum(r[1] for r in runs) / sum(r[0] for r in runs))
-            pack.append(sum(r[4] for r in runs) / sum(r[0] for r in runs))
-        half = max(1, reps // 2)  # the same case timed twice: first half, then second half
-        case.repeat_gbps = statistics.median(agg[half:]) if reps > 1 else case.gbps
-        case.gbps = statistics.median(agg[:half]) if reps > 1 else case.gbps
-        case.ms = statistics.median(wall) * 1e3
-        case.read_share = statistics.median(share)
-        case.pack_share = statistics.median(pack)
-        case.path = "/".join(sorted({r[5] for o in outs for r in o["runs"]}))
-        case.profile = _profile(bye.get("stats", {}), [o["stats"] for o in outs], reps)
-        case.rank_gbps = [statistics.median(payload / r[0] / 1e9 for r in o["runs"]) for o in outs]
-        case.bytes_per_request = sum(o["runs"][0][2] for o in outs)
-        case.payload_per_request = dtp * payload
-        case.descriptors_per_request = statistics.mean(o["runs"][0][3] for o in outs)
-        case.ttfb_ms = statistics.median(t for o in outs for t in o["ttfb"]) * 1e3
+        results = []
+        for n in case.sizes:
+            c = Case(**{**asdict(case), "request_blocks": n})
+            _summarize(c, cfg, [{**o, "runs": o["runs"][str(n)], "stats": o["stats"][str(n)]}
+                                for o in outs], bye, dtp)
+            c.first_read_ms = 1e3 * max(o["first_read"] for o in outs)
+            results.append(c)
+        return results
     finally:
         for proc, _ in [(p, None), *ds]:
             proc.join(timeout=30)
@@ -338,7 +366,7 @@ def _profile(prefill: dict[str, list[float]], decode: list[dict[str, list[float]
 
 
 def _copy_ceiling(cfg: dict[str, Any]) -> float:
-    """GB/s of a same-run device copy, bytes read + bytes written (BENCH.md): 1 GiB on a GPU (well
+    """GB/s of a same-run device copy, bytes read + bytes written (docs/benchmarks.md): 1 GiB on a GPU (well
     beyond L2), 256 MiB of DRAM on the CPU (``fkv.bench._common.copy_ceiling_gbps``)."""
     import torch
 
@@ -353,6 +381,97 @@ def _copy_ceiling(cfg: dict[str, Any]) -> float:
     return copy_ceiling_gbps(100, "cpu", 256 << 20)
 
 
+def _peer_copy_gbps(src: int, dst: int, nbytes: int) -> float:
+    """GB/s of payload of a ``copy_`` from ``cuda:src`` to ``cuda:dst`` (median of CUDA events)."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{src}")
+    b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst}")
+    times = []
+    with torch.cuda.device(dst):
+        for i in range(30):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            b.copy_(a)
+            e1.record()
+            e1.synchronize()
+            if i >= 5:
+                times.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _nccl_rank(rank: int, port: int, devs: tuple[int, int], nbytes: int, conn: Any) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.set_device(devs[rank])
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{devs[rank]}")
+        times = []
+        for i in range(25):
+            dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+            else:
+                dist.recv(buf, 0)
+            torch.cuda.synchronize()
+            if i >= 5:
+                times.append(time.perf_counter() - t0)
+        dist.destroy_process_group()
+        _send(conn, seconds=statistics.median(times))
+    except Exception as e:
+        _send(conn, error=f"{type(e).__name__}: {e}")
+
+
+def _nccl_gbps(devs: tuple[int, int], nbytes: int) -> tuple[float, str]:
+    """GB/s of NCCL send/recv of ``nbytes`` between two processes (prefill GPU -> decode GPU)."""
+    import socket
+
+    if devs[0] == devs[1]:
+        return 0.0, "NCCL needs two GPUs (one rank per GPU)"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    conns, procs = [], []
+    for rank in range(2):
+        a, b = ctx.Pipe()
+        proc = ctx.Process(target=_nccl_rank, args=(rank, port, devs, nbytes, b), daemon=True)
+        proc.start()
+        conns.append(a)
+        procs.append(proc)
+    outs = [_recv(c) for c in conns]
+    for proc in procs:
+        proc.join(timeout=30)
+    if any("error" in o for o in outs):
+        return 0.0, "; ".join(o["error"] for o in outs if "error" in o)
+    return nbytes / max(o["seconds"] for o in outs) / 1e9, ""
+
+
+def _link_ceilings(cfg: dict[str, Any], sizes: list[int], page: int) -> dict[int, dict[str, Any]]:
+    """Same-run ceilings per request size (payload of a P TP=1 -> D TP=2 request): the peer copy
+    prefill GPU -> decode GPU (``copy_``) and NCCL send/recv of the same bytes between two
+    processes; plus the 1 GiB peer copy (key 0)."""
+    if cfg["device"] != "cuda":
+        return {}
+    devs = (cfg["p_gpu"], cfg["d_gpu"])
+    out: dict[int, dict[str, Any]] = {0: {"peer_copy_gbps": _peer_copy_gbps(*devs, 1 << 30)}}
+    for n in sizes:
+        nbytes = max(1, n * page * cfg["layers"] // 2)  # what one decode rank of two lands
+        nccl, why = _nccl_gbps(devs, nbytes)
+        out[n] = {"bytes": nbytes, "peer_copy_gbps": _peer_copy_gbps(*devs, nbytes),
+                  "nccl_gbps": nccl, "nccl_note": why}
+        print(f"  ceilings for {n}-block requests ({nbytes} B per decode rank): peer copy "
+              f"{out[n]['peer_copy_gbps']:.1f} GB/s, NCCL {nccl:.1f} GB/s {why}", flush=True)
+    return out
+
+
 def _cases(args: argparse.Namespace) -> list[Case]:
     base = [Case("link", 1, 1, "HND", "HND", contiguous=True),
             Case("hnd-direct", 1, 2, "HND", "HND", strategy="direct"),
@@ -361,15 +480,23 @@ def _cases(args: argparse.Namespace) -> list[Case]:
             Case("hnd-packed", 1, 2, "HND", "HND", strategy="packed"),
             Case("nhd-packed", 1, 2, "NHD", "NHD", strategy="packed"),
             Case("hnd-auto", 1, 2, "HND", "HND"),
-            Case("link-packed", 1, 1, "HND", "HND", strategy="packed", contiguous=True)]
+            Case("link-packed", 1, 1, "HND", "HND", strategy="packed", contiguous=True),
+            Case("hnd-ipc", 1, 2, "HND", "HND", strategy="ipc"),
+            Case("nhd-ipc", 1, 2, "NHD", "NHD", strategy="ipc"),
+            Case("hnd2nhd-ipc", 1, 2, "HND", "NHD", strategy="ipc"),
+            Case("hnd-ipc-tp1", 1, 1, "HND", "HND", strategy="ipc")]
     variants = args.ucx_tls.split(";") if args.ucx_tls else [""]
-    return [Case(**{**asdict(c), "ucx_tls": v}) for v in variants for c in base
-            if not args.cases or c.name in args.cases.split(",")]
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [
+        args.request_blocks or (args.blocks or (1024 if args.quick else 4096)) // 2]
+    return [Case(**{**asdict(c), "ucx_tls": v, "sizes": sizes}) for v in variants
+            for c in base if not args.cases or c.name in args.cases.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fkv.bench import results
+
     p = argparse.ArgumentParser(prog="fkv bench transfer", description=__doc__.split("\n")[0])
-    p.add_argument("--json", help="write results here")
+    results.add_output_arguments(p, plot=True)
     p.add_argument("--quick", action="store_true", help="1024 blocks, fewer repetitions")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the caches live (default: cuda when available)")
@@ -379,10 +506,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-blocks", type=int, default=None,
                    help="blocks per request (default: half the cache)")
     p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--sizes", default="",
+                   help="comma list of request sizes in blocks, each case run at each (e.g. "
+                        "1,16,256,2048); overrides --request-blocks")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--cases", default="",
                    help="comma list of link,hnd-direct,nhd-staging,hnd-staging,hnd-packed,"
-                        "nhd-packed,hnd-auto,link-packed (default: all)")
+                        "nhd-packed,hnd-auto,link-packed,hnd-ipc,nhd-ipc,hnd2nhd-ipc,hnd-ipc-tp1 "
+                        "(default: all)")
     p.add_argument("--ucx-tls", default="",
                    help="';'-separated UCX_TLS values to try (each case under each); "
                         "default: the environment's")
@@ -400,33 +531,77 @@ def main(argv: list[str] | None = None) -> int:
     page = 2 * 16 * HEADS * 128 * 2
     request_bytes = cfg["request_blocks"] * page * cfg["layers"]
     ceiling = _copy_ceiling(cfg)
+    links = _link_ceilings(cfg, sorted({n for c in cases for n in c.sizes}), page)
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "FKV_NIXL_", "NIXL_"))}
     print(f"fkv bench transfer: {args.device}, {blocks} blocks x {cfg['layers']} layer(s), "
           f"requests of {cfg['request_blocks']} blocks ({request_bytes / 2**20:.0f} MiB per P "
           f"page set), same-run copy ceiling {ceiling:.0f} GB/s (read + written); env "
           f"{env or '{}'}", flush=True)
+    done: list[Case] = []
     for case in cases:
         try:
-            _run_case(cfg, case)
-            case.pct_of_copy = 100 * case.gbps / (ceiling / 2)
+            rows = _run_case(cfg, case)
         except Exception as e:
             case.error = f"{type(e).__name__}: {e}"
-        print(f"  {case.name:12s} {case.ucx_tls or '(env)':24s} "
-              + (f"error: {case.error}" if case.error else
-                 f"{case.gbps:7.2f} GB/s (repeat {case.repeat_gbps:.2f})"), flush=True)
-        if case.profile:
-            print("      ms/call: " + ", ".join(f"{k} {v[0]:.3f}" for k, v in case.profile.items()),
-                  flush=True)
-    from fkv.bench._common import environment, write_json
+            rows = [case]
+        for row in rows:
+            row.pct_of_copy = 100 * row.gbps / (ceiling / 2)
+            peer = links.get(row.request_blocks, {}).get("peer_copy_gbps")
+            row.vs_peer_copy = row.gbps / peer if peer and row.gbps else 0.0
+            nccl = links.get(row.request_blocks, {}).get("nccl_gbps")
+            row.vs_nccl = row.gbps / nccl if nccl and row.gbps else 0.0
+            print(f"  {row.name:12s} {row.request_blocks:6d} {row.ucx_tls or '(env)':24s} "
+                  + (f"error: {row.error}" if row.error else
+                     f"{row.gbps:7.2f} GB/s (repeat {row.repeat_gbps:.2f}), "
+                     f"{row.ms:.3f} ms/read, first read {row.first_read_ms:.1f} ms"), flush=True)
+            if row.profile:
+                print("      ms/call: " + ", ".join(f"{k} {v[0]:.3f}"
+                                                   for k, v in row.profile.items()), flush=True)
+        done += rows
+    cases = done
+    run = results.Run("transfer", config={**cfg, "sizes": sorted({c.request_blocks
+                                                                 for c in cases})},
+                      device=args.device)
+    run.ceiling("copy_gbps", ceiling)
+    if 0 in links:
+        run.ceiling("peer_copy_gbps", links[0]["peer_copy_gbps"])
+    where = (f"cuda:{cfg['p_gpu']}->cuda:{cfg['d_gpu']}" if args.device == "cuda" else "cpu")
+    for c in cases:
+        link = links.get(c.request_blocks, {})
+        run.add(f"{c.name} {c.request_blocks} blocks x{cfg['layers']} layers of {blocks} "
+                f"{where}{' UCX_TLS=' + c.ucx_tls if c.ucx_tls else ''}",
+                params={"path": c.path or c.strategy, "series": c.name, "strategy": c.strategy,
+                        "request_blocks": c.request_blocks,
+                        "request_bytes": c.payload_per_request, "layers": cfg["layers"],
+                        "cache_blocks": blocks, "prefill_tp": c.prefill_tp,
+                        "decode_tp": c.decode_tp, "prefill_layout": c.prefill_layout,
+                        "decode_layout": c.decode_layout, "devices": where,
+                        "ucx_tls": c.ucx_tls},
+                metrics=None if c.error else {
+                    "gbps": c.gbps, "repeat_gbps": c.repeat_gbps, "read_ms": c.ms,
+                    "ttfb_ms": c.ttfb_ms, "first_read_ms": c.first_read_ms,
+                    "of_copy_pct": c.pct_of_copy,
+                    "peer_copy_gbps": link.get("peer_copy_gbps"),
+                    "nccl_gbps": link.get("nccl_gbps") or None,
+                    "of_peer_copy_x": c.vs_peer_copy or None, "of_nccl_x": c.vs_nccl or None,
+                    "descriptors_count": c.descriptors_per_request,
+                    "read_share_pct": 100 * c.read_share, "pack_share_pct": 100 * c.pack_share},
+                error=c.error,
+                extra={"rank_gbps": c.rank_gbps, "profile_ms_per_call": c.profile,
+                       "plan_strategy": c.plan_strategy, "nccl_note": link.get("nccl_note", "")})
+    run.extra["env_transport"] = env
+    results.save(run, args)
+    if getattr(args, "plot", None):
+        from fkv.bench import plots
 
-    write_json(args.json, {**environment(args.device), "config": cfg, "env": env,
-                           "copy_ceiling_gbps": ceiling, "cases": [asdict(c) for c in cases]})
+        plots.require(cli=True)
+        print(f"plot: {plots.plot_transfer(run.to_file(), args.plot)}")
     _table(cases, ceiling)
     return 1 if any(c.error for c in cases) else 0
 
 
 def _table(cases: list[Case], ceiling: float) -> None:
-    head = (f"{'case':12s} {'UCX_TLS':22s} {'path':8s} {'GB/s':>7s} {'%copy':>6s} "
+    head = (f"{'case':12s} {'blocks':>6s} {'UCX_TLS':22s} {'path':8s} {'GB/s':>7s} {'%copy':>6s} "
             f"{'rank GB/s':>14s} {'ms':>8s} {'READ%':>6s} {'pack%':>6s} {'desc/req':>9s} "
             f"{'TTFB ms':>8s}")
     print(f"\ncopy ceiling (same run, read + written): {ceiling:.0f} GB/s; %copy = GB/s over its "
@@ -438,9 +613,11 @@ def _table(cases: list[Case], ceiling: float) -> None:
             print(f"{c.name:12s} {c.ucx_tls or '(env)':22s} error: {c.error}")
             continue
         ranks = "/".join(f"{g:.2f}" for g in c.rank_gbps)
-        print(f"{c.name:12s} {c.ucx_tls or '(env)':22s} {c.path:8s} {c.gbps:7.2f} "
+        print(f"{c.name:12s} {c.request_blocks:6d} {c.ucx_tls or '(env)':22s} {c.path:8s} "
+              f"{c.gbps:7.2f} "
               f"{c.pct_of_copy:5.1f}% {ranks:>14s} {c.ms:8.2f} {100 * c.read_share:5.1f}% "
-              f"{100 * c.pack_share:5.1f}% {c.descriptors_per_request:9.0f} {c.ttfb_ms:8.3f}")
+              f"{100 * c.pack_share:5.1f}% {c.descriptors_per_request:9.0f} {c.ttfb_ms:8.3f} "
+              f"x{c.vs_peer_copy:.2f} peer x{c.vs_nccl:.2f} nccl")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 ``decode_untrusted(data)`` is the only door for peer bytes: it checks the size, decodes into typed
 structs with bounds on every number, string and list, rebuilds the validated fkv values and checks
 the regions against the spec. Whatever the bytes, it returns a :class:`Peer` or raises
-:class:`~fkv.errors.FkvWireError`; nothing else escapes. No pickle anywhere (SPEC.md §6: NIXL's own
+:class:`~fkv.errors.FkvWireError`; nothing else escapes. No pickle anywhere (docs/transport.md: NIXL's own
 serialization is pickle; never hand it peer bytes before they passed through here).
 
 >>> from fkv import KVCacheSpec
@@ -33,8 +33,8 @@ from fkv.errors import FkvError, FkvWireError
 from fkv.layout import KVCacheSpec
 
 __all__ = [
-    "MAX_AGENT_METADATA_BYTES", "MAX_MESSAGE_BYTES", "MAX_REGIONS", "WIRE_VERSION", "Peer",
-    "decode_untrusted", "encode",
+    "IPC_HANDLE_BYTES", "MAX_AGENT_METADATA_BYTES", "MAX_MESSAGE_BYTES", "MAX_REGIONS",
+    "WIRE_VERSION", "IpcInfo", "Peer", "decode_untrusted", "encode",
 ]
 
 #: Version of the message layout below (bumped on any incompatible change).
@@ -45,6 +45,8 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_AGENT_METADATA_BYTES = 32 << 20
 #: Most registered regions (one per layer, or one cross-layer buffer).
 MAX_REGIONS = 4096
+#: Size of one CUDA IPC memory handle (``cudaIpcMemHandle_t``).
+IPC_HANDLE_BYTES = 64
 
 _U64 = (1 << 64) - 1
 _Str = Annotated[str, msgspec.Meta(max_length=256)]
@@ -82,6 +84,16 @@ class _Spec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 _Region = tuple[Annotated[int, msgspec.Meta(ge=0)], _int(1, 1 << 62)]  # type: ignore[valid-type]
 
 
+class _Ipc(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    device_uuid: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    handles: Annotated[list[Annotated[bytes, msgspec.Meta(min_length=IPC_HANDLE_BYTES,
+                                                          max_length=IPC_HANDLE_BYTES)]],
+                       msgspec.Meta(max_length=MAX_REGIONS)]
+    offsets: Annotated[list[_int(0, 1 << 48)], msgspec.Meta(max_length=MAX_REGIONS)]  # type: ignore[valid-type]
+    pid: _int(0, 1 << 31) = 0  # type: ignore[valid-type]
+
+
 class _Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     version: int
     engine: _Engine
@@ -89,6 +101,7 @@ class _Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     regions: Annotated[list[_Region], msgspec.Meta(max_length=MAX_REGIONS)]
     device_id: _int(0, 1 << 16)  # type: ignore[valid-type]
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)]
+    ipc: _Ipc | None = None
 
 
 class _Envelope(msgspec.Struct, frozen=True):
@@ -98,6 +111,19 @@ class _Envelope(msgspec.Struct, frozen=True):
 _DECODER = msgspec.msgpack.Decoder(_Message)
 _ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
 _ENCODER = msgspec.msgpack.Encoder()
+
+
+@attrs.frozen
+class IpcInfo:
+    """How a same-host CUDA process can map a rank's cache regions: the host identity (host name
+    and boot id), the CUDA device's UUID, and per region the IPC handle of the allocation that
+    holds it and the region's byte offset inside that allocation."""
+
+    host: str
+    device_uuid: str
+    handles: tuple[bytes, ...]
+    offsets: tuple[int, ...]
+    pid: int = 0   # the exporting process, when the reader shares its PID namespace (else 0)
 
 
 @attrs.frozen(repr=False)
@@ -111,12 +137,14 @@ class Peer:
     regions: tuple[tuple[int, int], ...]
     device_id: int = 0
     agent_metadata: bytes = b""
+    ipc: IpcInfo | None = None
 
     def __repr__(self) -> str:
         regions = ", ".join(f"(0x{b:x}, {n})" for b, n in self.regions[:4])
         more = f", ... {len(self.regions)} regions" if len(self.regions) > 4 else ""
         return (f"Peer(engine={self.engine!r}, spec={self.spec!r}, regions=({regions}{more}), "
-                f"device_id={self.device_id}, agent_metadata=<{len(self.agent_metadata)} bytes>)")
+                f"device_id={self.device_id}, agent_metadata=<{len(self.agent_metadata)} bytes>"
+                f"{', ipc' if self.ipc is not None else ''})")
 
 
 def _check_regions(spec: KVCacheSpec, regions: Any) -> tuple[tuple[int, int], ...]:
@@ -148,11 +176,12 @@ def _check_regions(spec: KVCacheSpec, regions: Any) -> tuple[tuple[int, int], ..
 
 
 def encode(engine: EngineDesc, spec: KVCacheSpec, regions: Any, *, device_id: int = 0,
-           agent_metadata: bytes = b"") -> bytes:
+           agent_metadata: bytes = b"", ipc: IpcInfo | None = None) -> bytes:
     """msgpack bytes describing one rank; ``regions = [(base_address, nbytes), ...]``.
 
     Raises FkvError on anything :func:`decode_untrusted` would refuse (so a message we send always
-    decodes to an equal :class:`Peer`).
+    decodes to an equal :class:`Peer`). ``ipc``: how a same-host CUDA process maps the regions
+    (one handle and offset per region).
 
     >>> from fkv import KVCacheSpec
     >>> from fkv.connector.handshake import EngineDesc
@@ -167,6 +196,8 @@ def encode(engine: EngineDesc, spec: KVCacheSpec, regions: Any, *, device_id: in
         raise FkvError(f"'spec' must be a KVCacheSpec (got {type(spec).__name__})")
     if not isinstance(agent_metadata, bytes | bytearray | memoryview):
         raise FkvError(f"'agent_metadata' must be bytes (got {type(agent_metadata).__name__})")
+    if ipc is not None and not isinstance(ipc, IpcInfo):
+        raise FkvError(f"'ipc' must be an IpcInfo or None (got {type(ipc).__name__})")
     message = _Message(
         version=WIRE_VERSION,
         engine=_Engine(engine_id=engine.engine_id, tp_size=engine.tp_size, tp_rank=engine.tp_rank,
@@ -177,7 +208,10 @@ def encode(engine: EngineDesc, spec: KVCacheSpec, regions: Any, *, device_id: in
                    head_size=spec.head_size, dtype=spec.dtype, num_layers=spec.num_layers,
                    cross_layer=spec.cross_layer),
         regions=[list(r) for r in _check_regions(spec, regions)],
-        device_id=device_id, agent_metadata=bytes(agent_metadata))
+        device_id=device_id, agent_metadata=bytes(agent_metadata),
+        ipc=None if ipc is None else _Ipc(host=ipc.host, device_uuid=ipc.device_uuid,
+                                          handles=list(ipc.handles), offsets=list(ipc.offsets),
+                                          pid=ipc.pid))
     data = _ENCODER.encode(message)
     try:  # the limits live in one place: the decoder's types
         decode_untrusted(data)
@@ -232,7 +266,23 @@ def _decode(data: Any) -> Peer:
                            head_size=s.head_size, dtype=s.dtype, num_layers=s.num_layers,
                            cross_layer=s.cross_layer)
         regions = _check_regions(spec, [tuple(r) for r in msg.regions])
+        ipc = None if msg.ipc is None else _check_ipc(spec, msg.ipc)
     except FkvError as err:
         raise FkvWireError(f"peer message refused: {err}") from None
     return Peer(engine=engine, spec=spec, regions=regions, device_id=msg.device_id,
-                agent_metadata=msg.agent_metadata)
+                agent_metadata=msg.agent_metadata, ipc=ipc)
+
+
+def _check_ipc(spec: KVCacheSpec, ipc: _Ipc) -> IpcInfo:
+    """One IPC handle and offset per region; host and UUID printable ASCII."""
+    for name in ("handles", "offsets"):
+        got = len(getattr(ipc, name))
+        if got != spec.num_regions:
+            raise FkvError(f"'ipc.{name}' must hold spec.num_regions={spec.num_regions} entries "
+                           f"(got {got})")
+    for name in ("host", "device_uuid"):
+        value = getattr(ipc, name)
+        if not (value.isascii() and value.isprintable()):
+            raise FkvError(f"'ipc.{name}' must be printable ASCII (got {value[:64]!r})")
+    return IpcInfo(host=ipc.host, device_uuid=ipc.device_uuid, handles=tuple(ipc.handles),
+                   offsets=tuple(ipc.offsets), pid=ipc.pid)

@@ -89,7 +89,7 @@ class DemoConfig:
 
     # -- engines ----------------------------------------------------------------------------
     def kv_heads(self, tp: int) -> int:
-        """KV heads per rank (SPEC.md §4): ``max(1, total // tp)``."""
+        """KV heads per rank (docs/handshake.md): ``max(1, total // tp)``."""
         return max(1, self.model.num_kv_heads // tp)
 
     def prefill_blocks(self) -> int:

@@ -54,23 +54,40 @@ def _as_int(ptr, BITS: tl.constexpr):
     return out
 
 
+@triton.jit
+def _layer_base(ptr, table_ptr, layer, layer_stride, TABLE: tl.constexpr, BITS: tl.constexpr):
+    """Layer ``layer``'s base as a same-width integer pointer: ``ptr`` (layer 0) plus the layer's
+    element offset from it, read from a table (``TABLE``: layers at arbitrary addresses, e.g.
+    separate allocations or a peer's mapped caches) or ``layer * layer_stride``."""
+    base = _as_int(ptr, BITS)
+    if TABLE:
+        out = base + tl.load(table_ptr + layer)
+    else:
+        out = base + layer * layer_stride
+    return out
+
+
 @triton.jit(do_not_specialize=["num_tokens", "src_num_blocks", "dst_num_blocks"])
 def _move_kernel(
-    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, num_tokens,
+    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, src_table_ptr, dst_table_ptr, num_tokens,
     src_stride_block, src_stride_kv, src_stride_token, src_stride_head,
     dst_stride_block, dst_stride_kv, dst_stride_token, dst_stride_head,
     src_head_start, dst_head_start, src_num_blocks, dst_num_blocks,
+    src_layer_stride, dst_layer_stride,
     SRC_BLOCK_SIZE: tl.constexpr, DST_BLOCK_SIZE: tl.constexpr,
     SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     TILE_T: tl.constexpr, TILE_H: tl.constexpr, HEADS_OUTER: tl.constexpr,
     MASK_T: tl.constexpr, ELEM_BITS: tl.constexpr,
+    KV_HALVES: tl.constexpr, SRC_TABLE: tl.constexpr, DST_TABLE: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
-    kv = tl.program_id(1).to(tl.int64)
+    pid_y = tl.program_id(1)
+    kv = (pid_y % KV_HALVES).to(tl.int64)
+    layer = (pid_y // KV_HALVES).to(tl.int64)
     pid_h = tl.program_id(2)
-    src = _as_int(src_ptr, ELEM_BITS)
-    dst = _as_int(dst_ptr, ELEM_BITS)
+    src = _layer_base(src_ptr, src_table_ptr, layer, src_layer_stride, SRC_TABLE, ELEM_BITS)
+    dst = _layer_base(dst_ptr, dst_table_ptr, layer, dst_layer_stride, DST_TABLE, ELEM_BITS)
 
     t = pid_t * TILE_T + tl.arange(0, TILE_T)
     t_ok = t < num_tokens
@@ -147,30 +164,37 @@ def tile_config(num_tokens: int, num_heads: int, head_size: int, itemsize: int, 
 
 # Per call: the two views, the two id tensors (or placeholders) and the token count.
 _LAUNCHER = KernelLauncher(
-    _move_kernel, per_call=("src_ptr", "dst_ptr", "src_ids_ptr", "dst_ids_ptr", "num_tokens"),
-    pointers=("src_ptr", "dst_ptr", "src_ids_ptr", "dst_ids_ptr"))
+    _move_kernel, per_call=("src_ptr", "dst_ptr", "src_ids_ptr", "dst_ids_ptr", "src_table_ptr",
+                            "dst_table_ptr", "num_tokens"),
+    pointers=("src_ptr", "dst_ptr", "src_ids_ptr", "dst_ids_ptr", "src_table_ptr",
+              "dst_table_ptr"))
 
 
 def move_site(src_spec: KVCacheSpec, dst_spec: KVCacheSpec, src_ids_dtype: Any, dst_ids_dtype: Any,
               src_head_start: int, dst_head_start: int, num_heads: int, num_tokens: int, *,
-              max_tile_bytes: int | None = None,
-              num_warps: int | None = None) -> tuple[LaunchSite, tuple[int, int, int]]:
+              max_tile_bytes: int | None = None, num_warps: int | None = None,
+              layers: tuple[int, Any, Any] = (1, 0, 0)) -> tuple[LaunchSite, tuple[int, int, int]]:
     """The launch site and grid of one move shape (validated inputs; ``num_tokens > 0``).
 
     ``src_ids_dtype``/``dst_ids_dtype``: the id tensors' dtypes, or None for the identity.
     ``max_tile_bytes``/``num_warps`` default to the module constants (read at call time, so a
-    benchmark sweep can set them). Cached: a repeated shape costs one dict lookup.
+    benchmark sweep can set them). Cached: a repeated shape costs one dict lookup. ``layers =
+    (count, src, dst)`` moves ``count`` layers in one launch; each side is a layer stride in
+    elements (an int: layer ``l`` at ``ptr + l * stride``) or ``"table"`` (layer ``l`` at ``ptr +
+    table[l]``: an int64 tensor of element offsets from layer 0, given to :func:`launch_move` as
+    ``tables``).
     """
     return _move_site(src_spec, dst_spec, src_ids_dtype, dst_ids_dtype, src_head_start,
                       dst_head_start, num_heads, num_tokens,
                       MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes,
-                      NUM_WARPS if num_warps is None else num_warps)
+                      NUM_WARPS if num_warps is None else num_warps, layers)
 
 
 @functools.lru_cache(maxsize=1024)
 def _move_site(src_spec: KVCacheSpec, dst_spec: KVCacheSpec, src_ids_dtype: Any, dst_ids_dtype: Any,
                src_head_start: int, dst_head_start: int, num_heads: int, num_tokens: int,
-               max_tile_bytes: int, num_warps: int) -> tuple[LaunchSite, tuple[int, int, int]]:
+               max_tile_bytes: int, num_warps: int, layers: tuple[int, Any, Any] = (1, 0, 0)
+               ) -> tuple[LaunchSite, tuple[int, int, int]]:
     sc, dc = cache_constexprs(src_spec), cache_constexprs(dst_spec)
     ss, ds = cache_strides(src_spec), cache_strides(dst_spec)
     tile_t, tile_h, head_pad = tile_config(num_tokens, num_heads, sc["HEAD_SIZE"], src_spec.itemsize,
@@ -179,7 +203,8 @@ def _move_site(src_spec: KVCacheSpec, dst_spec: KVCacheSpec, src_ids_dtype: Any,
         raise FkvError(f"move: the channel axis must be innermost on both sides (stride_dim "
                        f"{ss['stride_dim']} and {ds['stride_dim']}); fkv layouts always have it")
     kv_halves = 1 if sc["IS_MLA"] else 2
-    grid = (triton.cdiv(num_tokens, tile_t), kv_halves, triton.cdiv(num_heads, tile_h))
+    count, src_layers, dst_layers = layers
+    grid = (triton.cdiv(num_tokens, tile_t), kv_halves * count, triton.cdiv(num_heads, tile_h))
     fixed = dict(
         src_stride_block=ss["stride_block"], src_stride_kv=ss["stride_kv"],
         src_stride_token=ss["stride_token"], src_stride_head=ss["stride_head"],
@@ -187,11 +212,14 @@ def _move_site(src_spec: KVCacheSpec, dst_spec: KVCacheSpec, src_ids_dtype: Any,
         dst_stride_token=ds["stride_token"], dst_stride_head=ds["stride_head"],
         src_head_start=src_head_start, dst_head_start=dst_head_start,
         src_num_blocks=src_spec.num_blocks, dst_num_blocks=dst_spec.num_blocks,
+        src_layer_stride=0 if src_layers == "table" else int(src_layers),
+        dst_layer_stride=0 if dst_layers == "table" else int(dst_layers),
         SRC_BLOCK_SIZE=sc["BLOCK_SIZE"], DST_BLOCK_SIZE=dc["BLOCK_SIZE"],
         SRC_IDS=src_ids_dtype is not None, DST_IDS=dst_ids_dtype is not None,
         NUM_HEADS=num_heads, HEAD_SIZE=sc["HEAD_SIZE"], HEAD_PAD=head_pad,
         TILE_T=tile_t, TILE_H=tile_h, HEADS_OUTER=sc["HEADS_OUTER"],
         MASK_T=num_tokens % tile_t != 0, ELEM_BITS=8 * src_spec.itemsize,
+        KV_HALVES=kv_halves, SRC_TABLE=src_layers == "table", DST_TABLE=dst_layers == "table",
     )
     return _LAUNCHER.site(fixed, {"num_warps": num_warps}), grid
 
@@ -199,20 +227,24 @@ def _move_site(src_spec: KVCacheSpec, dst_spec: KVCacheSpec, src_ids_dtype: Any,
 def launch_move(src: Any, src_spec: KVCacheSpec, src_ids: Any, src_head_start: int,
                 dst: Any, dst_spec: KVCacheSpec, dst_ids: Any, dst_head_start: int,
                 num_heads: int, num_tokens: int, *, max_tile_bytes: int | None = None,
-                num_warps: int | None = None) -> None:
+                num_warps: int | None = None, layers: tuple[int, Any, Any] = (1, 0, 0),
+                tables: tuple[Any, Any] = (None, None)) -> None:
     """Launch the kernel on validated inputs (``fkv.ops.convert`` checks everything first).
 
     ``src``/``dst`` are one layer's logical views of their specs (or any tensor with the same
     data pointer, e.g. a contiguous staging buffer); ``src_ids``/``dst_ids`` are contiguous int32/
     int64 tensors on the views' device, or None for the identity (block ``j`` is block ``j``).
-    Ids outside ``0..num_blocks-1`` move nothing (masked in the kernel).
+    Ids outside ``0..num_blocks-1`` move nothing (masked in the kernel). ``layers``: see
+    :func:`move_site`; ``tables``: the int64 element-offset tensors of its ``"table"`` sides.
     """
     if num_tokens <= 0:
         return
     site, grid = move_site(src_spec, dst_spec, None if src_ids is None else src_ids.dtype,
                            None if dst_ids is None else dst_ids.dtype, src_head_start,
                            dst_head_start, num_heads, num_tokens, max_tile_bytes=max_tile_bytes,
-                           num_warps=num_warps)
+                           num_warps=num_warps, layers=layers)
     # Placeholders the kernel never reads stand in for absent id lists.
+    src_table, dst_table = tables
     site(grid, (src, dst, src if src_ids is None else src_ids, src if dst_ids is None else dst_ids,
+                src if src_table is None else src_table, src if dst_table is None else dst_table,
                 num_tokens))

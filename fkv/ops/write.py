@@ -1,6 +1,6 @@
 """``write_kv``: reshape-and-cache into any paged layout, one Triton variant per layout.
 
-Three thin layers (STYLE.md):
+Three thin layers:
 
 1. ``_write_kv_kernel``: sees only pointers, strides and ``tl.constexpr``. One program writes one
    tile of ``BLOCK_T`` consecutive tokens × ``HEAD_TILE`` heads × the whole head of either K or V

@@ -2,9 +2,9 @@
 
 A packed read turns one request into one large descriptor per prefill rank instead of thousands
 of small ones (NIXL/UCX pays tens of µs per descriptor on a GPU). The decode rank sends a
-:class:`fkv.connector._side.Pack` (block ids, the head range it needs, token count); the prefill
+:class:`fkv.connector.transport._side.Pack` (block ids, the head range it needs, token count); the prefill
 rank's server thread checks it, reserves a *slot* of its registered pack buffer, runs
-``fkv.ops.gather`` once per layer into the slot and replies :class:`~fkv.connector._side.Packed`.
+``fkv.ops.gather`` once per layer into the slot and replies :class:`~fkv.connector.transport._side.Packed`.
 The decode rank READs the slot and attaches the notification :data:`FREE_PREFIX` ``+ slot`` to
 that READ: NIXL delivers it once the bytes moved, and the slot is free again. A slot whose READ
 never comes (decode died, READ failed) is freed when its lease runs out: the pack request's
@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from fkv.connector import _side
-from fkv.connector._common import kernels, on_device
+from fkv.connector.transport import _side
+from fkv.connector.transport._base import kernels, on_device
 from fkv.layout import KVCacheSpec
 
 __all__ = ["ALIGN", "FREE_PREFIX", "Packer", "SLOT_GRACE", "align", "pack_layer_bytes"]

@@ -26,15 +26,16 @@ import os
 import time
 from typing import Any
 
+import attrs
 import numpy as np
 
-from fkv.connector import _side
-from fkv.connector._common import kernels, on_device
-from fkv.connector._connection import Tally, split_chunks, wait_reads
-from fkv.connector._nixl import TransferFailed, Xfer
-from fkv.connector._pack import ALIGN, FREE_PREFIX, align, pack_layer_bytes
+from fkv.connector.transport import _side
+from fkv.connector.transport._agent import Xfer
+from fkv.connector.transport._base import Tally, TransferFailed, kernels, on_device, split_chunks
+from fkv.connector.transport._link import Link, Local, wait_reads
+from fkv.connector.transport._packer import ALIGN, FREE_PREFIX, align, pack_layer_bytes
 
-__all__ = ["PackedPath"]
+__all__ = ["PackedPath", "PackedSizing", "packed_sizing"]
 
 _tokens = itertools.count(1)
 
@@ -47,57 +48,69 @@ def _pieces() -> int:
         return 1
 
 
+@attrs.frozen
+class PackedSizing:
+    """How packed reads of one connection are cut: pack bytes per remote block per read (all
+    layers), the most tokens one chunk moves, and the local staging bytes packed reads need."""
+
+    per_block: tuple[int, ...]
+    chunk_tokens: int
+    buffer_bytes: int
+
+
+def packed_sizing(local: Local, plan: Any, entries: list[Any], rs: Any
+                  ) -> tuple[PackedSizing | None, str]:
+    """The packed sizing of a connection, or None and the reason packed reads are not possible."""
+    ls = local.spec
+    per_block, caps = [], []
+    for read in plan.reads:
+        entry = entries[read.remote_rank]
+        if not entry.address or not entry.pack_bytes:
+            return None, (f"prefill rank {read.remote_rank} serves no pack buffer "
+                          f"(serve(..., pack_bytes=0))")
+        heads = read.remote_heads[1] - read.remote_heads[0]
+        per_block.append(rs.num_layers * pack_layer_bytes(rs, 1, heads))
+        # every decode rank of the group may hold a slot at once
+        caps.append(entry.pack_bytes // plan.notifications // ALIGN * ALIGN)
+    blocks = min(cap // b for cap, b in zip(caps, per_block, strict=True))
+    room = local.staging_bytes_max - ALIGN * len(per_block)
+    blocks = min(blocks, max(0, room) // sum(per_block))
+    step = math.lcm(ls.block_size, rs.block_size)
+    tokens = blocks * rs.block_size // step * step
+    if tokens == 0:
+        return None, (f"one chunk of {step} tokens needs {step // rs.block_size} remote blocks "
+                      f"of {sum(per_block)} packed bytes, more than the prefill ranks' pack "
+                      f"buffers ({[e.pack_bytes for e in entries]} bytes, shared by "
+                      f"{plan.notifications} decode ranks) or staging_bytes="
+                      f"{local.staging_bytes_max} hold")
+    # a chunk never needs more than the whole remote cache (rounded to whole steps)
+    tokens = min(tokens, -(-rs.num_blocks * rs.block_size // step) * step)
+    n = -(-tokens // rs.block_size)
+    size = sum(align(n * b) for b in per_block)
+    return PackedSizing(tuple(per_block), tokens, size), ""
+
+
 class PackedPath:
     """Packed reads of one connection: the prefill ranks' pack addresses and buffers, the chunk
     size, and one DEALER socket per prefill rank read."""
 
-    def __init__(self, conn: Any, per_block: list[int], chunk_tokens: int, buffer_bytes: int
-                 ) -> None:
-        self.conn = conn
-        self.per_block = per_block          # pack bytes per remote block, per read (all layers)
-        self.chunk_tokens = chunk_tokens    # most tokens one chunk moves
-        self.buffer_bytes = buffer_bytes    # local staging bytes packed reads need
+    name = "packed"
+    notifies_with_read = False  # the request notification goes after the last chunk
+
+    def __init__(self, link: Link, sizing: PackedSizing) -> None:
+        self.conn = link
+        self.per_block = list(sizing.per_block)
+        self.chunk_tokens = sizing.chunk_tokens
+        self.buffer_bytes = sizing.buffer_bytes
         self.dealers: dict[int, _side.Dealer] = {}
-        self.spin = conn.spin
+        self.spin = link.spin
         try:
-            for read in conn.plan.reads:
+            for read in link.plan.reads:
                 rank = read.remote_rank
-                self.dealers[rank] = _side.Dealer(conn.client._zctx, conn.entries[rank].address)
+                self.dealers[rank] = _side.Dealer(link.local.zctx, link.entries[rank].address)
         except BaseException:
             self.close()
             raise
-
-    @classmethod
-    def create(cls, conn: Any) -> tuple[PackedPath | None, str]:
-        """The packed path of ``conn``, or None and the reason it is not possible."""
-        client, plan = conn.client, conn.plan
-        ls, rs = client.spec, conn.remote_spec
-        per_block, caps = [], []
-        for read in plan.reads:
-            entry = conn.entries[read.remote_rank]
-            if not entry.address or not entry.pack_bytes:
-                return None, (f"prefill rank {read.remote_rank} serves no pack buffer "
-                              f"(serve(..., pack_bytes=0))")
-            heads = read.remote_heads[1] - read.remote_heads[0]
-            per_block.append(rs.num_layers * pack_layer_bytes(rs, 1, heads))
-            # every decode rank of the group may hold a slot at once
-            caps.append(entry.pack_bytes // plan.notifications // ALIGN * ALIGN)
-        blocks = min(cap // b for cap, b in zip(caps, per_block, strict=True))
-        room = client._staging_bytes_max - ALIGN * len(per_block)
-        blocks = min(blocks, max(0, room) // sum(per_block))
-        step = math.lcm(ls.block_size, rs.block_size)
-        tokens = blocks * rs.block_size // step * step
-        if tokens == 0:
-            return None, (f"one chunk of {step} tokens needs {step // rs.block_size} remote blocks "
-                          f"of {sum(per_block)} packed bytes, more than the prefill ranks' pack "
-                          f"buffers ({[e.pack_bytes for e in conn.entries]} bytes, shared by "
-                          f"{plan.notifications} decode ranks) or staging_bytes="
-                          f"{client._staging_bytes_max} hold")
-        # a chunk never needs more than the whole remote cache (rounded to whole steps)
-        tokens = min(tokens, -(-rs.num_blocks * rs.block_size // step) * step)
-        n = -(-tokens // rs.block_size)
-        size = sum(align(n * b) for b in per_block)
-        return cls(conn, per_block, tokens, size), ""
 
     def describe(self) -> str:
         conn = self.conn
@@ -109,7 +122,7 @@ class PackedPath:
     # -- one request -------------------------------------------------------------------------------
     def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
              deadline: float, tally: Tally) -> None:
-        ls, rs = self.conn.client.spec, self.conn.remote_spec
+        ls, rs = self.conn.local.spec, self.conn.remote_spec
         for lc, rc, n in split_chunks(local, remote, tokens, self.chunk_tokens, ls.block_size,
                                       rs.block_size):
             self._chunk(request_id, lc, rc, n, deadline, tally)
@@ -117,7 +130,7 @@ class PackedPath:
     def _chunk(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
                deadline: float, tally: Tally) -> None:
         conn = self.conn
-        agent, client = conn.client._agent, conn.client
+        agent, client = conn.local.agent, conn.local
         reads = conn.plan.reads
         sizes = [remote.size * b for b in self.per_block]
         offsets = np.concatenate(([0], np.cumsum([align(s) for s in sizes])[:-1])).tolist()
@@ -133,9 +146,9 @@ class PackedPath:
                 rank = read.remote_rank
                 entry = conn.entries[rank]
                 local_tab, remote_tab = _tables(base + off, entry.pack_base + pack.offset,
-                                                pack.nbytes, _pieces(), client._device_id,
+                                                pack.nbytes, _pieces(), client.device_id,
                                                 conn.peers[rank].device_id)
-                xfers.append(agent.read_descs(local_tab, client._mem_type, remote_tab,
+                xfers.append(agent.read_descs(local_tab, client.mem_type, remote_tab,
                                               entry.mem_type, conn.names[rank], pack.nbytes,
                                               FREE_PREFIX + str(pack.slot).encode()))
                 ranks.append(rank)
@@ -211,7 +224,7 @@ class PackedPath:
         """Free slots whose READ will never come (best effort: the rank may be gone)."""
         for pack, read in zip(packs, reads):
             try:
-                self.conn.client._agent.notify(self.conn.names[read.remote_rank],
+                self.conn.local.agent.notify(self.conn.names[read.remote_rank],
                                                FREE_PREFIX + str(pack.slot).encode())
             except TransferFailed:
                 continue
@@ -222,19 +235,19 @@ class PackedPath:
         from fkv.ops.relayout import staging_spec
         from fkv.tensors import torch_dtype
 
-        conn, client = self.conn, self.conn.client
+        conn, client = self.conn, self.conn.local
         ls, rs = client.spec, conn.remote_spec
-        scatter = kernels(client._device).scatter
+        scatter = kernels(client.device).scatter
         dtype = torch_dtype(ls.dtype)
-        with on_device(client._device):
-            ids = torch.as_tensor(local, device=client._device)
+        with on_device(client.device):
+            ids = torch.as_tensor(local, device=client.device)
             for read, off, per_block in zip(conn.plan.reads, offsets, self.per_block, strict=True):
                 h = read.local_heads[1] - read.local_heads[0]
                 shape = staging_spec(ls, nblocks, num_heads=h, block_size=rs.block_size
                                      ).physical_shape
                 layer_bytes = nblocks * per_block // ls.num_layers
                 heads = None if ls.is_mla else read.local_heads
-                for layer, view in enumerate(client._views):
+                for layer, view in enumerate(client.views):
                     start = off + layer * layer_bytes
                     src = conn.staging[start:start + layer_bytes].view(dtype).view(shape)
                     scatter(src, view, ls, ids, heads=heads, num_tokens=tokens,

@@ -2,7 +2,7 @@
 
 A client registers its rank's caches with its own NIXL agent once, fetches every prefill rank's
 metadata through the prefill engine's rank-0 side channel, runs the handshake and builds a
-:class:`fkv.connector._connection.Connection` (plan, descriptor lists, staging buffer, packed
+:class:`fkv.connector.transport._connection.Connection` (plan, descriptor lists, staging buffer, packed
 path). ``read`` validates the block ids against both caches before anything moves, picks the
 request's path (:meth:`Connection.choose`: the plan's direct/staging rows, or a packed read) and
 notifies the prefill ranks.
@@ -17,22 +17,26 @@ import threading
 import time
 from typing import Any
 
-from fkv.connector import _side
-from fkv.connector._common import (
+from fkv.connector.handshake import EngineDesc, check_remote_ranks, handshake
+from fkv.connector.plan import TransferPlan, check_block_ids, request_tokens
+from fkv.connector.transport import _side
+from fkv.connector.transport._agent import Agent
+from fkv.connector.transport._base import (
     DEFAULT_PACK_THRESHOLD,
     DEFAULT_STAGING_BYTES,
+    STRATEGIES,
     HandshakeRejected,
     ReadResult,
+    SideChannelError,
+    Tally,
+    TransferFailed,
     cache_regions,
     check_engine,
     layer_views,
     zmq,
 )
-from fkv.connector._connection import Connection, Tally
-from fkv.connector._nixl import Agent, TransferFailed
-from fkv.connector._side import SideChannelError
-from fkv.connector.handshake import EngineDesc, check_remote_ranks, handshake
-from fkv.connector.plan import TransferPlan, check_block_ids, request_tokens
+from fkv.connector.transport._connection import Connection
+from fkv.connector.transport._link import Local
 from fkv.connector.wire import Peer, decode_untrusted
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
@@ -58,6 +62,8 @@ class Client:
         if isinstance(pack_threshold, bool) or not isinstance(pack_threshold, int) \
                 or pack_threshold < 0:
             raise field_error("pack_threshold", pack_threshold, "a non-negative int")
+        if strategy not in STRATEGIES:
+            raise field_error("strategy", strategy, f"one of {STRATEGIES}")
         self._staging_bytes_max = staging_bytes
         self._pack_threshold = pack_threshold
         self._expected_engine, self._strategy, self._telemetry = expected_engine, strategy, telemetry
@@ -87,8 +93,8 @@ class Client:
 
     @property
     def strategy(self) -> str:
-        """What ``connect`` was asked for: ``"auto"``, ``"direct"``, ``"staging"`` or
-        ``"packed"`` (each :class:`ReadResult` says which path its request took)."""
+        """What ``connect`` was asked for: ``"auto"``, ``"ipc"``, ``"packed"``, ``"direct"`` or
+        ``"staging"`` (each :class:`ReadResult` says which path its request took)."""
         return self._strategy
 
     @property
@@ -96,19 +102,14 @@ class Client:
         """Whether this connection can read packed (forced, or picked by ``"auto"``)."""
         return self._connected().packed is not None
 
+    @property
+    def ipc(self) -> bool:
+        """Whether this connection reads through CUDA IPC (the prefill caches are mapped)."""
+        return self._connected().ipc is not None
+
     def describe(self) -> str:
-        """The plan's description and how this client uses it (packed reads or not, and why)."""
-        state = self._connected()
-        if self._strategy == "packed":
-            how = state.packed.describe()
-        elif self._strategy != "auto":
-            how = f"strategy {self._strategy!r} forced: every request follows the plan"
-        elif state.packed is None:
-            how = f"packed reads off ({state.packed_reason}): every request follows the plan"
-        else:
-            how = (f"auto: a request whose plan needs more than {self._pack_threshold} "
-                   f"descriptors reads packed; {state.packed.describe()}")
-        return f"{state.plan.describe()}\n{how}"
+        """The plan's description and the paths this client takes (and why not the others)."""
+        return self._connected().describe()
 
     def reconnect(self, remote_address: str | None = None, *, timeout: float = 10.0) -> None:
         """Drop the current prefill engine's state and connect again (e.g. after it restarted),
@@ -148,22 +149,15 @@ class Client:
             deadline = time.monotonic() + float(timeout)
             tally = Tally()
             path, rows = state.choose(local, remote, tokens)
-            plan = state.plan
             try:
-                if path == "packed":
-                    state.packed.read(request_id, local, remote, tokens, deadline, tally)
-                    notify = (*plan.remote_ranks, *plan.notify_only_ranks)
+                if rows is not None:
+                    path.read(request_id, local, remote, tokens, deadline, tally, rows)
                 else:
-                    chunks = state.chunks(local, remote, tokens)
-                    for k, (lc, rc, n_tok) in enumerate(chunks):
-                        state.read_rows(request_id, lc, rc, n_tok, k == len(chunks) - 1,
-                                        deadline, tally, rows if len(chunks) == 1 else None)
-                    notify = plan.notify_only_ranks
-                for rank in notify:
-                    self._agent.notify(state.names[rank], state.notif(request_id))
+                    path.read(request_id, local, remote, tokens, deadline, tally)
+                state.link.notify(state.notify_after(path), request_id)
             except TransferFailed as e:
-                return self._result(False, request_id, tally, t0, path, str(e))
-            return self._result(True, request_id, tally, t0, path, None)
+                return self._result(False, request_id, tally, t0, path.name, str(e))
+            return self._result(True, request_id, tally, t0, path.name, None)
 
     def close(self) -> None:
         """Release descriptor lists, peers, registrations and the NIXL agent. Idempotent."""
@@ -227,12 +221,18 @@ class Client:
         peers, entries = self._fetch(address, timeout)
         outcome = handshake((self.engine, self.spec), (peers[0].engine, peers[0].spec),
                             expected_remote_engine=self._expected_engine,
-                            strategy="auto" if self._strategy == "packed" else self._strategy)
+                            strategy=self._strategy if self._strategy in ("direct", "staging")
+                            else "auto")
         if not outcome.ok:
             raise HandshakeRejected(f"prefill engine {peers[0].engine.engine_id!r} at {address}: "
                                     f"{outcome}", outcome.reasons)
         self.address = address
-        self._state = Connection(self, outcome.plan, peers, entries)
+        local = Local(engine=self.engine, spec=self.spec, views=self._views, regions=self._regions,
+                      mem_type=self._mem_type, device_id=self._device_id, device=self._device,
+                      agent=self._agent, zctx=self._zctx, strategy=self._strategy,
+                      staging_bytes_max=self._staging_bytes_max,
+                      pack_threshold=self._pack_threshold)
+        self._state = Connection(local, outcome.plan, peers, entries)
 
     def _disconnect(self) -> None:
         state, self._state = self._state, None

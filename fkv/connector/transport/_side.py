@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from fkv.connector.transport._base import SideChannelError
 from fkv.errors import FkvError
 
 __all__ = [
@@ -44,10 +45,6 @@ _Size = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 _Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 #: Most blocks one pack request may name.
 MAX_PACK_BLOCKS = 1 << 22
-
-
-class SideChannelError(FkvError):
-    """The side channel failed: no answer in time, or an answer we refuse."""
 
 
 class Publish(msgspec.Struct, tag="publish", forbid_unknown_fields=True, frozen=True):

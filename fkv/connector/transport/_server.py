@@ -29,8 +29,8 @@ from typing import Any
 
 import attrs
 
-from fkv.connector import _side
-from fkv.connector._common import (
+from fkv.connector.transport import _side
+from fkv.connector.transport._base import (
     DEFAULT_LEASE,
     DEFAULT_PACK_BYTES,
     cache_regions,
@@ -39,9 +39,9 @@ from fkv.connector._common import (
     spin_seconds,
     zmq,
 )
-from fkv.connector._nixl import Agent
-from fkv.connector._pack import FREE_PREFIX, Packer
-from fkv.connector._side import SideChannelError
+from fkv.connector.transport._agent import Agent
+from fkv.connector.transport._base import SideChannelError
+from fkv.connector.transport._packer import FREE_PREFIX, Packer
 from fkv.connector.handshake import EngineDesc
 from fkv.connector.plan import expected_notifications
 from fkv.connector.wire import decode_untrusted, encode
@@ -102,8 +102,19 @@ class Server:
             if pack_bytes:
                 self._packer = Packer(spec, layer_views(spec, caches), device, pack_bytes,
                                       self._agent, mem_type, device_id)
+            self.ipc_reason = ""
+            ipc = None
+            if device.type == "cuda":
+                from fkv.connector.transport._ipc import export_regions
+
+                try:
+                    ipc = export_regions(regions, device)
+                except FkvError as e:  # the NIXL paths still work
+                    self.ipc_reason = str(e)
+            else:
+                self.ipc_reason = "the caches are not on CUDA"
             wire = encode(engine, spec, regions, device_id=device_id,
-                          agent_metadata=self._agent.metadata())
+                          agent_metadata=self._agent.metadata(), ipc=ipc)
             own = self._bind(host, port) if engine.tp_rank == 0 or self._packer else ""
             packer = self._packer
             entry = _side.RankEntry(peer=wire, mem_type=mem_type, address=own if packer else "",

@@ -4,7 +4,7 @@ Everything NIXL-specific lives here: loading ``nixl`` (quietly), registering mem
 ``Nx3`` uint64 descriptor tables ``(address, length, device)``, preparing descriptor lists, posting
 READs with a notification, polling them against a deadline and releasing handles. The caller
 (the transport's server and client) must call one :class:`Agent` from one thread at a time
-(SPEC.md §6).
+(docs/transport.md).
 
 Descriptors are *granules*: each registered region is cut into ``len // granule`` equal pieces, so
 a plan row ``(region, offset, nbytes)`` is the index run ``offset // granule`` .. ``+ nbytes //
@@ -25,13 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from fkv.connector.transport._base import TransferFailed, tensor_memory
 from fkv.errors import FkvError
 
 __all__ = ["Agent", "TransferFailed", "granule_table", "load_nixl", "row_indices", "tensor_memory"]
-
-
-class TransferFailed(FkvError):
-    """A NIXL operation failed or did not finish in time (the peer died, hung or refused)."""
 
 
 _NIXL: Any = None
@@ -48,15 +45,6 @@ def load_nixl() -> Any:
             raise FkvError(f"fkv transfers need NIXL: pip install nixl ({e})") from e
         _NIXL = nixl
     return _NIXL
-
-
-def tensor_memory(t: Any) -> tuple[str, int]:
-    """``(mem_type, device_id)`` NIXL uses for a tensor: ``("VRAM", gpu)`` or ``("DRAM", 0)``."""
-    if t.device.type == "cuda":
-        return "VRAM", int(t.device.index or 0)
-    if t.device.type == "cpu":
-        return "DRAM", 0
-    raise FkvError(f"'caches' must live on a CPU or CUDA device (got {t.device})")
 
 
 def granule_table(regions: Any, granule: int, *, device_id: int) -> np.ndarray:

@@ -19,15 +19,15 @@ from typing import Any
 
 import attrs
 
-from fkv.connector._nixl import tensor_memory
 from fkv.connector.handshake import EngineDesc
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 
 __all__ = [
     "DEFAULT_LEASE", "DEFAULT_PACK_BYTES", "DEFAULT_PACK_THRESHOLD", "DEFAULT_STAGING_BYTES",
-    "HandshakeRejected", "ReadResult", "STRATEGIES", "cache_regions", "check_engine", "kernels",
-    "layer_views", "on_device", "spin_seconds", "zmq",
+    "HandshakeRejected", "ReadResult", "STRATEGIES", "SideChannelError", "Tally", "TransferFailed",
+    "cache_regions", "check_engine", "kernels", "layer_views", "on_device", "spin_seconds",
+    "split_chunks", "tensor_memory", "zmq",
 ]
 
 #: Seconds a prefill rank holds a request's blocks waiting for notifications (configurable).
@@ -40,7 +40,15 @@ DEFAULT_PACK_BYTES = 256 << 20
 #: ``strategy="auto"`` packs a request (on CUDA) whose plan needs more descriptors than this.
 DEFAULT_PACK_THRESHOLD = 64
 #: What ``connect(strategy=...)`` takes.
-STRATEGIES = ("auto", "direct", "staging", "packed")
+STRATEGIES = ("auto", "ipc", "nixl", "packed", "direct", "staging")
+
+
+class TransferFailed(FkvError):
+    """A transfer failed or did not finish in time (the peer died, hung or refused)."""
+
+
+class SideChannelError(FkvError):
+    """The side channel failed: no answer in time, or an answer we refuse."""
 
 
 class HandshakeRejected(FkvError):
@@ -58,7 +66,7 @@ class ReadResult:
     descriptors posted (direct/staging: the plan's coalesced rows; packed: one per prefill rank per
     chunk); ``error`` says what failed (None when ok); ``seconds`` the whole call,
     ``transfer_seconds`` the part spent posting READs and waiting for them; ``strategy`` the path
-    this request took (``"direct"``, ``"staging"`` or ``"packed"``); ``pack_seconds`` (packed) the
+    this request took (``"ipc"``, ``"packed"``, ``"direct"`` or ``"staging"``); ``pack_seconds`` (packed) the
     time from asking the prefill ranks to pack until every one replied."""
 
     ok: bool
@@ -183,3 +191,36 @@ def spin_seconds() -> float:
         return max(0.0, float(os.environ.get("FKV_TRANSPORT_SPIN", "0") or 0))
     except ValueError:
         return 0.0
+
+
+def tensor_memory(t: Any) -> tuple[str, int]:
+    """``(mem_type, device_id)`` NIXL uses for a tensor: ``("VRAM", gpu)`` or ``("DRAM", 0)``."""
+    if t.device.type == "cuda":
+        return "VRAM", int(t.device.index or 0)
+    if t.device.type == "cpu":
+        return "DRAM", 0
+    raise FkvError(f"'caches' must live on a CPU or CUDA device (got {t.device})")
+
+
+@attrs.define
+class Tally:
+    """What one read did so far (for its :class:`ReadResult`)."""
+
+    bytes: int = 0
+    descriptors: int = 0
+    transfer_seconds: float = 0.0
+    pack_seconds: float = 0.0
+
+
+def split_chunks(local: Any, remote: Any, tokens: int, per: int, nl: int, nr: int
+                 ) -> list[tuple[Any, Any, int]]:
+    """``(local ids, remote ids, tokens)`` pieces of at most ``per`` tokens (a multiple of both
+    block sizes), each piece's ids exactly the blocks of its tokens."""
+    if tokens <= per:
+        return [(local, remote, tokens)]
+    out = []
+    for start in range(0, tokens, per):
+        n = min(per, tokens - start)
+        out.append((local[start // nl: -(-(start + n) // nl)],
+                    remote[start // nr: -(-(start + n) // nr)], n))
+    return out

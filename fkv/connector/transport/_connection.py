@@ -1,0 +1,156 @@
+"""A decode rank's connection to one prefill engine, and the one place that picks a request's path.
+
+:class:`Connection` builds, from the accepted plan and the prefill ranks' metadata, the NIXL
+:class:`~fkv.connector.transport._link.Link` (remote agents, descriptor lists, staging buffer) and
+every path this connection can take:
+
+========== ================================================================================
+``ipc``     same host, CUDA on both sides, peer access: kernels read the mapped prefill caches
+``packed``  NIXL: each prefill rank gathers the request into its pack buffer, one READ per rank
+``direct``  NIXL: the plan's rows land final bytes (one descriptor per coalesced row)
+``staging`` NIXL: the plan's rows fill a staging buffer, then a kernel rearranges
+========== ================================================================================
+
+:meth:`Connection.choose` decides per request: a forced strategy is taken as is; ``"auto"``
+takes ``ipc`` whenever the connection could map the prefill caches, else ``packed`` for a request
+whose plan needs more descriptors than the client's ``pack_threshold`` (CUDA on both sides), else
+the plan's own strategy; ``"nixl"`` is ``"auto"`` without ``ipc`` (NIXL paths only). ``describe()`` says which paths exist and why the others do not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fkv.connector.plan import TransferPlan
+from fkv.connector.transport._link import Link, Local
+from fkv.connector.transport._packed_path import PackedPath, packed_sizing
+from fkv.connector.transport._plan_path import PlanPath, staging_blocks
+from fkv.connector.wire import Peer
+from fkv.errors import FkvError
+
+__all__ = ["Connection"]
+
+
+class Connection:
+    """Plan, peers, the NIXL link and the paths of one decode rank's connection."""
+
+    def __init__(self, local: Local, plan: TransferPlan, peers: list[Peer], entries: list[Any]
+                 ) -> None:
+        self.local, self.plan, self.peers = local, plan, tuple(peers)
+        self.engine_id = peers[0].engine.engine_id
+        self.remote_spec = peers[0].spec
+        self.ipc: Any = None
+        self.packed: PackedPath | None = None
+        self.link: Link | None = None
+        strategy = local.strategy
+        self.ipc_reason = self._ipc_reason(strategy)
+        if strategy == "ipc" and self.ipc_reason:
+            raise FkvError(f"strategy='ipc' is not possible with prefill engine "
+                           f"{self.engine_id!r}: {self.ipc_reason}; use strategy='auto' (NIXL)")
+        blocks = staging_blocks(plan, local.spec, self.remote_spec, local.staging_bytes_max)
+        staging_path_bytes = plan.staging_bytes(blocks) if blocks else 0
+        sizing, self.packed_reason = None, ""
+        cuda = local.device.type == "cuda" and all(
+            entries[r].mem_type == "VRAM" for r in plan.remote_ranks)
+        if strategy == "packed" or (strategy in ("auto", "nixl") and cuda):
+            sizing, self.packed_reason = packed_sizing(local, plan, entries, self.remote_spec)
+            if strategy == "packed" and sizing is None:
+                raise FkvError(f"strategy='packed' is not possible with prefill engine "
+                               f"{self.engine_id!r}: {self.packed_reason}")
+        elif strategy in ("auto", "nixl"):
+            self.packed_reason = ("'auto' packs only when the caches of both sides are on CUDA "
+                                  "(strategy='packed' forces packed reads)")
+        else:
+            self.packed_reason = f"strategy {strategy!r} forced"
+        try:
+            self.link = Link(local, plan, peers, entries, staging_path_bytes=staging_path_bytes,
+                             staging_bytes=max(staging_path_bytes,
+                                               sizing.buffer_bytes if sizing else 0))
+            self.plan_path = PlanPath(self.link, blocks)
+            if sizing is not None:
+                self.packed = PackedPath(self.link, sizing)
+            if not self.ipc_reason:
+                self._open_ipc(strategy)
+        except BaseException:
+            self.close()
+            raise
+
+    def _ipc_reason(self, strategy: str) -> str:
+        if strategy not in ("auto", "ipc"):
+            return f"strategy {strategy!r} forced"
+        if self.local.device.type != "cuda":
+            return "the decode caches are not on CUDA (ipc maps GPU memory)"
+        from fkv.connector.transport._ipc import ipc_refusal
+
+        for rank in self.plan.remote_ranks:
+            reason = ipc_refusal(self.peers[rank], self.local.device)
+            if reason:
+                return reason
+        return ""
+
+    def _open_ipc(self, strategy: str) -> None:
+        from fkv.connector.transport._ipc_path import IpcPath
+
+        try:
+            self.ipc = IpcPath(self.local, self.plan, list(self.peers), self.engine_id)
+        except FkvError as e:
+            if strategy == "ipc":
+                raise FkvError(f"strategy='ipc' with prefill engine {self.engine_id!r}: {e}; use "
+                               f"strategy='auto' (NIXL)") from None
+            self.ipc_reason = f"mapping the prefill caches failed: {e}"
+
+    # -- which path: the one place -----------------------------------------------------------------
+    def choose(self, local: np.ndarray, remote: np.ndarray, tokens: int
+               ) -> tuple[Any, np.ndarray | None]:
+        """The path for one request, and the plan rows when they were computed to decide."""
+        strategy = self.local.strategy
+        if self.ipc is not None:
+            return self.ipc, None
+        if strategy == "packed":
+            return self.packed, None
+        if strategy not in ("auto", "nixl") or self.packed is None:
+            return self.plan_path, None
+        threshold = self.local.pack_threshold
+        if self.plan.cost.descriptors * remote.size <= threshold:
+            return self.plan_path, None
+        rows = self.plan.segments(local, remote, num_tokens=tokens)
+        if rows.shape[0] > threshold:
+            return self.packed, None
+        return self.plan_path, rows
+
+    def describe(self) -> str:
+        strategy = self.local.strategy
+        lines = [self.plan.describe()]
+        if self.ipc is not None:
+            lines.append(f"every request: {self.ipc.describe()}")
+            return "\n".join(lines)
+        if strategy in ("auto", "ipc"):
+            lines.append(f"ipc: off ({self.ipc_reason})")
+        if strategy == "packed":
+            lines.append(self.packed.describe())
+        elif strategy not in ("auto", "nixl"):
+            lines.append(f"strategy {strategy!r} forced: every request follows the plan")
+        elif self.packed is None:
+            lines.append(f"packed reads off ({self.packed_reason}): every request follows the "
+                         f"plan")
+        else:
+            lines.append(f"auto: a request whose plan needs more than {self.local.pack_threshold} "
+                         f"descriptors reads packed; {self.packed.describe()}")
+        return "\n".join(lines)
+
+    def notify_after(self, path: Any) -> tuple[int, ...]:
+        """Prefill ranks the client notifies once ``path`` has landed a request."""
+        if path.notifies_with_read:
+            return self.plan.notify_only_ranks
+        return (*self.plan.remote_ranks, *self.plan.notify_only_ranks)
+
+    def close(self) -> None:
+        for path in (self.ipc, self.packed):
+            if path is not None:
+                path.close()
+        self.ipc = self.packed = None
+        if self.link is not None:
+            self.link.close()
+            self.link = None

@@ -1,0 +1,130 @@
+"""The same-host path: ``fkv.ops`` kernels on the decode GPU read the mapped prefill caches.
+
+Once per connection the decode rank maps every prefill rank it reads (``_ipc.Mapping``: CUDA IPC
+in its own device's context) and prepares one :class:`fkv.ops.layers.LayerMove` per read: head
+slice, layout, backend and block-size conversion of all layers in one launch. A request is then
+two small host-to-device id copies, one launch per prefill rank read, and one wait for the
+decode stream; the caller notifies the prefill ranks only after that wait (the bytes landed). No
+descriptors, no staging buffer, no pack round trip.
+
+A prefill process that died during the read is detected after the copy (its pid, when both
+processes share a PID namespace): the read fails and nothing is reported as done.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from fkv.connector.transport._base import Tally, TransferFailed
+from fkv.connector.transport._ipc import Mapping
+from fkv.connector.transport._link import Local
+
+__all__ = ["IpcPath"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class IpcPath:
+    """Reads of one connection straight from the prefill ranks' mapped caches."""
+
+    name = "ipc"
+    notifies_with_read = False  # the caller notifies every prefill rank after the copy
+
+    def __init__(self, local: Local, plan: Any, peers: list[Any], engine_id: str) -> None:
+        from fkv.ops.layers import LayerMove
+
+        self.local, self.plan, self.engine_id = local, plan, engine_id
+        self.mappings: dict[int, Mapping] = {}
+        self.movers: list[tuple[int, Any]] = []
+        self.pids: dict[int, int] = {}
+        rs = peers[0].spec
+        self.bytes_per_token = 0
+        try:
+            for read in plan.reads:
+                rank = read.remote_rank
+                if rank not in self.mappings:
+                    self.mappings[rank] = Mapping(peers[rank], local.device)
+                    pid = peers[rank].ipc.pid
+                    if pid:
+                        self.pids[rank] = pid
+                heads = None if rs.is_mla else read.remote_heads
+                dheads = None if rs.is_mla else read.local_heads
+                self.movers.append((rank, LayerMove(self.mappings[rank].views, rs, local.views,
+                                                    local.spec, src_heads=heads,
+                                                    dst_heads=dheads)))
+                h = 1 if rs.is_mla else read.remote_heads[1] - read.remote_heads[0]
+                self.bytes_per_token += ((1 if rs.is_mla else 2) * h * rs.head_size * rs.itemsize
+                                         * rs.num_layers)
+            self.warm()
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self) -> str:
+        ranks = ", ".join(f"P{rank}" for rank in self.mappings)
+        return (f"ipc: the prefill caches of {ranks} are mapped into cuda:"
+                f"{self.local.device.index}; one kernel per read moves every layer")
+
+    #: Token counts that reach every compiled variant of the move kernel (its tile covers 1 to 32
+    #: tokens, a power of two, with or without a ragged last tile).
+    WARM_TOKENS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
+
+    def warm(self) -> None:
+        """Compile and run every kernel variant a request can need, into nothing (ids outside
+        the caches are masked), so the first request after connect pays no compile."""
+        import torch
+
+        dev = self.local.device
+        with torch.cuda.device(dev):
+            far = torch.full((max(self.WARM_TOKENS),), -1, dtype=torch.int64, device=dev)
+            for _, mover in self.movers:
+                for tokens in self.WARM_TOKENS:
+                    mover(far, far, tokens, validate=False)
+            torch.cuda.current_stream(dev).synchronize()
+
+    def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
+             deadline: float, tally: Tally) -> None:
+        import torch
+
+        dev = self.local.device
+        t0 = time.perf_counter()
+        with torch.cuda.device(dev):
+            stream = torch.cuda.current_stream(dev)
+            lids = torch.from_numpy(np.ascontiguousarray(local, dtype=np.int64)).to(
+                dev, non_blocking=True)
+            rids = torch.from_numpy(np.ascontiguousarray(remote, dtype=np.int64)).to(
+                dev, non_blocking=True)
+            for _, mover in self.movers:
+                mover(rids, lids, tokens, validate=False)
+            done = torch.cuda.Event()
+            done.record(stream)
+            while not done.query():
+                if time.monotonic() > deadline:
+                    raise TransferFailed(f"the ipc copy from prefill engine {self.engine_id!r} "
+                                         f"did not finish before the read's timeout")
+        tally.transfer_seconds += time.perf_counter() - t0
+        dead = [rank for rank, pid in self.pids.items() if not _alive(pid)]
+        if dead:
+            raise TransferFailed(f"prefill rank(s) {dead} of engine {self.engine_id!r} exited "
+                                 f"during the read: its bytes are not trusted; reconnect once "
+                                 f"it is back (client.reconnect())")
+        tally.bytes += tokens * self.bytes_per_token
+        tally.descriptors += 0
+
+    def close(self) -> None:
+        self.movers.clear()
+        for mapping in self.mappings.values():
+            mapping.close()
+        self.mappings.clear()

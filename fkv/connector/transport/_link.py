@@ -1,0 +1,177 @@
+"""A decode rank's NIXL state for one prefill engine: remote agents, descriptor lists, staging.
+
+:class:`Link` holds what every NIXL path of a connection shares: the NIXL names of the prefill
+ranks it reads or notifies, the descriptor lists prepared once (the local caches and the staging
+buffer, each remote rank's caches, cut into equal *granules*: see ``_agent``), and the registered
+staging buffer (shared by the staging path and packed reads). It knows nothing about which path
+a request takes (``_connection`` decides that) and imports no path.
+
+``wait_reads`` polls posted READs to DONE before a deadline and names the prefill rank that
+failed. Callers hold the client's lock: NIXL is called from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import numpy as np
+
+from fkv.connector.plan import TransferPlan
+from fkv.connector.transport._agent import Agent, Xfer, granule_table, row_indices
+from fkv.connector.transport._base import TransferFailed, spin_seconds
+from fkv.connector.wire import Peer
+from fkv.layout import KVCacheSpec
+
+__all__ = ["Link", "Local", "wait_reads"]
+
+
+@attrs.define
+class Local:
+    """The decode rank's side of a connection: its engine, spec, cache views and registration,
+    its NIXL agent and ZMQ context, and the client's settings."""
+
+    engine: Any
+    spec: KVCacheSpec
+    views: list[Any]
+    regions: list[tuple[int, int]]
+    mem_type: str
+    device_id: int
+    device: Any
+    agent: Agent
+    zctx: Any
+    strategy: str
+    staging_bytes_max: int
+    pack_threshold: int
+
+
+def wait_reads(agent: Any, xfers: list[Xfer], ranks: list[int], engine_id: str,
+               deadline: float, spin: float = 0.0) -> None:
+    """Poll posted READs (``ranks[i]`` is ``xfers[i]``'s prefill rank) until DONE; raise
+    TransferFailed naming the rank on ERR or at the deadline (busy-polls the first ``spin`` s)."""
+    stuck = agent.wait(xfers, deadline, spin)
+    if stuck is None:
+        return
+    who = f"prefill rank {ranks[xfers.index(stuck)]} of engine {engine_id!r} ({stuck.remote})"
+    if stuck.state == "ERR":
+        raise TransferFailed(f"READ from {who} failed (NIXL state ERR): the prefill process may "
+                             f"have died: reconnect once it is back (client.reconnect())")
+    raise TransferFailed(f"READ from {who} did not finish before the read's timeout: the "
+                         f"prefill process is hung, dead or unreachable")
+
+
+class Link:
+    """NIXL names, descriptor lists and the registered staging buffer of one connection.
+
+    ``staging_path_bytes``: the part of the staging buffer the plan's staging path uses (it is in
+    the local descriptor list); ``staging_bytes``: the whole buffer (packed reads use it too).
+    """
+
+    def __init__(self, local: Local, plan: TransferPlan, peers: list[Peer], entries: list[Any],
+                 *, staging_path_bytes: int, staging_bytes: int) -> None:
+        self.local, self.plan, self.peers = local, plan, tuple(peers)
+        self.entries = entries
+        self.mem_types = [e.mem_type for e in entries]
+        self.engine_id = peers[0].engine.engine_id
+        self.remote_spec = peers[0].spec
+        self.names: dict[int, str] = {}
+        self.remote_dlists: dict[int, Any] = {}
+        self.local_dlist: Any = None
+        self.staging: Any = None
+        self._staging_reg: Any = None
+        self.staging_path_bytes = staging_path_bytes
+        self.spin = spin_seconds()  # busy-poll READ states this long before sleeping
+        agent = local.agent
+        try:
+            for rank in (*plan.remote_ranks, *plan.notify_only_ranks):
+                self.names[rank] = agent.add_remote(peers[rank].agent_metadata)
+            if staging_bytes:
+                import torch
+
+                self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=local.device)
+                self._staging_reg = agent.register([(self.staging.data_ptr(), staging_bytes)],
+                                                   local.mem_type, local.device_id)
+            self.granule = 0
+            self._prep(self._probe_granule())
+        except BaseException:
+            self.close()
+            raise
+
+    # -- descriptors -------------------------------------------------------------------------------
+    def _probe_granule(self) -> int:
+        ls, rs = self.local.spec, self.remote_spec
+        values = [ls.region_bytes, rs.region_bytes, ls.axis_strides["B"] * ls.itemsize,
+                  rs.axis_strides["B"] * rs.itemsize]
+        if self.staging_path_bytes:
+            values += [self.plan.staging_bytes(1), self.staging_path_bytes]
+        tokens = math.lcm(ls.block_size, rs.block_size)
+        nl, nr = tokens // ls.block_size, tokens // rs.block_size
+        if nl <= ls.num_blocks and nr <= rs.num_blocks:
+            lo = np.arange(nl) + (1 if nl < ls.num_blocks else 0)
+            ro = np.arange(nr, 0, -1) - (0 if nr < rs.num_blocks else 1)
+            rows = self.plan.segments(lo, ro)
+            values += rows[:, 2:6:2].ravel().tolist() + rows[:, 5].tolist()
+        return math.gcd(*values)
+
+    def _release_dlists(self) -> None:
+        agent = self.local.agent
+        for handle in [self.local_dlist, *self.remote_dlists.values()]:
+            if handle is not None:
+                agent.release_dlist(handle)
+        self.remote_dlists.clear()
+        self.local_dlist = None
+
+    def _prep(self, granule: int) -> None:
+        agent = self.local.agent
+        self._release_dlists()
+        self.granule = granule
+        ls, rs = self.local.spec, self.remote_spec
+        local = list(self.local.regions)
+        if self.staging_path_bytes:
+            local.append((self.staging.data_ptr(), self.staging_path_bytes))
+        self.local_per_region = ls.region_bytes // granule
+        self.staging_base = ls.num_regions * self.local_per_region
+        self.remote_per_region = rs.region_bytes // granule
+        self.local_dlist = agent.prep(None, granule_table(local, granule,
+                                                          device_id=self.local.device_id),
+                                      self.local.mem_type)
+        for rank in self.plan.remote_ranks:
+            peer = self.peers[rank]
+            table = granule_table(peer.regions, granule, device_id=peer.device_id)
+            self.remote_dlists[rank] = agent.prep(self.names[rank], table, self.mem_types[rank])
+
+    def ensure_granule(self, rows: np.ndarray) -> None:
+        """Re-prepare with a finer granule if a row does not sit on the current one (rare)."""
+        if rows.size and (np.any(rows[:, 2:6:2] % self.granule) or np.any(rows[:, 5] % self.granule)):
+            self._prep(math.gcd(self.granule, *rows[:, 2:6:2].ravel().tolist(),
+                                *rows[:, 5].tolist()))
+
+    def indices(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Local and remote descriptor indices of plan rows (one remote rank's)."""
+        g = self.granule
+        count = rows[:, 5] // g
+        local_base = np.where(rows[:, 3] < 0, self.staging_base, rows[:, 3] * self.local_per_region)
+        local = row_indices(local_base + rows[:, 4] // g, count)
+        remote = row_indices(rows[:, 1] * self.remote_per_region + rows[:, 2] // g, count)
+        return local, remote
+
+    # -- notifications -----------------------------------------------------------------------------
+    def notif(self, request_id: str) -> bytes:
+        """The request notification every reader sends each prefill rank it read or notifies."""
+        return f"{request_id}:{self.local.engine.tp_size}".encode()
+
+    def notify(self, ranks: Any, request_id: str) -> None:
+        for rank in ranks:
+            self.local.agent.notify(self.names[rank], self.notif(request_id))
+
+    def close(self) -> None:
+        agent = self.local.agent
+        if agent is None:
+            return
+        self._release_dlists()
+        for name in self.names.values():
+            agent.remove_remote(name)
+        self.names.clear()
+        agent.deregister(self._staging_reg, keep=self.staging)
+        self._staging_reg = self.staging = None

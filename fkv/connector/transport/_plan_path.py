@@ -1,0 +1,118 @@
+"""The plan's own NIXL paths: ``direct`` (rows land final bytes) and ``staging`` (rows read whole
+pages into the staging buffer, then ``fkv.ops.move`` rearranges them).
+
+A request becomes the plan's rows (``TransferPlan.segments``), the rows granule index runs (NIXL
+merges runs contiguous on both sides into one descriptor), one READ per prefill rank (the last
+chunk's carries the request notification), polled to DONE before the deadline, then the plan's
+staging moves. A staging read larger than the staging buffer goes in chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from fkv.connector.transport._base import Tally, TransferFailed, kernels, on_device, split_chunks
+from fkv.connector.transport._link import Link, wait_reads
+
+__all__ = ["PlanPath", "staging_blocks"]
+
+
+def staging_blocks(plan: Any, local_spec: Any, remote_spec: Any, staging_bytes_max: int) -> int:
+    """Remote blocks one staging-path chunk holds (0 when the plan is direct)."""
+    if plan.strategy != "staging":
+        return 0
+    step = math.lcm(local_spec.block_size, remote_spec.block_size)
+    per_block = plan.staging_bytes(1)
+    blocks = max(staging_bytes_max // per_block, step // remote_spec.block_size)
+    return min(blocks, max(remote_spec.num_blocks, step // remote_spec.block_size))
+
+
+class PlanPath:
+    """The plan's direct or staging reads over a :class:`Link` (``name`` is the plan's
+    strategy)."""
+
+    notifies_with_read = True  # the last READ carries the request notification
+
+    def __init__(self, link: Link, blocks: int) -> None:
+        self.link = link
+        self.name = link.plan.strategy
+        self.staging_blocks = blocks   # remote blocks one staging-path chunk holds
+
+    def describe(self) -> str:
+        return f"{self.name}: the plan's rows, one READ per prefill rank"
+
+    def chunks(self, local: np.ndarray, remote: np.ndarray, tokens: int
+               ) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """Split a staging read so each piece's staging mini-caches fit the staging buffer."""
+        if self.name != "staging" or remote.size <= self.staging_blocks:
+            return [(local, remote, tokens)]
+        nl, nr = self.link.local.spec.block_size, self.link.remote_spec.block_size
+        step = math.lcm(nl, nr)
+        per = (self.staging_blocks * nr) // step * step  # tokens per chunk
+        return split_chunks(local, remote, tokens, per, nl, nr)
+
+    def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
+             deadline: float, tally: Tally, rows: np.ndarray | None = None) -> None:
+        chunks = self.chunks(local, remote, tokens)
+        for k, (lc, rc, n_tok) in enumerate(chunks):
+            self._chunk(request_id, lc, rc, n_tok, k == len(chunks) - 1, deadline, tally,
+                        rows if len(chunks) == 1 else None)
+
+    def _chunk(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
+               last: bool, deadline: float, tally: Tally, rows: np.ndarray | None) -> None:
+        link = self.link
+        agent, plan = link.local.agent, link.plan
+        if rows is None:
+            rows = plan.segments(local, remote, num_tokens=tokens)
+        link.ensure_granule(rows)
+        tally.descriptors += int(rows.shape[0])
+        xfers: list[Any] = []
+        ranks: list[int] = []
+        t0 = time.perf_counter()
+        try:
+            for rank in plan.remote_ranks:
+                mine = rows[rows[:, 0] == rank]
+                local_idx, remote_idx = link.indices(mine)
+                notif = link.notif(request_id) if last else b""
+                try:
+                    xfers.append(agent.read(link.local_dlist, local_idx, link.remote_dlists[rank],
+                                            remote_idx, link.names[rank], int(mine[:, 5].sum()),
+                                            notif))
+                except TransferFailed as e:
+                    raise TransferFailed(f"prefill rank {rank} of engine {link.engine_id!r}: {e}; "
+                                         f"the prefill process may have died: reconnect once it "
+                                         f"is back (client.reconnect())") from e
+                ranks.append(rank)
+            wait_reads(agent, xfers, ranks, link.engine_id, deadline, link.spin)
+        finally:
+            tally.bytes += sum(x.nbytes for x in xfers if x.state == "DONE")
+            tally.transfer_seconds += time.perf_counter() - t0
+            for x in xfers:
+                agent.release(x)
+        if self.name == "staging":
+            self._run_staging(local, remote, tokens)
+
+    def _run_staging(self, local: np.ndarray, remote: np.ndarray, tokens: int) -> None:
+        import torch
+
+        from fkv.tensors import wrap
+
+        link = self.link
+        dev = link.local.device
+        move = kernels(dev).move
+        views, ls = link.local.views, link.local.spec
+        with on_device(dev):
+            src_ids = torch.arange(remote.size, device=dev)
+            dst_ids = torch.as_tensor(local, device=dev)
+            for step in link.plan.staging_steps(local, remote, num_tokens=tokens):
+                src = wrap(link.staging, step.stage_spec, step.stage_offset)[step.layer]
+                move(src, step.stage_spec, src_ids, views[step.layer], ls, dst_ids,
+                     src_heads=step.src_heads, dst_heads=step.dst_heads,
+                     num_tokens=step.num_tokens)
+
+    def close(self) -> None:
+        return

@@ -1,0 +1,130 @@
+"""Every layer of a request in one launch: a prepared move between two fixed sets of layer views.
+
+``fkv.ops.move`` moves one layer per call; a transfer moves the same tokens of every layer, and at
+32 layers the per-call host cost (validation, launch) is most of a small request's time.
+:class:`LayerMove` validates the two sides once, keeps a device table of each side's layer
+addresses, and then moves any request's tokens of all layers with one launch of the move kernel
+(grid axis 1 runs over K/V halves × layers; each program reads its layer's base from the table).
+The layers may live anywhere: separate allocations, one cross-layer buffer, a pack buffer, or a
+peer's caches mapped into this process (CUDA IPC), as long as every view is on this device.
+
+The table holds each layer's element offset from layer 0 (any sign), so the kernel only ever
+adds offsets to a real tensor pointer. On CPU outside ``TRITON_INTERPRET=1`` it loops over
+``fkv.ops.reference.move`` per layer.
+
+>>> import torch, fkv
+>>> a = fkv.KVCacheSpec(layout="NHD", num_blocks=4, block_size=4, num_kv_heads=2, head_size=8,
+...                     num_layers=3)
+>>> b = a.evolve(layout="HND")
+>>> src, dst = fkv.allocate(a), fkv.allocate(b)
+>>> for v in src: _ = v.copy_(torch.randn(v.shape))
+>>> mover = LayerMove(src, a, dst, b)
+>>> mover([3, 1], [0, 2])
+>>> all(torch.equal(dst[l][2], src[l][1]) for l in range(3))
+True
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fkv.errors import FkvError, field_error
+from fkv.layout import KVCacheSpec
+from fkv.ops._spec import check_cache
+from fkv.tensors import require_torch
+
+__all__ = ["LayerMove"]
+
+
+def _views(x: Any, spec: KVCacheSpec, name: str) -> list[Any]:
+    torch = require_torch()
+    if isinstance(x, torch.Tensor):
+        x = [x]
+    if not isinstance(x, (list, tuple)) or not x:
+        raise field_error(name, type(x).__name__, "a non-empty list of layer views")
+    for i, v in enumerate(x):
+        if not isinstance(v, torch.Tensor):
+            raise field_error(f"{name}[{i}]", type(v).__name__, "a tensor")
+        check_cache(v, spec, f"{name}[{i}]")
+        if v.device != x[0].device:
+            raise FkvError(f"{name!r}: layer {i} is on {v.device} but layer 0 on {x[0].device}; "
+                           f"all layers must be on one device")
+    return list(x)
+
+
+class LayerMove:
+    """Move tokens of every layer from ``src`` (views per ``src_spec``) into ``dst`` in one launch.
+
+    ``src``/``dst``: equally long lists of one-layer logical views (``fkv.allocate`` style; any
+    addresses). ``src_heads``/``dst_heads``: contiguous head ranges of equal length (as for
+    ``fkv.ops.move``). Call with ``(src_block_ids, dst_block_ids, num_tokens=None)``; ids are
+    int tensors on the device (or sequences), ids outside a cache move nothing (masked).
+    """
+
+    def __init__(self, src: Any, src_spec: KVCacheSpec, dst: Any, dst_spec: KVCacheSpec, *,
+                 src_heads: Any = None, dst_heads: Any = None) -> None:
+        from fkv.ops.relayout import _heads
+
+        torch = require_torch()
+        for name, spec in (("src_spec", src_spec), ("dst_spec", dst_spec)):
+            if not isinstance(spec, KVCacheSpec):
+                raise field_error(name, type(spec).__name__, "a KVCacheSpec")
+        for what in ("is_mla", "head_size", "dtype"):
+            a, b = getattr(src_spec, what), getattr(dst_spec, what)
+            if a != b:
+                raise FkvError(f"LayerMove: src and dst must agree on {what}: src_spec.{what} is "
+                               f"{a!r}, dst_spec.{what} is {b!r}")
+        self.src, self.dst = _views(src, src_spec, "src"), _views(dst, dst_spec, "dst")
+        if len(self.src) != len(self.dst):
+            raise FkvError(f"LayerMove: 'src' holds {len(self.src)} layers but 'dst' "
+                           f"{len(self.dst)}; pass the same layers on both sides")
+        self.device = self.dst[0].device
+        if self.src[0].device != self.device:
+            raise FkvError(f"'src' is on {self.src[0].device} but 'dst' on {self.device}; map or "
+                           f"move the source to the destination's device first")
+        self.src_spec, self.dst_spec = src_spec, dst_spec
+        sa, sb = _heads(src_heads, src_spec, "src_heads")
+        da, db = _heads(dst_heads, dst_spec, "dst_heads")
+        if sb - sa != db - da:
+            raise FkvError(f"'src_heads' {(sa, sb)} selects {sb - sa} heads but 'dst_heads' "
+                           f"{(da, db)} selects {db - da}; both ranges must have the same length")
+        self.src_heads, self.dst_heads = (sa, sb), (da, db)
+        self.triton = self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        self._tables = []
+        for views, spec in ((self.src, src_spec), (self.dst, dst_spec)):
+            deltas = [v.data_ptr() - views[0].data_ptr() for v in views]
+            if any(d % spec.itemsize for d in deltas):
+                raise FkvError("LayerMove: layer views must lie a whole number of elements apart")
+            self._tables.append(torch.tensor([d // spec.itemsize for d in deltas],
+                                             dtype=torch.int64, device=self.device))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.src)
+
+    def __call__(self, src_block_ids: Any, dst_block_ids: Any, num_tokens: int | None = None,
+                 *, validate: bool | None = None) -> None:
+        from fkv.ops.relayout import _block_ids, _num_tokens
+
+        s, d = self.src_spec, self.dst_spec
+        sids = _block_ids(src_block_ids, s, "src_block_ids", self.device, validate)
+        dids = _block_ids(dst_block_ids, d, "dst_block_ids", self.device, validate)
+        cap_s, cap_d = sids.count * s.block_size, dids.count * d.block_size
+        n = _num_tokens(num_tokens, cap_s, {f"the {sids.count} src_block_ids": cap_s,
+                                            f"the {dids.count} dst_block_ids": cap_d})
+        if n <= 0:
+            return
+        heads = self.src_heads[1] - self.src_heads[0]
+        if not self.triton:
+            from fkv.ops.reference import move
+
+            for a, b in zip(self.src, self.dst, strict=True):
+                move(a, s, sids.tensor, b, d, dids.tensor, src_heads=self.src_heads,
+                     dst_heads=self.dst_heads, num_tokens=n)
+            return
+        from fkv.ops._move_kernel import launch_move
+
+        launch_move(self.src[0], s, sids.tensor, self.src_heads[0], self.dst[0], d,
+                    dids.tensor, self.dst_heads[0], heads, n,
+                    layers=(self.num_layers, "table", "table"), tables=tuple(self._tables))

@@ -1,0 +1,107 @@
+"""The ipc path's pure parts on CPU: when it is refused and why, and its wire fields (round trip
+and fuzz). The mapping itself runs in the GPU tests (tests/test_transport.py, ``-m gpu``)."""
+
+from __future__ import annotations
+
+import types
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fkv
+from fkv.connector import EngineDesc, decode_untrusted, encode
+from fkv.connector.transport import _ipc
+from fkv.connector.wire import IpcInfo
+from fkv.errors import FkvWireError
+
+SPEC = fkv.KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128,
+                       num_layers=2)
+ENGINE = EngineDesc(engine_id="p", tp_size=1, tp_rank=0, total_num_kv_heads=8)
+REGIONS = [(0x7F0000000000, SPEC.region_bytes), (0x7F0001000000, SPEC.region_bytes)]
+
+
+def ipc_info(**kw: object) -> IpcInfo:
+    base = {"host": _ipc.host_identity(), "device_uuid": "GPU-1234", "handles": (b"\x01" * 64,
+            b"\x02" * 64), "offsets": (0, 4096), "pid": 4242}
+    return IpcInfo(**{**base, **kw})
+
+
+def peer(ipc: IpcInfo | None):
+    return decode_untrusted(encode(ENGINE, SPEC, REGIONS, ipc=ipc))
+
+
+CUDA0 = types.SimpleNamespace(type="cuda", index=0)
+
+
+def test_wire_round_trip_carries_the_ipc_fields() -> None:
+    info = ipc_info()
+    assert peer(info).ipc == info
+    assert peer(None).ipc is None
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"handles": (b"\x01" * 64,)}, "'ipc.handles' must hold spec.num_regions=2 entries (got 1)"),
+    ({"offsets": (0, 1, 2)}, "'ipc.offsets' must hold spec.num_regions=2 entries (got 3)"),
+    ({"host": "h\x00st"}, "'ipc.host' must be printable ASCII"),
+    ({"device_uuid": "GPU-\u00e9"}, "'ipc.device_uuid' must be printable ASCII"),
+])
+def test_bad_ipc_fields_are_refused_by_the_peer(change: dict, message: str) -> None:
+    msg = msgspec.msgpack.decode(encode(ENGINE, SPEC, REGIONS, ipc=ipc_info()))
+    msg["ipc"].update({k: list(v) if isinstance(v, tuple) else v for k, v in change.items()})
+    with pytest.raises(FkvWireError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        decode_untrusted(msgspec.msgpack.encode(msg))
+
+
+@pytest.mark.parametrize("field,value", [("handles", [b"\x01" * 63, b"\x02" * 64]),
+                                         ("offsets", [-1, 0]), ("offsets", [1 << 49, 0]),
+                                         ("pid", -5), ("host", "x" * 513), ("host", "")])
+def test_out_of_bounds_ipc_fields_are_malformed(field: str, value: object) -> None:
+    msg = msgspec.msgpack.decode(encode(ENGINE, SPEC, REGIONS, ipc=ipc_info()))
+    msg["ipc"][field] = value
+    with pytest.raises(FkvWireError, match="peer message is malformed"):
+        decode_untrusted(msgspec.msgpack.encode(msg))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(min_size=0, max_size=64), st.integers(0, 2000))
+def test_fuzzed_ipc_messages_raise_only_the_wire_error(junk: bytes, at: int) -> None:
+    data = bytearray(encode(ENGINE, SPEC, REGIONS, ipc=ipc_info()))
+    at %= len(data)
+    data[at:at + len(junk)] = junk
+    try:
+        got = decode_untrusted(bytes(data))
+    except FkvWireError:
+        return
+    assert got.ipc is None or len(got.ipc.handles) == SPEC.num_regions
+
+
+def test_refused_without_cuda_or_handles() -> None:
+    cpu = types.SimpleNamespace(type="cpu", index=None)
+    assert _ipc.ipc_refusal(peer(ipc_info()), cpu) == \
+        "the decode caches are not on CUDA (ipc maps GPU memory)"
+    assert _ipc.ipc_refusal(peer(None), CUDA0) == \
+        "prefill rank 0 exported no CUDA IPC handles (its caches are not on CUDA)"
+
+
+def test_refused_on_another_host() -> None:
+    got = _ipc.ipc_refusal(peer(ipc_info(host="elsewhere/boot/1")), CUDA0)
+    assert got == (f"prefill rank 0 runs on another host ('elsewhere/boot/1', this is "
+                   f"{_ipc.host_identity()!r})")
+
+
+def test_refused_when_the_gpu_is_not_visible_or_has_no_peer_access(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(_ipc, "local_device_of", lambda uuid: None)
+    assert _ipc.ipc_refusal(peer(ipc_info()), CUDA0) == (
+        "prefill rank 0's GPU GPU-1234 is not visible to this process (CUDA_VISIBLE_DEVICES)")
+    monkeypatch.setattr(_ipc, "local_device_of", lambda uuid: 1)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    assert _ipc.ipc_refusal(peer(ipc_info()), CUDA0) == \
+        "cuda:0 has no peer access to prefill rank 0's GPU (cuda:1)"
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    assert _ipc.ipc_refusal(peer(ipc_info()), CUDA0) == ""
+    monkeypatch.setattr(_ipc, "local_device_of", lambda uuid: 0)  # the same GPU
+    assert _ipc.ipc_refusal(peer(ipc_info()), CUDA0) == ""
