@@ -144,7 +144,8 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
             _check_range(block_ids, spec, "block_ids")
         if out is None:
             out = fast.alloc(fast.shape, dtype=fast.dtype, device=cache.device)
-        fast.site(fast.grid, (cache, out, block_ids, cache, fast.num_tokens))
+        # per-call arguments as launch_move passes them (the src tensor fills unused pointers)
+        fast.site(fast.grid, (cache, out, block_ids, cache, cache, cache, fast.num_tokens))
         return out
     m, staging = _check_gather(cache, spec, block_ids, heads, out, num_tokens, block_size,
                                validate=validate)
@@ -179,7 +180,7 @@ def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block
     if fast is not None:
         if fast.host_ids if validate is None else validate:
             _check_range(block_ids, spec, "block_ids")
-        fast.site(fast.grid, (staging, cache, cache, block_ids, fast.num_tokens))
+        fast.site(fast.grid, (staging, cache, staging, block_ids, staging, staging, fast.num_tokens))
         return
     m = _check_scatter(staging, cache, spec, block_ids, heads, num_tokens, block_size,
                        validate=validate)
