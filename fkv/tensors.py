@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fkv.errors import FkvError, field_error
-from fkv.layout import DTYPES, KVCacheSpec, Layout
+from fkv.layout import KVCacheSpec, Layout, canonical_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -25,11 +25,9 @@ def require_torch() -> Any:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a spec dtype name."""
+    """The torch dtype for a spec dtype name (engine names such as ``"fp8"`` included)."""
     torch = require_torch()
-    if name not in DTYPES:
-        raise field_error("dtype", name, f"in {tuple(DTYPES)}")
-    return getattr(torch, name)
+    return getattr(torch, canonical_dtype(name))
 
 
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
@@ -85,7 +83,7 @@ def infer_spec(tensor: torch.Tensor, *, backend: str, dtype: Any = None,
     shape, strides = tuple(tensor.shape), tuple(tensor.stride())
     ndim = len(probe.logical_axes)
     name = str(tensor.dtype).removeprefix("torch.")
-    if dtype is not None and str(dtype).removeprefix("torch.") != name:
+    if dtype is not None and canonical_dtype(dtype) != name:
         raise field_error("dtype", str(dtype).removeprefix("torch."),
                           f"the tensor's dtype {name!r}")
     whole = len(shape) == ndim + 1

@@ -28,7 +28,8 @@ from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 from fkv.ops._spec import cache_constexprs, cache_strides, check_cache
 
-__all__ = ["AttentionConfig", "attention_config", "check_attention_inputs", "paged_attention"]
+__all__ = ["AttentionConfig", "attention_config", "check_attention_inputs", "model_context",
+           "paged_attention"]
 
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -46,6 +47,9 @@ _MIN_SPLIT_TOKENS = 512
 _RESIDENT_PER_SM = 3
 _PROGRAM_OVERHEAD_KEYS = 48
 _MIN_WAVES = 2
+#: the split model sees the block table's capacity rounded down to 1/_CONTEXT_STEPS of its power
+#: of two (model_context): spare columns change no split count.
+_CONTEXT_STEPS = 8
 #: scores as one FMA per element: p = exp2(qk * scale - m), the row max taken on raw qk.
 _FMA_SCORES = True
 #: grid order: the KV heads of one (query tile, split) are consecutive programs, so they stream
@@ -102,8 +106,10 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     """The default launch configuration: a pure function of the shapes (no autotuning).
 
     ``max_context`` is the block-table capacity in tokens (``max_blocks * block_size``): the split
-    count never depends on ``seq_lens`` values, so choosing it needs no device sync. Decode (and
-    varlen batches whose mean query length is small) takes the split count that minimizes
+    count never depends on ``seq_lens`` values, so choosing it needs no device sync. The model
+    plans for :func:`model_context` of it (rounded down, so the padding columns engines allocate
+    change nothing; the kernel cuts each sequence's keys by its real length). Decode (and varlen
+    batches whose mean query length is small) takes the split count that minimizes
     :func:`_split_cost` (each split >= 512 keys); prefill-like tiles split only a small grid (to
     about ``4 * num_sms`` programs).
 
@@ -130,6 +136,7 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     chunks = -(-group // heads)
     tiles = num_seqs if not varlen else num_q_tokens // block_q + num_seqs
     programs = max(1, tiles * num_kv_heads * chunks)
+    max_context = model_context(max_context)
     most = max(1, -(-max_context // max(_MIN_SPLIT_TOKENS, tile_n)))
     if rows <= 16:
         full = [n for n in range(1, most + 1)
@@ -141,6 +148,21 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     splits = -(-max_context // _split_len(max_context, splits, tile_n))
     return AttentionConfig(block_q=block_q, heads_per_program=heads, tile_n=tile_n,
                            num_splits=splits, num_warps=warps, num_stages=stages)
+
+
+def model_context(max_context: int) -> int:
+    """The context the split model plans for: the block table's capacity rounded down to a
+    multiple of ``max(512, 2**floor(log2(capacity)) / 8)`` tokens (unchanged below 512).
+
+    Engines allocate block tables with spare columns (one more than needed, or a fixed maximum);
+    rounding makes the split count, hence the grid, the same with or without them (the kernel
+    splits each sequence by its real length, so the extra capacity is never walked).
+
+    >>> [model_context(c) for c in (32768, 32768 + 16, 2048 + 16, 4096 + 16, 8192 + 48, 300)]
+    [32768, 32768, 2048, 4096, 8192, 300]
+    """
+    step = max(_MIN_SPLIT_TOKENS, (1 << (max(1, max_context).bit_length() - 1)) // _CONTEXT_STEPS)
+    return max_context - max_context % step if max_context >= step else max_context
 
 
 def _split_len(max_context: int, splits: int, tile_n: int) -> int:
@@ -184,6 +206,8 @@ class Problem(NamedTuple):
     varlen: bool
     max_context: int
     scale: float
+    window: int | None    # sliding window; None when off (None or 0 given)
+    softcap: float | None  # logit softcap; None when off (None or 0 given)
 
 
 def _is_tensor(x: Any) -> bool:
@@ -267,12 +291,13 @@ def check_attention_inputs(q: Any, cache: Any, spec: KVCacheSpec, block_table: A
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
             math.isfinite(scale) and scale > 0):
         raise field_error("scale", scale, "a positive finite float (or None for 1/sqrt(head_size))")
+    # Engines pass 0 for "off" (vLLM's sliding_window and logits_soft_cap): 0 and None mean off.
     if sliding_window is not None and (isinstance(sliding_window, bool)
-                                       or not isinstance(sliding_window, int) or sliding_window < 1):
-        raise field_error("sliding_window", sliding_window, "a positive int or None")
+                                       or not isinstance(sliding_window, int) or sliding_window < 0):
+        raise field_error("sliding_window", sliding_window, "a positive int, or 0 / None for no window")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not (math.isfinite(softcap) and softcap > 0)):
-        raise field_error("softcap", softcap, "a positive finite float or None")
+                                or not (math.isfinite(softcap) and softcap >= 0)):
+        raise field_error("softcap", softcap, "a positive finite float, or 0 / None for no softcap")
     if spec.is_fp8:
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             if value is None:
@@ -290,7 +315,8 @@ def check_attention_inputs(q: Any, cache: Any, spec: KVCacheSpec, block_table: A
             raise FkvError(f"'out' is on {out.device} but 'q' is on {device}")
     return Problem(num_seqs=num_seqs, num_q_tokens=q.shape[0], num_q_heads=num_q_heads,
                    group=num_q_heads // hkv, varlen=varlen,
-                   max_context=block_table.shape[1] * spec.block_size, scale=float(scale))
+                   max_context=block_table.shape[1] * spec.block_size, scale=float(scale),
+                   window=sliding_window or None, softcap=float(softcap) if softcap else None)
 
 
 def check_attention_values(spec: KVCacheSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -389,7 +415,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
       queries of sequence b are its last ``qsl[b+1] - qsl[b]`` tokens.
     - query head h reads KV head ``h // (Hq / Hkv)``; ``sliding_window=W``: position p sees keys
       ``p-W+1 .. p``; ``softcap=c``: scores (after ``scale``, default ``1/sqrt(D)``) become
-      ``c * tanh(s / c)``; fp8 caches need ``k_scale``/``v_scale`` (float32, one element).
+      ``c * tanh(s / c)``; as engines pass them, ``sliding_window=0`` and ``softcap=0`` mean off
+      (like None); fp8 caches need ``k_scale``/``v_scale`` (float32, one element).
     - MLA: multi-query attention over the latent, which is both key and value (module docstring).
     - ``validate``: check the values of ``block_table`` (the entries each sequence uses),
       ``seq_lens`` and ``query_start_loc`` and raise FkvError naming the first bad one. Default, as
@@ -432,7 +459,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
             num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, max_context=prob.max_context,
             itemsize=q.element_size(), num_sms=_num_sms(device), varlen=prob.varlen)
     _launch(q, cache, spec, block_table, seq_lens, query_start_loc, prob, config,
-            sliding_window, softcap, k_scale, v_scale, out)
+            prob.window, prob.softcap, k_scale, v_scale, out)
     return out
 
 
@@ -448,8 +475,8 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
     chunks = -(-prob.group // heads)
     block_q = config.block_q if prob.varlen else 1
     tile_n = config.tile_n
-    split_len = -(-(-(-prob.max_context // config.num_splits)) // tile_n) * tile_n
-    num_splits = -(-prob.max_context // split_len)
+    # Never more splits than tiles of capacity; the kernel cuts each sequence by its real length.
+    num_splits = max(1, min(config.num_splits, -(-prob.max_context // tile_n)))
     num_tiles = prob.num_q_tokens // block_q + prob.num_seqs if prob.varlen else prob.num_seqs
     strides = cache_strides(spec)
     split = num_splits > 1
@@ -468,7 +495,7 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
         out, part_out, part_lse,
         prob.scale, float(softcap or 1.0), int(sliding_window or 0), prob.num_seqs, num_tiles,
-        prob.num_q_heads, prob.num_q_tokens, spec.num_blocks, prob.max_context, split_len,
+        prob.num_q_heads, prob.num_q_tokens, spec.num_blocks, prob.max_context, num_splits,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         block_table.stride(0), strides["stride_block"], strides["stride_kv"], strides["stride_head"],
         **cache_constexprs(spec),
