@@ -181,10 +181,11 @@ class Pair:
         return [d.result() for d in self.D]
 
     def verify_all(self, local: list[int], remote: list[int], num_tokens: int | None = None,
-                   also_written: list[int] = ()) -> list[str | None]:
+                   also_written: list[int] = (), layers: int | None = None) -> list[str | None]:
         for d in self.D:
             d.send("verify", name=self.name, local=local, remote=remote, seed=SEED,
-                   remote_spec=self.pspec, num_tokens=num_tokens, also_written=list(also_written))
+                   remote_spec=self.pspec, num_tokens=num_tokens, also_written=list(also_written),
+                   layers=layers)
         return [d.result()["mismatch"] for d in self.D]
 
     def pending(self) -> list[dict[str, Any]]:
@@ -541,6 +542,108 @@ def test_stats_and_prometheus_match_what_happened(cluster: Any) -> None:
         assert sum(stats["failures"].values()) == 1, stats["failures"]
         assert list(got["samples"].values()) == [float(sum(r["bytes"] for r in good)), 2.0,
                                                  float(sum(r["descriptors"] for r in good))]
+    finally:
+        pair.stop()
+
+
+# -- streaming: decode pulls each layer while prefill still writes the next ----------------------
+
+STREAM = {
+    # name: (P TP, D TP, prefill overrides, decode overrides, connect keywords, expected path)
+    "direct-1-2": (1, 2, {}, {}, {"strategy": "direct"}, "direct"),
+    "staging-2-1": (2, 1, {"layout": "NHD"}, {"block_size": 8, "num_blocks": 8}, {}, "staging"),
+    "packed-1-2": (1, 2, {}, {}, {"strategy": "packed"}, "packed"),
+}
+
+
+@pytest.mark.parametrize("case", list(STREAM))
+def test_streaming_layers_land_as_published(cluster: Any, case: str) -> None:
+    """The read starts before the first publish; layers are published with gaps; each layer lands
+    at or after its publish, in order, bit-exact, and the later layers stay untouched until
+    published (direct, staging: layer by layer; packed: once every layer is published)."""
+    ptp, dtp, pover, dover, connect_kw, path = STREAM[case]
+    pspec = spec_dict(tp=ptp, num_layers=4, **pover)
+    dspec = spec_dict(tp=dtp, num_layers=4, **dover)
+    pair = Pair(cluster, ptp, dtp, pspec, dspec, connect_kw=connect_kw)
+    try:
+        local, remote = request_blocks(pspec, dspec, 14)
+        for d in pair.D:
+            d.call("read_async", name=pair.name, request_id="s1", local=local, remote=remote,
+                   num_tokens=14, stream=True, timeout=30.0)
+        time.sleep(0.3)  # the readers poll a request nobody holds yet
+        for p in pair.P:
+            p.call("hold", name=pair.name, request_id="s1", blocks=remote, layers_ready=0)
+        published = []
+        for layers in (1, 2, 4):
+            time.sleep(0.3)
+            published.append(max(p.call("publish", name=pair.name, request_id="s1",
+                                        layers_ready=layers)["published_at"] for p in pair.P))
+            if path != "packed" and layers < 4:  # landed (kernels may run interpreted: wait)
+                deadline = time.monotonic() + 20
+                while (got := pair.verify_all(local, remote, 14, layers=layers)) != [None] * dtp \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert got == [None] * dtp
+        results = [d.call("read_wait", name=pair.name) for d in pair.D]
+        assert [r["result_ok"] for r in results] == [True] * dtp, results
+        assert {r["path"] for r in results} == {path}
+        for r in results:
+            landed = [r["started_at"] + t for t in r["layer_seconds"]]
+            assert len(landed) == 4 and landed == sorted(landed)
+            publish_of_layer = [published[0], published[1], published[2], published[2]]
+            assert all(t >= p for t, p in zip(landed, publish_of_layer, strict=True)), (landed,
+                                                                                      published)
+        assert pair.verify_all(local, remote, 14) == [None] * dtp
+        assert pair.wait_released("s1") == ["notified"] * ptp
+    finally:
+        pair.stop()
+
+
+def test_streaming_prefill_killed_mid_stream_fails_the_read(cluster: Any, tmp_path: Path) -> None:
+    """A prefill that dies after publishing one of four layers: ``ok=False`` at the read's
+    timeout, naming the last layer received; the landed layer is not claimed as a result."""
+    victim = Proc("P-stream-victim", tmp_path)
+    try:
+        victim.call("ping", wait=120)
+        pspec, dspec = spec_dict(tp=1, num_layers=4), spec_dict(tp=1, num_layers=4)
+        pair = Pair(cluster, 1, 1, pspec, dspec, p_procs=[victim],
+                    connect_kw={"strategy": "direct"})
+        local, remote = request_blocks(pspec, dspec, 14)
+        victim.call("hold", name=pair.name, request_id="s1", blocks=remote, layers_ready=1)
+        pair.D[0].call("read_async", name=pair.name, request_id="s1", local=local, remote=remote,
+                       num_tokens=14, stream=True, timeout=3.0)
+        time.sleep(0.5)
+        victim.kill()
+        victim.proc.wait(10)
+        t0 = time.monotonic()
+        result = pair.D[0].call("read_wait", name=pair.name)
+        assert time.monotonic() - t0 < 4.0
+        assert result["result_ok"] is False and result["layer_seconds"] == []
+        assert "streaming request 's1': layers 0..0 landed" in result["error"], result
+        assert "nothing is reported as done" in result["error"]
+        pair.D[0].call("stop", name=pair.name)
+    finally:
+        victim.close()
+
+
+def test_publish_backwards_or_past_the_end_is_refused(cluster: Any) -> None:
+    pspec = spec_dict(tp=1, num_layers=4)
+    pair = Pair(cluster, 1, 1, pspec, pspec)
+    try:
+        p = pair.P[0]
+        p.call("hold", name=pair.name, request_id="s1", blocks=[1], layers_ready=2)
+        bad = [p.call("publish", name=pair.name, request_id="s1", layers_ready=n, check=False)
+               for n in (1, 5)]
+        assert [b["error"] for b in bad] == [
+            "'layers_ready' must be an int in [2, 4] (layers only move forward, up to "
+            "spec.num_layers=4) (got 1)",
+            "'layers_ready' must be an int in [2, 4] (layers only move forward, up to "
+            "spec.num_layers=4) (got 5)"]
+        p.call("hold", name=pair.name, request_id="whole", blocks=[2])
+        bad = p.call("publish", name=pair.name, request_id="whole", layers_ready=4, check=False)
+        assert "is not a streaming request on this rank (it was held as fully written)" in \
+            bad["error"]
+        assert p.call("publish", name=pair.name, request_id="s1", layers_ready=4)["published_at"]
     finally:
         pair.stop()
 

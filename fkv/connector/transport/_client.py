@@ -144,7 +144,8 @@ class Client:
             self._connect(remote_address or self.address, timeout)
 
     def read(self, request_id: str, local_block_ids: Any, remote_block_ids: Any, *,
-             timeout: float = 30.0, num_tokens: int | None = None) -> ReadResult:
+             timeout: float = 30.0, num_tokens: int | None = None,
+             stream: bool = False) -> ReadResult:
         """Pull one request's KV from the prefill ranks into the local blocks; never hangs.
 
         Token ``i`` of the request lives in remote block ``remote_block_ids[i // N_remote]`` and
@@ -152,6 +153,13 @@ class Client:
         both lists hold; each list must hold exactly the blocks of those tokens. Bad ids raise
         FkvError before anything moves; a dead, hung or unreachable prefill rank gives
         ``ok=False`` with ``error`` within ``timeout`` seconds.
+
+        ``stream=True`` reads a *streaming* request (the prefill ranks hold it with
+        ``layers_ready=`` and ``publish`` layers as they are written): each layer moves as soon
+        as every prefill rank read published it, pipelined with the wait for the next, and
+        ``ReadResult.layer_seconds`` says when each landed. A prefill that stops publishing gives
+        ``ok=False`` at ``timeout`` naming the last layer received; nothing is reported as done
+        and the prefill ranks are not notified.
         """
         if not isinstance(request_id, str) or not request_id:
             raise field_error("request_id", request_id, "a non-empty str")
@@ -174,16 +182,23 @@ class Client:
             deadline = time.monotonic() + float(timeout)
             tally = Tally()
             path, rows = state.choose(local, remote, tokens)
+            layer_seconds: tuple[float, ...] = ()
             try:
-                if rows is not None:
-                    path.read(request_id, local, remote, tokens, deadline, tally, rows)
+                if stream:
+                    layer_seconds = self._stream(state, path, request_id, local, remote, tokens,
+                                                 deadline, tally, t0)
+                    state.link.notify((*state.plan.remote_ranks, *state.plan.notify_only_ranks),
+                                      request_id)
                 else:
-                    path.read(request_id, local, remote, tokens, deadline, tally)
-                state.link.notify(state.notify_after(path), request_id)
+                    if rows is not None:
+                        path.read(request_id, local, remote, tokens, deadline, tally, rows)
+                    else:
+                        path.read(request_id, local, remote, tokens, deadline, tally)
+                    state.link.notify(state.notify_after(path), request_id)
             except TransferFailed as e:
                 self.telemetry.failure(failure_kind(str(e)))
                 return self._result(False, request_id, tally, t0, path.name, str(e))
-            result = self._result(True, request_id, tally, t0, path.name, None)
+            result = self._result(True, request_id, tally, t0, path.name, None, layer_seconds)
             self.telemetry.record(path=path.name, seconds=result.seconds, nbytes=result.bytes,
                                   descriptors=result.descriptors,
                                   waits={"transfer": tally.transfer_seconds,
@@ -213,11 +228,49 @@ class Client:
                 f"strategy={self._strategy!r}, {where})")
 
     # -- connection --------------------------------------------------------------------------------
-    @staticmethod
-    def _result(ok: bool, request_id: str, tally: Tally, t0: float, path: str,
-                error: str | None) -> ReadResult:
-        return ReadResult(ok, request_id, tally.bytes, tally.descriptors, time.perf_counter() - t0,
-                          error, tally.transfer_seconds, path, tally.pack_seconds)
+    def _result(self, ok: bool, request_id: str, tally: Tally, t0: float, path: str,
+                error: str | None, layer_seconds: tuple[float, ...] = ()) -> ReadResult:
+        seconds = time.perf_counter() - t0
+        if ok and not layer_seconds:
+            layer_seconds = (seconds,) * self.spec.num_layers
+        return ReadResult(ok, request_id, tally.bytes, tally.descriptors, seconds, error,
+                          tally.transfer_seconds, path, tally.pack_seconds, layer_seconds)
+
+    def _stream(self, state: Connection, path: Any, request_id: str, local: Any, remote: Any,
+                tokens: int, deadline: float, tally: Tally, t0: float) -> tuple[float, ...]:
+        """Move the layers of a streaming request as the prefill ranks publish them."""
+        from fkv.connector.transport._stream import sleep_until, wait_pause
+
+        watch = state.watch()
+        total = state.remote_spec.num_layers
+        landed: list[float] = []
+        idle = 0
+        layered = path.layered()
+        while len(landed) < total:
+            done = len(landed)
+            if time.monotonic() > deadline:
+                got = f"layers 0..{done - 1} landed" if done else "no layer landed"
+                raise TransferFailed(f"streaming request {request_id!r}: {got}, layer {done} of "
+                                     f"{total} was not published by prefill engine "
+                                     f"{state.engine_id!r} before the read's timeout; the read "
+                                     f"is not complete and nothing is reported as done")
+            try:
+                ready = watch.ready(request_id, deadline)
+            except TransferFailed as e:
+                got = f"layers 0..{done - 1} landed" if done else "no layer landed"
+                raise TransferFailed(f"streaming request {request_id!r}: {got} of {total}; {e}; "
+                                     f"nothing is reported as done") from e
+            if ready <= done or (not layered and ready < total):
+                idle += 1
+                sleep_until(deadline, wait_pause(idle))
+                continue
+            idle = 0
+            if layered:
+                path.read(request_id, local, remote, tokens, deadline, tally, layers=(done, ready))
+            else:
+                path.read(request_id, local, remote, tokens, deadline, tally)
+            landed += [time.perf_counter() - t0] * (ready - done)
+        return tuple(landed)
 
     def _connected(self) -> Connection:
         if self._state is None:

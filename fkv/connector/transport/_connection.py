@@ -44,6 +44,8 @@ class Connection:
         self.ipc: Any = None
         self.packed: PackedPath | None = None
         self.link: Link | None = None
+        self._watch: Any = None
+        self._entries = entries
         strategy = local.strategy
         self.ipc_reason = self._ipc_reason(strategy)
         if strategy == "ipc" and self.ipc_reason:
@@ -146,7 +148,19 @@ class Connection:
             return self.plan.notify_only_ranks
         return (*self.plan.remote_ranks, *self.plan.notify_only_ranks)
 
+    def watch(self) -> Any:
+        """The layer-status watch of streaming reads (made on first use)."""
+        if self._watch is None:
+            from fkv.connector.transport._stream import Watch
+
+            self._watch = Watch(self.local.zctx, self._entries, self.plan.remote_ranks,
+                                self.engine_id)
+        return self._watch
+
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         for path in (self.ipc, self.packed):
             if path is not None:
                 path.close()

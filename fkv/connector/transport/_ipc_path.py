@@ -94,8 +94,12 @@ class IpcPath:
                     mover(far, far, tokens, validate=False)
             torch.cuda.current_stream(dev).synchronize()
 
+    def layered(self) -> bool:
+        """Whether a request can move a few layers at a time (streaming)."""
+        return True
+
     def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
-             deadline: float, tally: Tally) -> None:
+             deadline: float, tally: Tally, layers: tuple[int, int] | None = None) -> None:
         import torch
 
         dev = self.local.device
@@ -107,7 +111,7 @@ class IpcPath:
             rids = torch.from_numpy(np.ascontiguousarray(remote, dtype=np.int64)).to(
                 dev, non_blocking=True)
             for _, mover in self.movers:
-                mover(rids, lids, tokens, validate=False)
+                mover(rids, lids, tokens, validate=False, layers=layers)
             done = torch.cuda.Event()
             done.record(stream)
             while not done.query():
@@ -120,8 +124,8 @@ class IpcPath:
             raise TransferFailed(f"prefill rank(s) {dead} of engine {self.engine_id!r} exited "
                                  f"during the read: its bytes are not trusted; reconnect once "
                                  f"it is back (client.reconnect())")
-        tally.bytes += tokens * self.bytes_per_token
-        tally.descriptors += 0
+        share = 1.0 if layers is None else (layers[1] - layers[0]) / len(self.local.views)
+        tally.bytes += round(tokens * self.bytes_per_token * share)
 
     def close(self) -> None:
         self.movers.clear()

@@ -112,6 +112,10 @@ class PackedPath:
             self.close()
             raise
 
+    def layered(self) -> bool:
+        """Packs hold every layer: a streaming request reads packed once all are published."""
+        return False
+
     def describe(self) -> str:
         conn = self.conn
         ranks = ", ".join(f"P{r.remote_rank} ({b} B per block)"

@@ -17,6 +17,7 @@ import numpy as np
 
 from fkv.connector.transport._base import Tally, TransferFailed, kernels, on_device, split_chunks
 from fkv.connector.transport._link import Link, wait_reads
+from fkv.errors import FkvError
 
 __all__ = ["PlanPath", "staging_blocks"]
 
@@ -55,19 +56,32 @@ class PlanPath:
         per = (self.staging_blocks * nr) // step * step  # tokens per chunk
         return split_chunks(local, remote, tokens, per, nl, nr)
 
+    def layered(self) -> bool:
+        """Whether a request can move a few layers at a time (streaming): each of the plan's
+        rows lies in one remote layer when the prefill caches are per-layer buffers."""
+        return not self.link.remote_spec.cross_layer
+
     def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
-             deadline: float, tally: Tally, rows: np.ndarray | None = None) -> None:
+             deadline: float, tally: Tally, rows: np.ndarray | None = None,
+             layers: tuple[int, int] | None = None) -> None:
+        """Read the request (``layers=(a, b)``: only those remote layers, and the READs carry no
+        notification: the caller notifies once every layer landed)."""
+        if layers is not None and not self.layered():
+            raise FkvError("PlanPath.read: a layer range needs per-layer prefill caches")
         chunks = self.chunks(local, remote, tokens)
         for k, (lc, rc, n_tok) in enumerate(chunks):
-            self._chunk(request_id, lc, rc, n_tok, k == len(chunks) - 1, deadline, tally,
-                        rows if len(chunks) == 1 else None)
+            self._chunk(request_id, lc, rc, n_tok, k == len(chunks) - 1 and layers is None,
+                        deadline, tally, rows if len(chunks) == 1 else None, layers)
 
     def _chunk(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
-               last: bool, deadline: float, tally: Tally, rows: np.ndarray | None) -> None:
+               last: bool, deadline: float, tally: Tally, rows: np.ndarray | None,
+               layers: tuple[int, int] | None = None) -> None:
         link = self.link
         agent, plan = link.local.agent, link.plan
         if rows is None:
             rows = plan.segments(local, remote, num_tokens=tokens)
+        if layers is not None:
+            rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
         link.ensure_granule(rows)
         tally.descriptors += int(rows.shape[0])
         xfers: list[Any] = []
@@ -94,9 +108,10 @@ class PlanPath:
             for x in xfers:
                 agent.release(x)
         if self.name == "staging":
-            self._run_staging(local, remote, tokens)
+            self._run_staging(local, remote, tokens, layers)
 
-    def _run_staging(self, local: np.ndarray, remote: np.ndarray, tokens: int) -> None:
+    def _run_staging(self, local: np.ndarray, remote: np.ndarray, tokens: int,
+                     layers: tuple[int, int] | None = None) -> None:
         import torch
 
         from fkv.tensors import wrap
@@ -109,6 +124,8 @@ class PlanPath:
             src_ids = torch.arange(remote.size, device=dev)
             dst_ids = torch.as_tensor(local, device=dev)
             for step in link.plan.staging_steps(local, remote, num_tokens=tokens):
+                if layers is not None and not layers[0] <= step.layer < layers[1]:
+                    continue
                 src = wrap(link.staging, step.stage_spec, step.stage_offset)[step.layer]
                 move(src, step.stage_spec, src_ids, views[step.layer], ls, dst_ids,
                      src_heads=step.src_heads, dst_heads=step.dst_heads,

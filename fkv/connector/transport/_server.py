@@ -57,6 +57,9 @@ class _Held:
     deadline: float
     notified: int = 0
     expected: int | None = None
+    layers_ready: int | None = None   # streaming: layers visible to readers (None: all written)
+    published: int | None = None      # streaming: layers announced (some may await their event)
+    events: list[tuple[int, Any]] = attrs.Factory(list)   # (layers, CUDA event) not yet done
 
 
 class Server:
@@ -118,9 +121,9 @@ class Server:
                 self.ipc_reason = "the caches are not on CUDA"
             wire = encode(engine, spec, regions, device_id=device_id,
                           agent_metadata=self._agent.metadata(), ipc=ipc)
-            own = self._bind(host, port) if engine.tp_rank == 0 or self._packer else ""
+            own = self._bind(host, port)
             packer = self._packer
-            entry = _side.RankEntry(peer=wire, mem_type=mem_type, address=own if packer else "",
+            entry = _side.RankEntry(peer=wire, mem_type=mem_type, address=own,
                                     pack_base=packer.base if packer else 0,
                                     pack_bytes=packer.capacity if packer else 0)
             if engine.tp_rank == 0:
@@ -137,22 +140,73 @@ class Server:
         self._thread.start()
 
     # -- public ------------------------------------------------------------------------------------
-    def hold(self, request_id: str, block_ids: Any = None, *, lease: float | None = None) -> None:
+    def hold(self, request_id: str, block_ids: Any = None, *, lease: float | None = None,
+             layers_ready: int | None = None) -> None:
         """Hold ``request_id``'s blocks until every expected decode reader notified, or until the
-        lease (default: the server's) runs out. Calling it again renews the lease."""
+        lease (default: the server's) runs out. Calling it again renews the lease.
+
+        ``layers_ready``: None (default) means every layer is written; an int starts a
+        *streaming* request with layers ``[0, layers_ready)`` written, the rest announced later
+        with :meth:`publish` (decode ranks read it with ``client.read(..., stream=True)``)."""
         if not isinstance(request_id, str) or not request_id:
             raise field_error("request_id", request_id, "a non-empty str")
+        if layers_ready is not None:
+            self._check_layers(layers_ready, 0)
         lease = self.lease if lease is None else lease
         with self._lock:
             held = self._held.get(request_id)
             deadline = time.monotonic() + float(lease)
             if held is None:
                 self._released.pop(request_id, None)
-                self._held[request_id] = _Held(block_ids, deadline)
+                self._held[request_id] = _Held(block_ids, deadline, layers_ready=layers_ready,
+                                               published=layers_ready)
             else:
                 held.deadline = deadline
                 if block_ids is not None:
                     held.block_ids = block_ids
+
+    def publish(self, request_id: str, layers_ready: int, *, event: Any = None) -> None:
+        """Announce that layers ``[0, layers_ready)`` of the streaming request are written.
+
+        Monotonic: ``layers_ready`` may not go back nor past ``spec.num_layers`` (FkvError). On
+        CUDA pass ``event``, a ``torch.cuda.Event`` recorded after the last of those layers'
+        writes: readers see the layers only once it has completed (the server thread waits for
+        it, so no reader's copy can overtake the writes). Renews the lease."""
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None or held.published is None:
+                why = "it is not held" if held is None else "it was held as fully written"
+                raise FkvError(f"publish: request {request_id!r} is not a streaming request on "
+                               f"this rank ({why}); start it with server.hold(request_id, "
+                               f"block_ids, layers_ready=0)")
+            self._check_layers(layers_ready, held.published)
+            held.published = layers_ready
+            held.deadline = time.monotonic() + self.lease
+            if event is None or event.query():
+                held.events.clear()
+                held.layers_ready = layers_ready
+            else:
+                held.events.append((layers_ready, event))
+
+    def layers_ready(self, request_id: str) -> int | None:
+        """Layers of ``request_id`` readers may read now (None: not held, or fully written)."""
+        with self._lock:
+            held = self._held.get(request_id)
+            return None if held is None else held.layers_ready
+
+    def _check_layers(self, value: Any, lo: int) -> None:
+        top = self.spec.num_layers
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= top:
+            raise field_error("layers_ready", value,
+                              f"an int in [{lo}, {top}] (layers only move forward, up to "
+                              f"spec.num_layers={top})")
+
+    def _advance(self) -> None:
+        """Make layers visible whose CUDA event completed (server thread)."""
+        with self._lock:
+            for held in self._held.values():
+                while held.events and held.events[0][1].query():
+                    held.layers_ready = held.events.pop(0)[0]
 
     def pending(self) -> set[str]:
         """Request ids whose blocks this rank still holds."""
@@ -273,6 +327,7 @@ class Server:
                 else:
                     self._stop.wait(0.002)
                 self._take_notifications()
+                self._advance()
                 self._expire()
             except Exception as e:  # keep serving; the error is visible in server.errors
                 self.errors.append(f"{type(e).__name__}: {e}")
@@ -340,6 +395,14 @@ class Server:
         tp, rank = self.engine.tp_size, self.engine.tp_rank
         if isinstance(msg, _side.Ping):
             return _side.Ok(engine_id=self.engine.engine_id)
+        if isinstance(msg, _side.Status):
+            self._advance()
+            with self._lock:
+                held = self._held.get(msg.request_id)
+                if held is None:
+                    return _side.Layers(token=msg.token, layers_ready=0, held=False)
+                ready = self.spec.num_layers if held.layers_ready is None else held.layers_ready
+                return _side.Layers(token=msg.token, layers_ready=ready, held=True)
         if isinstance(msg, _side.Pack):
             if self._packer is None:
                 return _side.Error(message=f"prefill rank {rank} serves no pack buffer "

@@ -31,8 +31,8 @@ from fkv.connector.transport._base import SideChannelError
 from fkv.errors import FkvError
 
 __all__ = [
-    "Dealer", "Error", "Fetch", "MAX_SIDE_MESSAGE_BYTES", "Ok", "Pack", "Packed", "Ping", "Publish",
-    "RankEntry", "Ranks", "SideChannelError", "decode_reply", "decode_request", "encode_message",
+    "Dealer", "Error", "Fetch", "Layers", "MAX_SIDE_MESSAGE_BYTES", "Ok", "Pack", "Packed", "Ping",
+    "Publish", "RankEntry", "Ranks", "Status", "SideChannelError", "decode_reply", "decode_request", "encode_message",
     "request",
 ]
 
@@ -91,6 +91,22 @@ class Pack(msgspec.Struct, tag="pack", forbid_unknown_fields=True, frozen=True):
     timeout: Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
 
+class Status(msgspec.Struct, tag="status", forbid_unknown_fields=True, frozen=True):
+    """A decode rank asks how many layers of a streaming request this prefill rank published."""
+
+    token: _Token
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
+class Layers(msgspec.Struct, tag="layers", forbid_unknown_fields=True, frozen=True):
+    """Layers ``[0, layers_ready)`` of :class:`Status` ``token``'s request are written (and, on
+    CUDA, their writes finished); ``held``: whether this rank holds the request at all."""
+
+    token: _Token
+    layers_ready: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+    held: bool
+
+
 class Packed(msgspec.Struct, tag="packed", forbid_unknown_fields=True, frozen=True):
     """The bytes of :class:`Pack` ``token`` lie at ``offset`` of the pack buffer, ``nbytes`` long
     (layer after layer, each ``[n, 2, h, N, D]``, MLA ``[n, N, D]``), held under ``slot``."""
@@ -115,8 +131,8 @@ class Error(msgspec.Struct, tag="error", forbid_unknown_fields=True, frozen=True
     token: _Token = 0    # the Pack request answered (0 for other requests)
 
 
-_REQUESTS = msgspec.msgpack.Decoder(Publish | Fetch | Ping | Pack)
-_REPLIES = msgspec.msgpack.Decoder(Ok | Ranks | Error | Packed)
+_REQUESTS = msgspec.msgpack.Decoder(Publish | Fetch | Ping | Pack | Status)
+_REPLIES = msgspec.msgpack.Decoder(Ok | Ranks | Error | Packed | Layers)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -135,12 +151,12 @@ def _decode(decoder: Any, data: Any, what: str) -> Any:
         raise SideChannelError(f"{what} refused: {e}") from None
 
 
-def decode_request(data: Any) -> Publish | Fetch | Ping | Pack:
+def decode_request(data: Any) -> Publish | Fetch | Ping | Pack | Status:
     """A request as rank 0 receives it; raises only SideChannelError."""
     return _decode(_REQUESTS, data, "side-channel request")
 
 
-def decode_reply(data: Any) -> Ok | Ranks | Error | Packed:
+def decode_reply(data: Any) -> Ok | Ranks | Error | Packed | Layers:
     """A reply as a requester receives it; raises only SideChannelError."""
     return _decode(_REPLIES, data, "side-channel reply")
 
@@ -201,7 +217,8 @@ class Dealer:
             raise SideChannelError(f"the pack request to {self.address} could not be queued "
                                    f"(the prefill rank is not reachable)") from None
 
-    def wait(self, token: int, deadline: float, spin: float = 0.0) -> Error | Packed | None:
+    def wait(self, token: int, deadline: float, spin: float = 0.0
+             ) -> Error | Packed | Layers | None:
         """The reply to ``token`` (None at the deadline); busy-polls the first ``spin`` s."""
         import zmq
 
@@ -221,7 +238,7 @@ class Dealer:
                 reply = decode_reply(frames[-1])
             except SideChannelError:
                 continue  # not ours to answer; keep waiting for the real reply
-            if isinstance(reply, Error | Packed) and reply.token == token:
+            if isinstance(reply, Error | Packed | Layers) and reply.token == token:
                 return reply
 
     def close(self) -> None:
