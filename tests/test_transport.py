@@ -626,6 +626,31 @@ def test_streaming_prefill_killed_mid_stream_fails_the_read(cluster: Any, tmp_pa
         victim.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["ipc", "packed"])
+def test_streaming_on_cuda_waits_for_the_publish_event(cluster: Any, strategy: str) -> None:
+    """Each layer is published while a long kernel still runs before its final bytes (the event
+    recorded after them): the decode rank must read the final bytes, layer by layer."""
+    pspec, dspec = spec_dict(tp=1, num_layers=4), spec_dict(tp=2, num_layers=4)
+    pair = Pair(cluster, 1, 2, pspec, dspec, device="cuda:0", d_device=_d_device(),
+                connect_kw={"strategy": strategy})
+    try:
+        local, remote = request_blocks(pspec, dspec, 14)
+        for d in pair.D:
+            d.call("read_async", name=pair.name, request_id="s1", local=local, remote=remote,
+                   num_tokens=14, stream=True, timeout=60.0)
+        pair.P[0].call("hold", name=pair.name, request_id="s1", blocks=remote, layers_ready=0)
+        for layers in (1, 2, 3, 4):
+            pair.P[0].call("publish", name=pair.name, request_id="s1", layers_ready=layers,
+                           delay_write=40)
+        results = [d.call("read_wait", name=pair.name) for d in pair.D]
+        assert [r["result_ok"] for r in results] == [True, True], results
+        assert {r["path"] for r in results} == {strategy}
+        assert pair.verify_all(local, remote, 14) == [None, None]
+    finally:
+        pair.stop()
+
+
 def test_publish_backwards_or_past_the_end_is_refused(cluster: Any) -> None:
     pspec = spec_dict(tp=1, num_layers=4)
     pair = Pair(cluster, 1, 1, pspec, pspec)
