@@ -90,6 +90,9 @@ class AgentMetadata:
     name: str
     backends: tuple[tuple[str, int], ...]
     sections: tuple[Section, ...]
+    #: ``(offset, length)`` of each backend's connection info inside the blob (for UCX: the
+    #: packed UCP worker address, whose first byte carries its version)
+    conn_spans: tuple[tuple[int, int], ...] = ()
 
     def covers(self, base: int, nbytes: int, mem_type: str) -> bool:
         """Whether ``[base, base + nbytes)`` lies inside one registered descriptor."""
@@ -199,10 +202,12 @@ def parse_agent_metadata(blob: Any) -> AgentMetadata:
     r.pos = len(_HEADER)
     raw_name = r.field(b"Agent", 1, MAX_NAME_BYTES)
     name = decode_peer_str("agent name", raw_name)
-    backends = []
+    backends, spans = [], []
     for _ in range(r.count(b"Conns", _MAX_BACKENDS)):
         backend = r.text(b"t", _MAX_BACKEND_NAME, "backend name")
-        backends.append((backend, len(r.field(b"c", 1, _MAX_CONN_INFO))))
+        n = len(r.field(b"c", 1, _MAX_CONN_INFO))
+        backends.append((backend, n))
+        spans.append((r.pos - 1 - n, n))
     if r.field(b"", 10, 10) != b"MemSection":
         raise _refuse(f"no 'MemSection' marker at byte {r.pos}")
     sections = []
@@ -226,7 +231,7 @@ def parse_agent_metadata(blob: Any) -> AgentMetadata:
         sections.append(Section(backend, _MEM_TYPES[code], tuple(descs)))
     if r.pos != len(blob):
         raise _refuse(f"{len(blob) - r.pos} unexpected bytes follow the metadata at byte {r.pos}")
-    return AgentMetadata(name, tuple(backends), tuple(sections))
+    return AgentMetadata(name, tuple(backends), tuple(sections), tuple(spans))
 
 
 # -- 2. the probe ------------------------------------------------------------------------------
@@ -237,7 +242,7 @@ class MetadataProbeTimeout(FkvError):
 
 # The child: its own NIXL agent (UCX backend); per blob, on stdin: u64 length, the blob, u64
 # length, the agent name our parse read from it. One line per blob on a private copy of stdout
-# ("T i" before, "A i" or "E i msg" after); anything NIXL or UCX print goes to stderr. After a
+# ("T" before, "A" or "E msg" after); anything NIXL or UCX print goes to stderr. After a
 # refusal it removes what NIXL kept of the agent (NIXL keeps the connection info of a blob whose
 # memory section failed) and stops: the next blob gets a fresh child, so no verdict depends on
 # what an earlier blob left behind.
@@ -254,7 +259,6 @@ agent = B.nixlAgent("fkv-probe-" + uuid.uuid4().hex, cfg)
 agent.createBackend("UCX", {})
 out.write("R\n")
 inp = sys.stdin.buffer
-i = int(sys.argv[2])
 def take():
     head = inp.read(8)
     return inp.read(int.from_bytes(head, "little")) if len(head) == 8 else None
@@ -262,7 +266,7 @@ while True:
     blob, name = take(), take()
     if blob is None or name is None:
         break
-    out.write(f"T {i}\n")
+    out.write("T\n")
     try:
         got = agent.loadRemoteMD(blob)
     except Exception as e:
@@ -270,14 +274,13 @@ while True:
             agent.invalidateRemoteMD(name)
         except Exception:
             pass
-        out.write(f"E {i} {type(e).__name__}: {str(e)[:200]!r}\n")
+        out.write(f"E {type(e).__name__}: {str(e)[:200]!r}\n")
         break
     try:
         agent.invalidateRemoteMD(got)
     except Exception:
         pass
-    out.write(f"A {i}\n")
-    i += 1
+    out.write("A\n")
 """
 
 
@@ -295,98 +298,116 @@ def _backend_package() -> str:
 def probe_agent_metadata(blobs: list[bytes], *, timeout: float) -> list[str | None]:
     """Add each blob to a NIXL agent in a child process, in order; one entry per blob: None
     (added and removed again), or why it was refused (the child died or NIXL refused it). A
-    child serves blobs until one is refused or kills it; the rest go to a fresh child. Blobs
-    must parse (:func:`parse_agent_metadata`). Raises :class:`MetadataProbeTimeout` when
-    ``timeout`` seconds (the whole call) run out.
+    child serves blobs until one is refused or kills it; the rest go to a fresh child (started
+    ahead while more than one blob is left, so a refusal costs little). Blobs must parse
+    (:func:`parse_agent_metadata`). Raises :class:`MetadataProbeTimeout` when ``timeout``
+    seconds (the whole call) run out; every child is gone when it returns or raises.
 
     >>> probe_agent_metadata([b"garbage"], timeout=30)  # doctest: +SKIP
     ["NIXL refused it: nixlBackendError: 'NIXL_ERR_...'"]
     """
     deadline = time.monotonic() + timeout
-    verdicts: list[str | None] = []
     package = _backend_package()
-    while len(verdicts) < len(blobs):
-        verdicts.extend(_one_child(package, blobs, len(verdicts), deadline))
-    return verdicts
-
-
-def _one_child(package: str, blobs: list[bytes], start: int, deadline: float) -> list[str | None]:
-    """Run one child from blob ``start`` until it finished them all or died (then the blob in
-    flight is refused and the caller starts another child for the rest)."""
-    out: list[str | None] = []
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD, package, str(start)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                close_fds=True)
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        buf = b""
-
-        def line() -> str | None:
-            nonlocal buf
-            while b"\n" not in buf:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    raise MetadataProbeTimeout(
-                        f"peer NIXL agent metadata not checked: the probe process did not "
-                        f"finish within the timeout (blob {start + len(out)} of {len(blobs)}); "
-                        f"nothing was added: retry with a longer timeout")
-                chunk = os.read(proc.stdout.fileno(), 4096)
-                if not chunk:
-                    return None
-                buf += chunk
-            text, buf = buf.split(b"\n", 1)
-            return text.decode("utf-8", "replace")
-
-        try:
-            if line() != "R":
-                raise FkvError(f"the NIXL metadata probe could not start a NIXL agent with the "
-                               f"UCX backend: {_tail(err, proc)}")
-            for i in range(start, len(blobs)):
-                name = parse_agent_metadata(blobs[i]).name.encode()
-                try:
-                    proc.stdin.write(len(blobs[i]).to_bytes(8, "little") + blobs[i]
-                                     + len(name).to_bytes(8, "little") + name)
-                    proc.stdin.flush()
-                except BrokenPipeError:
-                    pass  # it died; the next line says so
-                got = line()
-                if got == f"T {i}":
-                    got = line()
-                if got is None:
-                    out.append(f"it kills the process that adds it ({_tail(err, proc)})")
-                    return out
-                if got == f"A {i}":
-                    out.append(None)
-                elif got.startswith(f"E {i} "):
-                    out.append(f"NIXL refused it: {got[len(f'E {i} '):][:240]}")
-                    return out
-                else:
-                    raise FkvError(f"the NIXL metadata probe answered {got[:80]!r}")
-            return out
-        finally:
-            sel.close()
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for f in (proc.stdin, proc.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    continue
-
-
-def _tail(err: Any, proc: subprocess.Popen) -> str:
+    verdicts: list[str | None] = []
+    child = spare = None
     try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    code = proc.returncode
-    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-    err.seek(0)
-    lines = [s for s in err.read()[-4096:].decode("utf-8", "replace").splitlines() if s.strip()]
-    return how + (f": {lines[-1].strip()[:200]}" if lines else "")
+        while len(verdicts) < len(blobs):
+            i = len(verdicts)
+            if child is None:
+                child, spare = spare or _Child(package), None
+            if spare is None and len(blobs) - i > 1:
+                spare = _Child(package)
+            why, alive = child.probe(i, blobs[i], deadline, len(blobs))
+            verdicts.append(why)
+            if not alive:
+                child.close()
+                child = None
+        return verdicts
+    finally:
+        for c in (child, spare):
+            if c is not None:
+                c.close()
+
+
+class _Child:
+    """One probe process (see ``_CHILD``): started at once, used in lockstep, killed at close."""
+
+    def __init__(self, package: str) -> None:
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, package],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err, close_fds=True)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.proc.stdout, selectors.EVENT_READ)
+        self.buf = b""
+        self.ready = False
+
+    def line(self, deadline: float, what: str) -> str | None:
+        """The child's next line (None: it exited); MetadataProbeTimeout at the deadline."""
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sel.select(left):
+                raise MetadataProbeTimeout(
+                    f"peer NIXL agent metadata not checked: the probe process did not finish "
+                    f"within the timeout ({what}); nothing was added: retry with a longer "
+                    f"timeout")
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                return None
+            self.buf += chunk
+        text, self.buf = self.buf.split(b"\n", 1)
+        return text.decode("utf-8", "replace")
+
+    def probe(self, i: int, blob: bytes, deadline: float, n: int) -> tuple[str | None, bool]:
+        """``(verdict, child still usable)`` for blob ``i`` of ``n``."""
+        what = f"blob {i + 1} of {n}"
+        if not self.ready:
+            if self.line(deadline, f"starting a NIXL agent for {what}") != "R":
+                raise FkvError(f"the NIXL metadata probe could not start a NIXL agent with the "
+                               f"UCX backend: {self.tail()}")
+            self.ready = True
+        name = parse_agent_metadata(blob).name.encode()
+        try:
+            self.proc.stdin.write(len(blob).to_bytes(8, "little") + blob
+                                  + len(name).to_bytes(8, "little") + name)
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died; reading says so
+        got = self.line(deadline, what)
+        if got == "T":
+            got = self.line(deadline, what)
+        if got is None:
+            return f"it kills the process that adds it ({self.tail()})", False
+        if got == "A":
+            return None, True
+        if got.startswith("E "):
+            return f"NIXL refused it: {got[2:][:240]}", False
+        raise FkvError(f"the NIXL metadata probe answered {got[:80]!r}")
+
+    def tail(self) -> str:
+        """How the child ended and the last line it wrote to stderr."""
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        code = self.proc.returncode
+        how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        self.err.seek(0, os.SEEK_END)
+        self.err.seek(max(0, self.err.tell() - 4096))
+        lines = [x for x in self.err.read().decode("utf-8", "replace").splitlines() if x.strip()]
+        return how + (f": {lines[-1].strip()[:200]}" if lines else "")
+
+    def close(self) -> None:
+        self.sel.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.err):
+            try:
+                f.close()
+            except OSError:
+                continue
 
 
 # -- both, cached ---------------------------------------------------------------------------------
