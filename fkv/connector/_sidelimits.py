@@ -18,7 +18,8 @@ Two ways to bound it, both here:
 1. **Plain TCP with fkv's own framing** (:class:`FrameServer`, :func:`frame_request`,
    :class:`FrameClient`; the default, no keys): each frame is ``u32 length`` + payload, the
    length checked against ``max_frame`` before a byte of payload is read, one request in flight
-   per connection (a connection is not read again until its reply left), at most
+   per connection (a connection is not read again until its reply left, so a peer that never
+   reads its replies stalls in TCP backpressure, not in the server's memory), at most
    ``max_connections`` connections and ``max_buffered`` bytes of unfinished frames in all, and a
    connection that makes no progress for ``idle_timeout`` seconds is closed. What a peer can make
    the server hold is at most ``max_buffered`` plus one reply per connection. The trade-off: no
@@ -149,8 +150,8 @@ class _Conn:
     last: float             # last progress (bytes in or out)
     since: float = 0.0      # when the frame in progress started
     reserved: int = 0       # bytes of max_buffered its frame in progress holds
-    out: bytearray = attrs.Factory(bytearray)
-    busy: bool = False      # a request was handed out; no reading until its reply left
+    out: bytearray = attrs.Factory(bytearray)  # the reply not sent yet (no reading meanwhile)
+    busy: bool = False      # a request was handed out and not answered yet
 
 
 class FrameServer:
@@ -288,19 +289,27 @@ class FrameServer:
             self._counts["accepted"] += 1
 
     def _events(self, cid: int) -> None:
+        """Watch ``cid`` for reading unless a request of it is out or its reply has not left
+        yet (so a peer that never reads its replies cannot queue them), for writing while a
+        reply is pending."""
         c = self._conns[cid]
-        events = (0 if c.busy else selectors.EVENT_READ) | (selectors.EVENT_WRITE if c.out else 0)
-        if events:
+        reading = not c.busy and not c.out
+        events = (selectors.EVENT_READ if reading else 0) | (selectors.EVENT_WRITE if c.out else 0)
+        try:
+            self._sel.get_key(c.sock)
+            registered = True
+        except KeyError:
+            registered = False
+        if events and registered:
             self._sel.modify(c.sock, events, cid)
-        else:
-            try:
-                self._sel.unregister(c.sock)
-            except (KeyError, ValueError):
-                pass
+        elif events:
+            self._sel.register(c.sock, events, cid)
+        elif registered:
+            self._sel.unregister(c.sock)
 
     def _read(self, cid: int) -> list[tuple[int, bytes]]:
         c = self._conns[cid]
-        if c.busy:
+        if c.busy or c.out:
             return []
         try:  # never past the current header or frame: one request in flight
             data = c.sock.recv(min(c.decoder.want, 1 << 16))
@@ -407,6 +416,9 @@ class FrameClient:
                 frames = self._decoder.feed(data)
                 if frames:
                     return frames[0]
+        except SideLimitError:
+            self.close()
+            raise
         except TimeoutError:
             self.close()
             raise SideLimitError(f"no answer from the side channel at {self.address} within "
@@ -524,7 +536,7 @@ def harden_server(sock: Any, *, max_frame: int = MAX_FRAME, curve: CurveKeys | N
     sock.setsockopt(zmq.ZAP_DOMAIN, b"fkv")
     auth = ThreadAuthenticator(sock.context)
     auth.start()
-    auth.configure_curve_callback("*", credentials_provider=_Allowed(frozenset(curve.allowed)))
+    auth.configure_curve_callback("fkv", credentials_provider=_Allowed(frozenset(curve.allowed)))
     return auth
 
 
