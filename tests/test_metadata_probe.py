@@ -199,6 +199,26 @@ def test_non_utf8_agent_name_is_refused_before_nixl_sees_it(peer):
     assert M.decode_peer_str("engine id", b"d\xc3\xa9code") == "d\u00e9code"
 
 
+def test_dead_peer_accepted_blob_gives_fkverror_and_leaves_nothing_added():
+    """A blob checked while its peer lived (cached as accepted) is added after the peer died:
+    NIXL cannot connect; FkvError, and NIXL keeps nothing of it."""
+    from fkv.connector._nixl import load_nixl
+
+    proc = subprocess.Popen([sys.executable, "-c", PEER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=ENV, text=True)
+    blob = bytes.fromhex(proc.stdout.readline().strip())
+    meta = M.check_agent_metadata(blob, timeout=60)
+    proc.stdin.close()
+    proc.wait(timeout=10)
+    proc.stdout.close()
+    nixl = load_nixl()
+    agent = nixl.nixl_agent("fkv-test-dead-peer", nixl.nixl_agent_config(backends=["UCX"]))
+    with pytest.raises(FkvError, match=r"NIXL refused the peer's agent metadata .*nothing was "
+                                       r"added: is the peer 'fkv-prefill-.*' still running\?"):
+        M.add_remote_checked(agent, blob, timeout=60)
+    assert not agent.check_remote_metadata(meta.name)
+
+
 def test_probe_timeout_refuses_and_is_not_cached(peer):
     verdicts = M.check_each([peer], timeout=0.05)
     assert isinstance(verdicts[0], M.MetadataProbeTimeout)

@@ -237,7 +237,10 @@ def parse_agent_metadata(blob: Any) -> AgentMetadata:
 # -- 2. the probe ------------------------------------------------------------------------------
 
 class MetadataProbeTimeout(FkvError):
-    """The probe child did not finish in time: nothing is known about the blob (not cached)."""
+    """The probe child did not finish in time: nothing is known about the blob (not cached).
+    ``verdicts`` holds those of the blobs probed before the time ran out."""
+
+    verdicts: tuple[str | None, ...] = ()
 
 
 # The child: its own NIXL agent (UCX backend); per blob, on stdin: u64 length, the blob, u64
@@ -317,7 +320,11 @@ def probe_agent_metadata(blobs: list[bytes], *, timeout: float) -> list[str | No
                 child, spare = spare or _Child(package), None
             if spare is None and len(blobs) - i > 1:
                 spare = _Child(package)
-            why, alive = child.probe(i, blobs[i], deadline, len(blobs))
+            try:
+                why, alive = child.probe(i, blobs[i], deadline, len(blobs))
+            except MetadataProbeTimeout as e:
+                e.verdicts = tuple(verdicts)
+                raise
             verdicts.append(why)
             if not alive:
                 child.close()
@@ -464,19 +471,18 @@ def check_each(blobs: list[Any], *, timeout: float) -> list[AgentMetadata | FkvE
         try:
             verdicts = probe_agent_metadata([bytes(blobs[todo[k][0]]) for k in keys],
                                             timeout=timeout)
-        except MetadataProbeTimeout as e:
-            for k in keys:
-                for i in todo[k]:
-                    out[i] = e
-            return out  # type: ignore[return-value]
+        except MetadataProbeTimeout as e:  # keep what was probed; the rest is not known
+            verdicts = [*e.verdicts, *[e] * (len(keys) - len(e.verdicts))]
         with _LOCK:
             for key, why in zip(keys, verdicts, strict=True):
-                _CACHE[key] = parsed[key] if why is None else why
-                while len(_CACHE) > _CACHE_SIZE:
-                    _CACHE.popitem(last=False)
+                if not isinstance(why, FkvError):
+                    _CACHE[key] = parsed[key] if why is None else why
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
         for key, why in zip(keys, verdicts, strict=True):
             for i in todo[key]:
-                out[i] = parsed[key] if why is None else _refuse(why, _PROBE_FIX)
+                out[i] = (why if isinstance(why, FkvError) else parsed[key] if why is None
+                          else _refuse(why, _PROBE_FIX))
     return out  # type: ignore[return-value]
 
 
