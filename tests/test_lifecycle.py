@@ -173,6 +173,31 @@ def test_non_utf8_sender_is_foreign():
     assert t.stats()["foreign"] == 2
 
 
+def test_readers_fixed_by_the_first_engine_when_not_named():
+    """The prefill side usually does not know which decode engine will read: hold with
+    expected_readers=None; the first counted ``done`` fixes them to that engine's readers of
+    this rank (P TP=2 rank 1, D TP=4: decode ranks 2 and 3)."""
+    t = Requests(num_layers=1, prefill_tp=2, prefill_rank=1)
+    for rank in range(4):
+        t.bind(f"d{rank}", (D, rank), decode_tp=4)
+    t.bind("x0", ("other", 0), decode_tp=1)
+    t.bind("nt", ("old", 0))                             # bound without decode_tp
+    t.hold("r", [7], None, now=0, lease=30)
+    assert t.waiting_for("r") is None
+    assert t.notified("nt", notification("r", "old", 0), now=1) is None      # cannot resolve
+    assert t.notified("d0", notification("r", D, 0), now=1) is None          # reads rank 0
+    assert t.notified("d3", notification("r", D, 3, "failed"), now=1) is None
+    assert t.waiting_for("r") is None                                        # nothing counted
+    assert t.notified("d3", notification("r", D, 3), now=2) is None
+    assert t.waiting_for("r") == {(D, 2)}
+    assert t.notified("x0", notification("r", "other", 0), now=2) is None    # engine is fixed
+    assert t.notified("d2", notification("r", D, 2), now=3) == Release("r", [7], "notified")
+    s = t.stats()
+    assert (s["unexpected_reader"], s["failed"], s["accepted"]) == (3, 1, 2)
+    with pytest.raises(FkvError, match=r"'decode_tp' must be None or an int in \(3, 65536\]"):
+        t.bind("d3", (D, 3), decode_tp=2)
+
+
 # -- streaming ------------------------------------------------------------------------------------
 
 def test_streaming_publish_and_premature_done():
@@ -239,7 +264,7 @@ def test_scripted_counters():
 def test_hold_refuses_bad_input():
     t = table()
     r = expected_readers(D, 1, 1, 0)
-    with pytest.raises(FkvError, match="'expected_readers' must be a non-empty frozenset"):
+    with pytest.raises(FkvError, match="'expected_readers' must be None or a non-empty frozenset"):
         t.hold("r", None, frozenset(), now=0, lease=1)
     with pytest.raises(FkvError, match="'lease' must be a positive number"):
         t.hold("r", None, r, now=0, lease=0)
@@ -345,11 +370,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         super().__init__()
         self.now = 0.0
         self.binding: dict[str, tuple] = {}
+        self.tps: dict[str, int] = {}    # the decode TP each agent was bound with
         self.held: dict[str, dict] = {}
         self.t = Requests(num_layers=LAYERS, diagnostics=16, history=8)
         for agent, reader in zip(AGENTS[:3], READERS[:3], strict=True):
-            self.t.bind(agent, reader)
+            self.t.bind(agent, reader, decode_tp=3)
             self.binding[agent] = reader
+            self.tps[agent] = 3
 
     @initialize(require=st.booleans())
     def setup(self, require):
@@ -357,22 +384,27 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @rule(agent=st.sampled_from(AGENTS[:3]), reader=st.sampled_from(READERS))
     def rebind(self, agent, reader):
-        self.t.bind(agent, reader)
+        self.t.bind(agent, reader, decode_tp=3 if reader[0] == D else 1)
+        self.tps[agent] = 3 if reader[0] == D else 1
         self.binding = {a: r for a, r in self.binding.items() if a != agent and r != reader}
         self.binding[agent] = reader
 
     @rule(rid=st.sampled_from(REQUESTS),
           readers=st.sets(st.sampled_from(READERS[:3] * 3 + READERS[3:]), min_size=1, max_size=2),
-          lease=st.floats(0.5, 50), streaming=st.sampled_from([False, False, True]))
-    def hold(self, rid, readers, lease, streaming):
-        readers = frozenset(readers)
+          lease=st.floats(0.5, 50), streaming=st.sampled_from([False, False, True]),
+          named=st.sampled_from([True, True, False]))
+    def hold(self, rid, readers, lease, streaming, named):
+        """``named`` False: the readers are left to the first engine that reads."""
+        readers = frozenset(readers) if named else None
         if rid in self.held:
-            if self.held[rid]["expected"] != readers:
+            h = self.held[rid]
+            if readers is not None and h["expected"] is not None and h["expected"] != readers:
                 with pytest.raises(FkvError):
                     self.t.hold(rid, rid, readers, now=self.now, lease=lease)
                 return
             self.t.hold(rid, rid, readers, now=self.now, lease=lease)
-            self.held[rid]["deadline"] = max(self.held[rid]["deadline"], self.now + lease)
+            h["expected"] = h["expected"] or readers
+            h["deadline"] = max(h["deadline"], self.now + lease)
             return
         self.t.hold(rid, rid, readers, now=self.now, lease=lease,
                     layers_ready=0 if streaming else None)
@@ -402,9 +434,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         speaks = bound == reader if bound is not None else (
             not self.t.require_binding and reader not in self.binding.values())
         h = self.held.get(rid)
-        counts = (speaks and h is not None and reader in h["expected"] and status == "done"
+        expected = None if h is None else h["expected"]
+        if h is not None and expected is None and bound is not None:
+            expected = frozenset((reader[0], t) for t in range(self.tps[agent]))
+        counts = (speaks and expected is not None and reader in expected and status == "done"
                   and reader not in h["done"] and h["layers"] == LAYERS)
         if counts:
+            if h["expected"] is None:
+                event("readers fixed by the first engine")
+            h["expected"] = expected
             h["done"].add(reader)
             event("a notification counted")
         if counts and h["done"] == h["expected"]:
@@ -419,7 +457,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     def honest_reader(self, data):
         """A bound reader that a held request waits for finishes its reads (the common path)."""
         rid = data.draw(st.sampled_from(sorted(self.held)))
-        agents = sorted(a for a, r in self.binding.items() if r in self.held[rid]["expected"])
+        expected = self.held[rid]["expected"]
+        agents = sorted(a for a, r in self.binding.items() if expected is None or r in expected)
         if agents:
             self.notify(data.draw(st.sampled_from(agents)), rid, None, "done")
 
@@ -443,7 +482,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         """Never released early, never kept late: the table and the model agree at every step."""
         assert self.t.pending() == set(self.held)
         for rid, h in self.held.items():
-            assert self.t.waiting_for(rid) == h["expected"] - h["done"]
+            want = None if h["expected"] is None else h["expected"] - h["done"]
+            assert self.t.waiting_for(rid) == want
         assert len(self.t.events()) <= 16 and len(self.t.released()) <= 8
 
 

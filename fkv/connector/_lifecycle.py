@@ -42,7 +42,7 @@ from typing import Any
 
 import attrs
 
-from fkv.errors import field_error
+from fkv.errors import FkvError, field_error
 
 __all__ = [
     "KINDS", "MAX_NOTIFICATION_BYTES", "MAX_REQUEST_ID_BYTES", "NOTIFICATION_PREFIX", "Notification",
@@ -95,7 +95,7 @@ class Release:
 @attrs.define
 class _Held:
     block_ids: Any
-    expected: frozenset[Reader]
+    expected: frozenset[Reader] | None  # None: the first decode engine to notify fixes it
     deadline: float
     layers_ready: int
     notified: set[Reader] = attrs.Factory(set)
@@ -240,6 +240,8 @@ class Requests:
     (the caller serializes calls and passes ``now``, e.g. ``time.monotonic()``).
 
     ``num_layers``: layers of this rank's cache (the range of :meth:`publish`).
+    ``prefill_tp``, ``prefill_rank``: this rank, for requests held without naming their
+    readers (:meth:`hold` with ``expected_readers=None``).
     ``require_binding``: a notification counts only when its sender (the NIXL agent name) was
     bound to the reader it claims (:meth:`bind`); off, an unbound agent may speak for a reader
     nobody bound, but never for a bound one. ``history``: how many released ids
@@ -247,13 +249,19 @@ class Requests:
     ``max_bindings``: agent bindings kept (the oldest is dropped first).
     """
 
-    def __init__(self, *, num_layers: int, require_binding: bool = True, history: int = 4096,
-                 diagnostics: int = 256, max_bindings: int = 65536) -> None:
+    def __init__(self, *, num_layers: int, prefill_tp: int = 1, prefill_rank: int = 0,
+                 require_binding: bool = True, history: int = 4096, diagnostics: int = 256,
+                 max_bindings: int = 65536) -> None:
         for name, value in (("num_layers", num_layers), ("history", history),
-                            ("diagnostics", diagnostics), ("max_bindings", max_bindings)):
+                            ("diagnostics", diagnostics), ("max_bindings", max_bindings),
+                            ("prefill_tp", prefill_tp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise field_error(name, value, "a positive int")
+        if isinstance(prefill_rank, bool) or not isinstance(prefill_rank, int) \
+                or not 0 <= prefill_rank < prefill_tp:
+            raise field_error("prefill_rank", prefill_rank, f"an int in [0, {prefill_tp})")
         self.num_layers = num_layers
+        self.prefill_tp, self.prefill_rank = prefill_tp, prefill_rank
         self.require_binding = bool(require_binding)
         self._held: dict[str, _Held] = {}
         self._released: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -262,32 +270,43 @@ class Requests:
             maxlen=diagnostics)
         self._agents: collections.OrderedDict[str, Reader] = collections.OrderedDict()
         self._readers: dict[Reader, str] = {}
+        self._decode_tp: dict[str, int] = {}  # agent name -> its engine's decode TP (bind)
         self._max_bindings = max_bindings
         self._counts = dict.fromkeys(KINDS, 0)
 
     # -- identities --------------------------------------------------------------------------------
-    def bind(self, agent_name: str, reader: Reader) -> None:
+    def bind(self, agent_name: str, reader: Reader, *, decode_tp: int | None = None) -> None:
         """Notifications from NIXL agent ``agent_name`` speak for ``reader`` from now on (a reader
-        that reconnects with a new agent replaces its previous binding)."""
+        that reconnects with a new agent replaces its previous binding). ``decode_tp``: the TP
+        size of the reader's engine, needed for requests held without naming their readers."""
         if not isinstance(agent_name, str) or not agent_name \
                 or len(agent_name) > MAX_AGENT_NAME_CHARS:
             raise field_error("agent_name", agent_name,
                               f"a non-empty str of at most {MAX_AGENT_NAME_CHARS} characters")
         reader = _check_reader("reader", reader)
+        if decode_tp is not None and (isinstance(decode_tp, bool) or not isinstance(decode_tp, int)
+                                      or not reader[1] < decode_tp <= _MAX_RANK):
+            raise field_error("decode_tp", decode_tp, f"None or an int in ({reader[1]}, "
+                              f"{_MAX_RANK}] (the reader's rank is {reader[1]})")
         self.unbind(agent_name)
         old = self._readers.pop(reader, None)
         if old is not None:
             self._agents.pop(old, None)
+            self._decode_tp.pop(old, None)
         self._agents[agent_name] = reader
         self._readers[reader] = agent_name
+        if decode_tp is not None:
+            self._decode_tp[agent_name] = decode_tp
         while len(self._agents) > self._max_bindings:
             gone, who = self._agents.popitem(last=False)
             self._readers.pop(who, None)
+            self._decode_tp.pop(gone, None)
             self._counts["bindings_evicted"] += 1
 
     def unbind(self, agent_name: str) -> None:
         """Forget ``agent_name``'s binding (no-op when it has none)."""
         reader = self._agents.pop(agent_name, None)
+        self._decode_tp.pop(agent_name, None)
         if reader is not None:
             self._readers.pop(reader, None)
 
@@ -296,18 +315,24 @@ class Requests:
         return self._agents.get(agent_name)
 
     # -- events --------------------------------------------------------------------------------
-    def hold(self, request_id: str, block_ids: Any, expected_readers: frozenset[Reader], *,
-             now: float, lease: float, layers_ready: int | None = None) -> None:
+    def hold(self, request_id: str, block_ids: Any, expected_readers: frozenset[Reader] | None,
+             *, now: float, lease: float, layers_ready: int | None = None) -> None:
         """Hold ``request_id``'s blocks until each of ``expected_readers`` notified ``done`` once,
-        or until ``now + lease``. ``layers_ready``: a streaming request's layers already written
-        (None: all of them). Holding a held request again renews its lease (same readers only)."""
+        or until ``now + lease``. ``expected_readers=None`` when this rank does not know which
+        decode engine will read: the first bound reader whose ``done`` counts fixes them to its
+        engine's readers of this rank (from the ``decode_tp`` it was bound with). ``layers_ready``:
+        a streaming request's layers already written (None: all of them). Holding a held request
+        again renews its lease (same readers only)."""
         _check_request_id(request_id)
-        if not isinstance(expected_readers, frozenset | set) or not expected_readers:
+        if expected_readers is None:
+            readers = None
+        elif not isinstance(expected_readers, frozenset | set) or not expected_readers:
             raise field_error("expected_readers", expected_readers,
-                              "a non-empty frozenset of (decode engine id, rank) readers",
+                              "None or a non-empty frozenset of (decode engine id, rank) readers",
                               "use expected_readers(decode_engine_id, decode_tp, prefill_tp, "
                               "prefill_rank)")
-        readers = frozenset(_check_reader("expected_readers[]", r) for r in expected_readers)
+        else:
+            readers = frozenset(_check_reader("expected_readers[]", r) for r in expected_readers)
         now, lease = _time("now", now), _time("lease", lease)
         if lease <= 0:
             raise field_error("lease", lease, "a positive number of seconds")
@@ -316,10 +341,11 @@ class Requests:
         self._check_layers(layers_ready, 0)
         held = self._held.get(request_id)
         if held is not None:
-            if held.expected != readers:
+            if readers is not None and held.expected is not None and held.expected != readers:
                 raise field_error("expected_readers", sorted(readers),
                                   f"the readers {request_id!r} is already held for "
                                   f"({sorted(held.expected)})", "release it before reusing the id")
+            held.expected = held.expected or readers
             held.deadline = max(held.deadline, now + lease)
             held.block_ids = block_ids if block_ids is not None else held.block_ids
             return
@@ -361,7 +387,19 @@ class Requests:
         if held is None:
             kind = "late" if parsed.request_id in self._released else "unknown_request"
             return self._refuse(now, kind, agent, message)
-        if parsed.reader not in held.expected:
+        expected = held.expected
+        if expected is None:  # the first engine to read fixes the readers
+            decode_tp = self._decode_tp.get(agent)
+            if decode_tp is None:
+                return self._refuse(now, "unexpected_reader", agent, message,
+                                    "readers not named at hold and the agent was bound without "
+                                    "decode_tp")
+            try:
+                expected = expected_readers(parsed.reader[0], decode_tp, self.prefill_tp,
+                                            self.prefill_rank)
+            except FkvError as e:  # a TP pair no plan allows
+                return self._refuse(now, "unexpected_reader", agent, message, str(e)[:120])
+        if parsed.reader not in expected:
             return self._refuse(now, "unexpected_reader", agent, message)
         if parsed.status == "failed":
             return self._refuse(now, "failed", agent, message)
@@ -370,6 +408,7 @@ class Requests:
         if held.layers_ready < self.num_layers:
             return self._refuse(now, "premature", agent, message,
                                 f"{held.layers_ready}/{self.num_layers} layers published")
+        held.expected = expected
         held.notified.add(parsed.reader)
         self._counts["accepted"] += 1
         if held.notified == held.expected:
@@ -387,12 +426,13 @@ class Requests:
         """Request ids held now."""
         return frozenset(self._held)
 
-    def waiting_for(self, request_id: str) -> frozenset[Reader]:
-        """Expected readers of a held request that have not notified yet."""
+    def waiting_for(self, request_id: str) -> frozenset[Reader] | None:
+        """Expected readers of a held request that have not notified yet (None: no engine has
+        fixed them yet)."""
         held = self._held.get(request_id)
         if held is None:
             raise field_error("request_id", request_id, "a request this rank holds")
-        return held.expected - held.notified
+        return None if held.expected is None else held.expected - held.notified
 
     def layers_ready(self, request_id: str) -> int:
         """How many layers of a held request are written (``num_layers`` when not streaming)."""
