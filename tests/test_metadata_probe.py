@@ -69,7 +69,7 @@ for k, blob in enumerate(blobs):
         name = M.add_remote_checked(agent, blob, timeout=60)
     except M.FkvError as e:
         out["refused"] += 1
-        out.setdefault("why", []).append(str(e)[:100])
+        out.setdefault("why", []).append(str(e)[:120])
         try:
             meta = M.parse_agent_metadata(blob)
         except M.FkvError:
@@ -295,7 +295,8 @@ def test_1000_mutations_never_kill_and_accepted_ones_work(peer):
     print(f"\n{len(cases)} blobs tried in {took:.1f} s: {dict(outcomes)}")
     print("by mutation: " + "; ".join(f"{k} -> {o}: {n}" for (k, o), n in sorted(by_kind.items())))
     why = collections.Counter("probe: NIXL error" if "NIXL refused it" in w else
-                              "probe: child died" if "kills the process" in w else "structure"
+                              "probe: child died" if "kills the process" in w else
+                              "add: NIXL error" if "NIXL refused the peer's" in w else "structure"
                               for w in summary.pop("why", []))
     print(f"victim ({len(sample)} blobs, {victim_s:.1f} s, its own probe {summary['check_s']} s): "
           f"{summary}; refusals: {dict(why)}")

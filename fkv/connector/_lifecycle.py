@@ -8,9 +8,9 @@ message that does not parse are all counted in bounded diagnostics and change no
 
 The caller (the server loop) feeds events in and acts on what comes back, h11 style::
 
-    table = Requests(num_layers=32)
-    table.bind(agent_name, ("decode-0", 1))            # learned when the decode rank connected
-    table.hold("req-7", block_ids, expected_readers(...), now=time.monotonic(), lease=30.0)
+    table = Requests(num_layers=32, prefill_tp=2, prefill_rank=0)
+    table.bind(agent_name, ("decode-0", 1), decode_tp=4)   # learned when it connected
+    table.hold("req-7", block_ids, None, now=time.monotonic(), lease=30.0)  # or name readers
     for agent, messages in nixl_notifications.items():  # NIXL says who sent each message
         for message in messages:
             release = table.notified(agent, message, now=time.monotonic())
