@@ -183,6 +183,9 @@ class Worker:
         return {"pending": sorted(server.pending()), "released": server.released(),
                 "errors": list(server.errors)}
 
+    def cmd_diagnostics(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return self.servers[cmd["name"]].diagnostics()
+
     def cmd_checksum(self, cmd: dict[str, Any]) -> dict[str, Any]:
         caches = self.caches[cmd["name"]][0]
         return {"sum": [float(c.float().nan_to_num().sum()) for c in caches]}

@@ -1,4 +1,4 @@
-"""The pure request lifecycle of a prefill rank (fkv.connector._lifecycle): release by identity.
+"""The pure request lifecycle of a prefill rank (fkv.connector.transport._lifecycle): release by identity.
 
 Model-based state machine (hypothesis.stateful) against an independent model; the three attacks
 of issue #12; bounded diagnostics under 100k bogus events; exact counters for a scripted run; the
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from fkv.connector import plan as plan_mod
-from fkv.connector._lifecycle import (
+from fkv.connector.transport._lifecycle import (
     KINDS,
     MAX_NOTIFICATION_BYTES,
     Notification,

@@ -1,4 +1,4 @@
-"""Peer NIXL agent metadata never reaches an agent unchecked (fkv.connector._metadata), real NIXL
+"""Peer NIXL agent metadata never reaches an agent unchecked (fkv.connector.transport._metadata), real NIXL
 on CPU: a fake prefill rank (its own process, a real fkv agent) publishes its metadata; the test
 corrupts it (the 0xff UCX-address case and >= 1000 seeded mutations) and checks each blob; a
 victim process then adds every blob the check accepted to its own agent and READs through it.
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from fkv.connector import _metadata as M
+from fkv.connector.transport import _metadata as M
 from fkv.errors import FkvError
 
 pytestmark = pytest.mark.transport
@@ -47,7 +47,7 @@ agent.close()
 VICTIM = r"""
 import json, sys, time
 import numpy as np
-from fkv.connector import _metadata as M
+from fkv.connector.transport import _metadata as M
 from fkv.connector._nixl import load_nixl
 nixl = load_nixl()
 inp = sys.stdin.buffer

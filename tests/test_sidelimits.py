@@ -1,4 +1,4 @@
-"""Side-channel limits (fkv.connector._sidelimits) with real processes: what libzmq does with
+"""Side-channel limits (fkv.connector.transport._sidelimits) with real processes: what libzmq does with
 big and many-frame messages (measured, pinned), the bounded framing server that replaces it for
 untrusted peers, and ZMQ CURVE with a client allow-list."""
 
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fkv.connector import _sidelimits as S
+from fkv.connector.transport import _sidelimits as S
 
 zmq = pytest.importorskip("zmq")
 
@@ -32,7 +32,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHON
 SERVER = r"""
 import os, sys, threading
 import zmq
-from fkv.connector import _sidelimits as S
+from fkv.connector.transport import _sidelimits as S
 
 def rss():
     with open("/proc/self/statm") as f:

@@ -174,8 +174,13 @@ class Pair:
                    **(connect_kw or {}))
         self.connected = [d.result() for d in self.D]
 
-    def read_all(self, request_id: str, local: list[int], remote: list[int], **kw: Any
-                 ) -> list[dict[str, Any]]:
+    def read_all(self, request_id: str, local: list[int], remote: list[int], *,
+                 hold: bool = True, **kw: Any) -> list[dict[str, Any]]:
+        """Every decode rank reads the request (held on every prefill rank first: a prefill
+        rank frees only what it holds, once each expected reader notified)."""
+        if hold:
+            for p in self.P:
+                p.call("hold", name=self.name, request_id=request_id, blocks=remote)
         for d in self.D:
             d.send("read", name=self.name, request_id=request_id, local=local, remote=remote, **kw)
         return [d.result() for d in self.D]
@@ -275,9 +280,10 @@ BACKENDS = {
                   {"backend": "flashinfer", "cross_layer": True}),
     "fp8-cross-2-2": (2, 2, HEADS, {"dtype": "float8_e4m3fn", "cross_layer": True},
                       {"dtype": "float8_e4m3fn", "cross_layer": True}),
-    # a staging buffer of 2 remote blocks: reads go in chunks (8 + 3 tokens with 4/8-token blocks)
+    # a staging buffer of 2 remote blocks (4096 B each, both prefill ranks' halves): reads go in
+    # chunks (8 + 3 tokens with 4/8-token blocks)
     "chunks-2-1": (2, 1, HEADS, {"layout": "NHD"}, {"block_size": 8, "num_blocks": 8},
-                   {"staging_bytes": 2 * 2 * 2 * 4 * 4 * 16 * 2}),
+                   {"staging_bytes": 2 * 4096}),
     "chunks-1-2": (1, 2, HEADS, {"layout": "NHD"}, {"layout": "NHD"}, {"staging_bytes": 8192}),
 }
 
@@ -782,9 +788,10 @@ def test_notifications_and_lease(cluster: Any) -> None:
         P.call("hold", name=pair.name, request_id="lost", blocks=remote, lease=0.3)
         assert "lost" in P.call("pending", name=pair.name)["pending"]
         assert pair.wait_released("lost") == ["lease expired"]
-        # Notifications without a hold still count (the lease starts at the first one).
-        assert all(r["result_ok"] for r in pair.read_all("r2", local, remote))
-        assert pair.wait_released("r2") == ["notified"]
+        # A notification for a request this rank does not hold frees nothing: it is counted.
+        assert all(r["result_ok"] for r in pair.read_all("r2", local, remote, hold=False))
+        assert pair.wait_released("r2", timeout=1.0) == ["never seen"]
+        assert P.call("diagnostics", name=pair.name)["counts"]["unknown_request"] == 2
         assert P.call("pending", name=pair.name)["errors"] == []
     finally:
         pair.stop()
@@ -796,6 +803,9 @@ def test_concurrent_reads_from_several_ranks_and_requests(cluster: Any) -> None:
     try:
         reqs = [{"request_id": f"q{i}", "local": [3 * i, 3 * i + 1], "remote": [11 - 2 * i, i],
                  "timeout": 30.0} for i in range(4)]
+        for p in pair.P:
+            for r in reqs:
+                p.call("hold", name=pair.name, request_id=r["request_id"], blocks=r["remote"])
         for d in pair.D:
             d.send("read_many", name=pair.name, reads=reqs)
         for d in pair.D:

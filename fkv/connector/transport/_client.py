@@ -302,6 +302,7 @@ class Client:
     def _connect(self, address: str, timeout: float) -> None:
         if not isinstance(address, str):
             raise field_error("remote_address", address, "a str like 'tcp://127.0.0.1:5555'")
+        deadline = time.monotonic() + timeout
         peers, entries = self._fetch(address, timeout)
         outcome = handshake((self.engine, self.spec), (peers[0].engine, peers[0].spec),
                             expected_remote_engine=self._expected_engine,
@@ -316,7 +317,7 @@ class Client:
                       agent=self._agent, zctx=self._zctx, strategy=self._strategy,
                       staging_bytes_max=self._staging_bytes_max,
                       pack_threshold=self._pack_threshold)
-        self._state = Connection(local, outcome.plan, peers, entries)
+        self._state = Connection(local, outcome.plan, peers, entries, deadline)
 
     def _disconnect(self) -> None:
         state, self._state = self._state, None

@@ -23,11 +23,19 @@ __all__ = ["PlanPath", "staging_blocks"]
 
 
 def staging_blocks(plan: Any, local_spec: Any, remote_spec: Any, staging_bytes_max: int) -> int:
-    """Remote blocks one staging-path chunk holds (0 when the plan is direct)."""
+    """Remote blocks one staging-path chunk holds (0 when the plan is direct). The staging cap is
+    hard: geometry whose smallest chunk does not fit is refused (FkvError) before allocating."""
     if plan.strategy != "staging":
         return 0
     step = math.lcm(local_spec.block_size, remote_spec.block_size)
     per_block = plan.staging_bytes(1)
+    smallest = step // remote_spec.block_size * per_block
+    if smallest > staging_bytes_max:
+        raise FkvError(f"the smallest staging chunk of this pair is {step} tokens (the least "
+                       f"common multiple of block sizes {local_spec.block_size} and "
+                       f"{remote_spec.block_size}): {smallest} bytes, over the staging cap "
+                       f"staging_bytes={staging_bytes_max}; nothing was allocated: raise "
+                       f"connect(staging_bytes=) or use block sizes that divide each other")
     blocks = max(staging_bytes_max // per_block, step // remote_spec.block_size)
     return min(blocks, max(remote_spec.num_blocks, step // remote_spec.block_size))
 
@@ -36,7 +44,7 @@ class PlanPath:
     """The plan's direct or staging reads over a :class:`Link` (``name`` is the plan's
     strategy)."""
 
-    notifies_with_read = True  # the last READ carries the request notification
+    notifies_with_read = False  # the client notifies once every READ of the request landed
 
     def __init__(self, link: Link, blocks: int) -> None:
         self.link = link
@@ -70,8 +78,8 @@ class PlanPath:
             raise FkvError("PlanPath.read: a layer range needs per-layer prefill caches")
         chunks = self.chunks(local, remote, tokens)
         for k, (lc, rc, n_tok) in enumerate(chunks):
-            self._chunk(request_id, lc, rc, n_tok, k == len(chunks) - 1 and layers is None,
-                        deadline, tally, rows if len(chunks) == 1 else None, layers)
+            self._chunk(request_id, lc, rc, n_tok, False, deadline, tally,
+                        rows if len(chunks) == 1 else None, layers)
 
     def _chunk(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
                last: bool, deadline: float, tally: Tally, rows: np.ndarray | None,

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 
 from fkv.connector.transport import _side
 from fkv.connector.transport._base import (
@@ -39,27 +38,20 @@ from fkv.connector.transport._base import (
     spin_seconds,
     zmq,
 )
-from fkv.connector.transport._agent import Agent
+from fkv.connector.transport._agent import Agent, UndecodableNotifications
+from fkv.connector.transport._lifecycle import Requests
 from fkv.connector.transport._base import SideChannelError
 from fkv.connector.transport._packer import FREE_PREFIX, Packer
 from fkv.connector.handshake import EngineDesc
-from fkv.connector.plan import expected_notifications
 from fkv.connector.wire import decode_untrusted, encode
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 
 __all__ = ["Server"]
 
-
-@attrs.define
-class _Held:
-    block_ids: Any
-    deadline: float
-    notified: int = 0
-    expected: int | None = None
-    layers_ready: int | None = None   # streaming: layers visible to readers (None: all written)
-    published: int | None = None      # streaming: layers announced (some may await their event)
-    events: list[tuple[int, Any]] = attrs.Factory(list)   # (layers, CUDA event) not yet done
+# request-table counters that mean a refused peer notification (telemetry's refused kinds)
+_REFUSED_KINDS = ("duplicate", "unexpected_reader", "unknown_request", "late", "failed",
+                  "premature", "malformed", "foreign", "impersonation")
 
 
 class Server:
@@ -90,14 +82,18 @@ class Server:
         self.lease = float(lease)
         self._on_release = on_release
         self._lock = threading.Lock()
-        self._held: dict[str, _Held] = {}
-        self._released: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # the request table (release by reader identity), fed under self._lock
+        self._table = Requests(num_layers=spec.num_layers, prefill_tp=engine.tp_size,
+                               prefill_rank=engine.tp_rank)
+        self._published: dict[str, int] = {}   # streaming: layers announced so far
+        self._events: dict[str, list[tuple[int, Any]]] = {}  # announced, event not yet done
         self._stop = threading.Event()
         self._sock: Any = None
         self._ranks: dict[int, _side.RankEntry] = {}
         self._packer: Packer | None = None
         self._spin = spin_seconds()
-        self.errors: list[str] = []
+        #: recent problems of the server thread (bounded: peers must not grow it without end)
+        self.errors: collections.deque[str] = collections.deque(maxlen=100)
         from fkv.telemetry import Telemetry
 
         self.telemetry = Telemetry("server", engine_id=engine.engine_id)
@@ -141,29 +137,33 @@ class Server:
 
     # -- public ------------------------------------------------------------------------------------
     def hold(self, request_id: str, block_ids: Any = None, *, lease: float | None = None,
-             layers_ready: int | None = None) -> None:
-        """Hold ``request_id``'s blocks until every expected decode reader notified, or until the
-        lease (default: the server's) runs out. Calling it again renews the lease.
+             layers_ready: int | None = None, decode_engine_id: str | None = None,
+             decode_tp: int | None = None) -> None:
+        """Hold ``request_id``'s blocks until every expected decode reader notified once, or
+        until the lease (default: the server's) runs out. Calling it again renews the lease.
+
+        Readers are decode ranks (engine id, rank). With ``decode_engine_id`` and ``decode_tp``
+        the readers of this rank are fixed now (the plan's rule); without, the first decode rank
+        that reads and notifies fixes them to its engine. Notifications count only from the NIXL
+        agent each reader announced at connect, once per reader: duplicates, strangers and
+        failed reads never release blocks (``server.diagnostics()`` counts them).
 
         ``layers_ready``: None (default) means every layer is written; an int starts a
         *streaming* request with layers ``[0, layers_ready)`` written, the rest announced later
         with :meth:`publish` (decode ranks read it with ``client.read(..., stream=True)``)."""
-        if not isinstance(request_id, str) or not request_id:
-            raise field_error("request_id", request_id, "a non-empty str")
-        if layers_ready is not None:
-            self._check_layers(layers_ready, 0)
+        from fkv.connector.transport._lifecycle import expected_readers
+
         lease = self.lease if lease is None else lease
+        if (decode_engine_id is None) != (decode_tp is None):
+            raise field_error("decode_engine_id/decode_tp", (decode_engine_id, decode_tp),
+                              "both or neither")
+        readers = None if decode_engine_id is None else expected_readers(
+            decode_engine_id, decode_tp, self.engine.tp_size, self.engine.tp_rank)
         with self._lock:
-            held = self._held.get(request_id)
-            deadline = time.monotonic() + float(lease)
-            if held is None:
-                self._released.pop(request_id, None)
-                self._held[request_id] = _Held(block_ids, deadline, layers_ready=layers_ready,
-                                               published=layers_ready)
-            else:
-                held.deadline = deadline
-                if block_ids is not None:
-                    held.block_ids = block_ids
+            self._table.hold(request_id, block_ids, readers, now=time.monotonic(),
+                             lease=float(lease), layers_ready=layers_ready)
+            if layers_ready is not None:
+                self._published.setdefault(request_id, layers_ready)
 
     def publish(self, request_id: str, layers_ready: int, *, event: Any = None) -> None:
         """Announce that layers ``[0, layers_ready)`` of the streaming request are written.
@@ -173,26 +173,29 @@ class Server:
         writes: readers see the layers only once it has completed (the server thread waits for
         it, so no reader's copy can overtake the writes). Renews the lease."""
         with self._lock:
-            held = self._held.get(request_id)
-            if held is None or held.published is None:
-                why = "it is not held" if held is None else "it was held as fully written"
+            published = self._published.get(request_id)
+            if published is None or request_id not in self._table.pending():
+                why = ("it is not held" if request_id not in self._table.pending()
+                       else "it was held as fully written")
                 raise FkvError(f"publish: request {request_id!r} is not a streaming request on "
                                f"this rank ({why}); start it with server.hold(request_id, "
                                f"block_ids, layers_ready=0)")
-            self._check_layers(layers_ready, held.published)
-            held.published = layers_ready
-            held.deadline = time.monotonic() + self.lease
+            self._check_layers(layers_ready, published)
+            self._published[request_id] = layers_ready
+            now = time.monotonic()
+            self._table.hold(request_id, None, None, now=now, lease=self.lease)  # renew
             if event is None or event.query():
-                held.events.clear()
-                held.layers_ready = layers_ready
+                self._events.pop(request_id, None)
+                self._table.publish(request_id, layers_ready, now)
             else:
-                held.events.append((layers_ready, event))
+                self._events.setdefault(request_id, []).append((layers_ready, event))
 
     def layers_ready(self, request_id: str) -> int | None:
-        """Layers of ``request_id`` readers may read now (None: not held, or fully written)."""
+        """Layers of ``request_id`` readers may read now (None: not held)."""
         with self._lock:
-            held = self._held.get(request_id)
-            return None if held is None else held.layers_ready
+            if request_id not in self._table.pending():
+                return None
+            return self._table.layers_ready(request_id)
 
     def _check_layers(self, value: Any, lo: int) -> None:
         top = self.spec.num_layers
@@ -204,19 +207,31 @@ class Server:
     def _advance(self) -> None:
         """Make layers visible whose CUDA event completed (server thread)."""
         with self._lock:
-            for held in self._held.values():
-                while held.events and held.events[0][1].query():
-                    held.layers_ready = held.events.pop(0)[0]
+            now = time.monotonic()
+            for request_id, events in list(self._events.items()):
+                while events and events[0][1].query():
+                    layers = events.pop(0)[0]
+                    if request_id in self._table.pending():
+                        self._table.publish(request_id, layers, now)
+                if not events:
+                    del self._events[request_id]
 
     def pending(self) -> set[str]:
         """Request ids whose blocks this rank still holds."""
         with self._lock:
-            return set(self._held)
+            return set(self._table.pending())
 
     def released(self) -> dict[str, str]:
         """Recently released request ids and why: ``"notified"`` or ``"lease expired"``."""
         with self._lock:
-            return dict(self._released)
+            return self._table.released()
+
+    def diagnostics(self) -> dict[str, Any]:
+        """The request table's counters (held, accepted, released, and every refused kind:
+        duplicate, unexpected_reader, unknown_request, late, failed, premature, malformed,
+        foreign, impersonation) and its most recent refused notifications (bounded)."""
+        with self._lock:
+            return {"counts": self._table.stats(), "recent": self._table.events()}
 
     def stats(self) -> dict[str, Any]:
         """What this rank served so far as plain dicts: packs (path ``packed``: gather time and
@@ -244,7 +259,10 @@ class Server:
         self._stop.set()
         thread = getattr(self, "_thread", None)
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(timeout=10.0)
+            if thread.is_alive():  # stuck in a NIXL call: leave the daemon thread, keep going
+                self.errors.append("close: the server thread did not stop within 10 s")
+                return
         self._shutdown()
 
     def __enter__(self) -> Server:
@@ -331,18 +349,32 @@ class Server:
                 self._expire()
             except Exception as e:  # keep serving; the error is visible in server.errors
                 self.errors.append(f"{type(e).__name__}: {e}")
-                del self.errors[:-100]
                 self._stop.wait(0.01)
 
     def _take_notifications(self) -> None:
-        for message in self._agent.notifications():
+        try:
+            batch = self._agent.notifications()
+        except UndecodableNotifications as e:
+            self.errors.append(str(e))
+            self.telemetry.refused("undecodable_notifications")
+            return
+        now = time.monotonic()
+        for sender, message in batch:
             if message.startswith(FREE_PREFIX):
                 if self._packer is None or not self._packer.free(message):
                     self.errors.append(f"ignored a free of no held slot {message[:40]!r}")
                     self.telemetry.refused("unknown_slot")
-            else:
-                self.telemetry.notification()
-                self._notified(message)
+                continue
+            self.telemetry.notification()
+            with self._lock:
+                before = self._table.stats()
+                release = self._table.notified(sender, message, now)
+                after = self._table.stats()
+            for kind in _REFUSED_KINDS:
+                if after[kind] > before[kind]:
+                    self.telemetry.refused(kind)
+            if release is not None:
+                self._released_now(release)
 
     def _answer_all(self, batch: list[list[bytes]]) -> None:
         """Answer a batch of requests: packs launched one after another, one device wait, then
@@ -398,11 +430,14 @@ class Server:
         if isinstance(msg, _side.Status):
             self._advance()
             with self._lock:
-                held = self._held.get(msg.request_id)
-                if held is None:
+                if msg.request_id not in self._table.pending():
                     return _side.Layers(token=msg.token, layers_ready=0, held=False)
-                ready = self.spec.num_layers if held.layers_ready is None else held.layers_ready
+                ready = self._table.layers_ready(msg.request_id)
                 return _side.Layers(token=msg.token, layers_ready=ready, held=True)
+        if isinstance(msg, _side.Hello):
+            with self._lock:
+                self._table.bind(msg.agent, (msg.engine_id, msg.rank), decode_tp=msg.tp_size)
+            return _side.Ok(engine_id=self.engine.engine_id)
         if isinstance(msg, _side.Pack):
             if self._packer is None:
                 return _side.Error(message=f"prefill rank {rank} serves no pack buffer "
@@ -446,46 +481,26 @@ class Server:
                                                 pack_bytes=msg.pack_bytes)
         return _side.Ok(engine_id=self.engine.engine_id)
 
-    def _notified(self, message: bytes) -> None:
-        try:
-            request_id, _, dtp = message.decode().rpartition(":")
-            decode_tp = int(dtp)
-            if not request_id or decode_tp < 1:
-                raise ValueError(message)
-        except (UnicodeDecodeError, ValueError):
-            self.errors.append(f"ignored a malformed notification {message[:80]!r}")
-            self.telemetry.refused("malformed_notification")
-            return
-        with self._lock:
-            held = self._held.get(request_id)
-            if held is None:
-                if request_id in self._released:
-                    return  # a late reader of a request already freed
-                held = self._held[request_id] = _Held(None, time.monotonic() + self.lease)
-            held.notified += 1
-            held.expected = expected_notifications(self.engine.tp_size, decode_tp)
-            done = held.notified >= held.expected
-        if done:
-            self._release(request_id, "notified")
-
     def _expire(self) -> None:
-        now = time.monotonic()
         with self._lock:
-            expired = [r for r, h in self._held.items() if h.deadline <= now]
-        for request_id in expired:
-            self._release(request_id, "lease expired")
+            expired = self._table.expire(time.monotonic())
+            for release in expired:
+                self._published.pop(release.request_id, None)
+                self._events.pop(release.request_id, None)
+        for release in expired:
+            self._released_now(release)
         if expired:
             self.telemetry.lease_expired(len(expired))
         if self._packer is not None:
             self._packer.expire()
 
-    def _release(self, request_id: str, why: str) -> None:
+    def _released_now(self, release: Any) -> None:
         with self._lock:
-            held = self._held.pop(request_id, None)
-            if held is None:
-                return
-            self._released[request_id] = why
-            while len(self._released) > 4096:
-                self._released.popitem(last=False)
+            self._published.pop(release.request_id, None)
+            self._events.pop(release.request_id, None)
         if self._on_release is not None:
-            self._on_release(request_id, held.block_ids, why)
+            try:  # one failing callback must not lose the others (nor stop the loop)
+                self._on_release(release.request_id, release.block_ids, release.reason)
+            except Exception as e:
+                self.errors.append(f"on_release({release.request_id!r}) raised "
+                                   f"{type(e).__name__}: {e}")

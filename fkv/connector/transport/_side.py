@@ -31,7 +31,7 @@ from fkv.connector.transport._base import SideChannelError
 from fkv.errors import FkvError
 
 __all__ = [
-    "Dealer", "Error", "Fetch", "Layers", "MAX_SIDE_MESSAGE_BYTES", "Ok", "Pack", "Packed", "Ping",
+    "Dealer", "Error", "Fetch", "Hello", "Layers", "MAX_SIDE_MESSAGE_BYTES", "Ok", "Pack", "Packed", "Ping",
     "Publish", "RankEntry", "Ranks", "Status", "SideChannelError", "decode_reply", "decode_request", "encode_message",
     "request",
 ]
@@ -91,6 +91,16 @@ class Pack(msgspec.Struct, tag="pack", forbid_unknown_fields=True, frozen=True):
     timeout: Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
 
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, frozen=True):
+    """A decode rank tells a prefill rank which NIXL agent speaks for it: notifications from
+    ``agent`` count as reader ``(engine_id, rank)`` of an engine of ``tp_size`` ranks."""
+
+    engine_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    agent: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+
+
 class Status(msgspec.Struct, tag="status", forbid_unknown_fields=True, frozen=True):
     """A decode rank asks how many layers of a streaming request this prefill rank published."""
 
@@ -131,7 +141,7 @@ class Error(msgspec.Struct, tag="error", forbid_unknown_fields=True, frozen=True
     token: _Token = 0    # the Pack request answered (0 for other requests)
 
 
-_REQUESTS = msgspec.msgpack.Decoder(Publish | Fetch | Ping | Pack | Status)
+_REQUESTS = msgspec.msgpack.Decoder(Publish | Fetch | Ping | Pack | Status | Hello)
 _REPLIES = msgspec.msgpack.Decoder(Ok | Ranks | Error | Packed | Layers)
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -151,7 +161,7 @@ def _decode(decoder: Any, data: Any, what: str) -> Any:
         raise SideChannelError(f"{what} refused: {e}") from None
 
 
-def decode_request(data: Any) -> Publish | Fetch | Ping | Pack | Status:
+def decode_request(data: Any) -> Publish | Fetch | Ping | Pack | Status | Hello:
     """A request as rank 0 receives it; raises only SideChannelError."""
     return _decode(_REQUESTS, data, "side-channel request")
 
