@@ -118,12 +118,17 @@ def _fp8_bits(y, FP8_TYPE: tl.constexpr, NATIVE_FP8: tl.constexpr, FP8_MAX: tl.c
     rounded to the fp8 grid.
     """
     u = y.to(tl.uint32, bitcast=True)
-    sign = (u >> 24) & 0x80
-    nan = y != y
     if NATIVE_FP8:
+        # The conversion keeps every sign but NaN's (canonical 0x7F): OR-ing the sign of y into
+        # every byte is exact for finite values and +-inf (already signed) and restores -NaN's, with
+        # no NaN test and no widening of the bytes (which cost the fp8 prefill 25 %: a layout
+        # conversion through shared memory on Triton 3.6).
         x = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        bits = x.to(FP8_TYPE).to(tl.uint8, bitcast=True).to(tl.uint32)
+        sign8 = ((u >> 24) & 0x80).to(tl.uint8)
+        return x.to(FP8_TYPE).to(tl.uint8, bitcast=True) | sign8
     else:
+        sign = (u >> 24) & 0x80
+        nan = y != y
         r = _round_to_fp8_grid(tl.where(nan, 0.0, y), FP8_MAX, FP8_MANT, FP8_MIN_EXP)
         a = r.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
         e = (a >> 23).to(tl.int32) - 127
@@ -132,7 +137,7 @@ def _fp8_bits(y, FP8_TYPE: tl.constexpr, NATIVE_FP8: tl.constexpr, FP8_MAX: tl.c
         # exact: a subnormal is an integer multiple 0 .. 2**MANT - 1 of 2**(MIN_EXP - MANT)
         subnormal = (tl.where(is_normal, 0.0, tl.abs(r)) * FP8_SUBNORMAL).to(tl.int32).to(tl.uint32)
         bits = tl.where(is_normal, normal, subnormal) | sign
-    return tl.where(nan, sign | 0x7F, bits).to(tl.uint8)
+        return tl.where(nan, sign | 0x7F, bits).to(tl.uint8)
 
 
 @triton.jit
