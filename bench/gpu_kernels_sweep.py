@@ -1,9 +1,12 @@
 """One H200 run for issue 14: write_kv tilings and paged_attention configurations, checked, timed
-against same-run baselines, written as JSON.
+against same-run baselines, written as a result file (and raw JSON).
 
-    PYTHONPATH=. python3 bench/gpu_kernels_sweep.py --out DIR        # the run (< 5 min on an H200)
+    PYTHONPATH=. python3 bench/gpu_kernels_sweep.py --out DIR   # the run (< 3 min on an H200):
+                          # bench/results/kernels-sweep-<UTC>.json (--json PATH, --results-dir,
+                          # --no-save as every bench) and DIR/sweep.json (raw rows)
     PYTHONPATH=. python3 bench/gpu_kernels_sweep.py --out DIR --cpu-smoke
-                                          # tiny shapes under TRITON_INTERPRET=1: the flow only
+                          # tiny shapes under TRITON_INTERPRET=1: the flow only (a result file
+                          # only with --json or --results-dir)
 
 What it does, in order (every candidate is checked before it is timed):
 
@@ -13,7 +16,10 @@ What it does, in order (every candidate is checked before it is timed):
    NHD and HND): each candidate tiling (forced with ``fkv.ops.write._set_tiling_override``) is
    checked byte for byte against ``fkv.ops.reference.write_kv`` on poisoned caches, then timed:
    decode T = 256 (and 1, 16) per call inside one CUDA graph of 64 calls rotating inputs (random
-   slots, ~8 % padding), prefill T = 8192 and 65536 (runs of consecutive slots) in GB/s with
+   slots, ~8 % padding; 64 distinct input sets prepared before capture, so nothing but the 64
+   kernels is replayed: per call = replay time / 64, replay timed by do_bench), and for the default
+   and the baseline also with one input set in all 64 calls (L2-warm inputs, what a bench that
+   replays one decode step measures); K and V in one program as candidates ("kv"); prefill T = 8192 and 65536 (runs of consecutive slots) in GB/s with
    do_bench. Same-run baseline: an engine-style kernel (one program per token, K and V of all heads
    in it, 16 warps: a re-implementation of the leading engine's Triton reshape-and-cache, not its
    code).
@@ -24,7 +30,8 @@ What it does, in order (every candidate is checked before it is timed):
    default's output, the default against ``fkv.ops.reference`` and SDPA. Baseline: dense torch
    SDPA on the same values, the fastest backend that runs (flash, efficient, cudnn, default
    dispatch). Prefill B=4 x 4096 causal the same way. GB/s = K+V bytes read once.
-4. Writes ``DIR/sweep.json`` (every raw number, per candidate) and prints a compact table last.
+4. Prints a compact table, writes the ``kernels-sweep`` result file (``fkv.bench.results``: one
+   case per timed row) and ``DIR/sweep.json`` (every raw number, per candidate).
 """
 
 from __future__ import annotations
@@ -48,22 +55,34 @@ SMOKE = dict(num_blocks=64, block_size=16, heads=2, head_size=32,
              decode=(40, 1, 16), prefill=(200, 48),
              attn=dict(hq=4, hkv=2, d=32, n=16, decode=((2, 100), (1, 300)), prefill=(2, 40)))
 
-# write_kv tilings to try at decode T=256: (tokens per program, heads per program, warps).
-# (1, 8, 2) is the new default for T <= 256 on 8 x 128; (16, 8, 8) / (8, 8, 4) the old bf16 / fp8.
-DECODE_TILINGS = [(1, 8, 2), (1, 8, 1), (1, 8, 4), (1, 8, 8), (2, 8, 2), (2, 8, 4), (4, 8, 4),
-                  (1, 4, 1), (1, 4, 2), (1, 2, 1), (8, 8, 4), (16, 8, 8)]
-SMALL_T_TILINGS = [(1, 8, 2), (1, 8, 4), (1, 4, 1), (1, 2, 1)]          # T = 1, 16
-PREFILL_TILINGS = [None, (8, 8, 4), (4, 8, 4), (16, 8, 4)]              # None: the default
+# write_kv tilings to try at decode T=256: (tokens per program, heads per program, warps[, "kv"]);
+# "kv": K and V in one program (write._FUSE_KV_TOKENS), 256 programs instead of 512. Defaults for
+# T <= 256 on 8 x 128: (1, 8, 2) bf16, (1, 8, 4) fp8. Run 1 (3fd69a8): 1 token/program on 1-8 warps
+# within 0.1 us for bf16, 2-token and 8/16-token tiles slower, 4/2 heads per program slower.
+DECODE_TILINGS = [(1, 8, 2), (1, 8, 4), (1, 8, 8), (2, 8, 4), (1, 8, 2, "kv"), (1, 8, 4, "kv"),
+                  (1, 8, 8, "kv"), (2, 8, 8, "kv")]
+SMALL_T_TILINGS = [(1, 8, 2), (1, 8, 4), (1, 8, 8), (1, 8, 4, "kv"), (1, 8, 8, "kv")]  # T = 1, 16
+# prefill (None: the default; bf16 (16, 8, 8), fp8 (8, 8, 4)). Run 1's fp8 figures (2336-2376 GB/s
+# at 65536, best (4, 8, 4) 2781-2817) were the NaN-sign code's smem layout conversion, gone now.
+PREFILL_TILINGS = [None, (8, 8, 4), (4, 8, 4), (4, 8, 2), (16, 8, 8), (8, 8, 8)]
 
 # paged_attention candidates: decode (tile_n, num_warps, num_stages), decode split counts.
-DECODE_TILES = [(64, 4, 3), (64, 4, 2), (128, 4, 2), (32, 4, 3), (32, 4, 2), (64, 2, 3), (32, 2, 3),
-                (16, 4, 3)]
-DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-# prefill (block_q queries x 4 heads = rows, tile_n, num_warps, num_stages); 128-row tiles on 2
-# stages fit two programs per SM (96 KiB smem each), which the 3-stage ones did not.
-PREFILL_CONFIGS = [(64, 64, 8, 3), (64, 64, 8, 2), (64, 128, 8, 2), (64, 32, 8, 3),
-                   (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 4, 2), (32, 32, 4, 3), (32, 64, 8, 2),
-                   (16, 64, 4, 2)]
+# Run 1: tile 64 on 2 warps and tile 128 on 4 warps x 2 stages 0.5-2.7 % faster than the default
+# (64, 4, 3) in every shape; 16/32-key tiles and 8 warps slower. Splits now from the fitted model
+# (B=64 x 8192: 2, 256 x 2048: 2, 8 x 32768: 8, 16 x 4096: 4); the counts around it are timed.
+DECODE_TILES = [(64, 4, 3), (64, 2, 3), (64, 2, 2), (64, 2, 4), (128, 4, 2), (128, 4, 3),
+                (128, 8, 2), (64, 4, 2)]
+DECODE_SPLITS = (1, 2, 3, 4, 5, 6, 8, 10, 16)
+# decode tiles also timed with the split counts next to the default's (the residency, hence the
+# best count, depends on the tile): (tile_n, num_warps, num_stages)
+DECODE_TILES_SPLIT_SWEEP = [(64, 2, 3), (128, 4, 2)]
+# prefill (block_q queries x 4 heads = rows, tile_n, num_warps, num_stages). Default now (32, 64,
+# 4, 3) = 128 rows (run 1: 1.527 / 1.518 ms NHD / HND; 256 rows on 8 warps 1.536 / 1.682); 2
+# stages lost 20 % at 128 rows, 128-key tiles 35-100 % (registers). Deeper pipelines and 8 warps
+# on 128 rows (two warpgroups of 64 rows) untried.
+PREFILL_CONFIGS = [(64, 64, 8, 3), (32, 64, 4, 4), (32, 32, 4, 3), (32, 32, 4, 4),
+                   (32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 8, 4), (64, 32, 8, 4),
+                   (16, 64, 4, 3)]
 
 
 def _log(msg: str) -> None:
@@ -79,9 +98,9 @@ def _write_spec(shape: dict, layout: str, dtype: str) -> Any:
                            head_size=shape["head_size"], dtype=dtype)
 
 
-def _tiling(spec: Any, cand: tuple[int, int, int] | None) -> Any:
-    """A candidate (tokens, heads, warps) as a WriteTiling of ``spec`` (heads capped)."""
-    from fkv.ops.write import WriteTiling, write_tiling
+def _tiling(spec: Any, cand: tuple | None) -> Any:
+    """A candidate (tokens, heads, warps[, "kv"]) as a WriteTiling of ``spec`` (heads capped)."""
+    from fkv.ops.write import WriteTiling
 
     if cand is None:
         return None
@@ -89,6 +108,30 @@ def _tiling(spec: Any, cand: tuple[int, int, int] | None) -> Any:
 
     h_pad = triton.next_power_of_2(spec.num_kv_heads)
     return WriteTiling(cand[0], min(cand[1], h_pad), triton.next_power_of_2(spec.head_size), cand[2])
+
+
+def _fused(cand: tuple | None) -> bool:
+    return bool(cand) and len(cand) > 3 and cand[3] == "kv"
+
+
+class _Forced:
+    """Force a write tiling (None: the default) and whether K and V share a program, then undo."""
+
+    def __init__(self, tiling: Any, fused: bool = False) -> None:
+        self.tiling, self.fused = tiling, fused
+
+    def __enter__(self) -> None:
+        from fkv.ops import write as write_mod
+
+        self.saved = write_mod._FUSE_KV_TOKENS
+        write_mod._FUSE_KV_TOKENS = 1 << 30 if self.fused else 0
+        write_mod._set_tiling_override(self.tiling)
+
+    def __exit__(self, *exc: Any) -> None:
+        from fkv.ops import write as write_mod
+
+        write_mod._FUSE_KV_TOKENS = self.saved
+        write_mod._set_tiling_override(None)
 
 
 def _slots(spec: Any, tokens: int, kind: str, count: int, device: str, seed: int) -> list:
@@ -239,15 +282,12 @@ def _write_section(shape: dict, device: str, rep: int, quick: bool) -> list[dict
             caches = _Caches(spec, device)
             per_token = 2 * spec.num_kv_heads * spec.head_size
 
-            def check(tokens: int, kind: str, tiling: Any, label: str) -> int:
+            def check(tokens: int, kind: str, tiling: Any, label: str, fused: bool = False) -> int:
                 (k, v), = _kv_inputs(spec, tokens, 1, device, seed=7)
                 (s,) = _slots(spec, tokens, kind, 1, device, seed=7)
                 caches.poison()
-                write_mod._set_tiling_override(tiling)
-                try:
+                with _Forced(tiling, fused):
                     write_mod.write_kv(k, v, caches.a, s, spec, validate=False, **scales)
-                finally:
-                    write_mod._set_tiling_override(None)
                 reference.write_kv(k, v, caches.b, s, spec, validate=False, **scales)
                 bad = caches.differing()
                 if bad:
@@ -265,24 +305,29 @@ def _write_section(shape: dict, device: str, rep: int, quick: bool) -> list[dict
                 default = write_mod.write_tiling(spec, tokens)
                 seen = set()
                 for cand in [None, *cands]:
-                    tiling = _tiling(spec, cand)
-                    if tiling is not None and (tiling == default or tiling in seen):
+                    tiling, fused = _tiling(spec, cand), _fused(cand)
+                    key = (tuple(tiling or default), fused)
+                    if key in seen:
                         continue
-                    seen.add(tiling or default)
-                    label = f"decode T={tokens} {layout} {dtype} {tuple(tiling or default)}"
-                    bad = check(tokens, "decode", tiling, label)
-                    write_mod._set_tiling_override(tiling)
-                    try:
+                    seen.add(key)
+                    name = f"{tuple(tiling or default)}{' kv' if fused else ''}"
+                    label = f"decode T={tokens} {layout} {dtype} {name}"
+                    bad = check(tokens, "decode", tiling, label, fused)
+                    with _Forced(tiling, fused):
                         calls = [(lambda k=k, v=v, s=s: write_mod.write_kv(
                             k, v, caches.a, s, spec, validate=False, **scales)) for (k, v), s in sets]
                         us = _time_graph_us(calls, device, rep)
-                    finally:
-                        write_mod._set_tiling_override(None)
+                        # the same input set in every call: L2-warm inputs and cache lines (what
+                        # a bench replaying one decode step measures)
+                        warm = _time_graph_us(calls[:1] * len(calls), device, rep) \
+                            if tiling is None else None
                     rows.append({"op": "write", "kind": "decode", "tokens": tokens, "layout": layout,
                                  "dtype": dtype, "variant": "default" if tiling is None else "candidate",
-                                 "tiling": list(tiling or default), "graph_us_per_call": us,
+                                 "tiling": list(tiling or default), "fused_kv": fused,
+                                 "graph_us_per_call": us, "warm_graph_us_per_call": warm,
                                  "mismatches": bad})
-                    _log(f"  {label}{' (default)' if tiling is None else ''}: {us:.2f} us/call in a graph")
+                    _log(f"  {label}{' (default)' if tiling is None else ''}: {us:.2f} us/call in a graph"
+                         + (f" ({warm:.2f} with one input set)" if warm is not None else ""))
                 # same-run engine-style baseline
                 calls = [_engine_call(spec, caches.a, k, v, s, scales) for (k, v), s in sets]
                 caches.poison()
@@ -291,10 +336,13 @@ def _write_section(shape: dict, device: str, rep: int, quick: bool) -> list[dict
                 reference.write_kv(k, v, caches.b, s, spec, validate=False, **scales)
                 bad = caches.differing()
                 us = _time_graph_us(calls, device, rep)
+                warm = _time_graph_us(calls[:1] * len(calls), device, rep)
                 rows.append({"op": "write", "kind": "decode", "tokens": tokens, "layout": layout,
                              "dtype": dtype, "variant": "engine_style_baseline",
-                             "graph_us_per_call": us, "mismatches": bad})
-                _log(f"  decode T={tokens} {layout} {dtype} engine-style baseline: {us:.2f} us/call"
+                             "graph_us_per_call": us, "warm_graph_us_per_call": warm,
+                             "mismatches": bad})
+                _log(f"  decode T={tokens} {layout} {dtype} engine-style baseline: {us:.2f} us/call "
+                     f"({warm:.2f} with one input set)"
                      f"{f' ({bad} bytes differ: approximate fp8 division)' if bad else ''}")
                 del sets, calls
             # -- prefill: GB/s with do_bench, inputs rotated beyond L2 ------------------------------
@@ -422,6 +470,14 @@ def _attn_candidates(kind: str, default: Any, ctx: int, quick: bool) -> list[tup
             cfg = attrs.evolve(default, tile_n=tile, num_warps=warps, num_stages=stages)
             if cfg != default:
                 out.append((f"tile={tile} warps={warps} stages={stages}", cfg))
+        n = default.num_splits
+        for tile, warps, stages in [] if quick else DECODE_TILES_SPLIT_SWEEP:
+            for splits in sorted({max(1, n // 2), max(1, n - 1), n + 1, 2 * n} - {n}):
+                if splits == 1 or ctx // splits >= 256:
+                    cfg = attrs.evolve(default, tile_n=tile, num_warps=warps, num_stages=stages,
+                                       num_splits=splits)
+                    out.append((f"tile={tile} warps={warps} stages={stages} splits={splits}",
+                                cfg))
     else:
         for block_q, tile, warps, stages in PREFILL_CONFIGS[:3] if quick else PREFILL_CONFIGS:
             cfg = attrs.evolve(default, block_q=block_q, tile_n=tile, num_warps=warps,
@@ -584,15 +640,13 @@ def _compile_task(task: tuple) -> str:
             (k, v), = _kv_inputs(spec, tokens, 1, device, seed=0)
             (s,) = _slots(spec, tokens, "decode", 1, device, seed=0)
             try:
-                write_mod._set_tiling_override(tiling)
-                write_mod.write_kv(k, v, fkv_alloc(spec, device), s, spec, validate=False,
-                                   **_scales(spec, device))
+                with _Forced(tiling, _fused(cand)):
+                    write_mod.write_kv(k, v, fkv_alloc(spec, device), s, spec, validate=False,
+                                       **_scales(spec, device))
                 if cand is None:
                     _engine_call(spec, fkv_alloc(spec, device), k, v, s, _scales(spec, device))()
             except Exception as e:
                 errors.append(f"{layout} {dtype} {cand}: {str(e)[:160]}")
-            finally:
-                write_mod._set_tiling_override(None)
     else:
         a = shape["attn"]
         for layout, what, cfg_fields in items:
@@ -622,8 +676,11 @@ def _compile_tasks(shape: dict, smoke: bool, quick: bool) -> list[tuple]:
     write_items = []
     for dtype in ("bfloat16", "float8_e4m3fn"):
         for layout in ("NHD", "HND"):
-            for cand in [None, *(DECODE_TILINGS[:3] if quick else DECODE_TILINGS)]:
+            decode = DECODE_TILINGS + [c for c in SMALL_T_TILINGS if c not in DECODE_TILINGS]
+            for cand in [None, *(decode[:3] if quick else decode)]:
                 write_items.append((layout, dtype, cand, shape["decode"][0]))
+            for tokens in shape["decode"][1:]:  # the defaults of the small T (another class)
+                write_items.append((layout, dtype, None, tokens))
             for cand in PREFILL_TILINGS[:2] if quick else PREFILL_TILINGS:
                 write_items.append((layout, dtype, cand, shape["prefill"][0]))
     attn_items = []
@@ -653,6 +710,55 @@ def _precompile(tasks: list[tuple], jobs: int) -> float:
     return time.perf_counter() - start
 
 
+# -- result file (fkv.bench.results) -------------------------------------------------------------
+def _result_run(result: dict, args: Any, device: str) -> Any:
+    """The sweep as a ``kernels-sweep`` result file: one case per timed row (its config in
+    ``params``, its figures in ``metrics``), the same-run ceilings, the raw rows in ``extra``."""
+    from fkv.bench import results
+
+    run = results.Run("kernels-sweep", device=device,
+                      config={"quick": args.quick, "only": args.only, "cpu_smoke": args.cpu_smoke,
+                              "rep_ms": args.rep})
+    run.ceiling("copy_gbps", result["copy_ceiling_gbps"])
+    run.ceiling("read_gbps", result["read_ceiling_gbps"])
+    for r in result["write"]:
+        tiling = r.get("tiling")
+        ident = (f"write {r['kind']} T={r['tokens']} {r['layout']} {r['dtype']} {r['variant']}"
+                 + (f" {tuple(tiling)}" if tiling else "") + (" kv" if r.get("fused_kv") else ""))
+        params = {"op": "write", "kind": r["kind"], "tokens": r["tokens"], "layout": r["layout"],
+                  "dtype": r["dtype"], "variant": r["variant"], "fused_kv": bool(r.get("fused_kv"))}
+        if tiling:
+            params["tiling"] = list(tiling)
+        metrics = {"mismatch_count": r.get("mismatches", 0)}
+        if r["kind"] == "decode":
+            metrics["graph_per_call_us"] = r["graph_us_per_call"]
+            metrics["warm_graph_per_call_us"] = r.get("warm_graph_us_per_call")
+        else:
+            metrics |= {"kernel_ms": r["ms"], "gbps": r["gbps"], "moved_bytes": r["bytes"]}
+        run.add(ident, params=params, metrics=metrics,
+                error="MISMATCH vs the reference" if r.get("mismatches") else "")
+    for r in result["attention"]:
+        cfg = r.get("config", {})
+        ident = f"attention {r['kind']} B={r['batch']} x {r['ctx']} {r['layout']} {r['variant']}"
+        params = {"op": "attention", "kind": r["kind"], "batch": r["batch"], "ctx": r["ctx"],
+                  "layout": r["layout"], "variant": r["variant"], **cfg}
+        metrics = {k2: r.get(k1) for k1, k2 in (
+            ("ms", "kernel_ms"), ("gbps", "gbps"), ("sdpa_ms", "sdpa_ms"),
+            ("ratio_vs_sdpa", "ratio_vs_sdpa_x"), ("ratio_time_vs_sdpa", "time_vs_sdpa_x"),
+            ("ms_repeat", "repeat_ms"), ("ms_graph", "graph_ms"), ("sdpa_ms_graph", "sdpa_graph_ms"),
+            ("ms_no_padding_column", "no_padding_column_ms"), ("tflops", "kernel_tflops"),
+            ("sdpa_tflops", "sdpa_tflops"), ("speedup_vs_default", "speedup_vs_default_x"),
+            ("max_err_vs_reference", "vs_reference_err"), ("max_err_vs_sdpa", "vs_sdpa_err"),
+            ("max_err_vs_default", "vs_default_err")) if k1 in r}
+        extra = {k: r[k] for k in ("sdpa_backend", "sdpa_ms_by_backend", "config_no_padding_column")
+                 if k in r}
+        run.add(ident, params=params, metrics=metrics, error=r.get("error", ""), extra=extra)
+    run.extra["seconds"] = result.get("seconds")
+    run.extra["precompile_s"] = result.get("precompile_s")
+    run.extra["table"] = _table(result)
+    return run
+
+
 # -- report ---------------------------------------------------------------------------------------
 def _table(result: dict) -> str:
     lines = [f"== issue 14 sweep on {result['env']['device']} (torch {result['env']['torch']}, "
@@ -669,9 +775,16 @@ def _table(result: dict) -> str:
             base = next((r for r in grp if r["variant"] == "engine_style_baseline"), None)
             best = min((r for r in grp if r["variant"] != "engine_style_baseline"),
                        key=lambda r: r["graph_us_per_call"])
-            lines.append(f"  T={key[0]:<4d} {key[1]} {key[2]:13s} default {dflt['graph_us_per_call']:5.2f} "
-                         f"{tuple(dflt['tiling'])}  best {best['graph_us_per_call']:5.2f} "
-                         f"{tuple(best['tiling'])}  engine-style {base['graph_us_per_call'] if base else 0:5.2f}"
+            def name(r: dict) -> str:
+                return f"{tuple(r['tiling'])}{' kv' if r.get('fused_kv') else ''}"
+
+            def warm(r: dict | None) -> str:
+                w = r and r.get("warm_graph_us_per_call")
+                return f" (one set {w:.2f})" if w else ""
+            lines.append(f"  T={key[0]:<4d} {key[1]} {key[2]:13s} default {dflt['graph_us_per_call']:5.2f}"
+                         f"{warm(dflt)} {name(dflt)}  best {best['graph_us_per_call']:5.2f} "
+                         f"{name(best)}  engine-style {base['graph_us_per_call'] if base else 0:5.2f}"
+                         f"{warm(base)}"
                          + ("  MISMATCH" if any(r.get("mismatches") for r in grp
                                                 if r["variant"] != "engine_style_baseline") else ""))
         lines.append("write_kv prefill GB/s (must hold 65536 ~3650, 8192 ~2900 bf16):")
@@ -709,7 +822,7 @@ def _table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="directory for sweep.json")
+    parser.add_argument("--out", default=None, help="also write DIR/sweep.json (the raw rows)")
     parser.add_argument("--quick", action="store_true", help="fewer candidates")
     parser.add_argument("--only", choices=("write", "attention"), default=None)
     parser.add_argument("--jobs", type=int, default=None,
@@ -717,6 +830,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep", type=int, default=None, help="do_bench rep in ms (default 60)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny shapes under TRITON_INTERPRET=1 (the flow; timings mean nothing)")
+    from fkv.bench import results
+
+    results.add_output_arguments(parser, plot=False)
     args = parser.parse_args(argv)
     start = time.perf_counter()
 
@@ -731,7 +847,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("needs a CUDA device (or --cpu-smoke)", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     jobs = args.jobs if args.jobs is not None else (min(14, os.cpu_count() or 1)
                                                     if device == "cuda" else 0)
     result: dict[str, Any] = {"env": environment(device), "argv": sys.argv[1:], "write": [],
@@ -745,12 +862,11 @@ def main(argv: list[str] | None = None) -> int:
                                                     else (16 << 20))
     result["read_ceiling_gbps"] = read_ceiling_gbps(rep, device, (2 << 30) if device == "cuda"
                                                     else (16 << 20))
-    out = os.path.join(args.out, "sweep.json")
-
     def save() -> None:
         result["seconds"] = time.perf_counter() - start
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+        if args.out:
+            with open(os.path.join(args.out, "sweep.json"), "w") as f:
+                json.dump(result, f, indent=1)
 
     if args.only in (None, "write"):
         _log("write_kv")
@@ -761,6 +877,8 @@ def main(argv: list[str] | None = None) -> int:
         result["attention"] = _attention_section(shape, device, rep, args.quick)
     save()
     print(_table(result), flush=True)
+    # bench/results/kernels-sweep-<UTC>.json by default on the GPU; --cpu-smoke only when asked
+    results.save(_result_run(result, args, device), args, by_default=not args.cpu_smoke)
     return 0
 
 

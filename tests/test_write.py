@@ -448,11 +448,11 @@ def test_ambiguous_cache_pairs_are_refused(fn, case: int) -> None:
 # -- tiling from the token count ----------------------------------------------------------------------
 BENCH = KVCacheSpec(num_blocks=32768, block_size=16, num_kv_heads=8, head_size=128)
 # T -> (bf16 tiling, fp8 tiling) for the bench shape (8 heads x 128): small T spreads over many
-# one-token programs, large T keeps the prefill tiles (16384 / 8192 elements).
+# one-token programs (fp8: 4 warps), large T keeps the prefill tiles (16384 / 8192 elements).
 TILINGS = {
-    1: ((1, 8, 128, 2), (1, 8, 128, 2)),
-    16: ((1, 8, 128, 2), (1, 8, 128, 2)),
-    256: ((1, 8, 128, 2), (1, 8, 128, 2)),
+    1: ((1, 8, 128, 2), (1, 8, 128, 4)),
+    16: ((1, 8, 128, 2), (1, 8, 128, 4)),
+    256: ((1, 8, 128, 2), (1, 8, 128, 4)),
     8192: ((16, 8, 128, 8), (8, 8, 128, 4)),
 }
 
@@ -499,10 +499,31 @@ def test_each_chosen_tiling_is_bit_exact(device: str, tokens: int, layout: str, 
         slots = padded_slots(spec, run_tokens, run_tokens + 3, device, seed=tokens)
         out, ref = run_both(spec, device, key, value, slots, layer=0, **scales)
         (prep,) = write_mod._PREPARED.values()
-        assert list(prep.by_tiling) == [tiling]
+        assert list(prep.by_tiling) == [(tiling, False)]
     finally:
         write_mod._set_tiling_override(None)
     assert_same_bytes(out, ref)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_fused_kv_programs_are_bit_exact(device: str, layout: str, dtype: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """K and V in one program (``_FUSE_KV_TOKENS``, a sweep candidate for small T): the same
+    bytes as the reference, a grid of one program on axis 1, and a site of its own."""
+    monkeypatch.setattr(write_mod, "_PREPARED", {})
+    monkeypatch.setattr(write_mod, "_FUSE_KV_TOKENS", 16)
+    spec = make_spec("triton", layout, dtype=dtype, heads=8, head_size=128, block_size=16,
+                     num_blocks=4, num_layers=1)
+    for tokens, fused in ((13, True), (40, False)):
+        key, value, scales = inputs(spec, tokens + 2, device, seed=tokens)
+        slots = padded_slots(spec, tokens, tokens + 2, device, seed=tokens)
+        out, ref = run_both(spec, device, key, value, slots, layer=0, **scales)
+        assert_same_bytes(out, ref)
+        (prep,) = write_mod._PREPARED.values()
+        site, block_t, head_tiles, halves = prep.by_class[write_mod.token_class(tokens)]
+        assert halves == (1 if fused else 2)
+    assert sorted(f for _, f in prep.by_tiling) == [False, True]
 
 
 def test_one_site_per_tiling_chosen_from_t(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -522,7 +543,7 @@ def test_one_site_per_tiling_chosen_from_t(device: str, monkeypatch: pytest.Monk
         write_kv(key, value, cache, padded_slots(spec, tokens, tokens, device, tokens), spec)
     (prep,) = write_mod._PREPARED.values()
     want = {write_tiling(spec, t) for t in counts}
-    assert set(prep.by_tiling) == want and len(want) == 2
+    assert {t for t, _ in prep.by_tiling} == want and len(want) == 2
     assert sorted(prep.by_class) == [1, 4, 16, 256, 1024]
     blocks = [launch["BLOCK_T"] for launch in recorder.launches]
     assert blocks == [2, 2, 2, 2, 2, 4] == [write_tiling(spec, t).block_t for t in counts]
@@ -976,5 +997,5 @@ def test_direct_launches_write_the_same_bytes_as_normal_launches(layout: str,
                 write_kv(key, value, cache, padded_slots(spec, 40, 40, "cuda", seed), spec, **scales)
             outs.append(cache)
         assert_same_bytes(outs[:1], outs[1:])
-    sites = [site for p in write_mod._PREPARED.values() for site, _, _ in p.by_tiling.values()]
+    sites = [site for p in write_mod._PREPARED.values() for site, *_ in p.by_tiling.values()]
     assert sum(s.direct_launches for s in sites) >= 4

@@ -40,13 +40,17 @@ _MAX_HEAD_SIZE = 1024
 _PROGRAMS_PER_SM = 4
 _MIN_SPLIT_TOKENS = 512
 #: flash-decoding splits, decode-like tiles: a wave model of a memory-bound grid (fitted to the
-#: H200 sweep, bench/NOTES.md). _RESIDENT_PER_SM programs run at once per SM (the decode tile:
-#: 140 registers x 128 threads -> 3); a partial last wave runs each program at most 2x faster
-#: than a full one; each program costs _PROGRAM_OVERHEAD_KEYS keys of its slot's time (start-up
-#: latency, partial output); at least _MIN_WAVES full waves when the context allows.
+#: H200 sweep of issue 14, bench/NOTES.md). _RESIDENT_PER_SM programs run at once per SM
+#: (_RESIDENT_PER_SM_SPLIT for the split variant): grids beyond that run in waves. A wave of n
+#: concurrent programs streams at the fraction ``1 - (1 - n / S)**2`` of the full bandwidth, S =
+#: _SATURATING_PER_SM * num_sms (the measured curve: 64 programs 0.31, 128 0.54, 256 0.88, >= 384
+#: 1.0); each program costs _PROGRAM_OVERHEAD_KEYS keys of its slot's time (start-up latency,
+#: partial output). Measured ranking it reproduces: B=64 x 8192 2 splits, B=256 x 2048 2,
+#: B=8 x 32768 8 (12: 1.15x slower: 1.45 waves), B=16 x 4096 3-4 (6: 1.15x slower).
 _RESIDENT_PER_SM = 3
+_RESIDENT_PER_SM_SPLIT = 4
+_SATURATING_PER_SM = 3
 _PROGRAM_OVERHEAD_KEYS = 48
-_MIN_WAVES = 2
 #: the split model sees the block table's capacity rounded down to 1/_CONTEXT_STEPS of its power
 #: of two (model_context): spare columns change no split count.
 _CONTEXT_STEPS = 8
@@ -58,11 +62,12 @@ _HEADS_FIRST = True
 #: (head_pad up to, 32-bit inputs) -> (max rows (query token x head pairs) per program,
 #: (tile_n, num_warps, num_stages) for: decode-like tiles (<= 16 rows), mid tiles (<= half the
 #: max rows), full tiles). Rows bound the fp32 accumulator's registers. D <= 128, 16-bit: measured
-#: on the H200 (Triton 3.6, bench/NOTES.md): prefill 256 rows (64 queries x 4 heads) x 64 keys on
-#: 8 warps ran 13 % faster than 128 rows on 4 warps, which beat 128 rows on 8 warps by 10 %.
-#: ``bench/bench_attention.py --sweep`` times alternatives on the GPU.
+#: on the H200 (Triton 3.6, bench/NOTES.md; issue 14 sweep): prefill B=4 x 4096 causal, 128 rows
+#: (32 queries x 4 heads) x 64 keys on 4 warps, 3 stages: 1.527 / 1.518 ms NHD / HND, vs 1.536 /
+#: 1.682 for 256 rows on 8 warps (HND lost 10 % there); 2 stages lose 20 % (1.86 ms).
+#: ``bench/gpu_kernels_sweep.py`` times alternatives on the GPU.
 _TUNING = {
-    (128, False): (256, (64, 4, 3), (64, 4, 3), (64, 8, 3)),
+    (128, False): (128, (64, 4, 3), (64, 4, 3), (64, 4, 3)),
     (256, False): (64, (32, 4, 2), (32, 8, 2), (32, 8, 2)),
     (1024, False): (16, (16, 8, 1), (16, 8, 1), (16, 8, 1)),
     (128, True): (32, (32, 8, 2), (16, 8, 2), (16, 8, 2)),
@@ -116,7 +121,7 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     >>> c = attention_config(num_seqs=8, num_q_tokens=8, num_q_heads=32, num_kv_heads=8,
     ...                      head_size=128, max_context=32768, itemsize=2, num_sms=132, varlen=False)
     >>> c.block_q, c.heads_per_program, c.num_splits
-    (1, 4, 16)
+    (1, 4, 8)
     """
     group = num_q_heads // num_kv_heads
     head_pad = _pow2(max(head_size, 16))
@@ -139,10 +144,8 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     max_context = model_context(max_context)
     most = max(1, -(-max_context // max(_MIN_SPLIT_TOKENS, tile_n)))
     if rows <= 16:
-        full = [n for n in range(1, most + 1)
-                if programs * n >= _MIN_WAVES * _RESIDENT_PER_SM * num_sms]
-        splits = min(full or [most], key=lambda n: _split_cost(n, programs, max_context, tile_n,
-                                                               num_sms))
+        splits = min(range(1, most + 1), key=lambda n: _split_cost(n, programs, max_context,
+                                                                   tile_n, num_sms))
     else:
         splits = max(1, min(-(-(_PROGRAMS_PER_SM * num_sms) // programs), most))
     splits = -(-max_context // _split_len(max_context, splits, tile_n))
@@ -171,22 +174,31 @@ def _split_len(max_context: int, splits: int, tile_n: int) -> int:
 
 
 def _split_cost(splits: int, programs: int, max_context: int, tile_n: int, num_sms: int) -> float:
-    """Modelled time of a memory-bound split grid, in keys streamed by one resident program.
+    """Modelled time of a memory-bound split grid, in keys streamed at the full bandwidth.
 
-    ``programs * splits`` programs of ``split_len`` keys run in waves of ``_RESIDENT_PER_SM *
-    num_sms``; the last, partial wave of fraction f takes ``max(f, 1/2)`` of a full one; each
-    program adds ``_PROGRAM_OVERHEAD_KEYS`` of slot time. A split count that rounds to fewer
+    ``programs * splits`` programs of ``split_len`` keys run in waves of ``slots`` (resident
+    programs: ``_RESIDENT_PER_SM_SPLIT`` per SM with splits, ``_RESIDENT_PER_SM`` without); a wave
+    of ``n`` programs streams ``n * split_len`` keys at the fraction ``_wave_rate(n)`` of the full
+    bandwidth; each program adds ``_PROGRAM_OVERHEAD_KEYS``. A split count that rounds to fewer
     splits costs as much as that count plus a little, so ties go to the smaller one.
 
-    >>> [round(_split_cost(n, 512, 8192, 64, 132)) for n in (1, 2, 5)]  # B=64 x 8192, Hkv 8
-    [12350, 10716, 11126]
+    >>> [round(_split_cost(n, 128, 4096, 64, 132) / 1000) for n in (1, 2, 3, 4, 6, 8)]  # B=16
+    [973, 611, 560, 549, 609, 573]
     """
     split_len = _split_len(max_context, splits, tile_n)
-    slots = _RESIDENT_PER_SM * num_sms
     total = programs * -(-max_context // split_len)
+    slots = (_RESIDENT_PER_SM_SPLIT if total > programs else _RESIDENT_PER_SM) * num_sms
     waves, rest = divmod(total, slots)
-    last = max(rest / slots, 0.5) if rest else 0.0
-    return split_len * (waves + last) + total * _PROGRAM_OVERHEAD_KEYS / slots + splits * 1e-6
+    saturating = _SATURATING_PER_SM * num_sms
+    time = waves * slots / _wave_rate(slots, saturating)
+    if rest:
+        time += rest / _wave_rate(rest, saturating)
+    return split_len * time + total * _PROGRAM_OVERHEAD_KEYS + splits * 1e-6
+
+
+def _wave_rate(n: int, saturating: int) -> float:
+    """Fraction of the full bandwidth ``n`` concurrent streaming programs reach."""
+    return 1.0 - (1.0 - min(n, saturating) / saturating) ** 2
 
 
 @functools.lru_cache(maxsize=16)

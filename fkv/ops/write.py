@@ -58,12 +58,20 @@ _TARGET_PROGRAMS = 512
 _MIN_TILE_ELEMENTS = 1024
 _SMALL_ELEMENTS_PER_WARP = 512
 _SMALL_MAX_WARPS = 4
+# fp8 caches quantize (an IEEE division per element): more warps per small tile. H200, one token
+# of 8 x 128 per program: T=1 2.27 us with 4 warps vs 2.59 with 2; T=16 2.48 vs 2.79; T=256 2.92
+# vs 3.26 (8 warps 2.83).
+_SMALL_ELEMENTS_PER_WARP_FP8 = 256
 # A forced tiling (see _set_tiling_override): None = the default choice.
 _TILING_OVERRIDE: Any = None
 # fp8 dtype -> (largest finite value, mantissa bits, smallest normal exponent)
 _FP8 = {"float8_e4m3fn": (448.0, 3, -6), "float8_e5m2": (57344.0, 2, -14)}
 # Cache modifier of the cache stores ("" = default write-back; ".cs" = streaming): a bench knob.
 _STORE_MODIFIER = ""
+# Token classes up to this many tokens write K and V in one program (grid axis 1 of one program,
+# the slot load and address math shared) instead of one program per half; 0 = never. A bench knob
+# until the H200 sweep says (bench/gpu_kernels_sweep.py, candidates "fused").
+_FUSE_KV_TOKENS = 0
 
 
 @triton.jit
@@ -118,12 +126,17 @@ def _fp8_bits(y, FP8_TYPE: tl.constexpr, NATIVE_FP8: tl.constexpr, FP8_MAX: tl.c
     rounded to the fp8 grid.
     """
     u = y.to(tl.uint32, bitcast=True)
-    sign = (u >> 24) & 0x80
-    nan = y != y
     if NATIVE_FP8:
+        # The conversion keeps every sign but NaN's (canonical 0x7F): OR-ing the sign of y into
+        # every byte is exact for finite values and +-inf (already signed) and restores -NaN's, with
+        # no NaN test and no widening of the bytes (which cost the fp8 prefill 25 %: a layout
+        # conversion through shared memory on Triton 3.6).
         x = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        bits = x.to(FP8_TYPE).to(tl.uint8, bitcast=True).to(tl.uint32)
+        sign8 = ((u >> 24) & 0x80).to(tl.uint8)
+        return x.to(FP8_TYPE).to(tl.uint8, bitcast=True) | sign8
     else:
+        sign = (u >> 24) & 0x80
+        nan = y != y
         r = _round_to_fp8_grid(tl.where(nan, 0.0, y), FP8_MAX, FP8_MANT, FP8_MIN_EXP)
         a = r.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
         e = (a >> 23).to(tl.int32) - 127
@@ -132,7 +145,7 @@ def _fp8_bits(y, FP8_TYPE: tl.constexpr, NATIVE_FP8: tl.constexpr, FP8_MAX: tl.c
         # exact: a subnormal is an integer multiple 0 .. 2**MANT - 1 of 2**(MIN_EXP - MANT)
         subnormal = (tl.where(is_normal, 0.0, tl.abs(r)) * FP8_SUBNORMAL).to(tl.int32).to(tl.uint32)
         bits = tl.where(is_normal, normal, subnormal) | sign
-    return tl.where(nan, sign | 0x7F, bits).to(tl.uint8)
+        return tl.where(nan, sign | 0x7F, bits).to(tl.uint8)
 
 
 @triton.jit
@@ -167,6 +180,7 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
     QUANT: tl.constexpr, NATIVE_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr, FP8_SUBNORMAL: tl.constexpr, STORE_MODIFIER: tl.constexpr,
+    FUSE_KV: tl.constexpr,
     BLOCK_T: tl.constexpr, HEAD_TILE: tl.constexpr, D_PAD: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -176,6 +190,8 @@ def _write_kv_kernel(
     in_range = t < num_tokens
     h_ok = h < NUM_HEADS
     d_ok = d < HEAD_SIZE
+    # int64 offsets: int32 ones compile to more instructions and registers (each element's offset
+    # is widened for its pointer add; sm_90 SASS, Triton 3.6).
     slot = tl.load(slot_ptr + t * slot_stride, mask=in_range, other=-1).to(tl.int64)
     # Padding (negative) and out-of-cache slots write nothing, validated or not.
     ok = in_range & (slot >= 0) & (slot < num_slots)
@@ -185,7 +201,15 @@ def _write_kv_kernel(
     load_mask = _arrange_mask(in_range, h_ok, d_ok, HEADS_OUTER)
     store_mask = _arrange_mask(ok, h_ok, d_ok, HEADS_OUTER)
     t64 = t.to(tl.int64)
-    if half == 0:
+    if FUSE_KV:  # one program writes K and V of its tokens (grid axis 1 has one program)
+        _copy_half(key_ptr, t64 * key_stride_t, key_stride_h, key_stride_d, cache_ptr, dst_off,
+                   load_mask, store_mask, k_scale_ptr, h, d, HEADS_OUTER, QUANT, NATIVE_FP8,
+                   FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL, STORE_MODIFIER)
+        _copy_half(value_ptr, t64 * value_stride_t, value_stride_h, value_stride_d,
+                   cache_ptr + stride_kv, dst_off, load_mask, store_mask, v_scale_ptr, h, d,
+                   HEADS_OUTER, QUANT, NATIVE_FP8, FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL,
+                   STORE_MODIFIER)
+    elif half == 0:
         _copy_half(key_ptr, t64 * key_stride_t, key_stride_h, key_stride_d, cache_ptr, dst_off,
                    load_mask, store_mask, k_scale_ptr, h, d, HEADS_OUTER, QUANT, NATIVE_FP8,
                    FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL, STORE_MODIFIER)
@@ -253,7 +277,8 @@ def _tiling(spec: KVCacheSpec, tokens: int | None) -> WriteTiling:
         spread = _pow2_floor(tokens * h_pad * d_pad * halves // _TARGET_PROGRAMS)
         if spread < largest:
             tile = max(spread, _MIN_TILE_ELEMENTS)
-            per_warp, most_warps = _SMALL_ELEMENTS_PER_WARP, _SMALL_MAX_WARPS
+            per_warp = _SMALL_ELEMENTS_PER_WARP_FP8 if spec.is_fp8 else _SMALL_ELEMENTS_PER_WARP
+            most_warps = _SMALL_MAX_WARPS
     head_tile = max(1, min(h_pad, tile // d_pad))
     block_t = max(1, tile // (head_tile * d_pad))
     elements = block_t * head_tile * d_pad
@@ -330,23 +355,28 @@ class _Prepared:
         self.quantize = quantize
         self.is_mla = spec.is_mla
         self.cpu_slots = cpu_slots  # validate by default: reading slots costs no sync on CPU
-        # token class -> (site, block_t, head_tiles); tiling -> the same triple
-        self.by_class: dict[int, tuple[LaunchSite, int, int]] = {}
-        self.by_tiling: dict[WriteTiling, tuple[LaunchSite, int, int]] = {}
+        # token class -> (site, block_t, head_tiles, programs on grid axis 1); (tiling, K and V
+        # fused) -> the same
+        self.by_class: dict[int, tuple[LaunchSite, int, int, int]] = {}
+        self.by_tiling: dict[tuple[WriteTiling, bool], tuple[LaunchSite, int, int, int]] = {}
         self.site: LaunchSite | None = None  # the last site launched (bench/tests look at it)
 
-    def launch_for(self, num_tokens: int) -> tuple[LaunchSite, int, int]:
+    def launch_for(self, num_tokens: int) -> tuple[LaunchSite, int, int, int]:
         cls = 1 << max(0, num_tokens - 1).bit_length()
         entry = self.by_class.get(cls)
         if entry is None:
             tiling = write_tiling(self.spec, num_tokens)
             entry = self.by_tiling.get(tiling)
+            fuse = self.kv_halves == 2 and cls <= _FUSE_KV_TOKENS
+            entry = self.by_tiling.get((tiling, fuse))
             if entry is None:
                 site = _LAUNCHER.site({**self.fixed, "BLOCK_T": tiling.block_t,
-                                       "HEAD_TILE": tiling.head_tile, "D_PAD": tiling.d_pad},
+                                       "HEAD_TILE": tiling.head_tile, "D_PAD": tiling.d_pad,
+                                       "FUSE_KV": fuse},
                                       {"num_warps": tiling.num_warps})
-                entry = (site, tiling.block_t, triton.cdiv(self.num_heads, tiling.head_tile))
-                self.by_tiling[tiling] = entry
+                entry = (site, tiling.block_t, triton.cdiv(self.num_heads, tiling.head_tile),
+                         1 if fuse else self.kv_halves)
+                self.by_tiling[(tiling, fuse)] = entry
             self.by_class[cls] = entry
         self.site = entry[0]
         return entry
@@ -461,6 +491,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
         value, v_scale = key, k_scale
     if not prep.quantize:
         k_scale = v_scale = key
-    site, block_t, head_tiles = prep.launch_for(num_tokens)
-    site(((num_tokens + block_t - 1) // block_t, prep.kv_halves, head_tiles),
+    site, block_t, head_tiles, halves = prep.launch_for(num_tokens)
+    site(((num_tokens + block_t - 1) // block_t, halves, head_tiles),
          (key, value, cache, slot_mapping, k_scale, v_scale, num_tokens))
