@@ -248,7 +248,9 @@ def _matrix_case(cluster: Any, ptp: int, dtp: int, variant: str, device: str = "
             p.call("hold", name=pair.name, request_id="r1", blocks=remote)
         results = pair.read_all("r1", local, remote, num_tokens=tokens)
         assert [r["result_ok"] for r in results] == [True] * dtp, results
-        assert all(r["bytes"] > 0 and r["descriptors"] > 0 for r in results)
+        # ipc moves with kernels, not NIXL descriptors
+        assert all(r["bytes"] > 0 and (r["descriptors"] > 0 or r["path"] == "ipc")
+                   for r in results)
         assert pair.verify_all(local, remote, tokens) == [None] * dtp
         assert pair.wait_released("r1") == ["notified"] * ptp
     finally:
