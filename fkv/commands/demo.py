@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true",
                    help="the decode ranks read each layer as soon as the prefill publishes it "
                    "(reading starts before the forward); the summary compares the time from the "
-                   "prefill's last layer to the complete KV with a non-streamed read of the same KV")
+                   "prefill's last layer to the complete KV with a non-streamed read of the "
+                   "same KV")
     p.add_argument("--seed", type=int, default=0, help="weights, prompt and block tables (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
