@@ -31,7 +31,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHON
 PEER = r"""
 import sys
 import numpy as np
-from fkv.connector._nixl import Agent
+from fkv.connector.transport._agent import Agent
 buf = (np.arange(1 << 16) % 256).astype(np.uint8)
 agent = Agent("prefill")
 agent.register([(buf.ctypes.data, buf.nbytes)], "DRAM", 0)
@@ -48,7 +48,7 @@ VICTIM = r"""
 import json, sys, time
 import numpy as np
 from fkv.connector.transport import _metadata as M
-from fkv.connector._nixl import load_nixl
+from fkv.connector.transport._agent import load_nixl
 nixl = load_nixl()
 inp = sys.stdin.buffer
 blobs = []
@@ -203,7 +203,7 @@ def test_non_utf8_agent_name_is_refused_before_nixl_sees_it(peer):
 def test_dead_peer_accepted_blob_gives_fkverror_and_leaves_nothing_added():
     """A blob checked while its peer lived (cached as accepted) is added after the peer died:
     NIXL cannot connect; FkvError, and NIXL keeps nothing of it."""
-    from fkv.connector._nixl import load_nixl
+    from fkv.connector.transport._agent import load_nixl
 
     proc = subprocess.Popen([sys.executable, "-c", PEER], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=ENV, text=True)

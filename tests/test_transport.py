@@ -108,6 +108,21 @@ class Proc:
         os.kill(self.proc.pid, sig)
 
 
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Until every thread of ``pid`` is stopped (state T): a signal is delivered asynchronously."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for t in os.listdir(f"/proc/{pid}/task")]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            states = []
+        if states and all(s == "T" for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout} s")
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     logdir = tmp_path_factory.mktemp("transport")
@@ -951,6 +966,7 @@ def test_prefill_killed_during_and_before_a_read_then_reconnect(cluster: Any) ->
         # During: the prefill process is stopped (cannot serve the READ over TCP), the read is
         # posted, then the process is killed while the READ is in flight.
         victim.kill(signal.SIGSTOP)
+        wait_stopped(victim.pid)
         hung = D.call("read", name=name, request_id="hung", local=ids, remote=ids, timeout=1.0)
         assert not hung["result_ok"] and 0.9 <= hung["read_seconds"] < 5.0, hung
         assert "did not finish before the read's timeout" in hung["error"]
@@ -1016,6 +1032,7 @@ def test_prefill_stopped_or_killed_during_a_packed_read_then_reconnect(cluster: 
         assert warm["result_ok"] and warm["path"] == "packed", warm
         # During the pack: the stopped process cannot answer the pack request.
         victim.kill(signal.SIGSTOP)
+        wait_stopped(victim.pid)
         hung = D.call("read", name=name, request_id="hung", local=ids, remote=ids, timeout=1.0)
         assert not hung["result_ok"] and 0.9 <= hung["read_seconds"] < 5.0, hung
         assert "did not answer the pack request before the read's timeout" in hung["error"]

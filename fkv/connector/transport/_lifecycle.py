@@ -105,7 +105,7 @@ class _Held:
 
 def expected_readers(decode_engine_id: str, decode_tp: int, prefill_tp: int, prefill_rank: int
                      ) -> frozenset[Reader]:
-    """The decode ranks that notify prefill rank ``prefill_rank`` once per request (SPEC.md §5).
+    """The decode ranks that notify prefill rank ``prefill_rank`` once per request (docs/handshake.md, "Which bytes move").
 
     Every decode rank notifies each prefill rank of its group (the ranks it reads *and* the ranks
     it only notifies: replicated KV, MLA), so the set depends on the TP sizes only: with decode

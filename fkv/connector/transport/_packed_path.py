@@ -4,7 +4,7 @@ For each chunk of a request (chunks keep every pack inside the prefill rank's sh
 buffer and all packs of the chunk inside the local staging buffer), the decode rank:
 
 1. sends a ``Pack`` to every prefill rank it reads (block ids, that rank's head range it needs,
-   token count; see ``fkv.connector._pack``) through one persistent DEALER socket per rank, and
+   token count; see ``_packer``) through one persistent DEALER socket per rank, and
    waits for every reply (a busy buffer answers ``retry``: ask again until the deadline);
 2. posts one READ per rank (one descriptor, or ``FKV_PACK_DESCRIPTORS`` equal pieces) of the
    packed bytes into its own area of the local staging buffer; the READ carries the slot's free

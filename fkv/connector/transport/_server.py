@@ -11,7 +11,7 @@ thread that does everything afterwards, so NIXL is only ever called from that th
   free slots, then asks the requester to retry if it still does not fit;
 - polls NIXL notifications: ``"<request id>:<decode tp>"`` counts a reader of a request (held
   blocks are released after the expected count, or when the lease runs out); a
-  :data:`fkv.connector._pack.FREE_PREFIX` notification frees a pack slot;
+  :data:`_packer.FREE_PREFIX` notification frees a pack slot;
 - expires leases and pack slots.
 
 Errors inside the loop never stop it: they land in ``server.errors``. ``FKV_TRANSPORT_SPIN``
