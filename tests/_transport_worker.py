@@ -207,11 +207,11 @@ class Worker:
         server = self.servers[cmd["name"]]
         answer_all = server._answer_all
 
-        def answer_then_stop(batch: list[list[bytes]]) -> None:
+        def answer_then_stop(batch: list[tuple[Any, bytes | None]]) -> None:
             answer_all(batch)
-            for frames in batch:
+            for _, payload in batch:
                 try:
-                    msg = _side.decode_request(frames[-1])
+                    msg = _side.decode_request(payload or b"")
                 except _side.SideChannelError:
                     continue
                 if isinstance(msg, _side.Pack) and msg.request_id == cmd["request_id"]:

@@ -40,9 +40,9 @@ __all__ = [
 #: Version of the message layout below (bumped on any incompatible change).
 WIRE_VERSION = 1
 #: Largest message accepted (bytes), checked before decoding anything.
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES = 32 << 20
 #: Largest NIXL agent metadata blob carried (bytes).
-MAX_AGENT_METADATA_BYTES = 32 << 20
+MAX_AGENT_METADATA_BYTES = 16 << 20
 #: Most registered regions (one per layer, or one cross-layer buffer).
 MAX_REGIONS = 4096
 #: Size of one CUDA IPC memory handle (``cudaIpcMemHandle_t``).

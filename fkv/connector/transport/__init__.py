@@ -97,7 +97,7 @@ def serve(engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, host: str = "12
           port: int = 0, join: str | None = None, lease: float = DEFAULT_LEASE,
           join_timeout: float = 30.0,
           on_release: Callable[[str, Any, str], None] | None = None,
-          pack_bytes: int | None = None) -> Server:
+          pack_bytes: int | None = None, curve: Any = None) -> Server:
     """Expose one prefill rank's caches; a context manager with ``.address``.
 
     Rank 0 binds the side channel on ``host:port`` (``port=0``: any free port) and answers for the
@@ -122,13 +122,14 @@ def serve(engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, host: str = "12
     (['req-1'], 256)
     """
     return Server(engine, spec, caches, host=host, port=port, join=join, lease=lease,
-                  join_timeout=join_timeout, on_release=on_release, pack_bytes=pack_bytes)
+                  join_timeout=join_timeout, on_release=on_release, pack_bytes=pack_bytes,
+                  curve=curve)
 
 
 def connect(engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, remote_address: str,
             timeout: float = 10.0, expected_engine: str | None = None, strategy: str = "auto",
             staging_bytes: int = DEFAULT_STAGING_BYTES, telemetry: bool = False,
-            pack_threshold: int = DEFAULT_PACK_THRESHOLD) -> Client:
+            pack_threshold: int = DEFAULT_PACK_THRESHOLD, curve: Any = None) -> Client:
     """Connect one decode rank to a prefill engine through its rank-0 side channel.
 
     Fetches every prefill rank's metadata within ``timeout`` seconds (waiting for ranks still
@@ -155,4 +156,4 @@ def connect(engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, remote_addres
     """
     return Client(engine, spec, caches, remote_address=remote_address, timeout=timeout,
                   expected_engine=expected_engine, strategy=strategy, staging_bytes=staging_bytes,
-                  telemetry=telemetry, pack_threshold=pack_threshold)
+                  telemetry=telemetry, pack_threshold=pack_threshold, curve=curve)

@@ -62,8 +62,9 @@ class Client:
     def __init__(self, engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, remote_address: str,
                  timeout: float = 10.0, expected_engine: str | None = None, strategy: str = "auto",
                  staging_bytes: int = DEFAULT_STAGING_BYTES, telemetry: bool = False,
-                 pack_threshold: int = DEFAULT_PACK_THRESHOLD) -> None:
+                 pack_threshold: int = DEFAULT_PACK_THRESHOLD, curve: Any = None) -> None:
         self.engine = check_engine(engine)
+        self._curve = curve
         self.spec = spec
         self._views = layer_views(spec, caches)
         regions, self._mem_type, self._device_id, self._device = cache_regions(spec, caches)
@@ -195,7 +196,7 @@ class Client:
                     else:
                         path.read(request_id, local, remote, tokens, deadline, tally)
                     state.link.notify(state.notify_after(path), request_id)
-            except TransferFailed as e:
+            except (TransferFailed, SideChannelError) as e:
                 self.telemetry.failure(failure_kind(str(e)))
                 return self._result(False, request_id, tally, t0, path.name, str(e))
             result = self._result(True, request_id, tally, t0, path.name, None, layer_seconds)
@@ -282,7 +283,7 @@ class Client:
         deadline = time.monotonic() + timeout
         while True:
             reply = _side.request(self._zctx, address, _side.Fetch(),
-                                  max(0.05, deadline - time.monotonic()))
+                                  max(0.05, deadline - time.monotonic()), curve=self._curve)
             if isinstance(reply, _side.Ranks):
                 break
             message = reply.message if isinstance(reply, _side.Error) else repr(reply)
@@ -316,7 +317,7 @@ class Client:
                       mem_type=self._mem_type, device_id=self._device_id, device=self._device,
                       agent=self._agent, zctx=self._zctx, strategy=self._strategy,
                       staging_bytes_max=self._staging_bytes_max,
-                      pack_threshold=self._pack_threshold)
+                      pack_threshold=self._pack_threshold, curve=self._curve)
         self._state = Connection(local, outcome.plan, peers, entries, deadline)
 
     def _disconnect(self) -> None:

@@ -94,7 +94,7 @@ class Connection:
                             tp_size=engine.tp_size, agent=self.local.agent.name)
         for rank in (*self.plan.remote_ranks, *self.plan.notify_only_ranks):
             reply = _side.request(self.local.zctx, entries[rank].address, hello,
-                                  max(0.05, deadline - time.monotonic()))
+                                  max(0.05, deadline - time.monotonic()), curve=self.local.curve)
             if not isinstance(reply, _side.Ok):
                 raise SideChannelError(f"prefill rank {rank} of engine {self.engine_id!r} refused "
                                        f"this decode rank's hello: "
@@ -175,7 +175,7 @@ class Connection:
             from fkv.connector.transport._stream import Watch
 
             self._watch = Watch(self.local.zctx, self._entries, self.plan.remote_ranks,
-                                self.engine_id)
+                                self.engine_id, curve=self.local.curve)
         return self._watch
 
     def close(self) -> None:

@@ -50,6 +50,7 @@ class Local:
     strategy: str
     staging_bytes_max: int
     pack_threshold: int
+    curve: Any = None  # CurveKeys for the side channel (None: plain-TCP frames)
 
 
 def wait_reads(agent: Any, xfers: list[Xfer], ranks: list[int], engine_id: str,

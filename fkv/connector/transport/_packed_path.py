@@ -107,7 +107,8 @@ class PackedPath:
         try:
             for read in link.plan.reads:
                 rank = read.remote_rank
-                self.dealers[rank] = _side.Dealer(link.local.zctx, link.entries[rank].address)
+                self.dealers[rank] = _side.Dealer(link.local.zctx, link.entries[rank].address,
+                                                  link.local.curve)
         except BaseException:
             self.close()
             raise

@@ -63,8 +63,9 @@ class Server:
                  host: str = "127.0.0.1", port: int = 0, join: str | None = None,
                  lease: float = DEFAULT_LEASE, join_timeout: float = 30.0,
                  on_release: Callable[[str, Any, str], None] | None = None,
-                 pack_bytes: int | None = None) -> None:
+                 pack_bytes: int | None = None, curve: Any = None) -> None:
         self.engine = check_engine(engine)
+        self._curve = curve
         self.spec = spec
         if engine.tp_rank == 0 and join is not None:
             raise field_error("join", join, "None on rank 0 (rank 0 answers the side channel)")
@@ -278,20 +279,14 @@ class Server:
 
     # -- start and stop ----------------------------------------------------------------------------
     def _bind(self, host: str, port: int) -> str:
-        z = zmq()
-        self._sock = self._ctx.socket(z.ROUTER)
-        self._sock.setsockopt(z.LINGER, 0)
-        self._sock.setsockopt(z.MAXMSGSIZE, _side.MAX_SIDE_MESSAGE_BYTES)
-        self._sock.setsockopt(z.ROUTER_MANDATORY, 0)
-        try:
-            self._sock.bind(f"tcp://{host}:{port if self.engine.tp_rank == 0 and port else '*'}")
-        except z.ZMQError as e:
-            raise field_error("host/port", f"{host}:{port}", f"an address to bind ({e})") from None
-        return self._sock.getsockopt(z.LAST_ENDPOINT).decode()
+        self._sock = _side.SideServer(self._ctx, host,
+                                      port if self.engine.tp_rank == 0 and port else 0,
+                                      curve=self._curve)
+        return self._sock.address
 
     def _shutdown(self) -> None:
         if self._sock is not None:
-            self._sock.close(0)
+            self._sock.close()
             self._sock = None
         agent = getattr(self, "_agent", None)
         if agent is not None:
@@ -311,7 +306,8 @@ class Server:
         while time.monotonic() < deadline:
             try:
                 reply = _side.request(self._ctx, address, msg,
-                                      min(2.0, max(0.05, deadline - time.monotonic())))
+                                      min(2.0, max(0.05, deadline - time.monotonic())),
+                                      curve=self._curve)
             except SideChannelError as e:
                 last = str(e)
                 continue
@@ -327,19 +323,13 @@ class Server:
 
     # -- the server thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        z = zmq()
         spin, active = self._spin, 0.0
         while not self._stop.is_set():
             try:
                 if self._sock is not None:
-                    wait = 0 if time.monotonic() - active < spin else 2
-                    if self._sock.poll(wait, z.POLLIN):
-                        batch = []
-                        for _ in range(64):
-                            try:
-                                batch.append(self._sock.recv_multipart(z.NOBLOCK))
-                            except z.Again:
-                                break
+                    wait = 0.0 if time.monotonic() - active < spin else 0.002
+                    batch = self._sock.poll(wait)
+                    if batch:
                         self._answer_all(batch)
                         active = time.monotonic()
                 else:
@@ -376,11 +366,11 @@ class Server:
             if release is not None:
                 self._released_now(release)
 
-    def _answer_all(self, batch: list[list[bytes]]) -> None:
-        """Answer a batch of requests: packs launched one after another, one device wait, then
-        every reply."""
+    def _answer_all(self, batch: list[tuple[Any, bytes | None]]) -> None:
+        """Answer a batch of requests ``(envelope, payload)``: packs launched one after another,
+        one device wait, then every reply."""
         t0 = time.perf_counter()
-        out = [self._reply(frames) for frames in batch]
+        out = [self._reply(envelope, payload) for envelope, payload in batch]
         packed = [reply for _, reply in out if isinstance(reply, _side.Packed)]
         if packed:
             try:
@@ -398,20 +388,17 @@ class Server:
                                     f"{type(e).__name__}: {e}", token=reply.token))
         for envelope, reply in out:
             try:
-                self._sock.send_multipart([*envelope, _side.encode_message(reply)], zmq().NOBLOCK)
+                if not self._sock.reply(envelope, _side.encode_message(reply)):
+                    self.errors.append("reply not sent: the requester left")
             except Exception as e:  # the requester left: nothing to answer
                 self.errors.append(f"reply not sent: {e}")
 
-    def _reply(self, frames: list[bytes]) -> tuple[list[bytes], Any]:
-        if len(frames) >= 3 and frames[1] == b"":
-            envelope, body = frames[:2], frames[2:]
-        else:
-            envelope, body = frames[:1], frames[1:]
-        if len(body) != 1:
+    def _reply(self, envelope: Any, payload: bytes | None) -> tuple[Any, Any]:
+        if payload is None:
             self.telemetry.refused("frames")
-            return envelope, _side.Error(message=f"expected one message frame, got {len(body)}")
+            return envelope, _side.Error(message="expected one message frame")
         try:
-            msg = _side.decode_request(body[0])
+            msg = _side.decode_request(payload)
         except FkvError as e:
             self.telemetry.refused("undecodable")
             return envelope, _side.Error(message=str(e))

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from fkv.connector.transport import _side
-from fkv.connector.transport._base import TransferFailed
+from fkv.connector.transport._base import SideChannelError, TransferFailed
 
 __all__ = ["Watch"]
 
@@ -24,8 +24,8 @@ _tokens = itertools.count(1)
 class Watch:
     """Status requests to the prefill ranks one decode rank reads (one DEALER socket each)."""
 
-    def __init__(self, zctx: Any, entries: list[Any], ranks: tuple[int, ...], engine_id: str
-                 ) -> None:
+    def __init__(self, zctx: Any, entries: list[Any], ranks: tuple[int, ...], engine_id: str,
+                 curve: Any = None) -> None:
         self.engine_id = engine_id
         self.dealers: dict[int, _side.Dealer] = {}
         try:
@@ -34,13 +34,20 @@ class Watch:
                     raise TransferFailed(f"prefill rank {rank} of engine {engine_id!r} announced "
                                          f"no side-channel address: it cannot serve streaming "
                                          f"requests")
-                self.dealers[rank] = _side.Dealer(zctx, entries[rank].address)
+                self.dealers[rank] = _side.Dealer(zctx, entries[rank].address, curve)
         except BaseException:
             self.close()
             raise
 
     def ready(self, request_id: str, deadline: float) -> int:
         """Layers readable on every rank now (0 while a rank does not hold the request yet)."""
+        try:
+            return self._ready(request_id, deadline)
+        except SideChannelError as e:
+            raise TransferFailed(f"layer status from prefill engine {self.engine_id!r}: {e}") \
+                from e
+
+    def _ready(self, request_id: str, deadline: float) -> int:
         tokens = {}
         for rank, dealer in self.dealers.items():
             tokens[rank] = next(_tokens)
