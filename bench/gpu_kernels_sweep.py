@@ -562,7 +562,8 @@ def _attention_section(shape: dict, device: str, rep: int, quick: bool) -> list[
             ms = min(ms_first, ms_repeat)
             row = {"op": "attention", "kind": kind, "batch": batch, "ctx": ctx, "layout": layout,
                    "variant": "default", "config": attrs.asdict(default), "ms": ms,
-                   "ms_first": ms_first, "ms_repeat": ms_repeat, "bytes": p.bytes, "gbps": p.bytes / ms / 1e6,
+                   "ms_first": ms_first, "ms_repeat": ms_repeat, "bytes": p.bytes,
+                   "gbps": p.bytes / ms / 1e6,
                    "sdpa_ms": sdpa_ms, "sdpa_backend": best_sdpa, "sdpa_ms_by_backend": sdpa,
                    "max_err_vs_reference": err_ref, "max_err_vs_sdpa": err_sdpa}
             if kind == "decode":
@@ -781,7 +782,8 @@ def _result_run(result: dict, args: Any, device: str) -> Any:
         metrics = {k2: r.get(k1) for k1, k2 in (
             ("ms", "kernel_ms"), ("gbps", "gbps"), ("sdpa_ms", "sdpa_ms"),
             ("ratio_vs_sdpa", "ratio_vs_sdpa_x"), ("ratio_time_vs_sdpa", "time_vs_sdpa_x"),
-            ("ms_first", "first_ms"), ("ms_repeat", "repeat_ms"), ("ms_graph", "graph_ms"), ("sdpa_ms_graph", "sdpa_graph_ms"),
+            ("ms_first", "first_ms"), ("ms_repeat", "repeat_ms"), ("ms_graph", "graph_ms"),
+            ("sdpa_ms_graph", "sdpa_graph_ms"),
             ("ms_no_padding_column", "no_padding_column_ms"), ("tflops", "kernel_tflops"),
             ("sdpa_tflops", "sdpa_tflops"), ("speedup_vs_default", "speedup_vs_default_x"),
             ("max_err_vs_reference", "vs_reference_err"), ("max_err_vs_sdpa", "vs_sdpa_err"),
