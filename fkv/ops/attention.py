@@ -40,17 +40,23 @@ _MAX_HEAD_SIZE = 1024
 _PROGRAMS_PER_SM = 4
 _MIN_SPLIT_TOKENS = 512
 #: flash-decoding splits, decode-like tiles: a wave model of a memory-bound grid (fitted to the
-#: H200 sweep of issue 14, bench/NOTES.md). _RESIDENT_PER_SM programs run at once per SM
-#: (_RESIDENT_PER_SM_SPLIT for the split variant): grids beyond that run in waves. A wave of n
-#: concurrent programs streams at the fraction ``1 - (1 - n / S)**2`` of the full bandwidth, S =
+#: H200 sweeps of issue 14, bench/NOTES.md). ``resident`` programs per SM run at once (by decode
+#: tile, _DECODE_RESIDENT: without splits, with splits): grids beyond that run in waves. A wave of
+#: n concurrent programs streams at the fraction ``1 - (1 - n / S)**2`` of the full bandwidth, S =
 #: _SATURATING_PER_SM * num_sms (the measured curve: 64 programs 0.31, 128 0.54, 256 0.88, >= 384
 #: 1.0); each program costs _PROGRAM_OVERHEAD_KEYS keys of its slot's time (start-up latency,
-#: partial output). Measured ranking it reproduces: B=64 x 8192 2 splits, B=256 x 2048 2,
-#: B=8 x 32768 8 (12: 1.15x slower: 1.45 waves), B=16 x 4096 3-4 (6: 1.15x slower).
+#: partial output).
 _RESIDENT_PER_SM = 3
 _RESIDENT_PER_SM_SPLIT = 4
 _SATURATING_PER_SM = 3
 _PROGRAM_OVERHEAD_KEYS = 48
+#: decode tile (tile_n, num_warps, num_stages) -> resident programs per SM (no splits, splits).
+#: Round-2 H200 sweep (Triton 3.6, padded tables): (64, 2, 3) runs 512 programs (B=64 x 8192,
+#: no split) in one wave (0.486 ms vs 0.610 on 4 warps) and 576 split programs in two (B=8 x 32768:
+#: 9 splits 0.356 ms, 8 splits 0.256); (128, 4, 2) fits about 2 per SM (B=8 x 32768: 4 splits =
+#: 256 programs 0.257 ms, 8 = 512 0.292; B=16 x 4096: 2 splits 0.0815, 4 splits 0.0925). Tiles
+#: not listed: the fit of round 1 ((64, 4, 3): 3 without, 4 with splits).
+_DECODE_RESIDENT = {(64, 2, 3): (4, 4), (128, 4, 2): (2, 2)}
 #: the split model sees the block table's capacity rounded down to 1/_CONTEXT_STEPS of its power
 #: of two (model_context): spare columns change no split count.
 _CONTEXT_STEPS = 8
@@ -61,13 +67,22 @@ _FMA_SCORES = True
 _HEADS_FIRST = True
 #: (head_pad up to, 32-bit inputs) -> (max rows (query token x head pairs) per program,
 #: (tile_n, num_warps, num_stages) for: decode-like tiles (<= 16 rows), mid tiles (<= half the
-#: max rows), full tiles). Rows bound the fp32 accumulator's registers. D <= 128, 16-bit: measured
-#: on the H200 (Triton 3.6, bench/NOTES.md; issue 14 sweep): prefill B=4 x 4096 causal, 128 rows
-#: (32 queries x 4 heads) x 64 keys on 4 warps, 3 stages: 1.527 / 1.518 ms NHD / HND, vs 1.536 /
-#: 1.682 for 256 rows on 8 warps (HND lost 10 % there); 2 stages lose 20 % (1.86 ms).
+#: max rows), full tiles[, decode-like tiles of a small grid]). Rows bound the fp32 accumulator's
+#: registers. D <= 128, 16-bit: measured on the H200 (Triton 3.6, bench/NOTES.md; issue 14 round-2
+#: sweep, padded block tables, ms NHD / HND):
+#: - decode, grids of >= num_sms programs without splits: 64 keys on 2 warps, 3 stages (B=64 x
+#:   8192, no split: 0.486 / 0.486 vs 0.495 / 0.497 for (64, 4, 3) with 2 splits; B=256 x 2048:
+#:   0.485 / 0.486 vs 0.519 / 0.519).
+#: - decode, smaller grids (the 4th entry): 128 keys on 4 warps, 2 stages, splits filling about 2
+#:   programs per SM (B=16 x 4096, 2 splits: 0.0816 / 0.0815 vs 0.0826 / 0.0824 for (64, 2, 3)
+#:   with 4 and 0.084 for (64, 4, 3) with 4; B=8 x 32768, 4 splits: 0.257 / 0.257, (64, 2, 3) with
+#:   8 splits 0.256 / 0.257).
+#: - prefill B=4 x 4096 causal: 256 rows (64 queries x 4 heads) x 64 keys on 8 warps, 4 stages:
+#:   1.479 / 1.480 vs 3 stages 1.492 / 1.499 and 128 rows on 4 warps, 3 stages 1.546 / 1.537
+#:   (round 1: 2 stages lose 20 %). 128-row tiles (mid) keep (64, 4, 3).
 #: ``bench/gpu_kernels_sweep.py`` times alternatives on the GPU.
 _TUNING = {
-    (128, False): (128, (64, 4, 3), (64, 4, 3), (64, 4, 3)),
+    (128, False): (256, (64, 2, 3), (64, 4, 3), (64, 8, 4), (128, 4, 2)),
     (256, False): (64, (32, 4, 2), (32, 8, 2), (32, 8, 2)),
     (1024, False): (16, (16, 8, 1), (16, 8, 1), (16, 8, 1)),
     (128, True): (32, (32, 8, 2), (16, 8, 2), (16, 8, 2)),
@@ -115,20 +130,21 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     plans for :func:`model_context` of it (rounded down, so the padding columns engines allocate
     change nothing; the kernel cuts each sequence's keys by its real length). Decode (and varlen
     batches whose mean query length is small) takes the split count that minimizes
-    :func:`_split_cost` (each split >= 512 keys); prefill-like tiles split only a small grid (to
-    about ``4 * num_sms`` programs).
+    :func:`_split_cost` (each split >= 512 keys) for its decode tile (a grid of fewer programs
+    than SMs before splitting gets the small-grid tile, when the table has one); prefill-like
+    tiles split only a small grid (to about ``4 * num_sms`` programs).
 
     >>> c = attention_config(num_seqs=8, num_q_tokens=8, num_q_heads=32, num_kv_heads=8,
     ...                      head_size=128, max_context=32768, itemsize=2, num_sms=132, varlen=False)
-    >>> c.block_q, c.heads_per_program, c.num_splits
-    (1, 4, 8)
+    >>> c.block_q, c.heads_per_program, c.num_splits, c.tile_n, c.num_warps
+    (1, 4, 4, 128, 4)
     """
     group = num_q_heads // num_kv_heads
     head_pad = _pow2(max(head_size, 16))
     if head_pad > _MAX_HEAD_SIZE:
         raise field_error("head_size", head_size, f"<= {_MAX_HEAD_SIZE} for attention")
     size = next(k for k in _TUNING if head_pad <= k[0] and (itemsize >= 4) == k[1])
-    rows_cap, decode_tiles, mid_tiles, full_tiles = _TUNING[size]
+    rows_cap, decode_tiles, mid_tiles, full_tiles, *small_grid = _TUNING[size]
     heads = min(group, rows_cap)
     if varlen:
         mean_q = max(1, -(-num_q_tokens // max(num_seqs, 1)))
@@ -141,11 +157,14 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     chunks = -(-group // heads)
     tiles = num_seqs if not varlen else num_q_tokens // block_q + num_seqs
     programs = max(1, tiles * num_kv_heads * chunks)
+    if rows <= 16 and small_grid and programs < num_sms:
+        tile_n, warps, stages = small_grid[0]
     max_context = model_context(max_context)
     most = max(1, -(-max_context // max(_MIN_SPLIT_TOKENS, tile_n)))
     if rows <= 16:
-        splits = min(range(1, most + 1), key=lambda n: _split_cost(n, programs, max_context,
-                                                                   tile_n, num_sms))
+        resident = decode_residency(tile_n, warps, stages)
+        splits = min(range(1, most + 1), key=lambda n: _split_cost(
+            n, programs, max_context, tile_n, num_sms, resident))
     else:
         splits = max(1, min(-(-(_PROGRAMS_PER_SM * num_sms) // programs), most))
     splits = -(-max_context // _split_len(max_context, splits, tile_n))
@@ -173,21 +192,28 @@ def _split_len(max_context: int, splits: int, tile_n: int) -> int:
     return -(-(-(-max_context // splits)) // tile_n) * tile_n
 
 
-def _split_cost(splits: int, programs: int, max_context: int, tile_n: int, num_sms: int) -> float:
+def decode_residency(tile_n: int, num_warps: int, num_stages: int) -> tuple[int, int]:
+    """Resident programs per SM the split model assumes for a decode tile (no splits, splits)."""
+    return _DECODE_RESIDENT.get((tile_n, num_warps, num_stages),
+                                (_RESIDENT_PER_SM, _RESIDENT_PER_SM_SPLIT))
+
+
+def _split_cost(splits: int, programs: int, max_context: int, tile_n: int, num_sms: int,
+                resident: tuple[int, int] = (_RESIDENT_PER_SM, _RESIDENT_PER_SM_SPLIT)) -> float:
     """Modelled time of a memory-bound split grid, in keys streamed at the full bandwidth.
 
     ``programs * splits`` programs of ``split_len`` keys run in waves of ``slots`` (resident
-    programs: ``_RESIDENT_PER_SM_SPLIT`` per SM with splits, ``_RESIDENT_PER_SM`` without); a wave
+    programs: ``resident[1]`` per SM with splits, ``resident[0]`` without); a wave
     of ``n`` programs streams ``n * split_len`` keys at the fraction ``_wave_rate(n)`` of the full
     bandwidth; each program adds ``_PROGRAM_OVERHEAD_KEYS``. A split count that rounds to fewer
     splits costs as much as that count plus a little, so ties go to the smaller one.
 
-    >>> [round(_split_cost(n, 128, 4096, 64, 132) / 1000) for n in (1, 2, 3, 4, 6, 8)]  # B=16
-    [973, 611, 560, 549, 609, 573]
+    >>> [round(_split_cost(n, 128, 4096, 128, 132, (2, 2)) / 1000) for n in (1, 2, 3, 4, 8)]  # B=16
+    [973, 611, 765, 624, 649]
     """
     split_len = _split_len(max_context, splits, tile_n)
     total = programs * -(-max_context // split_len)
-    slots = (_RESIDENT_PER_SM_SPLIT if total > programs else _RESIDENT_PER_SM) * num_sms
+    slots = (resident[1] if total > programs else resident[0]) * num_sms
     waves, rest = divmod(total, slots)
     saturating = _SATURATING_PER_SM * num_sms
     time = waves * slots / _wave_rate(slots, saturating)

@@ -44,12 +44,15 @@ __all__ = ["WriteTiling", "write_constexprs", "write_kv", "write_tiling"]
 _DO_NOT_SPECIALIZE = ("num_tokens", "num_slots")
 # Elements of one program's tile (one K or V half). bf16/fp16/fp32 caches: 16384 (32 KiB of bf16
 # read + written; H200 sweep: HND 65536 tokens 3658 GB/s vs 3611 at 8192, NHD 3685 vs 3665). fp8
-# caches: 8192 (the quantizing kernel loses occupancy with bigger tiles: 3138 GB/s at 8192, 2692 at
-# 16384, 1870 at 16384 with 4096 per warp). bench/NOTES.md has the runs.
+# caches: 4096 on 4 warps (the quantizing kernel loses occupancy with bigger tiles; round-2 H200
+# sweep, NHD / HND GB/s: 65536 tokens 3323 / 3309 vs 3025 / 2970 for 8192 elements on 4 warps and
+# 3150 / 3136 on 8; 8192 tokens 2537 / 2525 vs 2146 / 2140). bench/NOTES.md has the runs.
 _TILE_ELEMENTS = 16384
-_TILE_ELEMENTS_FP8 = 8192
-# One warp per this many tile elements (1..8 warps): 2048 bf16 elements = 4 KiB, 16 B a lane.
+_TILE_ELEMENTS_FP8 = 4096
+# One warp per this many tile elements (1..8 warps): 2048 bf16 elements = 4 KiB, 16 B a lane;
+# fp8 caches one per _ELEMENTS_PER_WARP // _FP8_WARP_FACTOR (1024: 4096 elements on 4 warps).
 _ELEMENTS_PER_WARP = 2048
+_FP8_WARP_FACTOR = 2
 # Small T (decode): tiles shrink until the grid has about this many programs (K and V halves
 # together), down to this many elements (one token of 8 heads x 128), one warp per
 # _SMALL_ELEMENTS_PER_WARP elements. A 256-token decode of 8 x 128 then runs 512 programs of one
@@ -58,10 +61,18 @@ _TARGET_PROGRAMS = 512
 _MIN_TILE_ELEMENTS = 1024
 _SMALL_ELEMENTS_PER_WARP = 512
 _SMALL_MAX_WARPS = 4
-# fp8 caches quantize (an IEEE division per element): more warps per small tile. H200, one token
-# of 8 x 128 per program: T=1 2.27 us with 4 warps vs 2.59 with 2; T=16 2.48 vs 2.79; T=256 2.92
-# vs 3.26 (8 warps 2.83).
-_SMALL_ELEMENTS_PER_WARP_FP8 = 256
+# Token classes up to _FEW_TOKENS (a grid of a few programs): one warp per
+# _FEW_ELEMENTS_PER_WARP elements (bf16 one token of 8 x 128 on 4 warps; round-2 H200 sweep, us
+# per call in a graph, NHD / HND: T=16 2.20 / 2.20 vs 2.28 / 2.27 on 2 warps, T=1 2.03 / 2.03 vs
+# 2.03 / 2.05; at T=256 2 warps stay: 2.45 / 2.79 vs 2.76 / 2.75 on 4).
+_FEW_TOKENS = 16
+_FEW_ELEMENTS_PER_WARP = 256
+# fp8 caches quantize (an IEEE division per element): more warps per small tile, up to
+# _SMALL_MAX_WARPS_FP8. Round-2 H200 sweep, one token of 8 x 128 per program, NHD / HND: 8 warps
+# T=1 2.17 / 2.17 us vs 2.31 / 2.29 on 4; T=16 2.37 / 2.35 vs 2.49 / 2.48; T=256 2.87 / 2.85 vs
+# 2.93 / 2.91 (2 warps 3.23 / 3.20).
+_SMALL_ELEMENTS_PER_WARP_FP8 = 128
+_SMALL_MAX_WARPS_FP8 = 8
 # A forced tiling (see _set_tiling_override): None = the default choice.
 _TILING_OVERRIDE: Any = None
 # fp8 dtype -> (largest finite value, mantissa bits, smallest normal exponent)
@@ -246,12 +257,13 @@ def write_tiling(spec: KVCacheSpec, num_tokens: int | None = None) -> WriteTilin
     """Tile sizes and ``num_warps`` for ``spec`` writing ``num_tokens`` tokens (None: a large
     prefill), a pure function of the spec and :func:`token_class` (no autotune).
 
-    Large T: about 16384 elements per program (8192 for fp8 caches: the quantizing kernel loses
-    occupancy with bigger tiles), one warp per 2048 elements. Small T: tiles shrink (down to
-    ``_MIN_TILE_ELEMENTS``, one whole token of the bench shape) until the grid has about
+    Large T: about 16384 elements per program, one warp per 2048 (fp8 caches: 4096 elements, one
+    warp per 1024: the quantizing kernel loses occupancy with bigger tiles). Small T: tiles shrink
+    (down to ``_MIN_TILE_ELEMENTS``, one whole token of the bench shape) until the grid has about
     ``_TARGET_PROGRAMS`` programs, so a decode step spreads over the GPU instead of running a few
     long programs; fewer elements per warp there (``_SMALL_ELEMENTS_PER_WARP``, at most
-    ``_SMALL_MAX_WARPS`` warps).
+    ``_SMALL_MAX_WARPS`` warps; fewer still for up to ``_FEW_TOKENS`` tokens and for fp8 caches,
+    up to 8 warps).
 
     >>> from fkv import KVCacheSpec
     >>> spec = KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=8, head_size=128)
@@ -272,13 +284,18 @@ def _tiling(spec: KVCacheSpec, tokens: int | None) -> WriteTiling:
     d_pad = triton.next_power_of_2(spec.head_size)
     h_pad = triton.next_power_of_2(spec.num_kv_heads)
     halves = 1 if spec.is_mla else 2
-    tile, per_warp, most_warps = largest, _ELEMENTS_PER_WARP, 8
+    tile, most_warps = largest, 8
+    per_warp = _ELEMENTS_PER_WARP // (_FP8_WARP_FACTOR if spec.is_fp8 else 1)
     if tokens is not None:
         spread = _pow2_floor(tokens * h_pad * d_pad * halves // _TARGET_PROGRAMS)
         if spread < largest:
             tile = max(spread, _MIN_TILE_ELEMENTS)
-            per_warp = _SMALL_ELEMENTS_PER_WARP_FP8 if spec.is_fp8 else _SMALL_ELEMENTS_PER_WARP
-            most_warps = _SMALL_MAX_WARPS
+            if spec.is_fp8:
+                per_warp, most_warps = _SMALL_ELEMENTS_PER_WARP_FP8, _SMALL_MAX_WARPS_FP8
+            elif tokens <= _FEW_TOKENS:
+                per_warp, most_warps = _FEW_ELEMENTS_PER_WARP, _SMALL_MAX_WARPS
+            else:
+                per_warp, most_warps = _SMALL_ELEMENTS_PER_WARP, _SMALL_MAX_WARPS
     head_tile = max(1, min(h_pad, tile // d_pad))
     block_t = max(1, tile // (head_tile * d_pad))
     elements = block_t * head_tile * d_pad
