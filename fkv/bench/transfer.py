@@ -245,7 +245,7 @@ def _prefill_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any],
             _send(conn, address=server.address)
             lasts = _prefill_stream(server, conn, cfg, dev, sbarrier) if cfg.get("stream") else []
             _recv(conn)  # stop
-            _send(conn, pending=len(server.pending()), errors=server.errors[-3:], stats=stats,
+            _send(conn, pending=len(server.pending()), errors=list(server.errors)[-3:], stats=stats,
                   stream_lasts=lasts)
     except Exception as e:
         _send(conn, error=f"{type(e).__name__}: {e}")
