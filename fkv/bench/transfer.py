@@ -2,8 +2,9 @@
 
 Cases (docs/benchmarks.md shape: bf16, N=16, 8 KV heads, head_size 128, 4096 blocks, one layer):
 
-- ``link``: P TP=1 -> D TP=1, same layout, *contiguous* blocks: the plan coalesces every request
-  into one descriptor per layer, the best NIXL/UCX can do between these processes (the link).
+- ``link``: P TP=1 -> D TP=1, same layout, *contiguous* blocks, NIXL only (``strategy="nixl"``):
+  the plan coalesces every request into one descriptor per layer, the best NIXL/UCX can do between
+  these processes (the link).
 - ``hnd-direct``: P TP=1 -> D TP=2, HND, random blocks: each D rank READs its head half, two
   descriptors (K, V) per block, straight into its cache (docs/handshake.md example A).
 - ``nhd-staging``: P TP=1 -> D TP=2, NHD: a head slice is not contiguous, so each D rank READs whole
@@ -560,7 +561,7 @@ def _link_ceilings(cfg: dict[str, Any], sizes: list[int], page: int) -> dict[int
 
 
 def _cases(args: argparse.Namespace) -> list[Case]:
-    base = [Case("link", 1, 1, "HND", "HND", contiguous=True),
+    base = [Case("link", 1, 1, "HND", "HND", strategy="nixl", contiguous=True),
             Case("hnd-direct", 1, 2, "HND", "HND", strategy="direct"),
             Case("nhd-staging", 1, 2, "NHD", "NHD"),
             Case("hnd-staging", 1, 2, "HND", "HND", strategy="staging"),
