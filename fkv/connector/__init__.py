@@ -24,10 +24,10 @@ from fkv.connector.wire import Peer, decode_untrusted, encode
 from fkv.errors import FkvWireError
 
 __all__ = [
-    "Accept", "EngineDesc", "FkvWireError", "HandshakeRejected", "PROTOCOL_VERSION", "Peer",
+    "Accept", "CurveKeys", "EngineDesc", "FkvWireError", "HandshakeRejected", "PROTOCOL_VERSION", "Peer",
     "ReadResult", "Reason", "Reject", "SideChannelError", "TransferFailed",
     "StagingStep", "TransferPlan", "check_remote_ranks", "connect", "decode_untrusted", "encode",
-    "handshake", "serve",
+    "curve_keypair", "handshake", "serve",
 ]
 
 _LAZY = {
@@ -37,6 +37,8 @@ _LAZY = {
     "ReadResult": "fkv.connector.transport",
     "SideChannelError": "fkv.connector.transport",
     "TransferFailed": "fkv.connector.transport",
+    "CurveKeys": "fkv.connector.transport",
+    "curve_keypair": "fkv.connector.transport",
 }
 
 

@@ -85,11 +85,12 @@ from fkv.connector.transport._base import (
 )
 from fkv.connector.transport._client import Client
 from fkv.connector.transport._server import Server
+from fkv.connector.transport._sidelimits import CurveKeys, curve_keypair
 from fkv.layout import KVCacheSpec
 
 __all__ = [
-    "Client", "HandshakeRejected", "ReadResult", "Server", "SideChannelError", "TransferFailed",
-    "cache_regions", "connect", "serve",
+    "Client", "CurveKeys", "HandshakeRejected", "ReadResult", "Server", "SideChannelError",
+    "TransferFailed", "cache_regions", "connect", "curve_keypair", "serve",
 ]
 
 
