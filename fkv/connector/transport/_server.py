@@ -5,10 +5,13 @@ thread that does everything afterwards, so NIXL is only ever called from that th
 
 - answers its side-channel socket: rank 0 for the whole engine (``Fetch``, ``Publish`` from ranks
   ``1..tp-1``), every rank with a pack buffer for ``Pack`` requests of packed reads. Packs run on
-  this thread between polls: the requests waiting on the socket are taken as one batch, their
-  gathers (``fkv.ops.gather`` per layer) launched one after another, then one wait for the device,
-  then every reply. A pack that finds the buffer full first takes in the NIXL notifications that
-  free slots, then asks the requester to retry if it still does not fit;
+  this thread between polls: the requests waiting on the socket are taken as one batch and
+  answered in order; each pack's gather (one launch for all layers) is launched as its request
+  comes up, and its reply goes out as soon as that gather has finished (CUDA: its own event, with
+  the gathers behind it already queued; CPU: right after it ran), so a decode rank that keeps
+  several chunks in flight READs one while the next is gathered. A pack that finds the buffer
+  full first takes in the NIXL notifications that free slots, then asks the requester to retry if
+  it still does not fit;
 - polls NIXL notifications: ``"<request id>:<decode tp>"`` counts a reader of a request (held
   blocks are released after the expected count, or when the lease runs out); a
   :data:`fkv.connector._pack.FREE_PREFIX` notification frees a pack slot;
@@ -274,24 +277,34 @@ class Server:
                 self._notified(message)
 
     def _answer_all(self, batch: list[list[bytes]]) -> None:
-        """Answer a batch of requests: packs launched one after another, one device wait, then
-        every reply."""
-        out = [self._reply(frames) for frames in batch]
-        if any(isinstance(reply, _side.Packed) for _, reply in out):
-            try:
-                self._packer.sync()
-            except Exception as e:  # the gathers may not have run: refuse every pack of the batch
-                for i, (envelope, reply) in enumerate(out):
-                    if isinstance(reply, _side.Packed):
-                        self._packer.slots.held.pop(reply.slot, None)
-                        out[i] = (envelope, _side.Error(
-                            message=f"pack failed on prefill rank {self.engine.tp_rank}: "
-                                    f"{type(e).__name__}: {e}", token=reply.token))
+        """Answer a batch of requests in order. A pack's reply goes out once its own gather has
+        finished: on CPU right after it ran, on CUDA after every gather of the batch is launched
+        (each reply waits for its gather's event only)."""
+        queued = self._packer is not None and self._packer.asynchronous
+        out: list[tuple[list[bytes], Any]] = []
+        for frames in batch:
+            out.append(self._reply(frames))
+            if not queued:
+                self._send_replies(out)
+        self._send_replies(out)
+
+    def _send_replies(self, out: list[tuple[list[bytes], Any]]) -> None:
+        """Send (and drop from ``out``) every reply, a pack's once its gather has finished (a
+        gather that failed on the device turns its reply into an error and frees its slot)."""
         for envelope, reply in out:
+            if isinstance(reply, _side.Packed):
+                try:
+                    self._packer.sync(reply.slot)
+                except Exception as e:  # the gather may not have run: refuse the pack
+                    self._packer.slots.held.pop(reply.slot, None)
+                    reply = _side.Error(message=f"pack failed on prefill rank "
+                                        f"{self.engine.tp_rank}: {type(e).__name__}: {e}",
+                                        token=reply.token)
             try:
                 self._sock.send_multipart([*envelope, _side.encode_message(reply)], zmq().NOBLOCK)
             except Exception as e:  # the requester left: nothing to answer
                 self.errors.append(f"reply not sent: {e}")
+        out.clear()
 
     def _reply(self, frames: list[bytes]) -> tuple[list[bytes], Any]:
         if len(frames) >= 3 and frames[1] == b"":
