@@ -359,6 +359,7 @@ class PackedPath:
                     sent += 1
                 self._scatter(chunk, ids)
             self._finish()
+            self._drain()  # replies to packs abandoned by an earlier read that came meanwhile
         except BaseException as e:
             self._abort(chunks, tally)
             stats["quarantined"] = len(self.quarantine)
