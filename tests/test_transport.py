@@ -375,6 +375,11 @@ PACKED_MORE = {
                    {"connect_kw": {"staging_bytes": 2 * 4096 + 2 * 256}, "chunks": 2}),
     # both sides busy-poll (side channel, READ states, the server loop) instead of sleeping
     "spin-2-2": (2, 2, HEADS, {}, {}, {"env": {"FKV_TRANSPORT_SPIN": "0.002"}}),
+    # plain CPU: the torch reference gathers and scatters per layer (no Triton interpreter), 2
+    # chunks pipelined
+    "reference-2-2": (2, 2, HEADS, {"layout": "NHD"}, {},
+                      {"env": {"TRITON_INTERPRET": "0"}, "chunks": 2, "depth": 2,
+                       "d_env": {"FKV_PACK_CHUNK_BYTES": "4096"}}),
 }
 
 

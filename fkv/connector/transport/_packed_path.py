@@ -74,10 +74,13 @@ _tokens = itertools.count(1)
 DEFAULT_DEPTH = 2
 #: Most chunks in flight ``FKV_PACK_DEPTH`` may ask for.
 MAX_DEPTH = 4
-#: A request larger than this (bytes landed per decode rank, all prefill ranks together) goes in
-#: chunks of about this size, so that it pipelines (``FKV_PACK_CHUNK_BYTES``; 0: chunks as large
-#: as the buffers allow).
-DEFAULT_CHUNK_BYTES = 4 << 20
+#: A request larger than this (packed bytes per decode rank, all prefill ranks read together)
+#: goes in chunks of about this size, so that it pipelines (``FKV_PACK_CHUNK_BYTES``; 0: chunks as
+#: large as the buffers allow). A chunk pays a pack round trip, a READ post and a launch on the
+#: host (tens of µs each); its READ must outlast the next chunk's pack round trip for the link to
+#: stay busy at depth 2 (32 MiB: ~0.15 ms over NVLink), and requests up to this size keep one
+#: chunk (one round trip, nothing to overlap).
+DEFAULT_CHUNK_BYTES = 32 << 20
 #: Replies to abandoned pack requests remembered per prefill rank (their slots are freed when the
 #: reply comes).
 _MAX_ABANDONED = 4096
@@ -275,6 +278,7 @@ class PackedPath:
         self.quarantine: dict[int, list[Xfer]] = {}  # area -> READs NIXL has not finished
         self._events: dict[int, Any] = {}            # area -> CUDA event after its scatter
         self.triton = uses_triton(link.local.device)
+        self._ops = kernels(link.local.device)
         self._table = None
         #: What the last read did: chunks, depth (chunks in flight allowed), most chunks that were
         #: in flight at once, pack requests asked again (busy buffer), areas quarantined.
@@ -492,7 +496,7 @@ class PackedPath:
                                 layers=(ls.num_layers, layer_bytes // ls.itemsize, "table"),
                                 tables=(None, self._table))
                     continue
-                scatter = kernels(client.device).scatter
+                scatter = self._ops.scatter
                 heads = None if ls.is_mla else read.local_heads
                 shape = stage.physical_shape
                 for layer, view in enumerate(client.views):
