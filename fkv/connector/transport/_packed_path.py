@@ -201,7 +201,11 @@ class _Dealer(_side.Dealer):
                 self.orphans.append(reply)
 
     def _recv(self) -> Any:
-        frames = self._sock.recv_multipart(zmq().NOBLOCK)
+        z = zmq()
+        try:
+            frames = self._sock.recv_multipart(z.NOBLOCK)
+        except z.Again:
+            return None
         try:
             return _side.decode_reply(frames[-1])
         except _side.SideChannelError:
@@ -326,6 +330,7 @@ class PackedPath:
 
     def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
              deadline: float, tally: Tally) -> None:
+        self.last = {}
         self._reclaim()
         areas = self._areas(deadline)
         chunks = self._chunks(local, remote, tokens)
