@@ -37,7 +37,9 @@ outlives the deadline) raise ``TransferFailed`` and nothing is reported done. Wh
 slots packed whose READ was never posted are freed with a notification; a pack still unanswered
 is freed when its reply arrives (at the next read or at close), or by its lease on the prefill
 side; a READ that did not finish keeps its staging area *quarantined* (NIXL's handle is kept, not
-released) until NIXL says it finished, so nothing can land in an area that is in use again.
+released) until NIXL says it finished, so nothing can land in an area that packed reads use
+again (the plan's staging path shares the front of the same buffer and does not consult the
+quarantine yet).
 """
 
 from __future__ import annotations
@@ -338,7 +340,7 @@ class PackedPath:
         stats = {"chunks": len(chunks), "depth": depth, "in_flight": 0, "retries": 0,
                  "quarantined": len(self.quarantine)}
         self.last = stats
-        ids = self._local_ids(local)
+        ids = None  # the local ids on the device, made while the first packs are out
         sent = posted = landed = 0
         n = len(chunks)
         try:
@@ -366,6 +368,8 @@ class PackedPath:
                 while sent < n and sent - landed < depth:  # its slot is free: ask for the next
                     self._send(request_id, chunks[sent], deadline)
                     sent += 1
+                if ids is None:
+                    ids = self._local_ids(local)
                 self._scatter(chunk, ids)
             self._finish()
             self._drain()  # replies to packs abandoned by an earlier read that came meanwhile
