@@ -2,8 +2,8 @@
 
 A request is cut into *chunks* (each pack inside its share of the prefill rank's pack buffer,
 each chunk inside one *area* of the local staging buffer; requests larger than
-``FKV_PACK_CHUNK_BYTES`` go in chunks of about that size so that they pipeline). For each chunk
-the decode rank
+``FKV_PACK_CHUNK_BYTES``, 32 MiB on CUDA, go in chunks of about that size so that they
+pipeline). For each chunk the decode rank
 
 1. sends a ``Pack`` to every prefill rank it reads (block ids, that rank's head range it needs,
    token count; see ``_packer``) through one persistent DEALER socket per rank; the rank gathers
@@ -76,12 +76,14 @@ _tokens = itertools.count(1)
 DEFAULT_DEPTH = 2
 #: Most chunks in flight ``FKV_PACK_DEPTH`` may ask for.
 MAX_DEPTH = 4
-#: A request larger than this (packed bytes per decode rank, all prefill ranks read together)
-#: goes in chunks of about this size, so that it pipelines (``FKV_PACK_CHUNK_BYTES``; 0: chunks as
-#: large as the buffers allow). A chunk pays a pack round trip, a READ post and a launch on the
-#: host (tens of µs each); its READ must outlast the next chunk's pack round trip for the link to
-#: stay busy at depth 2 (32 MiB: ~0.15 ms over NVLink), and requests up to this size keep one
-#: chunk (one round trip, nothing to overlap).
+#: On CUDA, a request larger than this (packed bytes per decode rank, all prefill ranks read
+#: together) goes in chunks of about this size, so that it pipelines (``FKV_PACK_CHUNK_BYTES``; 0:
+#: chunks as large as the buffers allow, the default on CPU). A chunk pays a pack round trip, a
+#: READ post and a launch on the host (tens of µs each); its READ must outlast the next chunk's
+#: pack round trip for the link to stay busy at depth 2 (32 MiB: ~0.15 ms over NVLink), and
+#: requests up to this size keep one chunk (one round trip, nothing to overlap). On CPU the
+#: torch reference's per-call cost and the cores the gather, READ and scatter share make smaller
+#: chunks slower (measured: a 256-block request in 4 chunks took 1.7-3x as long as in one).
 DEFAULT_CHUNK_BYTES = 32 << 20
 #: Replies to abandoned pack requests remembered per prefill rank (their slots are freed when the
 #: reply comes).
@@ -278,7 +280,8 @@ class PackedPath:
         ls, rs = link.local.spec, link.remote_spec
         self.step = math.lcm(ls.block_size, rs.block_size)
         self.block_bytes = sum(self.per_block)  # packed bytes per remote block, all ranks read
-        self.chunk_bytes = _env_int("FKV_PACK_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, 0, 1 << 62)
+        self.chunk_bytes = _env_int("FKV_PACK_CHUNK_BYTES", DEFAULT_CHUNK_BYTES
+                                    if link.local.device.type == "cuda" else 0, 0, 1 << 62)
         self.dealers: dict[int, _Dealer] = {}
         self.spin = link.spin
         self.quarantine: dict[int, list[Xfer]] = {}  # area -> READs NIXL has not finished
