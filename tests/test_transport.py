@@ -424,6 +424,16 @@ def test_packed_pipelined(cluster: Any, case: str) -> None:
                  chunks=chunks, depth=depth)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(PIPELINED))
+def test_packed_pipelined_cuda(cluster: Any, case: str) -> None:
+    """The same on CUDA (every rank on GPU 0): a reply per pack once its gather's event completed,
+    a READ into an area once that area's scatter event completed."""
+    ptp, dtp, heads, pover, dover, tokens, d_env, chunks, depth = PIPELINED[case]
+    _packed_case(cluster, ptp, dtp, pover, dover, heads=heads, tokens=tokens, d_env=d_env,
+                 chunks=chunks, depth=depth, device="cuda")
+
+
 def test_packed_sizing_gives_each_chunk_in_flight_its_share() -> None:
     """A decode rank's share of a prefill pack buffer (``pack_bytes / decode ranks``) and the
     staging buffer hold ``depth`` chunks; too small for that, the pipeline gets shallower."""
