@@ -554,6 +554,10 @@ class PackedPath:
                     self.quarantine[chunk.area] = self.quarantine.get(chunk.area, []) + busy
                 chunk.xfers = []
         self._drain()
+        try:  # no scatter of this read writes the cache after it returned
+            self._finish()
+        except Exception:  # a device error: the read fails anyway
+            pass
 
     def _free(self, rank: int, pack: _side.Packed) -> None:
         """Free a slot whose READ will never come (best effort: the rank may be gone)."""
