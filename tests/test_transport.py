@@ -375,6 +375,10 @@ PACKED_MORE = {
                    {"connect_kw": {"staging_bytes": 2 * 4096 + 2 * 256}, "chunks": 2}),
     # both sides busy-poll (side channel, READ states, the server loop) instead of sleeping
     "spin-2-2": (2, 2, HEADS, {}, {}, {"env": {"FKV_TRANSPORT_SPIN": "0.002"}}),
+    # 8 KiB shared by 2 decode ranks: each keeps 2 one-block chunks in flight in its 4 KiB; a
+    # free that comes after the next pack gets "busy, retry" (replies out of order)
+    "tight-1-2": (1, 2, HEADS, {"layout": "NHD"}, {},
+                  {"serve_kw": {"pack_bytes": 8192}, "chunks": 4, "depth": 2}),
     # plain CPU: the torch reference gathers and scatters per layer (no Triton interpreter), 2
     # chunks pipelined
     "reference-2-2": (2, 2, HEADS, {"layout": "NHD"}, {},
@@ -422,6 +426,52 @@ def test_packed_pipelined(cluster: Any, case: str) -> None:
     ptp, dtp, heads, pover, dover, tokens, d_env, chunks, depth = PIPELINED[case]
     _packed_case(cluster, ptp, dtp, pover, dover, heads=heads, tokens=tokens, d_env=d_env,
                  chunks=chunks, depth=depth)
+
+
+def test_pack_dealer_keeps_early_replies_and_frees_abandoned_packs() -> None:
+    """Several packs of one rank are outstanding in a pipelined read: a reply that comes before
+    the awaited one is kept for its own wait, a reply to an abandoned pack (the read failed) is
+    handed back to be freed, a reply to no pack asked is dropped."""
+    import zmq
+
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._packed_path import _Dealer
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:*")
+    dealer = _Dealer(ctx, router.getsockopt(zmq.LAST_ENDPOINT).decode())
+    try:
+        for token in (1, 2, 3):
+            dealer.send(_side.Pack(token=token, request_id="r", block_ids=[token], heads=(0, 1),
+                                   num_tokens=1, timeout=5.0))
+        envelope = None
+        for _ in range(3):
+            assert router.poll(5000)
+            envelope = router.recv_multipart()[:-1]
+
+        def reply(msg: Any) -> None:
+            router.send_multipart([*envelope, _side.encode_message(msg)])
+
+        reply(_side.Packed(token=99, slot=9, offset=0, nbytes=1))  # asked by nobody
+        reply(_side.Packed(token=2, slot=20, offset=0, nbytes=1))
+        reply(_side.Error(message="busy", retry=True, token=1))
+        reply(_side.Packed(token=3, slot=30, offset=256, nbytes=1))
+        deadline = time.monotonic() + 5
+        first = dealer.take(1, deadline)
+        assert isinstance(first, _side.Error) and first.retry, first
+        assert dealer.take(2, deadline) == _side.Packed(token=2, slot=20, offset=0, nbytes=1)
+        dealer.abandon(3)  # the read failed before it waited for chunk 3
+        while not dealer.orphans and time.monotonic() < deadline:
+            dealer.drain()
+        assert dealer.orphans == [_side.Packed(token=3, slot=30, offset=256, nbytes=1)]
+        assert dealer.take(99, time.monotonic() + 0.05) is None  # dropped, never kept
+        assert not dealer.outstanding and not dealer.early and not dealer.abandoned
+    finally:
+        dealer.close()
+        router.close(0)
+        ctx.term()
 
 
 @pytest.mark.gpu
