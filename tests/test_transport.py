@@ -1018,9 +1018,10 @@ def test_prefill_stopped_or_killed_during_a_packed_read_then_reconnect(cluster: 
 def test_packed_pipeline_fails_midway_and_every_slot_comes_back(cluster: Any) -> None:
     """A pipelined packed read (12 chunks, 2 in flight, 2 prefill ranks) whose prefill rank 1
     stops itself after answering its third pack: ``ok=False`` within the timeout, the request is
-    reported done nowhere (no prefill rank got its notification). Once rank 1 runs again, its unfinished READ finishes (its quarantined staging area is
-    given back), the packs left unanswered are freed when their replies come (the next read takes
-    them in), the next read is bit-exact and neither rank holds a slot or logged an error."""
+    reported done nowhere (no prefill rank got its notification). Once rank 1 runs again, its
+    unfinished READs finish (their quarantined staging areas are given back), the packs left
+    unanswered are freed when their replies come (the next read takes them in), the next read is
+    bit-exact and neither rank holds a slot or logged an error."""
     pspec = spec_dict(tp=2)
     dspec = spec_dict(tp=1, layout="NHD")
     victim = Proc("pipeline-victim", cluster["logdir"], env=TCP_LO)

@@ -1,4 +1,4 @@
-"""Packed reads, decode side: ask the prefill ranks to pack, READ the packs, scatter them, pipelined.
+"""Packed reads, decode side: ask prefill ranks to pack, READ the packs, scatter them, pipelined.
 
 A request is cut into *chunks* (each pack inside its share of the prefill rank's pack buffer,
 each chunk inside one *area* of the local staging buffer; requests larger than
