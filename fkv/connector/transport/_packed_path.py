@@ -597,10 +597,12 @@ class PackedPath:
                 return free
             if time.monotonic() + pause >= deadline:
                 names = {x.remote for xs in self.quarantine.values() for x in xs}
+                ranks = sorted(r for r, name in self.conn.names.items() if name in names)
                 raise TransferFailed(f"every staging area of packed reads still has a READ in "
-                                     f"flight from an earlier failed read (from {sorted(names)}); "
-                                     f"nothing was transferred: wait, or reconnect "
-                                     f"(client.reconnect())")
+                                     f"flight from an earlier failed read (from prefill rank(s) "
+                                     f"{ranks} of engine {self.conn.engine_id!r}); nothing was "
+                                     f"transferred: wait, or reconnect once the prefill process "
+                                     f"is back (client.reconnect())")
             time.sleep(pause)
             pause = min(0.005, pause * 2)
             self._reclaim()
