@@ -474,6 +474,49 @@ def test_pack_dealer_keeps_early_replies_and_frees_abandoned_packs() -> None:
         ctx.term()
 
 
+def test_packed_areas_stay_quarantined_until_nixl_finishes_their_reads() -> None:
+    """A READ that outlived its read's deadline may still land: its staging area is left out of
+    later reads (and its NIXL handle kept, not released) until NIXL says it finished; with every
+    area quarantined a read waits for one until its deadline, then fails naming the rank."""
+    from types import SimpleNamespace
+
+    from fkv.connector.transport._agent import Xfer
+    from fkv.connector.transport._base import TransferFailed
+    from fkv.connector.transport._packed_path import PackedPath
+
+    class Agent:  # NIXL's view: a READ stays in progress until its peer finished it
+        def __init__(self) -> None:
+            self.finished: set[str] = set()
+            self.released: list[Xfer] = []
+
+        def poll(self, x: Xfer) -> str:
+            if x.state == "PROC" and x.remote in self.finished:
+                x.state = "DONE"
+            return x.state
+
+        def release(self, x: Xfer) -> None:
+            self.released.append(x)
+
+    agent = Agent()
+    path = object.__new__(PackedPath)
+    path.conn = SimpleNamespace(local=SimpleNamespace(agent=agent), names={0: "a0", 1: "a1"},
+                                engine_id="P")
+    path.depth, path.dealers = 2, {}
+    path.quarantine = {0: [Xfer(None, "a1", 4096)]}
+    assert path._areas(time.monotonic() + 1) == [1]
+    path.quarantine[1] = [Xfer(None, "a1", 4096)]
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match=r"in flight from an earlier failed read \(from "
+                                             r"prefill rank\(s\) \[1\] of engine 'P'\)"):
+        path._areas(t0 + 0.2)
+    assert 0.15 < time.monotonic() - t0 < 2.0
+    assert agent.released == []  # never released while it may still land
+    agent.finished.add("a1")
+    path._reclaim()
+    assert path.quarantine == {} and len(agent.released) == 2
+    assert path._areas(time.monotonic() + 1) == [0, 1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(PIPELINED))
 def test_packed_pipelined_cuda(cluster: Any, case: str) -> None:
