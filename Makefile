@@ -1,11 +1,13 @@
 # Two entry points, each bootstraps its own environment in .venv:
 #   make demo   - set up and run the main job (fkv demo: CPU, NIXL between processes)
 #   make test   - set up and run the test suite (what CI runs)
+# and one for benchmark results (docs/benchmarks.md):
+#   make report - regenerate README/NOTES tables and docs/plots from bench/results/
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.fkv-installed
 
-.PHONY: demo test venv
+.PHONY: demo test venv report
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,3 +24,6 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests examples/quickstart.ipynb --nbmake
+
+report: $(STAMP)
+	$(VENV)/bin/fkv bench report --plots docs/plots

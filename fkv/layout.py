@@ -15,7 +15,7 @@ Canonical axis names (outermost-first letters of the engine vocabulary):
 ====== =========================================
 
 A backend's *logical shape* is the order its kernels index by; a *stride order* ``p`` says physical
-dim ``k`` is logical dim ``p[k]`` (SPEC.md §1).  A spec allocates its physical shape contiguously and
+dim ``k`` is logical dim ``p[k]`` (docs/layouts.md).  A spec allocates its physical shape contiguously and
 views it with the inverse permutation.
 
 >>> spec = KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128)
@@ -43,8 +43,10 @@ __all__ = [
     "AXES",
     "BACKENDS",
     "DTYPES",
+    "DTYPE_ALIASES",
     "KVCacheSpec",
     "Layout",
+    "canonical_dtype",
     "rearrange_pattern",
 ]
 
@@ -59,6 +61,12 @@ DTYPES = {
     "float8_e5m2": 1,
 }
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+#: engine kv-cache dtype names (vLLM's ``kv_cache_dtype``) -> torch dtype name
+DTYPE_ALIASES = {
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
 
 
 class Layout(enum.StrEnum):
@@ -89,7 +97,7 @@ class Layout(enum.StrEnum):
         raise field_error("layout", value, f"in ('NHD', 'HND') or an alias in {_ALIAS_HELP}")
 
 
-# Engine vocabulary (SPEC.md §1).  Letters are outermost-first; the K/V selector is not named.
+# Engine vocabulary (docs/layouts.md).  Letters are outermost-first; the K/V selector is not named.
 _ALIASES = {
     "NHD": Layout.NHD,
     "HND": Layout.HND,
@@ -106,14 +114,14 @@ _FOREIGN_ALIASES = {
 }
 _ALIAS_HELP = "('NHD', 'HND', 'LBNHC', 'LBHNC', 'BLNHC', 'BHLNC')"
 
-# Logical axes of one layer, per backend family (SPEC.md §1 table).
+# Logical axes of one layer, per backend family (the docs/layouts.md table).
 _LOGICAL_AXES = {
     "triton": ("B", "two", "N", "H", "C"),
     "flashinfer": ("B", "two", "N", "H", "C"),
     "flash_attn": ("two", "B", "N", "H", "C"),
     "mla": ("B", "N", "C"),
 }
-# (backend, layout, cross_layer) -> stride order, exactly the SPEC.md §1 table.
+# (backend, layout, cross_layer) -> stride order, exactly the docs/layouts.md table.
 _STRIDE_ORDERS = {
     ("blocks_first", Layout.NHD, False): (0, 1, 2, 3, 4),
     ("blocks_first", Layout.HND, False): (0, 1, 3, 2, 4),
@@ -143,12 +151,34 @@ def _normalize_dtype(value: Any) -> Any:
     # Accept torch dtypes (``torch.bfloat16``) without importing torch: their str() is "torch.<name>".
     if not isinstance(value, str):
         value = str(value)
-    return value.removeprefix("torch.")
+    value = value.removeprefix("torch.")
+    return DTYPE_ALIASES.get(value, value)
 
 
 def _check_dtype(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value not in DTYPES:
-        raise field_error("dtype", value, f"in {tuple(DTYPES)}")
+        raise _dtype_error(value)
+
+
+def _dtype_error(value: Any) -> FkvError:
+    if value == "auto":
+        return field_error("dtype", value, f"in {tuple(DTYPES)} or an engine name in "
+                           f"{tuple(DTYPE_ALIASES)}", "'auto' means the model's dtype, which a "
+                           "cache spec cannot know: pass that dtype (e.g. 'bfloat16')")
+    return field_error("dtype", value, f"in {tuple(DTYPES)} or an engine name in "
+                       f"{tuple(DTYPE_ALIASES)}")
+
+
+def canonical_dtype(value: Any) -> str:
+    """The torch dtype name of a spec dtype: a name, an engine alias or a torch dtype.
+
+    >>> canonical_dtype("fp8"), canonical_dtype("fp8_e5m2"), canonical_dtype("torch.bfloat16")
+    ('float8_e4m3fn', 'float8_e5m2', 'bfloat16')
+    """
+    name = _normalize_dtype(value)
+    if name not in DTYPES:
+        raise _dtype_error(name)
+    return name
 
 
 def _normalize_layout(value: Any, self_: Any) -> Layout:
@@ -186,6 +216,7 @@ class KVCacheSpec:
     block_size: int = attrs.field(validator=_check_positive_int)
     num_kv_heads: int = attrs.field(validator=_check_positive_int)
     head_size: int = attrs.field(validator=_check_positive_int)
+    # torch dtype names; engine names ("fp8", "fp8_e4m3", "fp8_e5m2") normalize to them
     dtype: str = attrs.field(default="bfloat16", converter=_normalize_dtype, validator=_check_dtype)
     num_layers: int = attrs.field(default=1, validator=_check_positive_int)
     cross_layer: bool = attrs.field(default=False, validator=_check_bool)
@@ -259,7 +290,7 @@ class KVCacheSpec:
 
     @property
     def stride_order(self) -> tuple[int, ...]:
-        """SPEC.md §1 permutation; with ``cross_layer`` the one-longer tuple over ``(L, *logical)``."""
+        """The stride order (docs/layouts.md); with ``cross_layer`` the one-longer tuple over ``(L, *logical)``."""
         return _STRIDE_ORDERS[(self.family, self.layout, self.cross_layer)]
 
     @property

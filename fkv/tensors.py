@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fkv.errors import FkvError, field_error
-from fkv.layout import DTYPES, KVCacheSpec, Layout
+from fkv.layout import KVCacheSpec, Layout, canonical_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -25,11 +25,9 @@ def require_torch() -> Any:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a spec dtype name."""
+    """The torch dtype for a spec dtype name (engine names such as ``"fp8"`` included)."""
     torch = require_torch()
-    if name not in DTYPES:
-        raise field_error("dtype", name, f"in {tuple(DTYPES)}")
-    return getattr(torch, name)
+    return getattr(torch, canonical_dtype(name))
 
 
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
@@ -39,8 +37,8 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
 def allocate(spec: KVCacheSpec, device: Any = "cpu") -> list[torch.Tensor]:
     """``num_layers`` logical views (``spec.logical_shape`` each) whose strides encode the order.
 
-    The physical shape is allocated contiguously and viewed with the inverse permutation (SPEC.md
-    §1). With ``cross_layer=True`` every view is ``buffer_view[l]`` of one shared buffer.
+    The physical shape is allocated contiguously and viewed with the inverse permutation
+    (docs/layouts.md). With ``cross_layer=True`` every view is ``buffer_view[l]`` of one shared buffer.
 
     >>> from fkv import KVCacheSpec
     >>> spec = KVCacheSpec(layout="HND", num_blocks=2, block_size=16, num_kv_heads=8, head_size=128)
@@ -85,7 +83,7 @@ def infer_spec(tensor: torch.Tensor, *, backend: str, dtype: Any = None,
     shape, strides = tuple(tensor.shape), tuple(tensor.stride())
     ndim = len(probe.logical_axes)
     name = str(tensor.dtype).removeprefix("torch.")
-    if dtype is not None and str(dtype).removeprefix("torch.") != name:
+    if dtype is not None and canonical_dtype(dtype) != name:
         raise field_error("dtype", str(dtype).removeprefix("torch."),
                           f"the tensor's dtype {name!r}")
     whole = len(shape) == ndim + 1

@@ -107,6 +107,7 @@ class Worker:
         self.servers: dict[str, Any] = {}
         self.clients: dict[str, Any] = {}
         self.caches: dict[str, tuple[list[torch.Tensor], fkv.KVCacheSpec, EngineDesc]] = {}
+        self.pending_reads: dict[str, Any] = {}
 
     def reply(self, **fields: Any) -> None:
         self.out.write(json.dumps(fields) + "\n")
@@ -153,12 +154,37 @@ class Worker:
         return {"address": server.address, "pid": os.getpid()}
 
     def cmd_hold(self, cmd: dict[str, Any]) -> None:
-        self.servers[cmd["name"]].hold(cmd["request_id"], cmd.get("blocks"), lease=cmd.get("lease"))
+        self.servers[cmd["name"]].hold(cmd["request_id"], cmd.get("blocks"), lease=cmd.get("lease"),
+                                       layers_ready=cmd.get("layers_ready"))
+
+    def cmd_publish(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``server.publish``; with ``delay_write`` (CUDA) a long kernel still runs when publish
+        is called, and the layer's final bytes are written after it on the same stream."""
+        server = self.servers[cmd["name"]]
+        event = None
+        if cmd.get("delay_write"):
+            caches, spec, engine = self.caches[cmd["name"]]
+            layer = cmd["layers_ready"] - 1
+            saved = caches[layer].clone()
+            caches[layer].fill_(float("nan"))
+            torch.cuda.synchronize()
+            busy = torch.randn(4096, 4096, device=caches[layer].device)
+            for _ in range(cmd["delay_write"]):
+                busy = busy @ busy / 64.0   # seconds of work queued before the real bytes
+            caches[layer].copy_(saved)
+            event = torch.cuda.Event()
+            event.record()
+        t = time.perf_counter()
+        server.publish(cmd["request_id"], cmd["layers_ready"], event=event)
+        return {"published_at": t}
 
     def cmd_pending(self, cmd: dict[str, Any]) -> dict[str, Any]:
         server = self.servers[cmd["name"]]
         return {"pending": sorted(server.pending()), "released": server.released(),
                 "errors": list(server.errors)}
+
+    def cmd_diagnostics(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return self.servers[cmd["name"]].diagnostics()
 
     def cmd_checksum(self, cmd: dict[str, Any]) -> dict[str, Any]:
         caches = self.caches[cmd["name"]][0]
@@ -183,11 +209,11 @@ class Worker:
         answer_all = server._answer_all
         seen = [0]
 
-        def answer_then_stop(batch: list[list[bytes]]) -> None:
+        def answer_then_stop(batch: list[tuple[Any, bytes | None]]) -> None:
             answer_all(batch)
-            for frames in batch:
+            for _, payload in batch:
                 try:
-                    msg = _side.decode_request(frames[-1])
+                    msg = _side.decode_request(payload or b"")
                 except _side.SideChannelError:
                     continue
                 if isinstance(msg, _side.Pack) and msg.request_id == cmd["request_id"]:
@@ -220,14 +246,36 @@ class Worker:
     def _read(self, name: str, r: dict[str, Any]) -> dict[str, Any]:
         result = self.clients[name].read(r["request_id"], r["local"], r["remote"],
                                          timeout=r.get("timeout", 30.0),
-                                         num_tokens=r.get("num_tokens"))
+                                         num_tokens=r.get("num_tokens"),
+                                         stream=r.get("stream", False))
+        ended = time.perf_counter()  # the read's own clock started ``seconds`` before its return
         packed = self.clients[name]._state.packed
         return {"result_ok": result.ok, "bytes": result.bytes, "descriptors": result.descriptors,
                 "error": result.error, "read_seconds": result.seconds, "path": result.strategy,
+                "started_at": ended - result.seconds, "layer_seconds": list(result.layer_seconds),
                 "pack_seconds": result.pack_seconds, "transfer_seconds": result.transfer_seconds,
                 # a packed read's chunks, pipeline depth, most chunks in flight at once, ...
                 "packed": dict(packed.last) if packed is not None and
                 result.strategy == "packed" else None}
+
+    def cmd_read_async(self, cmd: dict[str, Any]) -> None:
+        """Start a read in a thread (``read_wait`` collects it): the worker keeps answering."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["result"] = self._read(cmd["name"], cmd)
+            except Exception as e:
+                box["result"] = {"result_ok": False, "error": f"{type(e).__name__}: {e}"}
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        self.pending_reads[cmd["name"]] = (thread, box)
+
+    def cmd_read_wait(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        thread, box = self.pending_reads.pop(cmd["name"])
+        thread.join()
+        return box["result"]
 
     def cmd_read(self, cmd: dict[str, Any]) -> dict[str, Any]:
         return self._read(cmd["name"], cmd)
@@ -251,11 +299,28 @@ class Worker:
 
     def cmd_verify(self, cmd: dict[str, Any]) -> dict[str, Any]:
         caches, spec, engine = self.caches[cmd["name"]]
+        layers = cmd.get("layers")
+        if layers is not None:  # the first ``layers`` layers landed, the others still NaN
+            rest = [bool(c.isnan().all()) for c in caches[layers:]]
+            if not all(rest):
+                return {"mismatch": f"layers past {layers} were written: {rest}"}
+            if layers == 0:
+                return {"mismatch": None}
+            caches, spec = caches[:layers], spec.evolve(num_layers=layers)
+            cmd = {**cmd, "remote_spec": {**cmd["remote_spec"], "num_layers": layers}}
         return {"mismatch": verify(caches, spec, engine, cmd)}
 
     def cmd_untouched(self, cmd: dict[str, Any]) -> dict[str, Any]:
         caches = self.caches[cmd["name"]][0]
         return {"untouched": all(bool(c.isnan().all()) for c in caches)}
+
+    def cmd_stats(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The client's or server's ``stats()`` and a few of its Prometheus samples."""
+        obj = self.clients.get(cmd["name"]) or self.servers[cmd["name"]]
+        registry = obj.prometheus()
+        samples = {f"{name}|{json.dumps(labels, sort_keys=True)}":
+                   registry.get_sample_value(name, labels) for name, labels in cmd["samples"]}
+        return {"stats": obj.stats(), "samples": samples}
 
     def cmd_reconnect(self, cmd: dict[str, Any]) -> None:
         self.clients[cmd["name"]].reconnect(cmd.get("address"), timeout=cmd.get("timeout", 20.0))

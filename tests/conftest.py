@@ -47,3 +47,41 @@ def pytest_report_header(config: pytest.Config) -> str:
 def device(request: pytest.FixtureRequest) -> str:
     """Kernel tests take this: CPU under the Triton interpreter (CI), or CUDA under ``gpu``."""
     return request.param
+
+
+# -- a record of the run: FKV_RESULTS_DIR=DIR writes DIR/tests-<UTC>.json (fkv.bench.results) ----
+
+_RUN: dict[str, float] = {}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import time
+
+    _RUN["start"] = time.perf_counter()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """With ``FKV_RESULTS_DIR`` set (e.g. ``bench/results`` on the GPU machine), write the run's
+    counts (passed/failed/skipped/deselected...), duration, marker expression and machine as a
+    result file of bench ``"tests"`` (one case, ``"pytest -m EXPR"``); on the xdist controller
+    only."""
+    import time
+
+    folder = os.environ.get("FKV_RESULTS_DIR")
+    if not folder or hasattr(config, "workerinput") or config.option.collectonly:
+        return
+    from fkv.bench import results
+
+    stats = terminalreporter.stats
+    counts = {f"{key}_count": len(stats.get(key, []))
+              for key in ("passed", "failed", "skipped", "xfailed", "xpassed", "deselected")}
+    counts["errors_count"] = len(stats.get("error", []))
+    markers = config.getoption("markexpr") or ""
+    run = results.Run("tests", device="cuda" if HAS_CUDA else "cpu",
+                      config={"args": [str(a) for a in config.invocation_params.args],
+                              "exit_status": int(exitstatus)})
+    run.add(f"pytest -m {markers}" if markers else "pytest",
+            params={"markers": markers, "keyword": config.getoption("keyword") or ""},
+            metrics={**counts, "duration_s": time.perf_counter() - _RUN.get("start", 0.0)})
+    path = results.write(run, results_dir=folder)
+    terminalreporter.write_line(f"fkv: test-run summary written to {path}")

@@ -357,7 +357,7 @@ def test_repeated_gather_scatter_take_the_fast_path(device):
     assert fast.num_tokens == 3 * spec.block_size
     if device == "cuda":  # the compiled kernel was called directly after the first launch
         assert fast.site.direct_launches >= 2
-    with pytest.raises(FkvError, match=r"'heads' must be a \(start, stop\) pair of ints"):
+    with pytest.raises(FkvError, match=r"'heads' must be a slice\(start, stop\) or a \(start, stop\) pair of ints"):
         C.gather(cache[1], spec, ids, heads=(1.0, 4))
     with pytest.raises(FkvError, match=r"'out' has dtype torch.float16"):
         C.gather(cache[1], spec, ids, heads=(1, 4), out=torch.empty_like(staging, dtype=torch.float16))
@@ -438,12 +438,60 @@ def test_bad_staging(small):
 
 
 @pytest.mark.parametrize("heads", [(2, 2), (0, 5), (-1, 2), (3, 1), "ab", (0.0, 1), (0, 1, 2),
-                                   (True, 2)])
+                                   (True, 2), slice(2, 2), slice(0, 5), slice(3, 1),
+                                   slice(0.0, 2), slice("a", None)])
 def test_bad_heads(small, heads):
     spec, cache = small
-    with pytest.raises(FkvError, match=r"'heads' must be a \(start, stop\) pair of ints with "
-                                       r"0 <= start < stop <= 4"):
+    with pytest.raises(FkvError, match=r"'heads' must be a slice\(start, stop\) or a \(start, stop\) "
+                                       r"pair of ints with 0 <= start < stop <= 4 \(a contiguous "
+                                       r"range of this rank's 4 heads\) \(got "):
         C.gather(cache[0], spec, [0], heads=heads)
+
+
+@pytest.mark.parametrize(("heads", "fix"), [
+    (slice(0, 4, 2), r"\(got slice\(0, 4, 2\)\); heads are one contiguous range: drop the step "
+                     r"\(e.g. slice\(0, 4\)\)"),
+    (slice(3, 0, -1), r"\(got slice\(3, 0, -1\)\); heads are one contiguous range: drop the step"),
+    (slice(-2, None), r"\(got slice\(-2, None, None\)\); negative bounds \(counted from the end\) "
+                      r"are not taken: write the heads out, e.g. slice\(2, 4\)"),
+    (slice(0, -1), r"\(got slice\(0, -1, None\)\); negative bounds .* e.g. slice\(0, 3\)"),
+])
+def test_ambiguous_head_slices_are_refused_with_the_fix(small, heads, fix):
+    spec, cache = small
+    for fn in (C.gather, R.gather):
+        with pytest.raises(FkvError, match=r"'heads' must be a slice\(start, stop\) .*" + fix):
+            fn(cache[0], spec, [0], heads=heads)
+    with pytest.raises(FkvError, match=r"'src_heads' must be a slice.*" + fix):
+        C.move(cache[0], spec, [0], cache[1], spec, [0], src_heads=heads, dst_heads=(0, 2))
+
+
+@pytest.mark.parametrize(("heads", "pair"), [
+    (slice(1, 3), (1, 3)), (slice(None, 2), (0, 2)), (slice(2, None), (2, 4)),
+    (slice(None), (0, 4)), (slice(1, 4, 1), (1, 4))])
+def test_heads_as_a_slice_equal_the_pair(device, heads, pair):
+    """The public contract's "a slice of this rank's heads": ``heads=slice(a, b)`` moves exactly
+    the bytes of ``heads=(a, b)`` in gather, scatter and move, kernel and reference."""
+    spec = KV_SPECS[2]  # triton HND
+    cache = _cache(spec, device, seed=41)
+    ids = [5, 1, 6]
+    want = R.gather(cache[1], spec, ids, heads=pair)
+    for fn in (C.gather, R.gather):
+        assert _equal(fn(cache[1], spec, ids, heads=heads), want)
+    ids_t = torch.tensor(ids, device=device)
+    assert _equal(C.gather(cache[1], spec, ids_t, heads=heads), want)
+    if heads.start is not None and heads.stop is not None:  # a slice of ints: the pair's fast path
+        assert C._staging_signature("gather", cache[1], spec, ids_t, pair, None, None, None) in C._FAST
+    h = pair[1] - pair[0]
+    other = KV_SPECS[0]  # triton NHD
+    dst, expected = _cache(other, device, seed=42), _cache(other, device, seed=42)
+    C.scatter(want, dst[0], other, [2, 7, 0], heads=heads)
+    R.scatter(want, expected[0], other, [2, 7, 0], heads=pair)
+    assert all(_equal(x, y) for x, y in zip(dst, expected))
+    dst_pair = slice(4 - h, None)
+    C.move(cache[1], spec, ids, dst[1], other, [3, 4, 1], src_heads=heads, dst_heads=dst_pair)
+    RC.move(cache[1], spec, ids, expected[1], other, [3, 4, 1], src_heads=pair,
+            dst_heads=(4 - h, 4))
+    assert all(_equal(x, y) for x, y in zip(dst, expected))
 
 
 def test_bad_move_ranges(small):
@@ -465,7 +513,7 @@ def test_bad_move_ranges(small):
 
 
 def test_public_names_route_here(device):
-    # The public names (API.md) are the functions of fkv.ops.relayout, whatever was imported first.
+    # The public names (fkv.ops) are the functions of fkv.ops.relayout, whatever was imported first.
     assert fkv.ops.convert is C.convert and fkv.ops.gather is C.gather
     assert fkv.ops.scatter is C.scatter and fkv.ops.move is C.move
     assert R.convert is RC.convert and R.gather is RC.gather and R.scatter is RC.scatter

@@ -175,6 +175,9 @@ def test_demo_default_run_matches_the_reference(tmp_path):
     assert len(s["tokens"]["generated"]) == 16
     assert s["verification"]["ok"] and s["verification"]["first_divergence"] is None
     assert "PASS" in r.stdout
+    # Not streamed: the summary's shape is today's (no streaming section, no stream option).
+    assert "stream" not in s and "stream" not in s["config"]
+    assert "last layer -> KV" not in r.stdout
 
 
 @pytest.mark.slow
@@ -187,6 +190,39 @@ def test_demo_tp2_nhd_to_tp1_hnd_matches_the_reference(tmp_path):
     assert s["transfer"]["ok"] and len(s["transfer"]["per_rank"]) == 1
     assert s["transfer"]["bytes"] == 4 * 4 * 2 * 16 * 8 * 64 * 4
     assert s["verification"]["ok"] and s["tokens"]["generated"] == s["tokens"]["reference"]
+
+
+@pytest.mark.slow
+@pytest.mark.transport
+@pytest.mark.interpreter
+@pytest.mark.parametrize("pairing", [
+    ("--prefill-tp", "1", "--decode-tp", "2"),
+    ("--prefill-tp", "2", "--decode-tp", "1", "--prefill-layout", "NHD",
+     "--decode-block-size", "8"),
+], ids=["1-2", "2-1-nhd"])
+def test_demo_stream_matches_the_reference_and_times_both_reads(tmp_path, pairing):
+    # The decode ranks read before the prefill's forward starts; each layer lands after it is
+    # published; the same KV read again non-streamed is identical; tokens match the reference.
+    r, s = _run_demo(tmp_path, "--stream", "--tokens", "24", "--new-tokens", "3", *pairing)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert s["config"]["stream"] is True
+    assert s["transfer"]["ok"] and s["verification"]["ok"]
+    assert s["tokens"]["generated"] == s["tokens"]["reference"]
+    assert len(s["tokens"]["generated"]) == 3
+    st = s["stream"]
+    assert st["identical"] and st["non_streamed"]["ok"]
+    assert st["non_streamed"]["bytes"] == s["transfer"]["bytes"]
+    assert st["streamed"]["tail_seconds"] >= 0 and st["non_streamed"]["tail_seconds"] > 0
+    # The streamed read spans the forward: it started before the first layer was published.
+    assert st["streamed"]["read_seconds"] >= st["layers"][-1]["published_seconds"]
+    layers = st["layers"]
+    assert [x["layer"] for x in layers] == [0, 1, 2, 3]
+    for x in layers:
+        assert x["landed_seconds"] >= x["published_seconds"] >= 0
+        assert x["after_publish_seconds"] >= 0
+    for key in ("published_seconds", "landed_seconds"):
+        assert [x[key] for x in layers] == sorted(x[key] for x in layers)
+    assert "last layer -> KV" in r.stdout and "after its publish" in r.stdout
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The pure handshake: every SPEC.md §4 check as a named reason (all of them, with real field
+"""The pure handshake: every check of docs/handshake.md as a named reason (all of them, with real field
 paths), totality on any input, handshake(x, x) accepts, stable printing."""
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def test_pure_modules_import_no_heavy_dependency():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# -- the ranks of one prefill engine (SPEC.md §4 check 10) ---------------------------------------
+# -- the ranks of one prefill engine (docs/handshake.md, remote_ranks) ---------------------------------------
 
 def test_check_remote_ranks():
     from fkv.connector.handshake import check_remote_ranks

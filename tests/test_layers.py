@@ -43,6 +43,25 @@ def test_layer_move_equals_the_reference_per_layer(case: str, device: str) -> No
         assert torch.equal(dst[layer].cpu().nan_to_num(7.0), ref[layer].nan_to_num(7.0)), layer
 
 
+def test_layer_move_of_a_layer_range_leaves_the_others(device: str) -> None:
+    a, b = CASES["NHD-HND"]
+    host, src = fkv.allocate(a), fkv.allocate(a, device)
+    dst, ref = fkv.allocate(b, device), fkv.allocate(b)
+    for h, v in zip(host, src, strict=True):
+        h.copy_(torch.randn(h.shape))
+        v.copy_(h)
+    for v in dst + ref:
+        v.fill_(float("nan"))
+    LayerMove(src, a, dst, b)([5, 1], [2, 0], 8, layers=(1, 3))
+    fkv.ops.reference.move(host[1], a, [5, 1], ref[1], b, [2, 0], num_tokens=8)
+    fkv.ops.reference.move(host[2], a, [5, 1], ref[2], b, [2, 0], num_tokens=8)
+    for layer in range(3):
+        assert torch.equal(dst[layer].cpu().nan_to_num(7.0), ref[layer].nan_to_num(7.0)), layer
+    with pytest.raises(FkvError, match=r"'layers' must be \(start, stop\) with 0 <= start <= stop"
+                                       r" <= 3 \(got \(2, 4\)\)"):
+        LayerMove(src, a, dst, b)([5], [2], layers=(2, 4))
+
+
 def test_layer_move_refuses_mismatched_sides() -> None:
     (a, b), src = CASES["NHD-HND"], fkv.allocate(CASES["NHD-HND"][0])
     with pytest.raises(FkvError, match="'src' holds 3 layers but 'dst' 2; pass the same layers"):

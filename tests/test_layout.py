@@ -1,4 +1,4 @@
-"""The layout algebra: the SPEC.md §1 table, normalization, validation, addressing."""
+"""The layout algebra: the docs/layouts.md table, normalization, validation, addressing."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from inline_snapshot import snapshot
 
 import fkv
 from fkv import FkvError, KVCacheSpec, Layout, rearrange_pattern
+from fkv.layout import canonical_dtype
+from fkv.tensors import torch_dtype
 from fkv.testing import specs
 
 
@@ -36,7 +38,7 @@ def _table() -> dict[str, tuple]:
 
 
 def test_spec_table_matches_spec_md():
-    # NB=7, L=3, N=16, H=8, D=128 (mla: D=576): SPEC.md §1, every backend × layout × cross_layer.
+    # NB=7, L=3, N=16, H=8, D=128 (mla: D=576): docs/layouts.md, every backend × layout × cross_layer.
     assert _table() == snapshot(
         {
             "triton NHD": ((7, 2, 16, 8, 128), (0, 1, 2, 3, 4), (7, 2, 16, 8, 128)),
@@ -60,7 +62,7 @@ def test_spec_table_matches_spec_md():
 
 
 def test_worked_strides_and_page_bytes():
-    # SPEC.md §1 worked strides (bf16, N=16, H=8, D=128).
+    # docs/layouts.md worked strides (bf16, N=16, H=8, D=128).
     assert _spec(layout="NHD").element_strides == (32768, 16384, 1024, 128, 1)
     assert _spec(layout="HND").element_strides == (32768, 16384, 128, 2048, 1)
     assert _spec().page_bytes == 65536
@@ -108,7 +110,11 @@ def test_same_bytes_treats_size_one_dims_as_ambiguous():
     (dict(block_size=16.0), r"'block_size' must be a positive int \(got 16.0\)"),
     (dict(num_kv_heads=True), r"'num_kv_heads' must be a positive int \(got True\)"),
     (dict(head_size=-1), r"'head_size' must be a positive int \(got -1\)"),
-    (dict(dtype="int8"), r"'dtype' must be in \('bfloat16', 'float16', 'float32', 'float8_e4m3fn', 'float8_e5m2'\) \(got 'int8'\)"),
+    (dict(dtype="int8"), r"'dtype' must be in \('bfloat16', 'float16', 'float32', 'float8_e4m3fn', 'float8_e5m2'\) "
+                         r"or an engine name in \('fp8', 'fp8_e4m3', 'fp8_e5m2'\) \(got 'int8'\)$"),
+    (dict(dtype="auto"), r"'dtype' must be in .* \(got 'auto'\); 'auto' means the model's dtype, which a "
+                         r"cache spec cannot know: pass that dtype \(e.g. 'bfloat16'\)"),
+    (dict(dtype="fp8_inc"), r"'dtype' must be in .* or an engine name in .* \(got 'fp8_inc'\)"),
     (dict(num_layers=0), r"'num_layers' must be a positive int \(got 0\)"),
     (dict(cross_layer="yes"), r"'cross_layer' must be a bool \(got 'yes'\)"),
     (dict(backend="mla"), r"'num_kv_heads' must be 1 for backend 'mla' .*\(got 8\); pass num_kv_heads=1"),
@@ -116,6 +122,32 @@ def test_same_bytes_treats_size_one_dims_as_ambiguous():
 def test_validation_errors(kwargs, match):
     with pytest.raises(FkvError, match=match):
         _spec(**kwargs)
+
+
+@pytest.mark.parametrize(("name", "canonical"), [
+    ("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2"),
+    ("torch.float8_e5m2", "float8_e5m2"), ("bfloat16", "bfloat16")])
+def test_engine_dtype_names_normalize(name, canonical):
+    """vLLM's kv_cache_dtype names are accepted and normalized: equal specs compare and hash equal."""
+    spec = _spec(dtype=name)
+    assert spec.dtype == canonical
+    assert spec == _spec(dtype=canonical) and hash(spec) == hash(_spec(dtype=canonical))
+    assert spec.evolve(dtype=name) == spec
+    assert canonical_dtype(name) == canonical
+    assert torch_dtype(name) == getattr(torch, canonical)
+    assert spec.itemsize == (1 if "8" in canonical else 2)
+
+
+def test_infer_spec_takes_engine_dtype_names():
+    spec = _spec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8, dtype="fp8")
+    (view,) = fkv.allocate(spec)
+    assert view.dtype == torch.float8_e4m3fn
+    assert fkv.infer_spec(view, backend="triton", dtype="fp8") == spec
+    assert fkv.infer_spec(view, backend="triton", dtype="fp8_e4m3") == spec
+    with pytest.raises(FkvError, match=r"'dtype' must be the tensor's dtype 'float8_e4m3fn' \(got 'fp8_e5m2'\)"):
+        fkv.infer_spec(view, backend="triton", dtype="fp8_e5m2")
+    with pytest.raises(FkvError, match=r"'dtype' must be in .* \(got 'auto'\); 'auto' means"):
+        fkv.infer_spec(view, backend="triton", dtype="auto")
 
 
 def test_keyword_only_and_evolve_errors():
@@ -149,7 +181,7 @@ def test_patterns_snapshot():
 
 
 def test_span_and_offsets_match_worked_example_a():
-    # SPEC.md §5 example A: P TP=1 page 65536 B, D rank t reads heads [4t, 4t+4).
+    # docs/handshake.md example A: P TP=1 page 65536 B, D rank t reads heads [4t, 4t+4).
     p = _spec(layout="HND")
     assert p.span(B=0, two=0, H=(0, 4)) == (0, 16384)
     assert p.span(B=0, two=1, H=(0, 4)) == (32768, 16384)

@@ -237,7 +237,7 @@ def test_snapshot_value_of_specs_and_patterns():
 @settings(max_examples=100)
 @given(engine_pairs())
 def test_every_consistent_divisible_pair_is_accepted(pair):
-    # fkv goes further than the engine (SPEC.md §4): layouts, block sizes, NHD head slices and
+    # fkv goes further than the engine (docs/handshake.md): layouts, block sizes, NHD head slices and
     # cross-layer buffers are all planned, so a consistent pair with divisible TP sizes connects.
     from fkv.connector.handshake import handshake
 

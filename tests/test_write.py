@@ -5,6 +5,7 @@ addressing from the layout algebra. CPU under TRITON_INTERPRET=1 (``interpreter`
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -298,6 +299,273 @@ def test_fp8_input_is_stored_unchanged(device: str, dtype: str) -> None:
     assert torch.equal(bits(view[1][slots]), bits(value))
 
 
+# +NaN, -NaN, +inf, -inf, out of range, signed zeros -> the fp8 bytes of the reference (torch's
+# cast of x / scale clamped to +-max). -NaN's sign after x / scale is the platform's (x86 keeps
+# it: 0xFF; CUDA arithmetic returns the canonical +NaN: 0x7F); the kernel matches the reference
+# on each.
+SPECIALS = [float("nan"), -float("nan"), float("inf"), -float("inf"), 1e6, -1e6, 0.0, -0.0]
+SPECIAL_BYTES = {"float8_e4m3fn": [0x7F, None, 0x7E, 0xFE, 0x7E, 0xFE, 0x00, 0x80],
+                 "float8_e5m2": [0x7F, None, 0x7B, 0xFB, 0x7B, 0xFB, 0x00, 0x80]}
+# NaN with the sign bit set, per input dtype (torch's float -> bf16/fp16 casts drop NaN's sign)
+NEG_NAN = {"bfloat16": (torch.int16, -64), "float16": (torch.int16, -512),
+           "float32": (torch.int32, -4194304)}
+
+
+def _specials(in_dtype: str, sign: float) -> torch.Tensor:
+    vals = torch.tensor([sign * v for v in SPECIALS], dtype=getattr(torch, in_dtype))
+    ints, neg_nan = NEG_NAN[in_dtype]
+    vals.view(ints)[0 if sign < 0 else 1] = neg_nan      # -NaN where the list says -NaN
+    vals.view(ints)[1 if sign < 0 else 0] = neg_nan & (2 ** (8 * vals.element_size() - 1) - 1)
+    return vals
+
+
+@pytest.mark.parametrize("in_dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_fp8_nan_stays_nan_and_inf_saturates(device: str, layout: str, dtype: str,
+                                             in_dtype: str) -> None:
+    """Every path (the GPU's conversion; the interpreter's own rounding, which turned NaN into
+    -448 = 0xFE before): NaN is stored as NaN (0x7F / 0xFF, the sign the division left, as the
+    reference stores it), +-inf and out-of-range values as +-max (e4m3fn 448 = 0x7E, e5m2
+    57344 = 0x7B: the reference clamps before casting, so e5m2's inf 0x7C is never written),
+    signed zeros kept."""
+    spec = make_spec("triton", layout, dtype=dtype, heads=2, head_size=8, num_layers=1,
+                     num_blocks=2, block_size=8)
+    key = _specials(in_dtype, 1.0).view(8, 1, 1).expand(8, 2, 8).contiguous().to(device)
+    value = _specials(in_dtype, -1.0).view(8, 1, 1).expand(8, 2, 8).contiguous().to(device)
+    slots = torch.arange(8, 16, device=device)
+    scales = {"k_scale": torch.tensor([1.0], device=device),
+              "v_scale": torch.tensor([0.5], device=device)}
+    out, ref = run_both(spec, device, key, value, slots, layer=0, **scales)
+    assert_same_bytes(out, ref)
+    view = bits(out[0][1].cpu())                         # block 1: (two, N, H, D)
+    fd = getattr(torch, dtype)
+    for half, flip, pos_nan, neg_nan in ((0, 0x00, 0, 1), (1, 0x80, 1, 0)):  # V = -K
+        got = view[half]                                 # [tokens, heads, D]
+        assert (got[pos_nan] == 0x7F).all()              # +NaN: 0x7F on every platform
+        assert got[neg_nan].view(fd).float().isnan().all()  # -NaN: NaN (0xFF or 0x7F)
+        for i in range(2, 8):
+            assert (got[i] == SPECIAL_BYTES[dtype][i] ^ flip).all(), (half, i, got[i].unique())
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_input_with_nan_payloads_is_stored_bit_exact(device: str, dtype: str) -> None:
+    """Input already in the cache's fp8 dtype is copied unchanged: every one of the 256 byte
+    patterns (NaN payloads and e5m2 infinities included)."""
+    spec = make_spec("flash_attn", "HND", dtype=dtype, heads=2, head_size=16, num_layers=1,
+                     num_blocks=2, block_size=8)
+    every = torch.arange(256, dtype=torch.uint8).view(8, 2, 16)
+    key = every.view(getattr(torch, dtype)).to(device)
+    value = every.flip(0).contiguous().view(getattr(torch, dtype)).to(device)
+    slots = torch.arange(8, device=device) * 2
+    out, ref = run_both(spec, device, key, value, slots, layer=0)
+    assert_same_bytes(out, ref)
+    kv = bits(out[0].cpu()).permute(0, 1, 2, 3, 4).reshape(2, 16, 2, 16)  # (two, slot, H, D)
+    assert torch.equal(kv[0][slots.cpu()], every)
+    assert torch.equal(kv[1][slots.cpu()], every.flip(0))
+
+
+# -- (key_cache, value_cache) pairs: the engine's separate K and V views of one layer ----------------
+PAIR_LAYOUTS = [(b, lay, x) for b in ("triton", "flashinfer", "flash_attn") for lay in ("NHD", "HND")
+                for x in (False, True)]
+
+
+def _halves(cache: torch.Tensor, spec: KVCacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an engine passes: ``(cache[:, 0], cache[:, 1])``; flash_attn ``(cache[0], cache[1])``."""
+    if spec.backend == "flash_attn":
+        return cache[0], cache[1]
+    return cache[:, 0], cache[:, 1]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("where", PAIR_LAYOUTS, ids=[f"{b}-{lay}{'-xl' if x else ''}" for b, lay, x in PAIR_LAYOUTS])
+def test_key_value_cache_pair_writes_the_same_bytes(device: str, where: tuple, dtype: str) -> None:
+    backend, layout, cross = where
+    spec = make_spec(backend, layout, cross_layer=cross, dtype=dtype, num_layers=2)
+    key, value, scales = inputs(spec, 14, device, seed=21)
+    slots = padded_slots(spec, 12, 14, device, seed=21)
+    out, ref, whole = poisoned(spec, device), poisoned(spec, device), poisoned(spec, device)
+    write_kv(key, value, _halves(out[1], spec), slots, spec, **scales)
+    reference.write_kv(key, value, _halves(ref[1], spec), slots, spec, **scales)
+    write_kv(key, value, whole[1], slots, spec, **scales)
+    assert_same_bytes(out, whole)
+    assert_same_bytes(ref, whole)
+    # a list works too (engines keep kv_caches as lists)
+    again = poisoned(spec, device)
+    write_kv(key, value, list(_halves(again[1], spec)), slots, spec, **scales)
+    assert_same_bytes(again, whole)
+
+
+def _pair_cases() -> list[tuple[str, Any, str]]:
+    nhd = make_spec("triton", "NHD", num_layers=1)
+    fa = make_spec("flash_attn", "HND", num_layers=1)
+    return [
+        ("unrelated", lambda c, s: (c[:, 0], fkv.allocate(s)[0][:, 1]),
+         r"'key_cache' and 'value_cache' are separate buffers, but write_kv writes one layer buffer "
+         r"of the spec, whose V half is stride_kv=288 elements after its K half; pass \(cache\[:, 0\], "
+         r"cache\[:, 1\]\) of one layer's view from fkv.allocate\(spec\)"),
+        ("swapped", lambda c, s: (c[:, 1], c[:, 0]),
+         r"'value_cache' starts 288 elements before 'key_cache': the halves are swapped; pass "
+         r"\(key_cache, value_cache\) = \(cache\[:, 0\], cache\[:, 1\]\)"),
+        ("same-half", lambda c, s: (c[:, 0], c[:, 0]),
+         r"'value_cache' starts 0 elements after 'key_cache' but spec .* puts the V half "
+         r"stride_kv=288 elements after the K half"),
+        ("other-block", lambda c, s: (c[:, 0], c[1:, 0]),
+         r"'value_cache' has shape \(5, 4, 3, 24\) but one K or V half of spec .* is "
+         r"\(NB, N, H, D\) = \(6, 4, 3, 24\)"),
+        ("hnd-buffer", lambda c, s: _halves(fkv.allocate(s.evolve(layout="HND"))[0], s),
+         r"'key_cache' has strides \(576, 24, 96, 1\) but a K or V half of spec .* has strides "
+         r"\(576, 72, 24, 1\) \(NB, N, H, D\); the buffer's real layout differs from the spec"),
+        ("dtype", lambda c, s: (c[:, 0].half(), c[:, 1].half()),
+         r"'key_cache' has dtype 'float16' but spec.dtype is 'bfloat16'"),
+        ("triple", lambda c, s: (c[:, 0], c[:, 1], c[:, 1]),
+         r"'cache' is a tuple of 3 tensors; pass one layer's view, or its \(key_cache, "
+         r"value_cache\) halves \(cache\[:, 0\], cache\[:, 1\]\)"),
+        ("not-tensor", lambda c, s: (c[:, 0], [1.0]),
+         r"'value_cache' must be a torch.Tensor \(got list\)"),
+        ("flash-attn-swapped", lambda c, s: (c[1], c[0]),
+         r"the halves are swapped; pass \(key_cache, value_cache\) = \(cache\[0\], cache\[1\]\)"),
+        ("mla", lambda c, s: (c, c),
+         r"'cache' is a tuple of 2 but spec.backend is 'mla': one latent per token, no K and V "
+         r"halves; pass the layer's one \(NB, N, D\) view"),
+    ], {"flash-attn-swapped": fa, "mla": make_spec("mla", num_layers=1)}, nhd
+
+
+@pytest.mark.parametrize("fn", [write_kv, reference.write_kv], ids=["kernel", "reference"])
+@pytest.mark.parametrize("case", range(10))
+def test_ambiguous_cache_pairs_are_refused(fn, case: int) -> None:
+    cases, specs, default = _pair_cases()
+    name, make, message = cases[case]
+    spec = specs.get(name, default)
+    caches = poisoned(spec, "cpu")
+    untouched = [c.clone() for c in caches]
+    key, value, _ = inputs(spec, 4, "cpu")
+    with pytest.raises(FkvError, match=message):
+        fn(key, value, make(caches[0], spec), torch.arange(4), spec)
+    assert_same_bytes(caches, untouched)
+
+
+# -- tiling from the token count ----------------------------------------------------------------------
+BENCH = KVCacheSpec(num_blocks=32768, block_size=16, num_kv_heads=8, head_size=128)
+# T -> (bf16 tiling, fp8 tiling) for the bench shape (8 heads x 128): small T spreads over many
+# one-token programs (bf16: 4 warps up to 16 tokens, then 2; fp8: 8 warps), large T keeps the
+# prefill tiles (16384 elements on 8 warps / fp8 4096 on 4). Round-2 H200 sweep winners.
+TILINGS = {
+    1: ((1, 8, 128, 4), (1, 8, 128, 8)),
+    16: ((1, 8, 128, 4), (1, 8, 128, 8)),
+    256: ((1, 8, 128, 2), (1, 8, 128, 8)),
+    8192: ((16, 8, 128, 8), (4, 8, 128, 4)),
+}
+
+
+def test_tiling_is_a_function_of_the_spec_and_the_token_count() -> None:
+    for tokens, (bf16, fp8) in TILINGS.items():
+        assert write_tiling(BENCH, tokens) == bf16, tokens
+        assert write_tiling(BENCH.evolve(dtype="fp8"), tokens) == fp8, tokens
+        assert write_tiling(BENCH.evolve(layout="HND"), tokens) == bf16
+    assert write_tiling(BENCH, 512) == (2, 8, 128, 4)     # 512 programs: 2 tokens each
+    assert write_tiling(BENCH, 2048) == (8, 8, 128, 4)    # 8192-element tiles, 2048 per warp
+    assert write_tiling(BENCH, 65536) == write_tiling(BENCH) == (16, 8, 128, 8)
+    # the choice depends on T only through its power-of-two class
+    for t in (129, 200, 256):
+        assert write_tiling(BENCH, t) == write_tiling(BENCH, 256)
+    # grid sizes: 256 decode tokens run 16x more programs than the prefill tiling would give them
+    small, big = write_tiling(BENCH, 256), write_tiling(BENCH)
+    assert (256 // small.block_t) == 16 * (256 // big.block_t)
+    # other geometries: MLA, many heads, odd sizes; tiles stay powers of two and cover the head
+    for spec in (make_spec("mla", head_size=576), make_spec(heads=32, head_size=64),
+                 make_spec(heads=3, head_size=24), make_spec(heads=1, head_size=256)):
+        for tokens in (1, 16, 256, 8192):
+            t = write_tiling(spec, tokens)
+            assert all(v & (v - 1) == 0 for v in t) and t.d_pad >= spec.head_size
+            assert 1 <= t.num_warps <= 8
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("tokens", sorted(TILINGS))
+def test_each_chosen_tiling_is_bit_exact(device: str, tokens: int, layout: str, dtype: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiling chosen for T = 1, 16, 256, 8192 (bench shape, 8 heads x 128), run bit-exact
+    against the reference. On CPU the tiling is forced on a smaller T (the interpreter's time
+    grows with T; a tile's code does not depend on T); on the GPU T itself runs."""
+    spec = make_spec("triton", layout, dtype=dtype, heads=8, head_size=128, block_size=16,
+                     num_blocks=tokens // 16 + 4 if device == "cuda" else 4, num_layers=1)
+    tiling = write_tiling(BENCH.evolve(dtype=dtype), tokens)
+    run_tokens = tokens if device == "cuda" else min(tokens, 40)
+    monkeypatch.setattr(write_mod, "_PREPARED", {})
+    write_mod._set_tiling_override(tiling)
+    try:
+        key, value, scales = inputs(spec, run_tokens + 3, device, seed=tokens)
+        slots = padded_slots(spec, run_tokens, run_tokens + 3, device, seed=tokens)
+        out, ref = run_both(spec, device, key, value, slots, layer=0, **scales)
+        (prep,) = write_mod._PREPARED.values()
+        assert list(prep.by_tiling) == [(tiling, False)]
+    finally:
+        write_mod._set_tiling_override(None)
+    assert_same_bytes(out, ref)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_fused_kv_programs_are_bit_exact(device: str, layout: str, dtype: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """K and V in one program (``_FUSE_KV_TOKENS``, a sweep candidate for small T): the same
+    bytes as the reference, a grid of one program on axis 1, and a site of its own."""
+    monkeypatch.setattr(write_mod, "_PREPARED", {})
+    monkeypatch.setattr(write_mod, "_FUSE_KV_TOKENS", 16)
+    spec = make_spec("triton", layout, dtype=dtype, heads=8, head_size=128, block_size=16,
+                     num_blocks=4, num_layers=1)
+    for tokens, fused in ((13, True), (40, False)):
+        key, value, scales = inputs(spec, tokens + 2, device, seed=tokens)
+        slots = padded_slots(spec, tokens, tokens + 2, device, seed=tokens)
+        out, ref = run_both(spec, device, key, value, slots, layer=0, **scales)
+        assert_same_bytes(out, ref)
+        (prep,) = write_mod._PREPARED.values()
+        site, block_t, head_tiles, halves = prep.by_class[write_mod.token_class(tokens)]
+        assert halves == (1 if fused else 2)
+    assert sorted(f for _, f in prep.by_tiling) == [False, True]
+
+
+def test_one_site_per_tiling_chosen_from_t(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token counts of one class share a launch site; another class with the same tiling shares
+    it too; a class with another tiling gets its own (one compiled variant per tiling)."""
+    kernel = write_mod._write_kv_kernel
+    recorder = LaunchRecorder(kernel)
+    monkeypatch.setattr(write_mod._LAUNCHER, "kernel", recorder)
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    monkeypatch.setattr(write_mod, "_PREPARED", {})
+    spec = make_spec("triton", "NHD", heads=8, head_size=64, block_size=4, num_blocks=512,
+                     num_layers=1)
+    cache = poisoned(spec, device)[0]
+    counts = (17, 24, 32, 200, 256, 1000)  # above _FEW_TOKENS: the warps follow the tile
+    for tokens in counts:
+        key, value, _ = inputs(spec, tokens, device, seed=tokens)
+        write_kv(key, value, cache, padded_slots(spec, tokens, tokens, device, tokens), spec)
+    (prep,) = write_mod._PREPARED.values()
+    want = {write_tiling(spec, t) for t in counts}
+    assert {t for t, _ in prep.by_tiling} == want and len(want) == 2
+    assert sorted(prep.by_class) == [32, 256, 1024]
+    blocks = [launch["BLOCK_T"] for launch in recorder.launches]
+    assert blocks == [2, 2, 2, 2, 2, 4] == [write_tiling(spec, t).block_t for t in counts]
+    keys = triton_cache_keys(kernel, recorder.launches)
+    if keys is not None:
+        assert len(set(keys)) == len(want)
+
+
+def test_tiling_override_knob() -> None:
+    """The private knob the GPU sweep uses: a WriteTiling or a function of (spec, T)."""
+    forced = write_mod.WriteTiling(4, 2, 128, 1)
+    write_mod._set_tiling_override(forced)
+    try:
+        assert write_tiling(BENCH, 1) == write_tiling(BENCH, 8192) == forced
+        write_mod._set_tiling_override(lambda spec, t: write_mod.WriteTiling(2, 8, 128, t or 1))
+        assert write_tiling(BENCH, 4) == (2, 8, 128, 4)
+    finally:
+        write_mod._set_tiling_override(None)
+    assert write_tiling(BENCH, 256) == TILINGS[256][0]
+
+
 # -- bounds: validation and in-kernel masking -----------------------------------------------------
 def test_out_of_range_slot_validation_names_first_bad_index(device: str) -> None:
     spec = make_spec("triton", "NHD")
@@ -507,9 +775,9 @@ def test_one_variant_per_layout(device: str, monkeypatch: pytest.MonkeyPatch) ->
 
     call(nhd, 17, 1)
     call(nhd, 32, 2)                  # same spec, another T and other slots
-    call(nhd, 9, 3, num_blocks=16)    # same layout, another cache size (112 slots): same variant
+    call(nhd, 20, 3, num_blocks=16)   # same layout, another cache size (112 slots): same variant
     call(hnd, 17, 4)                  # another layout: exactly one more
-    call(hnd, 5, 5)
+    call(hnd, 30, 5)                  # (T > _FEW_TOKENS throughout: same warps)
     assert recorder.launches[0]["HEADS_OUTER"] is False and recorder.launches[3]["HEADS_OUTER"] is True
     keys = triton_cache_keys(kernel, recorder.launches)
     if keys is not None:
@@ -544,7 +812,7 @@ def test_tiling_covers_every_shape_with_power_of_two_tiles() -> None:
         assert t.block_t * t.head_tile * t.d_pad <= max(16384, t.d_pad)
     bench = KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=8, head_size=128)
     assert write_tiling(bench) == (16, 8, 128, 8)
-    assert write_tiling(bench.evolve(dtype="float8_e4m3fn")) == (8, 8, 128, 4)
+    assert write_tiling(bench.evolve(dtype="float8_e4m3fn")) == (4, 8, 128, 4)
 
 
 # -- GPU only: CUDA graph capture of the decode path ----------------------------------------------
@@ -730,5 +998,5 @@ def test_direct_launches_write_the_same_bytes_as_normal_launches(layout: str,
                 write_kv(key, value, cache, padded_slots(spec, 40, 40, "cuda", seed), spec, **scales)
             outs.append(cache)
         assert_same_bytes(outs[:1], outs[1:])
-    sites = [p.site for p in write_mod._PREPARED.values()]
+    sites = [site for p in write_mod._PREPARED.values() for site, *_ in p.by_tiling.values()]
     assert sum(s.direct_launches for s in sites) >= 4

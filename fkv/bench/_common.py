@@ -1,5 +1,6 @@
 """Timing helpers shared by the benchmarks: do_bench medians, same-run ceilings, eager and graph
-per-call times, input rotation, and the JSON header every result file carries.
+per-call times, input rotation. Result files (and their environment header) are
+:mod:`fkv.bench.results`; how each figure is measured is docs/benchmarks.md.
 
 On CUDA every time is ``triton.testing.do_bench(..., return_mode="median")``; on CPU (the
 ``--cpu-smoke`` paths, which only exercise the code) a short ``perf_counter`` median whose figure
@@ -106,16 +107,16 @@ def graph_us(calls: Sequence[Callable[[], Any]], rep: int = 100) -> float:
     return triton.testing.do_bench(graph.replay, rep=rep, return_mode="median") * 1e3 / len(calls)
 
 
-def environment(device: str) -> dict[str, str]:
-    """The header of every result file: device name, torch and triton versions."""
-    import torch
-    import triton
+def environment(device: str) -> dict[str, Any]:
+    """Deprecated: :func:`fkv.bench.results.environment` (kept until every bench writes through
+    :mod:`fkv.bench.results`)."""
+    from fkv.bench.results import environment as env
 
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    return {"device": name, "torch": torch.__version__, "triton": triton.__version__}
+    return env(device)
 
 
 def write_json(path: str | None, result: dict[str, Any]) -> None:
+    """Deprecated: a free-form JSON dump; benchmarks write :func:`fkv.bench.results.save`."""
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)

@@ -1,4 +1,4 @@
-"""Benchmark ``fkv.ops.paged_attention`` on the BENCH.md cases (H200 targets), JSON with ``--json``.
+"""Benchmark ``fkv.ops.paged_attention`` (H200 targets; docs/benchmarks.md), results to bench/results/.
 
 Decode: B=64 x ctx 8192, B=256 x 2048, B=8 x 32768 (Hq 32, Hkv 8, D 128, bf16, N=16), NHD and
 HND, against torch SDPA on dense contiguous K/V of the same size in the same run (the fastest of
@@ -14,7 +14,8 @@ against SDPA over the same K/V gathered into dense tensors. Timings are
 the whole cache, far beyond L2). The kernel is timed with ``validate=False`` (the values were
 validated by the correctness call; validation costs one device sync per call).
 
-    python bench/bench_attention.py --json attention.json     # full run (CUDA)
+    python bench/bench_attention.py                           # full run (CUDA) -> bench/results/
+    python bench/bench_attention.py --json attention.json --plot attention.png
     python bench/bench_attention.py --quick                   # one decode shape, shorter timing
     python bench/bench_attention.py --sweep                   # also try tiles/warps/stages/splits
     python bench/bench_attention.py --cpu-smoke               # tiny shapes, CPU interpreter:
@@ -25,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from fkv.bench import results
 from fkv.bench._common import read_ceiling_gbps, time_ms
 
 __all__ = ["main"]
@@ -358,13 +359,13 @@ def _compile_task(task: tuple) -> str:
         f", errors: {errors}" if errors else "")
 
 
-def _precompile(results: list[Result], shape: Shape, sweep: bool, jobs: int, device: str) -> None:
+def _precompile(cases: list[Result], shape: Shape, sweep: bool, jobs: int, device: str) -> None:
     """Compile every variant the run will time in ``jobs`` processes (spawned, CUDA each)."""
     import multiprocessing
     import time
 
     tasks = []
-    for res in results:
+    for res in cases:
         default = _default_config_for(shape, res.kind, res.batch, res.tokens)
         variants = _case_variants(res.kind, default, sweep)
         for i in range(0, len(variants), 3):
@@ -378,12 +379,12 @@ def _precompile(results: list[Result], shape: Shape, sweep: bool, jobs: int, dev
     print(f"precompiled {len(tasks)} tasks in {time.perf_counter() - start:.1f} s", flush=True)
 
 
-def _table(results: list[Result], ceiling: float) -> str:
+def _table(cases: list[Result], ceiling: float) -> str:
     lines = [f"paged_attention (read ceiling {ceiling:.0f} GB/s; baseline = torch SDPA on dense "
              f"K/V, same run; graph = both replayed in CUDA graphs)",
              f"{'case':32s} {'ms':>8s} {'GB/s':>7s} {'SDPA ms':>8s} {'SDPA GB/s':>9s} "
              f"{'ratio':>6s} {'%read':>6s} {'graph':>6s} target"]
-    for r in results:
+    for r in cases:
         target = (f">= {DECODE_TARGET}x dense" if r.kind == "decode"
                   else f"<= {PREFILL_TARGET}x dense time")
         g = r.extra.get("ms_graph")
@@ -396,27 +397,40 @@ def _table(results: list[Result], ceiling: float) -> str:
     return "\n".join(lines)
 
 
-def _report(results: list[Result], ceiling: float, device: str, sweep: list[dict] | None) -> dict:
-    import torch
+_EXTRA_METRICS = {"ms_repeat": "repeat_ms", "ms_graph": "graph_ms", "sdpa_ms_graph": "sdpa_graph_ms",
+                  "tflops": "tflops", "sdpa_tflops": "sdpa_tflops"}
 
-    report = {
-        "op": "paged_attention",
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter smoke)",
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "read_ceiling_gbps": ceiling,
+
+def to_run(done: list[Result], shape: Shape, ceiling: float, device: str,
+           config: dict[str, Any] | None = None, env: dict[str, Any] | None = None,
+           sweep: list[dict] | None = None) -> results.Run:
+    """The result file of a run: one case per ``Result`` (id = ``Result.name``). The ratio to
+    dense SDPA is ``gbps_vs_sdpa_x`` for decode (higher is better) and ``time_vs_sdpa_x`` for
+    prefill (lower is better)."""
+    run = results.Run("attention", env=env, device=device, config={
+        "shape": asdict(shape), **(config or {}),
         "targets": {"decode": f">= {DECODE_TARGET}x dense SDPA GB/s",
-                    "prefill": f"<= {PREFILL_TARGET}x dense causal SDPA time"},
-        "cases": [asdict(r) | {"name": r.name} for r in results],
-    }
+                    "prefill": f"<= {PREFILL_TARGET}x dense causal SDPA time"}})
+    run.ceiling("read_gbps", ceiling)
+    for r in done:
+        ratio = "gbps_vs_sdpa_x" if r.kind == "decode" else "time_vs_sdpa_x"
+        metrics = {"ms": r.ms, "gbps": r.gbps, "sdpa_ms": r.sdpa_ms, "sdpa_gbps": r.sdpa_gbps,
+                   ratio: r.ratio, "pct_of_read_ceiling": r.pct_of_read_ceiling,
+                   "reference_max_err": r.max_err_vs_reference, "sdpa_max_err": r.max_err_vs_sdpa}
+        metrics |= {new: r.extra[old] for old, new in _EXTRA_METRICS.items() if old in r.extra}
+        extra = {k: v for k, v in r.extra.items() if k not in _EXTRA_METRICS}
+        run.add(r.name, params={"kind": r.kind, "batch": r.batch, "tokens": r.tokens,
+                                "layout": r.layout, "bytes": r.bytes},
+                metrics=metrics, extra={"meets_target": r.meets_target, "config": r.config,
+                                        **extra})
     if sweep is not None:
-        report["sweep"] = sweep
-    return report
+        run.extra["sweep"] = sweep
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fkv bench attention", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", metavar="PATH", help="write results as JSON (after every case)")
+    results.add_output_arguments(parser)
     parser.add_argument("--quick", action="store_true",
                         help="one decode shape (B=64 x 8192) and the prefill case, shorter timing")
     parser.add_argument("--sweep", action="store_true",
@@ -428,8 +442,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="precompile (with --jobs) and exit: run it alongside other work")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny shapes on the CPU interpreter: every code path and the "
-                             "correctness checks run, the timings mean nothing")
+                             "correctness checks run, the timings mean nothing (no result file "
+                             "unless --json or --results-dir)")
     args = parser.parse_args(argv)
+    if args.plot:
+        from fkv.bench import plots
+
+        plots.require(cli=True)
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
@@ -448,19 +467,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.quick:
         shape.decode = shape.decode[:1]
-    results = [Result("decode", b, ctx, layout) for b, ctx in shape.decode for layout in ("NHD", "HND")]
-    results += [Result("prefill", shape.prefill[0], shape.prefill[1], layout) for layout in ("NHD", "HND")]
+    cases = [Result("decode", b, ctx, layout) for b, ctx in shape.decode for layout in ("NHD", "HND")]
+    cases += [Result("prefill", shape.prefill[0], shape.prefill[1], layout) for layout in ("NHD", "HND")]
     jobs = args.jobs if args.jobs is not None else (min(12, os.cpu_count() or 1)
                                                     if device == "cuda" else 0)
     if jobs > 0 or args.compile_only:
-        _precompile(results, shape, args.sweep, max(1, jobs), device)
+        _precompile(cases, shape, args.sweep, max(1, jobs), device)
     if args.compile_only:
         return 0
     ceiling = read_ceiling_gbps(rep, device, ceiling_bytes)
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
     sweep: list[dict] | None = [] if args.sweep else None
     done: list[Result] = []
-    for res in results:
+    path, created = None, None
+    config = {"mode": "cpu-smoke" if args.cpu_smoke else "cuda", "quick": args.quick,
+              "sweep": args.sweep, "rep": rep}
+    env = results.environment(device)
+    for res in cases:
         _run(res, shape, ceiling, rep, device, sweep)
         done.append(res)
         graph = ""
@@ -469,10 +492,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{res.name}: {res.ms:.3f} ms, {res.gbps:.0f} GB/s, x{res.ratio:.3f} vs SDPA "
               f"({res.sdpa_gbps:.0f} GB/s, {res.extra['sdpa_baseline']}), err vs ref "
               f"{res.max_err_vs_reference:.2g}{graph}", flush=True)
-        if args.json:  # after every case: a run cut short keeps what it measured
-            with open(args.json, "w") as f:
-                json.dump(_report(done, ceiling, device, sweep), f, indent=2)
+        # after every case, into the same file: a run cut short keeps what it measured
+        run = to_run(done, shape, ceiling, device, config, env, sweep)
+        run.created = created = created or run.created   # one run, one timestamp: its file name
+        if path is None:
+            path = results.save(run, args, by_default=not args.cpu_smoke)
+        else:
+            results.write(run, json_path=path)
         if device == "cuda":
             torch.cuda.empty_cache()
-    print(_table(results, ceiling))
+    print(_table(cases, ceiling))
+    if args.plot:
+        from fkv.bench import plots
+
+        plots.plot_attention(to_run(done, shape, ceiling, device, config, env).to_file(), args.plot)
+        print(f"plot: {args.plot}")
     return 0

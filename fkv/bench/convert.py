@@ -1,4 +1,4 @@
-"""Benchmark ``fkv.ops.convert`` and ``gather``/``scatter`` on the BENCH.md cases (H200 targets).
+"""Benchmark ``fkv.ops.convert`` and ``gather``/``scatter`` (H200 targets; docs/benchmarks.md).
 
 Cases (bf16, N=16, H=8, D=128, 16384 blocks; two layers so cross-layer buffers mean something):
 
@@ -16,7 +16,8 @@ ceiling measured in the same run, ratio to the same-run torch baseline, and a se
 kernel (noise). ``do_bench`` flushes L2 (256 MB) before each call; gather/scatter also rotate
 through several id sets and staging buffers (> 512 MB in all).
 
-    python bench/bench_convert.py --json convert.json      # full run (CUDA)
+    python bench/bench_convert.py                          # full run (CUDA) -> bench/results/
+    python bench/bench_convert.py --json convert.json --plot convert.png
     python bench/bench_convert.py --quick                  # fewer cases, shorter timing
     python bench/bench_convert.py --sweep                  # also try tile sizes / warps
     python bench/bench_convert.py --cpu-smoke              # tiny shapes on the CPU interpreter:
@@ -27,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fkv.bench._common import (Cycle, copy_ceiling_gbps, eager_us, environment, graph_us, time_ms,
-                               write_json)
+from fkv.bench import results
+from fkv.bench._common import Cycle, copy_ceiling_gbps, eager_us, graph_us, time_ms
 
 __all__ = ["main"]
 
@@ -341,28 +341,32 @@ def _cpu_smoke(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     shape = Shape(num_blocks=24, block_size=4, heads=4, head_size=16, gather_blocks=6,
                   gather_heads=(1, 3))
-    checked = []
+    cases = []
     for case in _cases(quick=False):
         _run(case, shape, "cpu", 0.0, None)
-        checked.append(case.name)
+        cases.append(case)
         print(f"ok  {case.name}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bench": "convert", "mode": "cpu-smoke", "checked": checked}, f, indent=2)
+    run = to_run(cases, shape, None, "cpu", config={"mode": "cpu-smoke (correctness only)"})
+    results.save(run, args, by_default=False)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fkv bench convert", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    results.add_output_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="fewer cases, shorter timing")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep the tile budget and warps on one convert and gathers")
     parser.add_argument("--only", metavar="SUBSTR", default="",
                         help="run only the cases whose name contains this (e.g. 'gather')")
     parser.add_argument("--cpu-smoke", action="store_true",
-                        help="only the correctness path, tiny shapes, CPU interpreter")
+                        help="only the correctness path, tiny shapes, CPU interpreter (no result "
+                             "file unless --json or --results-dir)")
     args = parser.parse_args(argv)
+    if args.plot:
+        from fkv.bench import plots
+
+        plots.require(cli=True)
     if args.cpu_smoke:
         return _cpu_smoke(args)
 
@@ -382,17 +386,46 @@ def main(argv: list[str] | None = None) -> int:
               f"{case.speedup_vs_baseline:.2f}x torch)", flush=True)
         torch.cuda.empty_cache()
     sweep = _sweep(shape, ceiling, rep) if args.sweep else []
-    result = {
-        "bench": "convert",
-        **environment("cuda"),
-        "shape": asdict(shape),
-        "copy_ceiling_gbps": ceiling,
-        "cases": [{"name": c.name, **asdict(c)} for c in cases],
-        "sweep": sweep,
-    }
-    write_json(args.json, result)
+    run = to_run(cases, shape, ceiling, "cuda",
+                 config={"mode": "cuda", "quick": args.quick, "only": args.only, "rep": rep})
+    run.extra = {"sweep": sweep}
+    results.save(run, args)
     print(_table(cases, ceiling))
+    if args.plot:
+        from fkv.bench import plots
+
+        plots.plot_convert(run.to_file(), args.plot)
+        print(f"plot: {args.plot}")
     return 0
+
+
+_METRICS = ("ms", "gbps", "pct_of_copy", "baseline_ms", "baseline_gbps",
+            "target_gbps")
+_EXTRA_METRICS = ("eager_us", "eager_gbps", "baseline_eager_us", "graph_us", "graph_gbps")
+
+
+def to_run(cases: list[Case], shape: Shape, ceiling: float | None, device: str,
+           config: dict[str, Any] | None = None, env: dict[str, Any] | None = None
+           ) -> results.Run:
+    """The result file of a run: one case per ``Case`` (id = ``Case.name``); a correctness-only
+    run (no ``ceiling``) records the cases it checked, without metrics."""
+    run = results.Run("convert", config={"shape": asdict(shape), **(config or {})}, env=env,
+                      device=device)
+    if ceiling is not None:
+        run.ceiling("copy_gbps", ceiling)
+    for c in cases:
+        params = {"op": c.op, "src": c.src, "dst": c.dst, "bytes": c.bytes}
+        if ceiling is None:
+            run.add(c.name, params=params, extra={"checked": True})
+            continue
+        metrics = {k: getattr(c, k) for k in _METRICS}
+        metrics["repeat_ms"] = c.ms_repeat
+        metrics["speedup_x"] = c.speedup_vs_baseline
+        metrics |= {k: c.extra[k] for k in _EXTRA_METRICS if k in c.extra}
+        extra = {k: v for k, v in c.extra.items() if k not in _EXTRA_METRICS}
+        run.add(c.name, params=params, metrics=metrics,
+                extra={"meets_target": c.meets_target, **extra})
+    return run
 
 
 if __name__ == "__main__":  # pragma: no cover

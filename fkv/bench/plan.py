@@ -1,9 +1,10 @@
-"""Benchmark the pure handshake and ``TransferPlan.segments`` on the CPU (BENCH.md targets).
+"""Benchmark the pure handshake and ``TransferPlan.segments`` on the CPU (docs/benchmarks.md).
 
 Targets: ``handshake`` <= 50 µs per call; ``segments`` for 100k blocks <= 20 ms (numpy, no Python
 loop per block). Both are pure Python + numpy and run on any machine (no GPU).
 
-- handshake, per call, for SPEC.md §5 example A (direct), example B (two reads), NHD P1->D2
+- handshake, per call, for example A (P TP=1 -> D TP=2, HND: direct), example B (P TP=4 -> D TP=2:
+  two reads), NHD P1->D2
   (staging), a layout mismatch, MLA P4->D2: "warm" = the module's small lru caches (span
   contiguity, best atom split) already filled, which is the steady state of a server answering
   many peers of one model; "cold" = every cache of fkv.layout and fkv.connector.plan cleared
@@ -15,7 +16,8 @@ loop per block). Both are pure Python + numpy and run on any machine (no GPU).
   Ceiling (same run): one numpy copy of an int64 array the size of the output (the floor for
   producing the rows at all).
 
-    python bench/bench_plan.py --json plan.json        # also: fkv bench plan --json plan.json
+    python bench/bench_plan.py                         # also: fkv bench plan (-> bench/results/)
+    python bench/bench_plan.py --json plan.json --plot plan.png
     python bench/bench_plan.py --quick                 # 10k blocks, fewer repeats
 """
 
@@ -23,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from fkv.bench import results
 from fkv.connector import plan as _plan
 from fkv.connector.handshake import EngineDesc, handshake
 from fkv.layout import KVCacheSpec
@@ -194,22 +195,48 @@ def _bench_segments(blocks: int, repeat: int, rng: np.random.Generator) -> list[
     return out
 
 
+def to_run(hs: list[dict[str, Any]], seg: list[dict[str, Any]],
+           config: dict[str, Any] | None = None, env: dict[str, Any] | None = None
+           ) -> results.Run:
+    """The result file: ``handshake <config>`` cases (warm/cold µs per call) and
+    ``segments <config>, <ids> ids, <N> blocks`` cases (ms per call, per-row loop, copy floor)."""
+    run = results.Run("plan", config=dict(config or {}), env=env, device="cpu")
+    for r in hs:
+        run.add(f"handshake {r['case']}", params={"config": r["case"], "strategy": r["strategy"]},
+                metrics={"warm_us": r["warm_us"], "cold_us": r["cold_us"],
+                         "target_us": r["target_us"]}, extra={"meets_target": r["ok"]})
+    for r in seg:
+        run.add(f"segments {r['case']}, {r['ids']} ids, {r['blocks']} blocks",
+                params={"config": r["case"], "ids": r["ids"], "blocks": r["blocks"],
+                        "strategy": r["strategy"]},
+                metrics={"ms": r["ms"], "baseline_ms": r["baseline_ms"], "copy_ms": r["ceiling_ms"],
+                         "speedup_x": r["x_baseline"], "target_ms": r["target_ms"],
+                         "rows_count": r["rows"]}, extra={"meets_target": r["ok"]})
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fkv bench plan", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    results.add_output_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="10k blocks, fewer repeats")
     parser.add_argument("--blocks", type=int, default=None, help=f"default {TARGET_BLOCKS}")
     args = parser.parse_args(argv)
+    if args.plot:
+        from fkv.bench import plots
+
+        plots.require(cli=True)
     blocks = args.blocks or (10_000 if args.quick else TARGET_BLOCKS)
     repeat = 5 if args.quick else 15
     rng = np.random.default_rng(0)
     hs = _bench_handshake(repeat, 200 if args.quick else 2000)
     seg = _bench_segments(blocks, repeat, rng)
-    result = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
-              "numpy": np.__version__, "handshake": hs, "segments": seg}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    run = to_run(hs, seg, config={"quick": args.quick, "blocks": blocks, "repeat": repeat})
+    results.save(run, args)
+    if args.plot:
+        from fkv.bench import plots
+
+        plots.plot_plan(run.to_file(), args.plot)
+        print(f"plot: {args.plot}")
     print(f"{'handshake':34} {'strategy':8} {'warm µs':>8} {'cold µs':>8}  target <= {HANDSHAKE_TARGET_US:g} µs")
     for r in hs:
         print(f"{r['case']:34} {r['strategy']:8} {r['warm_us']:8.1f} {r['cold_us']:8.1f}  "

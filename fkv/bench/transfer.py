@@ -1,11 +1,11 @@
 """Benchmark real prefill -> decode transfers (``fkv.connector``: NIXL READs between processes).
 
-Cases (BENCH.md shape: bf16, N=16, 8 KV heads, head_size 128, 4096 blocks, one layer):
+Cases (docs/benchmarks.md shape: bf16, N=16, 8 KV heads, head_size 128, 4096 blocks, one layer):
 
 - ``link``: P TP=1 -> D TP=1, same layout, *contiguous* blocks: the plan coalesces every request
   into one descriptor per layer, the best NIXL/UCX can do between these processes (the link).
 - ``hnd-direct``: P TP=1 -> D TP=2, HND, random blocks: each D rank READs its head half, two
-  descriptors (K, V) per block, straight into its cache (SPEC.md §5 example A).
+  descriptors (K, V) per block, straight into its cache (docs/handshake.md example A).
 - ``nhd-staging``: P TP=1 -> D TP=2, NHD: a head slice is not contiguous, so each D rank READs whole
   pages into its registered staging buffer, then ``fkv.ops.move`` (Triton on CUDA; the torch
   reference on CPU) extracts its heads.
@@ -27,7 +27,7 @@ caches / slowest rank's time; staging READs twice that over the link), per-rank 
 of time in READs and (packed) in waiting for the packs, descriptors actually posted per request
 and rank, the path the requests took, time to first byte (a one-block read, call to return), and
 the same-run ceiling: a 1 GiB device ``copy_`` (CPU: a 256 MiB DRAM memcpy) counted as bytes read
-+ bytes written (BENCH.md); ``%copy`` compares a transfer with the copy's payload rate (half that:
++ bytes written (docs/benchmarks.md); ``%copy`` compares a transfer with the copy's payload rate (half that:
 each payload byte is read once and written once).
 
     python bench/bench_transfer.py --json transfer.json          # CUDA if present, else CPU
@@ -70,6 +70,8 @@ class Case:
     request_blocks: int = 0
     sizes: list[int] = field(default_factory=list)
     first_read_ms: float = 0.0  # the first read after connect (the correctness check), slowest rank
+    stream_tail_ms: float = 0.0  # streamed: last layer published -> every decode rank's read done
+    layer_ms: float = 0.0        # one layer's share of the same request's non-streamed read
     # results
     plan_strategy: str = ""
     bytes_per_request: int = 0  # READ by all decode ranks (staging reads whole pages)
@@ -158,7 +160,70 @@ def _recv(conn: Any) -> dict[str, Any]:
     return json.loads(conn.recv_bytes())
 
 
-def _prefill_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any]) -> None:
+def _stream_blocks(cfg: dict[str, Any], n: int) -> tuple[list[int], list[int]]:
+    """The one request every rank streams at size ``n`` (same ids on every rank)."""
+    import numpy as np
+
+    rng = np.random.default_rng(12345 + n)
+    nb = cfg["blocks"]
+    return rng.permutation(nb)[:n].tolist(), rng.permutation(nb)[:n].tolist()
+
+
+def _compute(dev: Any, ms: float) -> Any:
+    """A stand-in for one layer's prefill compute of about ``ms`` milliseconds: bf16 matmuls on a
+    GPU (calibrated once), a sleep on the CPU. Returns a callable."""
+    import torch
+
+    if dev.type != "cuda":
+        return lambda: time.sleep(ms / 1e3)
+    a = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize(dev)
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize(dev)
+    reps = max(1, round(ms / 1e3 / ((time.perf_counter() - t) / 20)))
+
+    def run() -> None:
+        for _ in range(reps):
+            a @ a
+    return run
+
+
+def _prefill_stream(server: Any, conn: Any, cfg: dict[str, Any], dev: Any, sbarrier: Any
+                    ) -> list[list[float]]:
+    """Streaming phase, prefill side: per size and repetition hold a streaming request, wait for
+    the decode ranks, then compute and publish layer after layer (a CUDA event per publish);
+    returns the perf_counter time of each last publish."""
+    import torch
+
+    compute = _compute(dev, cfg["compute_ms"])
+    out = []
+    for n in cfg["sizes"]:
+        _, remote = _stream_blocks(cfg, n)
+        lasts = []
+        for rep in range(cfg["stream_reps"]):
+            rid = f"st-{n}-{rep}"
+            server.hold(rid, remote, layers_ready=0)
+            sbarrier.wait()
+            for layer in range(cfg["layers"]):
+                compute()
+                event = None
+                if dev.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record()
+                server.publish(rid, layer + 1, event=event)
+            if dev.type == "cuda":
+                event.synchronize()
+            lasts.append(time.perf_counter())
+        out.append(lasts)
+    return out
+
+
+def _prefill_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any],
+                  sbarrier: Any = None) -> None:
     import fkv
     from fkv.connector import serve
 
@@ -178,14 +243,16 @@ def _prefill_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any]) -> None:
                          (Packer, "sync")])
         with serve(_engine("bench-p", 1, 0), spec, caches, lease=600.0) as server:
             _send(conn, address=server.address)
+            lasts = _prefill_stream(server, conn, cfg, dev, sbarrier) if cfg.get("stream") else []
             _recv(conn)  # stop
-            _send(conn, pending=len(server.pending()), errors=server.errors[-3:], stats=stats)
+            _send(conn, pending=len(server.pending()), errors=server.errors[-3:], stats=stats,
+                  stream_lasts=lasts)
     except Exception as e:
         _send(conn, error=f"{type(e).__name__}: {e}")
 
 
 def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int,
-                 barrier: Any) -> None:
+                 barrier: Any, sbarrier: Any = None) -> None:
     import numpy as np
     import torch
 
@@ -267,8 +334,20 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
                                  r.pack_seconds, r.strategy))
             runs_by_size[n] = runs
             stats_by_size[n] = {k: list(v) for k, v in stats.items()}
+        stream_ends: list[list[float]] = []
+        if cfg.get("stream"):
+            for n in case["sizes"]:
+                local, remote = _stream_blocks(cfg, n)
+                ends = []
+                for rep in range(cfg["stream_reps"]):
+                    sbarrier.wait()
+                    r = client.read(f"st-{n}-{rep}", local, remote, timeout=120.0, stream=True)
+                    ends.append(time.perf_counter())
+                    if not r.ok:
+                        raise RuntimeError(f"streamed read failed: {r.error}")
+                stream_ends.append(ends)
         _send(conn, strategy=client.plan.strategy, runs=runs_by_size, ttfb=ttfb,
-              stats=stats_by_size, first_read=first)
+              stats=stats_by_size, first_read=first, stream_ends=stream_ends)
         client.close()
     except Exception as e:
         barrier.abort()
@@ -309,14 +388,16 @@ def _run_case(cfg: dict[str, Any], case: Case) -> list[Case]:
     ctx = mp.get_context("spawn")
     dtp = case.decode_tp
     barrier = ctx.Barrier(dtp)
+    sbarrier = ctx.Barrier(dtp + 1)
+    cfg = {**cfg, "sizes": case.sizes}
     pp, pc = ctx.Pipe()
-    p = ctx.Process(target=_prefill_rank, args=(pc, cfg, asdict(case)), daemon=True)
+    p = ctx.Process(target=_prefill_rank, args=(pc, cfg, asdict(case), sbarrier), daemon=True)
     p.start()
     ds = []
     for rank in range(dtp):
         a, b = ctx.Pipe()
-        proc = ctx.Process(target=_decode_rank, args=(b, cfg, asdict(case), rank, barrier),
-                           daemon=True)
+        proc = ctx.Process(target=_decode_rank, args=(b, cfg, asdict(case), rank, barrier,
+                                                      sbarrier), daemon=True)
         proc.start()
         ds.append((proc, a))
     try:
@@ -338,6 +419,12 @@ def _run_case(cfg: dict[str, Any], case: Case) -> list[Case]:
             _summarize(c, cfg, [{**o, "runs": o["runs"][str(n)], "stats": o["stats"][str(n)]}
                                 for o in outs], bye, dtp)
             c.first_read_ms = 1e3 * max(o["first_read"] for o in outs)
+            if cfg.get("stream"):
+                k = case.sizes.index(n)
+                tails = [max(o["stream_ends"][k][i] for o in outs) - bye["stream_lasts"][k][i]
+                         for i in range(cfg["stream_reps"])]
+                c.stream_tail_ms = 1e3 * statistics.median(tails)
+                c.layer_ms = c.ms / cfg["layers"]
             results.append(c)
         return results
     finally:
@@ -366,7 +453,7 @@ def _profile(prefill: dict[str, list[float]], decode: list[dict[str, list[float]
 
 
 def _copy_ceiling(cfg: dict[str, Any]) -> float:
-    """GB/s of a same-run device copy, bytes read + bytes written (BENCH.md): 1 GiB on a GPU (well
+    """GB/s of a same-run device copy, bytes read + bytes written (docs/benchmarks.md): 1 GiB on a GPU (well
     beyond L2), 256 MiB of DRAM on the CPU (``fkv.bench._common.copy_ceiling_gbps``)."""
     import torch
 
@@ -493,8 +580,10 @@ def _cases(args: argparse.Namespace) -> list[Case]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fkv.bench import results
+
     p = argparse.ArgumentParser(prog="fkv bench transfer", description=__doc__.split("\n")[0])
-    p.add_argument("--json", help="write results here")
+    results.add_output_arguments(p, plot=True)
     p.add_argument("--quick", action="store_true", help="1024 blocks, fewer repetitions")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the caches live (default: cuda when available)")
@@ -508,6 +597,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list of request sizes in blocks, each case run at each (e.g. "
                         "1,16,256,2048); overrides --request-blocks")
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--stream", action="store_true",
+                   help="also stream each request: the prefill computes (--compute-ms per layer) "
+                        "and publishes layer after layer while the decode ranks read; reports the "
+                        "tail (last layer published -> read complete)")
+    p.add_argument("--compute-ms", type=float, default=0.5,
+                   help="prefill compute per layer when streaming (default 0.5)")
     p.add_argument("--cases", default="",
                    help="comma list of link,hnd-direct,nhd-staging,hnd-staging,hnd-packed,"
                         "nhd-packed,hnd-auto,link-packed,hnd-ipc,nhd-ipc,hnd2nhd-ipc,hnd-ipc-tp1 "
@@ -524,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"device": args.device, "p_gpu": args.p_gpu, "d_gpu": args.d_gpu, "blocks": blocks,
            "request_blocks": args.request_blocks or blocks // 2, "layers": args.layers,
            "reps": args.reps or (6 if args.quick else 20), "warmup": 2,
-           "ttfb_reps": 5 if args.quick else 20}
+           "ttfb_reps": 5 if args.quick else 20, "stream": args.stream,
+           "compute_ms": args.compute_ms, "stream_reps": 3 if args.quick else 5}
     cases = _cases(args)
     page = 2 * 16 * HEADS * 128 * 2
     request_bytes = cfg["request_blocks"] * page * cfg["layers"]
@@ -551,18 +647,56 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {row.name:12s} {row.request_blocks:6d} {row.ucx_tls or '(env)':24s} "
                   + (f"error: {row.error}" if row.error else
                      f"{row.gbps:7.2f} GB/s (repeat {row.repeat_gbps:.2f}), "
-                     f"{row.ms:.3f} ms/read, first read {row.first_read_ms:.1f} ms"), flush=True)
+                     f"{row.ms:.3f} ms/read, first read {row.first_read_ms:.1f} ms"
+                     + (f"; streamed tail {row.stream_tail_ms:.3f} ms (one layer "
+                        f"{row.layer_ms:.3f} ms)" if cfg["stream"] and not row.error else "")),
+                  flush=True)
             if row.profile:
                 print("      ms/call: " + ", ".join(f"{k} {v[0]:.3f}"
                                                    for k, v in row.profile.items()), flush=True)
         done += rows
     cases = done
-    from fkv.bench._common import environment, write_json
+    run = results.Run("transfer", config={**cfg, "sizes": sorted({c.request_blocks
+                                                                 for c in cases})},
+                      device=args.device)
+    run.ceiling("copy_gbps", ceiling)
+    if 0 in links:
+        run.ceiling("peer_copy_gbps", links[0]["peer_copy_gbps"])
+    where = (f"cuda:{cfg['p_gpu']}->cuda:{cfg['d_gpu']}" if args.device == "cuda" else "cpu")
+    for c in cases:
+        link = links.get(c.request_blocks, {})
+        run.add(f"{c.name} {c.request_blocks} blocks x{cfg['layers']} layers of {blocks} "
+                f"{where}{' UCX_TLS=' + c.ucx_tls if c.ucx_tls else ''}",
+                params={"path": c.path or c.strategy, "series": c.name, "strategy": c.strategy,
+                        "request_blocks": c.request_blocks,
+                        "request_bytes": c.payload_per_request, "layers": cfg["layers"],
+                        "cache_blocks": blocks, "prefill_tp": c.prefill_tp,
+                        "decode_tp": c.decode_tp, "prefill_layout": c.prefill_layout,
+                        "decode_layout": c.decode_layout, "devices": where,
+                        "ucx_tls": c.ucx_tls},
+                metrics=None if c.error else {
+                    "gbps": c.gbps, "repeat_gbps": c.repeat_gbps, "read_ms": c.ms,
+                    "ttfb_ms": c.ttfb_ms, "first_read_ms": c.first_read_ms,
+                    "of_copy_pct": c.pct_of_copy,
+                    "peer_copy_gbps": link.get("peer_copy_gbps"),
+                    "nccl_gbps": link.get("nccl_gbps") or None,
+                    "of_peer_copy_x": c.vs_peer_copy or None, "of_nccl_x": c.vs_nccl or None,
+                    "descriptors_count": c.descriptors_per_request,
+                    "read_share_pct": 100 * c.read_share, "pack_share_pct": 100 * c.pack_share,
+                    **({"stream_tail_ms": c.stream_tail_ms, "layer_ms": c.layer_ms,
+                        "tail_over_layer_x": c.stream_tail_ms / c.layer_ms if c.layer_ms else None,
+                        "nonstreamed_over_tail_x": c.ms / c.stream_tail_ms
+                        if c.stream_tail_ms else None} if cfg["stream"] else {})},
+                error=c.error,
+                extra={"rank_gbps": c.rank_gbps, "profile_ms_per_call": c.profile,
+                       "plan_strategy": c.plan_strategy, "nccl_note": link.get("nccl_note", "")})
+    run.extra["env_transport"] = env
+    results.save(run, args)
+    if getattr(args, "plot", None):
+        from fkv.bench import plots
 
-    write_json(args.json, {**environment(args.device), "config": cfg, "env": env,
-                           "copy_ceiling_gbps": ceiling,
-                           "link_ceilings": {str(k): v for k, v in links.items()},
-                           "cases": [asdict(c) for c in cases]})
+        plots.require(cli=True)
+        print(f"plot: {plots.plot_transfer(run.to_file(), args.plot)}")
     _table(cases, ceiling)
     return 1 if any(c.error for c in cases) else 0
 

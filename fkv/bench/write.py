@@ -1,4 +1,4 @@
-"""Benchmark ``fkv.ops.write_kv`` on the BENCH.md cases (H200 targets), JSON with ``--json``.
+"""Benchmark ``fkv.ops.write_kv`` (H200 targets; method in docs/benchmarks.md), results to bench/results/.
 
 Cases: prefill 65536 and 8192 tokens (runs of consecutive slots in random blocks), decode 256
 tokens (random slots); NHD and HND; bf16 cache, and fp8 (e4m3fn) cache fed bf16 with per-tensor
@@ -10,7 +10,8 @@ the ratio to a torch ``index_put_`` baseline timed in the same run. Decode also 
 cost per call with the launch overhead included (a back-to-back loop), and the replay cost inside
 CUDA graphs (one call per graph, and per call in a graph of many calls).
 
-    python bench/bench_write.py --json write.json            # full run (CUDA)
+    python bench/bench_write.py                              # full run (CUDA) -> bench/results/
+    python bench/bench_write.py --json write.json --plot write.png
     python bench/bench_write.py --quick                      # fewer cases, shorter timing
     python bench/bench_write.py --sweep                      # also try other tile sizes/warps
     python bench/bench_write.py --cpu-smoke                  # tiny shapes on the CPU interpreter:
@@ -25,8 +26,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fkv.bench._common import (Cycle, copy_ceiling_gbps, eager_us, environment, graph_us, time_ms,
-                               write_json)
+from fkv.bench import results
+from fkv.bench._common import Cycle, copy_ceiling_gbps, eager_us, graph_us, time_ms
 
 __all__ = ["main"]
 
@@ -221,7 +222,7 @@ def _run_case(case: Case, shape: Shape, ceiling: float, rep: int, device: str = 
     del cache, data, slots, sets
 
 
-# BENCH.md targets on an H200 (bf16; fp8 cases are judged by the same numbers for reference).
+# Targets on an H200 (docs/benchmarks.md) (bf16; fp8 cases are judged by the same numbers for reference).
 TARGETS = {("prefill", 65536): 3600.0, ("prefill", 8192): 2500.0}
 DECODE_TARGET_US = {"eager_us": 8.0, "graph_per_call_us": 4.0}
 
@@ -397,7 +398,7 @@ def _table(cases: list[Case], ceiling: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fkv bench write", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    results.add_output_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="fewer cases, shorter timing")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep tile sizes and warps on the prefill cases")
@@ -407,8 +408,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only the cases whose name contains this (e.g. 'decode')")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny shapes on the CPU interpreter: every code path and the "
-                             "correctness checks run, the timings mean nothing")
+                             "correctness checks run, the timings mean nothing (no result file "
+                             "unless --json or --results-dir)")
     args = parser.parse_args(argv)
+    if args.plot:
+        from fkv.bench import plots
+
+        plots.require(cli=True)
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
@@ -433,19 +439,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {case.name}: {case.gbps:.0f} GB/s ({case.pct_of_copy:.1f}% of copy, "
               f"{case.speedup_vs_baseline:.2f}x torch)", flush=True)
     sweep = _sweep(shape, ceiling, rep, device) if args.sweep else []
-    result = {
-        "bench": "write",
-        "mode": "cpu-smoke (timings meaningless)" if args.cpu_smoke else "cuda",
-        **environment(device),
-        "shape": asdict(shape),
-        "copy_ceiling_gbps": ceiling,
-        "cases": [{"name": c.name, **asdict(c)} for c in cases],
-        "sweep": sweep,
-        "host_profile_us": host,
-    }
-    write_json(args.json, result)
+    run = to_run(cases, shape, ceiling, device,
+                 config={"mode": "cpu-smoke" if args.cpu_smoke else "cuda", "quick": args.quick,
+                         "only": args.only, "rep": rep})
+    run.extra = {"sweep": sweep, "host_profile_us": host}
+    path = results.save(run, args, by_default=not args.cpu_smoke)
     print(_table(cases, ceiling))
+    if args.plot:
+        from fkv.bench import plots
+
+        plots.plot_write(run.to_file(), args.plot)
+        print(f"plot: {args.plot} (from {path or 'this run'})")
     return 0
+
+
+_METRICS = ("ms", "gbps", "pct_of_copy", "baseline_ms", "baseline_gbps")
+_EXTRA_METRICS = ("kernel_us", "eager_us", "eager_gbps", "baseline_eager_us", "graph1_us",
+                  "graph_per_call_us", "baseline_graph_per_call_us")
+
+
+def to_run(cases: list[Case], shape: Shape, ceiling: float, device: str,
+           config: dict[str, Any] | None = None, env: dict[str, Any] | None = None
+           ) -> results.Run:
+    """The result file of a run: one case per measured ``Case`` (id = ``Case.name``)."""
+    run = results.Run("write", config={"shape": asdict(shape), **(config or {})}, env=env,
+                      device=device)
+    run.ceiling("copy_gbps", ceiling)
+    for c in cases:
+        metrics = {k: getattr(c, k) for k in _METRICS}
+        metrics["speedup_x"] = c.speedup_vs_baseline
+        metrics |= {k: c.extra[k] for k in _EXTRA_METRICS if k in c.extra}
+        extra = {k: v for k, v in c.extra.items() if k not in _EXTRA_METRICS}
+        run.add(c.name, params={"kind": c.kind, "tokens": c.tokens, "layout": c.layout,
+                                "dtype": c.dtype, "bytes": c.bytes},
+                metrics=metrics, extra=extra)
+    return run
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -38,6 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="give the decode engine another head size: a pairing fkv refuses (exit 3)")
     p.add_argument("--corrupt", action="store_true",
                    help="damage one received KV value to show the check catches it (exit 1)")
+    p.add_argument("--stream", action="store_true",
+                   help="the decode ranks read each layer as soon as the prefill publishes it "
+                   "(reading starts before the forward); the summary compares the time from the "
+                   "prefill's last layer to the complete KV with a non-streamed read of the "
+                   "same KV")
     p.add_argument("--seed", type=int, default=0, help="weights, prompt and block tables (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
@@ -68,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
                          decode_block_size=args.decode_block_size, tokens=args.tokens,
                          new_tokens=args.new_tokens, device=args.device, dtype=args.dtype,
                          decode_head_size=args.decode_head_size, corrupt=args.corrupt,
-                         seed=args.seed, timeout=args.timeout)
+                         seed=args.seed, timeout=args.timeout, stream=args.stream)
         cfg.spec("prefill"), cfg.spec("decode")  # validates layouts and sizes
     except FkvError as e:
         console.print(f"[red]fkv demo: {e}[/]")

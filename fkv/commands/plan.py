@@ -8,7 +8,7 @@ Keys (both sides): ``tp``, ``rank``, ``heads`` (total KV heads of the model), ``
 Prints ``Accept`` with ``plan.describe()`` and a table of the first rows of an example request, or
 every reason of the ``Reject``. Exit status: 0 accept, 3 reject, 2 usage.
 
-    fkv plan --local tp=2,rank=1 --remote tp=1          # SPEC.md §5 worked example A, D rank 1
+    fkv plan --local tp=2,rank=1 --remote tp=1          # docs/handshake.md worked example A, D rank 1
 """
 
 from __future__ import annotations

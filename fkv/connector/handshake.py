@@ -1,4 +1,4 @@
-"""The prefill/decode handshake as a pure, total function (SPEC.md §4).
+"""The prefill/decode handshake as a pure, total function (docs/handshake.md).
 
 ``handshake(local, remote)`` takes the reading (decode) rank's ``(EngineDesc, KVCacheSpec)`` and the
 prefill engine's rank-0 view, and returns either an :class:`Accept` carrying the exact
@@ -7,7 +7,7 @@ field path, both values and a fix. It never raises, never mutates and never logs
 
 Heads per rank (both sides, the engine's rule): with ``H`` total KV heads and ``tp`` ranks, each
 rank holds ``max(1, H // tp)`` heads; rank ``r``'s first head is ``r * H // tp``. When
-``tp <= H`` this needs ``H % tp == 0``; when ``tp > H`` (replicated KV, SPEC.md §4) it needs
+``tp <= H`` this needs ``H % tp == 0``; when ``tp > H`` (replicated KV, docs/handshake.md) it needs
 ``tp % H == 0`` and each head is held whole by ``tp // H`` consecutive ranks. MLA caches hold one
 latent per token shared by every head: ``total_num_kv_heads`` must be 1 and every rank holds it.
 
@@ -82,7 +82,7 @@ def _normalize_dtype_name(value: Any) -> Any:
 
 @attrs.frozen(kw_only=True)
 class EngineDesc:
-    """What one rank says about its engine (the non-layout half of the SPEC.md §4 metadata).
+    """What one rank says about its engine (the non-layout half of the metadata in docs/handshake.md).
 
     ``total_num_kv_heads`` is the model's KV head count (1 for MLA); the heads this rank holds are
     in its :class:`~fkv.KVCacheSpec` (``num_kv_heads``) and must equal ``max(1, total // tp_size)``.
@@ -295,7 +295,7 @@ def handshake(local: Any, remote: Any, *, expected_remote_engine: str | None = N
 
     ``local``/``remote`` are ``(EngineDesc, KVCacheSpec)`` pairs; ``remote`` is the prefill
     engine's rank-0 view (every rank of an engine shares the spec). ``expected_remote_engine``
-    checks the engine id a request named (SPEC.md §4 check 3). ``strategy`` forces ``"direct"``
+    checks the engine id a request named (docs/handshake.md, engine id rule). ``strategy`` forces ``"direct"``
     reads or ``"staging"`` instead of the cheaper one (``"auto"``).
 
     Pure and total: returns :class:`Accept` or :class:`Reject` for any input, never raises.
@@ -334,7 +334,7 @@ def _handshake(local: Any, remote: Any, expected_remote_engine: Any, strategy: A
 
 
 def check_remote_ranks(ranks: Any) -> tuple[Reason, ...]:
-    """Reasons the ranks of one prefill engine cannot be served together (SPEC.md §4 check 10).
+    """Reasons the ranks of one prefill engine cannot be served together (docs/handshake.md, rank agreement rule).
 
     ``ranks`` is every rank's ``(EngineDesc, KVCacheSpec)`` (e.g. the decoded side-channel
     peers), in any order. All must describe one engine: ranks ``0 .. tp_size - 1`` once each, and

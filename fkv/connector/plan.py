@@ -1,4 +1,4 @@
-"""The transfer plan: which bytes a decode rank READs from which prefill ranks (SPEC.md §5).
+"""The transfer plan: which bytes a decode rank READs from which prefill ranks (docs/handshake.md, "Which bytes move").
 
 A :class:`TransferPlan` comes out of :func:`fkv.connector.handshake`. It knows, for one decode
 (D) rank, the prefill (P) ranks it reads (``remote_ranks``, one :class:`Read` each: which of that
@@ -10,7 +10,7 @@ chooses one of two strategies:
 - ``staging``: rows read the remote pages (or the parts needed) into a local staging buffer laid
   out as one "staging mini-cache" per remote rank read (``remote_spec.evolve(num_blocks=n)``,
   ``local_region == -1``), then :meth:`TransferPlan.staging_steps` run ``fkv.ops.move``
-  (STAGING.md). Needed for layout mismatches, NHD head slices, block-size mismatches.
+  (docs/transport.md, staging). Needed for layout mismatches, NHD head slices, block-size mismatches.
 
 The planner picks the strategy that moves the fewest bytes with the fewest descriptors, scored per
 remote block as ``bytes read + STAGING_COST_FRACTION * bytes the move kernel copies +
@@ -31,7 +31,7 @@ chunks of ``gcd(N_local, N_remote)`` tokens, which always sit inside one block o
 >>> p = EngineDesc(engine_id="p", tp_size=1, tp_rank=0, total_num_kv_heads=8)
 >>> d = EngineDesc(engine_id="d", tp_size=2, tp_rank=1, total_num_kv_heads=8)
 >>> plan = handshake((d, s.evolve(num_kv_heads=4)), (p, s)).plan
->>> plan.segments([3], [5]).tolist()   # SPEC.md §5 worked example A, D rank 1
+>>> plan.segments([3], [5]).tolist()   # docs/handshake.md worked example A, D rank 1
 [[0, 0, 344064, 0, 98304, 16384], [0, 0, 376832, 0, 114688, 16384]]
 """
 
@@ -63,7 +63,7 @@ _ATOM_AXES = ("L", "two", "N", "H")  # the axes an atom may split (C, the head_s
 
 
 def expected_notifications(prefill_tp: int, decode_tp: int) -> int:
-    """Notifications each prefill rank waits for before freeing a request (SPEC.md §5).
+    """Notifications each prefill rank waits for before freeing a request (docs/handshake.md, "Which bytes move").
 
     Every decode rank notifies each rank of its group (``remote_ranks + notify_only_ranks``) once:
     ``decode_tp // prefill_tp`` readers per prefill rank when D TP > P TP, else 1.
@@ -122,7 +122,7 @@ class _Move:
 
 @attrs.frozen
 class StagingStep:
-    """One ``fkv.ops.move`` after the READs (STAGING.md): staging mini-cache
+    """One ``fkv.ops.move`` after the READs (docs/transport.md, staging): staging mini-cache
     ``remote_index`` (spec ``stage_spec``, at byte ``stage_offset`` of the staging buffer), layer
     ``layer``, heads ``src_heads`` of it -> heads ``dst_heads`` of the local cache, ``num_tokens``
     tokens. Heads are None for MLA."""
@@ -341,7 +341,7 @@ def _coalesce(cols: np.ndarray) -> np.ndarray:
 
 @attrs.frozen(kw_only=True, repr=False, eq=True)
 class TransferPlan:
-    """Exactly which bytes one decode rank reads, and what runs after (SPEC.md §5, STAGING.md).
+    """Exactly which bytes one decode rank reads, and what runs after (docs/handshake.md, docs/transport.md).
 
     ``segments(local_block_ids, remote_block_ids)`` is an int64 array ``(M, 6)``: ``remote_rank,
     remote_region, remote_offset, local_region, local_offset, nbytes`` (byte offsets from the start
@@ -423,7 +423,7 @@ class TransferPlan:
     def staging_steps(self, local_block_ids: Any, remote_block_ids: Any, *,
                       num_tokens: int | None = None) -> tuple[StagingStep, ...]:
         """The ``fkv.ops.move`` calls after the READs (empty for ``direct``): one per remote
-        rank read and layer, run as STAGING.md says with ``src_block_ids = arange(n)``."""
+        rank read and layer, run as docs/transport.md (staging) says with ``src_block_ids = arange(n)``."""
         ls, rs = self.local_spec, self.remote_spec
         local = check_block_ids("local_block_ids", local_block_ids, ls, unique=True)
         remote = check_block_ids("remote_block_ids", remote_block_ids, rs, unique=False)

@@ -4,7 +4,7 @@
 ``decode_untrusted(data)`` is the only door for peer bytes: it checks the size, decodes into typed
 structs with bounds on every number, string and list, rebuilds the validated fkv values and checks
 the regions against the spec. Whatever the bytes, it returns a :class:`Peer` or raises
-:class:`~fkv.errors.FkvWireError`; nothing else escapes. No pickle anywhere (SPEC.md §6: NIXL's own
+:class:`~fkv.errors.FkvWireError`; nothing else escapes. No pickle anywhere (docs/transport.md: NIXL's own
 serialization is pickle; never hand it peer bytes before they passed through here).
 
 >>> from fkv import KVCacheSpec
@@ -40,9 +40,9 @@ __all__ = [
 #: Version of the message layout below (bumped on any incompatible change).
 WIRE_VERSION = 1
 #: Largest message accepted (bytes), checked before decoding anything.
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES = 32 << 20
 #: Largest NIXL agent metadata blob carried (bytes).
-MAX_AGENT_METADATA_BYTES = 32 << 20
+MAX_AGENT_METADATA_BYTES = 16 << 20
 #: Most registered regions (one per layer, or one cross-layer buffer).
 MAX_REGIONS = 4096
 #: Size of one CUDA IPC memory handle (``cudaIpcMemHandle_t``).

@@ -16,10 +16,13 @@ import attrs
 from fkv.errors import FkvError
 from fkv.layout import KVCacheSpec
 
-__all__ = ["DemoConfig", "MODEL_NAME", "ModelConfig", "REQUEST_ID", "head_ranges"]
+__all__ = ["DemoConfig", "MODEL_NAME", "ModelConfig", "PLAIN_REQUEST_ID", "REQUEST_ID",
+           "head_ranges"]
 
 MODEL_NAME = "fkv-demo-transformer"
 REQUEST_ID = "demo-request-0"
+# --stream: the same KV held a second time, fully written, for the non-streamed comparison read.
+PLAIN_REQUEST_ID = "demo-request-0-plain"
 
 
 @attrs.frozen(kw_only=True)
@@ -76,6 +79,7 @@ class DemoConfig:
     corrupt: bool = False
     seed: int = 0
     timeout: float = 600.0
+    stream: bool = False
     model: ModelConfig = attrs.field(factory=ModelConfig)
 
     def to_json(self) -> str:
@@ -89,7 +93,7 @@ class DemoConfig:
 
     # -- engines ----------------------------------------------------------------------------
     def kv_heads(self, tp: int) -> int:
-        """KV heads per rank (SPEC.md §4): ``max(1, total // tp)``."""
+        """KV heads per rank (docs/handshake.md): ``max(1, total // tp)``."""
         return max(1, self.model.num_kv_heads // tp)
 
     def prefill_blocks(self) -> int:
@@ -125,6 +129,13 @@ class DemoConfig:
         return EngineDesc(engine_id=f"{side}-engine", tp_size=tp, tp_rank=rank,
                           total_num_kv_heads=self.model.num_kv_heads, model=MODEL_NAME,
                           model_dtype="float32")
+
+    def plain_block_ids(self) -> list[int]:
+        """--stream: decode blocks receiving the non-streamed comparison read (none of the
+        request's own blocks, so the streamed KV that decoding uses is not overwritten)."""
+        taken = set(self.block_ids("decode"))
+        free = [b for b in range(self.spec("decode").num_blocks) if b not in taken]
+        return free[: self.decode_prompt_blocks()]
 
     def block_ids(self, side: str) -> list[int]:
         """The request's block table on ``side``: distinct ids in shuffled order (fixed seed).

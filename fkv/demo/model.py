@@ -2,7 +2,7 @@
 
 A decoder-only model (RMSNorm, rotary positions, grouped-query attention, SiLU-gated MLP).
 Rank ``r`` of a TP engine of size ``tp`` holds query heads ``[r*Hq/tp, (r+1)*Hq/tp)`` and the
-KV heads those use (SPEC.md §4: ``max(1, Hkv // tp)`` per rank, one replicated head when
+KV heads those use (docs/handshake.md: ``max(1, Hkv // tp)`` per rank, one replicated head when
 ``tp > Hkv``). Each rank computes attention for its heads only; the head
 outputs are all-gathered (concatenated in rank order = head order) and every rank then applies the
 full output projection and MLP, so all ranks carry the same residual stream.

@@ -53,7 +53,8 @@ class _Children:
         self.procs[(role, rank)] = subprocess.Popen(
             [sys.executable, "-m", "fkv.demo.worker", role, str(rank), self.collector, self.workdir,
              self.cfg.to_json()],
-            stdin=subprocess.PIPE if role == "decode" else subprocess.DEVNULL,
+            stdin=subprocess.PIPE if role == "decode" or (role == "prefill" and self.cfg.stream)
+            else subprocess.DEVNULL,
             stdout=log, stderr=subprocess.STDOUT, env=self.env)
         log.close()
 
@@ -159,7 +160,8 @@ def _drive(cfg: DemoConfig, children: _Children, collector: Collector, console: 
         for r in range(cfg.decode_tp):
             children.start("decode", r)
         serving: dict[int, str] = {}
-        told = False
+        connected: set[int] = set()
+        told = started = told_token = False
         exited: set[tuple[str, int]] = set()
         deadline = time.monotonic() + cfg.timeout
         total = 1 + cfg.prefill_tp + cfg.decode_tp
@@ -189,13 +191,35 @@ def _drive(cfg: DemoConfig, children: _Children, collector: Collector, console: 
                         progress.update(t_pre, note=f"first token {ev['token']}, serving")
                     elif kind == "serving":
                         serving[rank] = ev["address"]
+                    if kind == "prefilled":
+                        state.setdefault("prefill_ranks", {})[rank] = {
+                            k: ev.get(k) for k in ("forward_start", "published", "seconds")}
                     elif kind == "freed" and rank == 0:
                         progress.update(t_pre, note="request freed after notifications")
                 else:
+                    if kind == "connected":
+                        connected.add(rank)
                     _on_decode(ev, state, progress, t_xfer, t_dec)
             if state["errors"]:
                 return  # a rank failed: the others may wait forever for it (stopped by the caller)
-            if not told and len(serving) == cfg.prefill_tp and "prefill" in state:
+            if cfg.stream:
+                # Serving (nothing written yet) -> decode ranks connect and start reading -> the
+                # prefill ranks start their forward, publishing each layer -> the first token.
+                if not told and len(serving) == cfg.prefill_tp:
+                    for r in range(cfg.decode_tp):
+                        children.tell("decode", r, {"address": serving[0]})
+                    progress.update(t_xfer, note="connecting")
+                    told = True
+                if told and not started and len(connected) == cfg.decode_tp:
+                    for r in range(cfg.prefill_tp):
+                        children.tell("prefill", r, {"go": True})
+                    progress.update(t_xfer, note="streaming while prefill computes")
+                    started = True
+                if started and not told_token and "prefill" in state:
+                    for r in range(cfg.decode_tp):
+                        children.tell("decode", r, {"first_token": state["prefill"]["token"]})
+                    told_token = True
+            elif not told and len(serving) == cfg.prefill_tp and "prefill" in state:
                 for r in range(cfg.decode_tp):
                     children.tell("decode", r, {"address": serving[0],
                                                 "first_token": state["prefill"]["token"]})

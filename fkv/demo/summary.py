@@ -41,7 +41,8 @@ def summary_dict(cfg: DemoConfig, handshakes: list[Any], state: dict[str, Any] |
                           "remote": repr(r.remote), "message": r.message, "fix": r.fix}
                          for r in rejected.reasons]
     out: dict[str, Any] = {
-        "config": {k: v for k, v in attrs.asdict(cfg).items() if k != "model"},
+        "config": {k: v for k, v in attrs.asdict(cfg).items()
+                   if k != "model" and (k != "stream" or cfg.stream)},
         "model": attrs.asdict(cfg.model),
         "prefill": {"engine": _engine_text(cfg, "prefill"), "spec": repr(cfg.spec("prefill"))},
         "decode": {"engine": _engine_text(cfg, "decode"), "spec": repr(cfg.spec("decode"))},
@@ -58,8 +59,11 @@ def summary_dict(cfg: DemoConfig, handshakes: list[Any], state: dict[str, Any] |
         "seconds": max((t["seconds"] for t in transfers), default=None),
         "nixl_seconds": max((t["nixl_seconds"] for t in transfers), default=None),
         "per_rank": [{k: t.get(k) for k in ("rank", "ok", "bytes", "descriptors", "seconds",
-                                            "nixl_seconds", "error")} for t in transfers],
+                                            "nixl_seconds", "path", "stats", "error")}
+                     for t in transfers],
     }
+    if cfg.stream:
+        out["stream"] = _stream_dict(cfg, state, transfers)
     out["tokens"] = {"prompt": cfg.tokens, "new": cfg.new_tokens,
                      "generated": state.get("tokens", []), "reference": state.get("ref_tokens", [])}
     assert verdict is not None
@@ -69,6 +73,59 @@ def summary_dict(cfg: DemoConfig, handshakes: list[Any], state: dict[str, Any] |
     out["errors"] = [{k: v for k, v in e.items() if v is not None} for e in errors or []]
     out["wall_seconds"] = state.get("wall_seconds")
     return out
+
+
+def _stream_dict(cfg: DemoConfig, state: dict[str, Any],
+                 transfers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """--stream: the streamed and the non-streamed read of the same request, timed from the
+    prefill's last layer (perf_counter on one host: comparable across the demo's processes).
+
+    ``tail_seconds``: the last layer's publish (latest prefill rank) -> the complete KV at
+    decode (slowest rank). The non-streamed read can only start after the last layer, so its
+    tail is its read time (slowest rank). ``layers``: when each layer was published (latest
+    prefill rank) and landed (slowest decode rank), from the forward's start, and the gap."""
+    prefill = [state.get("prefill_ranks", {})[r] for r in sorted(state.get("prefill_ranks", {}))]
+    L = cfg.model.num_layers
+    if (len(prefill) != cfg.prefill_tp or len(transfers) != cfg.decode_tp
+            or any(len(p.get("published") or []) != L for p in prefill)
+            or any(not t.get("ok") or len(t.get("landed") or []) != L for t in transfers)):
+        return None
+    t0 = min(p["forward_start"] for p in prefill)
+    pub = [max(p["published"][i] for p in prefill) for i in range(L)]
+    land = [max(t["landed"][i] for t in transfers) for i in range(L)]
+    plain = [t["plain"] for t in transfers]
+    plain_ok = all(p["ok"] for p in plain)
+    return {
+        "prefill_forward_seconds": max(p["seconds"] for p in prefill),
+        "streamed": {"tail_seconds": max(t["completed"] for t in transfers) - pub[-1],
+                     "read_seconds": max(t["seconds"] for t in transfers)},
+        "non_streamed": {"ok": plain_ok,
+                         "tail_seconds": max(p["seconds"] for p in plain) if plain_ok else None,
+                         "bytes": sum(p["bytes"] for p in plain),
+                         "errors": [p["error"] for p in plain if p.get("error")]},
+        "identical": all(t.get("plain_equal") is True for t in transfers),
+        "layers": [{"layer": i, "published_seconds": pub[i] - t0, "landed_seconds": land[i] - t0,
+                    "after_publish_seconds": land[i] - pub[i]} for i in range(L)],
+    }
+
+
+def _stream_rows(table: Table, st: dict[str, Any] | None) -> None:
+    if st is None:
+        table.add_row("streaming", "[red]incomplete[/] (a streamed or non-streamed read failed)")
+        return
+    s_tail, p_tail = st["streamed"]["tail_seconds"], st["non_streamed"]["tail_seconds"]
+    ratio = "" if not p_tail or s_tail <= 0 else f" ({p_tail / s_tail:.1f}x shorter streamed)"
+    table.add_row("last layer -> KV",
+                  f"streamed [bold]{s_tail * 1e3:.2f} ms[/], non-streamed "
+                  f"[bold]{'n/a' if p_tail is None else f'{p_tail * 1e3:.2f} ms'}[/]{ratio} "
+                  f"(prefill's last layer published -> complete KV at decode, slowest rank)")
+    same = "[green]identical[/]" if st["identical"] else "[red]DIFFER[/]"
+    table.add_row("  same KV", f"streamed and non-streamed reads {same}; prefill forward "
+                  f"{st['prefill_forward_seconds'] * 1e3:.1f} ms")
+    for row in st["layers"]:
+        table.add_row(f"  layer {row['layer']}",
+                      f"published at {row['published_seconds'] * 1e3:.1f} ms into the forward, "
+                      f"landed +{row['after_publish_seconds'] * 1e3:.2f} ms after its publish")
 
 
 def _fmt(x: float | None) -> str:
@@ -91,11 +148,22 @@ def print_summary(console: Console, s: dict[str, Any]) -> None:
     t = s.get("transfer")
     if t:
         status = "[green]ok[/]" if t["ok"] else "[red]FAILED[/]"
+        what = "streamed read (from before the forward)" if "stream" in s else "read"
         secs = "n/a" if t["seconds"] is None else (
-            f"read {t['seconds'] * 1e3:.1f} ms, of which NIXL {t['nixl_seconds'] * 1e3:.1f} ms "
+            f"{what} {t['seconds'] * 1e3:.1f} ms, of which NIXL {t['nixl_seconds'] * 1e3:.1f} ms "
             "(slowest rank)")
         table.add_row("transfer", f"{status}: {t['bytes']:,} bytes in {t['descriptors']:,} descriptors "
                       f"over {len(t['per_rank'])} read(s); {secs}")
+        for r in t["per_rank"]:
+            st = r.get("stats") or {}
+            if st:
+                gbps = st.get("gbps")
+                table.add_row(f"  rank {r['rank']} stats",
+                              f"path {r.get('path')}, {st.get('reads', 0)} read(s), failures "
+                              f"{st.get('failures') or 'none'}"
+                              + ("" if gbps is None else f", {gbps:.3g} GB/s"))
+    if "stream" in s:
+        _stream_rows(table, s["stream"])
     tok = s.get("tokens")
     if tok:
         table.add_row("tokens", f"prompt {tok['prompt']}, generated {len(tok['generated'])}: "

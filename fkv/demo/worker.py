@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from fkv.demo.channel import Reporter, pack_array
-from fkv.demo.config import REQUEST_ID, DemoConfig
+from fkv.demo.config import PLAIN_REQUEST_ID, REQUEST_ID, DemoConfig
 
 
 def _setup(cfg: DemoConfig) -> Any:
@@ -113,9 +113,34 @@ def run_reference(cfg: DemoConfig, rep: Reporter) -> None:
     _generate(torch, model, kv, cfg, first, rep, report=True)
 
 
+def _serve(torch: Any, cfg: DemoConfig, rank: int, spec: Any, caches: list[Any]) -> Any:
+    """This rank's server (rank 0 binds; the others join the address it broadcasts)."""
+    import fkv.connector
+
+    tp = cfg.prefill_tp
+    engine = cfg.engine("prefill", rank)
+    if rank == 0:
+        server = fkv.connector.serve(engine, spec, caches)
+        _broadcast_str(torch, server.address, rank, tp)
+        return server
+    join = _broadcast_str(torch, "", rank, tp)
+    return fkv.connector.serve(engine, spec, caches, join=join)
+
+
+def _wait_freed(cfg: DemoConfig, rank: int, server: Any, request_ids: tuple[str, ...]) -> None:
+    deadline = time.monotonic() + cfg.timeout
+    parent = os.getppid()
+    while any(r in server.pending() for r in request_ids):
+        if os.getppid() != parent:
+            raise RuntimeError(f"prefill rank {rank}: the demo's parent process went away")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"prefill rank {rank}: {request_ids[0]!r} still pending after "
+                               f"{cfg.timeout} s (decode ranks never notified)")
+        time.sleep(0.01)
+
+
 def run_prefill(cfg: DemoConfig, rank: int, workdir: str, rep: Reporter) -> None:
     torch = _setup(cfg)
-    import fkv.connector
     from fkv.demo.model import DemoModel, PagedKV
 
     tp = cfg.prefill_tp
@@ -126,31 +151,58 @@ def run_prefill(cfg: DemoConfig, rank: int, workdir: str, rep: Reporter) -> None
     caches = _poisoned_caches(torch, spec, device)
     kv = PagedKV(caches, spec, cfg.block_ids("prefill"))
     prompt = torch.tensor(cfg.prompt(), device=device)
+    if cfg.stream:
+        _prefill_streamed(torch, cfg, rank, model, kv, spec, caches, prompt, rep)
+        return
     t0 = time.perf_counter()
     logits = model.forward(prompt, torch.arange(cfg.tokens, device=device), kv,
                            on_layer=lambda i: rep.send("layer", layer=i))[-1]
     rep.send("prefilled", token=int(logits.argmax()), logits=pack_array(logits.float()),
              seconds=time.perf_counter() - t0)
-    engine = cfg.engine("prefill", rank)
-    join = None
-    if rank == 0:
-        server = fkv.connector.serve(engine, spec, caches)
-        _broadcast_str(torch, server.address, rank, tp)
-    else:
-        join = _broadcast_str(torch, "", rank, tp)
-        server = fkv.connector.serve(engine, spec, caches, join=join)
+    server = _serve(torch, cfg, rank, spec, caches)
     with server:
         server.hold(REQUEST_ID, cfg.block_ids("prefill"))
         rep.send("serving", address=server.address)
-        deadline = time.monotonic() + cfg.timeout
-        parent = os.getppid()
-        while REQUEST_ID in server.pending():
-            if os.getppid() != parent:
-                raise RuntimeError(f"prefill rank {rank}: the demo's parent process went away")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"prefill rank {rank}: {REQUEST_ID!r} still pending after "
-                                   f"{cfg.timeout} s (decode ranks never notified)")
-            time.sleep(0.01)
+        _wait_freed(cfg, rank, server, (REQUEST_ID,))
+        rep.send("freed")
+
+
+def _prefill_streamed(torch: Any, cfg: DemoConfig, rank: int, model: Any, kv: Any, spec: Any,
+                      caches: list[Any], prompt: Any, rep: Reporter) -> None:
+    """--stream: serve and hold the request (no layer written) before the forward, wait for the
+    go-ahead (every decode rank connected and reading), publish after each layer's write_kv.
+
+    The same KV is also held fully written as PLAIN_REQUEST_ID (just before the last layer's
+    publish, so it is held before any decode rank can finish the streamed read) for the
+    non-streamed comparison read."""
+    device = prompt.device
+    L = cfg.model.num_layers
+    blocks = cfg.block_ids("prefill")
+    server = _serve(torch, cfg, rank, spec, caches)
+    with server:
+        server.hold(REQUEST_ID, blocks, layers_ready=0)
+        rep.send("serving", address=server.address)
+        json.loads(sys.stdin.readline())  # every decode rank is connected and reading
+        published: list[float] = []
+        cuda = device.type == "cuda"
+
+        def on_layer(i: int) -> None:
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+            if i == L - 1:
+                server.hold(PLAIN_REQUEST_ID, blocks)
+            published.append(time.perf_counter())  # before publish: a reader sees it after this
+            server.publish(REQUEST_ID, i + 1, event=event)
+            rep.send("layer", layer=i)
+
+        t0 = time.perf_counter()
+        logits = model.forward(prompt, torch.arange(cfg.tokens, device=device), kv,
+                               on_layer=on_layer)[-1]
+        rep.send("prefilled", token=int(logits.argmax()), logits=pack_array(logits.float()),
+                 seconds=time.perf_counter() - t0, forward_start=t0, published=published)
+        _wait_freed(cfg, rank, server, (REQUEST_ID, PLAIN_REQUEST_ID))
         rep.send("freed")
 
 
@@ -170,16 +222,26 @@ def run_decode(cfg: DemoConfig, rank: int, workdir: str, rep: Reporter) -> int:
     rep.send("ready")
     go = json.loads(sys.stdin.readline())
     engine = cfg.engine("decode", rank)
+    streamed: dict[str, Any] = {}
     with fkv.connector.connect(engine, spec, caches, remote_address=go["address"],
                                expected_engine=cfg.engine("prefill", 0).engine_id) as client:
-        result = client.read(REQUEST_ID, local_ids[: cfg.decode_prompt_blocks()],
-                             cfg.block_ids("prefill"), timeout=cfg.timeout)
+        if cfg.stream:
+            rep.send("connected")
+            result, streamed = _read_streamed(torch, cfg, spec, caches, client)
+        else:
+            result = client.read(REQUEST_ID, local_ids[: cfg.decode_prompt_blocks()],
+                                 cfg.block_ids("prefill"), timeout=cfg.timeout)
+        stats = client.stats()
     rep.send("transferred", ok=bool(result.ok), bytes=int(result.bytes),
              descriptors=int(result.descriptors), seconds=float(result.seconds),
-             nixl_seconds=float(result.transfer_seconds),
-             error=None if result.error is None else str(result.error))
-    if not result.ok:
+             nixl_seconds=float(result.transfer_seconds), path=result.strategy,
+             stats={"reads": stats["total"]["count"], "failures": stats["failures"],
+                    "gbps": stats["total"]["gbps"].get("overall")},
+             error=None if result.error is None else str(result.error), **streamed)
+    if not result.ok or (cfg.stream and not streamed["plain"]["ok"]):
         return 1
+    if cfg.stream:
+        go = json.loads(sys.stdin.readline())  # the first token, once the prefill finished
     if cfg.corrupt and rank == 0:
         # --corrupt: damage one received value to show the verification catches it.
         # Token 5's K, head 0, channel 3 in layer 1 (a view in canonical axis order).
@@ -193,6 +255,38 @@ def run_decode(cfg: DemoConfig, rank: int, workdir: str, rep: Reporter) -> int:
     _generate(torch, model, PagedKV(caches, spec, local_ids), cfg, int(go["first_token"]), rep,
               report=rank == 0)
     return 0
+
+
+def _read_streamed(torch: Any, cfg: DemoConfig, spec: Any, caches: list[Any],
+                   client: Any) -> tuple[Any, dict[str, Any]]:
+    """--stream: the streamed read (started before the prefill's forward), then the same KV read
+    non-streamed (PLAIN_REQUEST_ID, into other blocks). Times are perf_counter (CLOCK_MONOTONIC,
+    comparable across the demo's processes): when each layer landed and when each read ended."""
+    from fkv.testing import token_major
+
+    local_ids, remote_ids = cfg.block_ids("decode"), cfg.block_ids("prefill")
+    prompt_ids = local_ids[: cfg.decode_prompt_blocks()]
+    result = client.read(REQUEST_ID, prompt_ids, remote_ids, timeout=cfg.timeout, stream=True)
+    done = time.perf_counter()
+    # The read's own start: not earlier than this (so no landing is placed before its publish).
+    started = done - float(result.seconds)
+    out: dict[str, Any] = {"stream": True, "completed": done,
+                           "landed": [started + float(t) for t in result.layer_seconds],
+                           "plain": {"ok": False, "seconds": None, "bytes": 0, "error": None},
+                           "plain_equal": None}
+    if not result.ok:
+        return result, out
+    plain_ids = cfg.plain_block_ids()
+    t = time.perf_counter()
+    plain = client.read(PLAIN_REQUEST_ID, plain_ids, remote_ids, timeout=cfg.timeout)
+    out["plain"] = {"ok": bool(plain.ok), "seconds": float(plain.seconds),
+                    "started": t, "completed": time.perf_counter(), "bytes": int(plain.bytes),
+                    "error": None if plain.error is None else str(plain.error)}
+    if plain.ok:
+        out["plain_equal"] = all(
+            torch.equal(token_major(c, spec, local_ids, num_tokens=cfg.tokens),
+                        token_major(c, spec, plain_ids, num_tokens=cfg.tokens)) for c in caches)
+    return result, out
 
 
 def main(argv: list[str]) -> int:

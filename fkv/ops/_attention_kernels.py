@@ -3,7 +3,8 @@
 One kernel serves decode and varlen prefill. A program owns ``BLOCK_Q`` query tokens of one
 sequence times ``HEADS_PER_PROG`` query heads that share one KV head (GQA packing: the rows of the
 score tile are (query token, head) pairs, so each K/V tile is read once for all of them), and one
-segment of the sequence's keys (``split_len`` tokens; flash-decoding when there are several).
+of ``num_splits`` segments of the keys it sees (flash-decoding when there are several), cut by the
+sequence's real length so padding columns of the block table cost nothing.
 Keys are walked in tiles of ``TILE_N`` tokens, several pages per tile; element ``(token t, dim d)``
 of KV head ``h`` is at ``block_table[t // BLOCK_SIZE] * stride_block + (t % BLOCK_SIZE) *
 STRIDE_TOKEN + h * stride_head + d`` (K) and ``+ stride_kv`` (V), so the layout is fixed by the
@@ -98,12 +99,12 @@ def _attend_tile(
 
 
 @triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles", "num_q_tokens", "num_blocks",
-                               "max_context"])
+                               "max_context", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     scale, softcap, window, num_seqs, num_tiles, num_q_heads, num_q_tokens, num_blocks,
-    max_context, split_len,
+    max_context, num_splits,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_bt, stride_block, stride_kv, stride_head,
     # spec constexprs (fkv.ops._spec.cache_constexprs) and the token stride of the layout
@@ -180,14 +181,24 @@ def _paged_attention_kernel(
     else:
         score_mult = score_mult * 1.4426950408889634
 
-    # Key range of this program: causal (and window) range of the tile, cut to this split.
+    # Key range of this program: the causal (and window) range of the tile, [lo, last_pos], cut
+    # into num_splits segments of whole tiles by its real length (not the block table's
+    # capacity: padding columns cost nothing, and a window splits only the keys it sees).
     first_pos = seq_len - q_len + q_tile
     last_pos = tl.minimum(first_pos + BLOCK_Q - 1, seq_len - 1)
-    kv_lo = split * split_len
-    kv_hi = tl.minimum(last_pos + 1, kv_lo + split_len)
+    lo = first_pos * 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+    lo = (lo // TILE_N) * TILE_N
+    if SPLIT:
+        seg = tl.cdiv(tl.cdiv(tl.maximum(last_pos + 1 - lo, 0), num_splits), TILE_N) * TILE_N
+        kv_lo = lo + split * seg
+        kv_hi = tl.minimum(last_pos + 1, kv_lo + seg)
+    else:
+        kv_lo = lo
+        kv_hi = last_pos + 1
     if USE_WINDOW:
         kv_lo = tl.maximum(kv_lo, first_pos - window + 1)
-        kv_lo = tl.maximum(kv_lo, 0)
     # Tiles in [u_lo, u_hi) are visible to every row: no mask. Before and after: masked.
     u_lo = tl.cdiv(kv_lo, TILE_N) * TILE_N
     if USE_WINDOW:
@@ -226,7 +237,7 @@ def _paged_attention_kernel(
     if CACHE_FP8:
         o = o * tl.load(v_scale_ptr)
     if SPLIT:
-        part = (tok * num_q_heads + hq) * tl.num_programs(1) + split
+        part = (tok * num_q_heads + hq) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + d[None, :], o, mask=io_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # -inf: no visible key
         tl.store(part_lse_ptr + part, lse, mask=row_ok)

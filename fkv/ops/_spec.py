@@ -13,8 +13,9 @@ from typing import Any
 
 from fkv.errors import FkvError
 from fkv.layout import KVCacheSpec
+from fkv.tensors import require_torch
 
-__all__ = ["CacheStrides", "cache_constexprs", "cache_strides", "check_cache"]
+__all__ = ["CacheStrides", "cache_constexprs", "cache_strides", "check_cache", "join_kv_views"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,3 +85,70 @@ def check_cache(cache: Any, spec: KVCacheSpec, name: str = "cache") -> None:
             f"{expected}; the tensor's real layout differs from the spec (use fkv.infer_spec "
             f"to read its layout, or fkv.ops.convert)"
         )
+
+
+def _kv_pair_help(spec: KVCacheSpec) -> str:
+    if spec.family == "flash_attn":
+        return "(cache[0], cache[1])"
+    return "(cache[:, 0], cache[:, 1])"
+
+
+def join_kv_views(cache: Any, spec: KVCacheSpec) -> Any:
+    """``cache`` itself, or the one-layer logical view that a ``(key_cache, value_cache)`` pair
+    spans: the engine convention of passing the K and V halves of one layer buffer separately,
+    ``(cache[:, 0], cache[:, 1])`` (flash_attn: ``(cache[0], cache[1])``), each ``(NB, N, H, D)``.
+
+    Both must be views of one buffer laid out by ``spec``: same storage, the spec's strides, and
+    the V half exactly ``stride_kv`` elements after the K half. Anything else (two separate
+    tensors, swapped halves, other strides) is ambiguous and raises FkvError naming the field,
+    the value, what was expected and the fix.
+    """
+    if not isinstance(cache, (tuple, list)):
+        return cache
+    if not isinstance(spec, KVCacheSpec):
+        raise FkvError(f"'spec' must be a KVCacheSpec (got {type(spec).__name__})")
+    pair = _kv_pair_help(spec)
+    if spec.is_mla:
+        raise FkvError(f"'cache' is a {type(cache).__name__} of {len(cache)} but spec.backend is "
+                       f"'mla': one latent per token, no K and V halves; pass the layer's one "
+                       f"(NB, N, D) view")
+    if len(cache) != 2:
+        raise FkvError(f"'cache' is a {type(cache).__name__} of {len(cache)} tensors; pass one "
+                       f"layer's view, or its (key_cache, value_cache) halves {pair}")
+    torch = require_torch()
+    sizes, strides = spec.axis_sizes, spec.axis_strides
+    axes = ("B", "N", "H", "C")
+    shape = tuple(sizes[a] for a in axes)
+    expected = tuple(strides[a] for a in axes)
+    fix = f"pass {pair} of one layer's view from fkv.allocate(spec)"
+    for name, t in zip(("key_cache", "value_cache"), cache):
+        if not isinstance(t, torch.Tensor):
+            raise FkvError(f"{name!r} must be a torch.Tensor (got {type(t).__name__}); {fix}")
+        if tuple(t.shape) != shape:
+            raise FkvError(f"{name!r} has shape {tuple(t.shape)} but one K or V half of spec "
+                           f"{spec!r} is (NB, N, H, D) = {shape}; {fix}")
+        if str(t.dtype).removeprefix("torch.") != spec.dtype:
+            raise FkvError(f"{name!r} has dtype {str(t.dtype).removeprefix('torch.')!r} but "
+                           f"spec.dtype is {spec.dtype!r}")
+        got = tuple(t.stride())
+        if any(n != 1 and a != b for a, b, n in zip(got, expected, shape)):
+            raise FkvError(f"{name!r} has strides {got} but a K or V half of spec {spec!r} has "
+                           f"strides {expected} (NB, N, H, D); the buffer's real layout differs "
+                           f"from the spec (use fkv.infer_spec on the whole layer view, or "
+                           f"fkv.ops.convert)")
+    k, v = cache
+    if k.device != v.device or k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        raise FkvError(f"'key_cache' and 'value_cache' are separate buffers, but write_kv writes "
+                       f"one layer buffer of the spec, whose V half is stride_kv="
+                       f"{strides['two']} elements after its K half; {fix}, or write each half's "
+                       f"own buffer with its own spec")
+    delta = v.storage_offset() - k.storage_offset()
+    if delta == -strides["two"]:
+        raise FkvError(f"'value_cache' starts {strides['two']} elements before 'key_cache': the "
+                       f"halves are swapped; pass (key_cache, value_cache) = {pair}")
+    if delta != strides["two"]:
+        raise FkvError(f"'value_cache' starts {delta} elements after 'key_cache' but spec "
+                       f"{spec!r} puts the V half stride_kv={strides['two']} elements after the "
+                       f"K half; {fix}")
+    # Both views exist, so their storage holds the whole layer (V's last element is the layer's).
+    return k.as_strided(spec.logical_shape, spec.element_strides, k.storage_offset())

@@ -28,7 +28,8 @@ from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 from fkv.ops._spec import cache_constexprs, cache_strides, check_cache
 
-__all__ = ["AttentionConfig", "attention_config", "check_attention_inputs", "paged_attention"]
+__all__ = ["AttentionConfig", "attention_config", "check_attention_inputs", "model_context",
+           "paged_attention"]
 
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -39,13 +40,26 @@ _MAX_HEAD_SIZE = 1024
 _PROGRAMS_PER_SM = 4
 _MIN_SPLIT_TOKENS = 512
 #: flash-decoding splits, decode-like tiles: a wave model of a memory-bound grid (fitted to the
-#: H200 sweep, bench/NOTES.md). _RESIDENT_PER_SM programs run at once per SM (the decode tile:
-#: 140 registers x 128 threads -> 3); a partial last wave runs each program at most 2x faster
-#: than a full one; each program costs _PROGRAM_OVERHEAD_KEYS keys of its slot's time (start-up
-#: latency, partial output); at least _MIN_WAVES full waves when the context allows.
+#: H200 sweeps of issue 14, bench/NOTES.md). ``resident`` programs per SM run at once (by decode
+#: tile, _DECODE_RESIDENT: without splits, with splits): grids beyond that run in waves. A wave of
+#: n concurrent programs streams at the fraction ``1 - (1 - n / S)**2`` of the full bandwidth, S =
+#: _SATURATING_PER_SM * num_sms (the measured curve: 64 programs 0.31, 128 0.54, 256 0.88, >= 384
+#: 1.0); each program costs _PROGRAM_OVERHEAD_KEYS keys of its slot's time (start-up latency,
+#: partial output).
 _RESIDENT_PER_SM = 3
+_RESIDENT_PER_SM_SPLIT = 4
+_SATURATING_PER_SM = 3
 _PROGRAM_OVERHEAD_KEYS = 48
-_MIN_WAVES = 2
+#: decode tile (tile_n, num_warps, num_stages) -> resident programs per SM (no splits, splits).
+#: Round-2 H200 sweep (Triton 3.6, padded tables): (64, 2, 3) runs 512 programs (B=64 x 8192,
+#: no split) in one wave (0.486 ms vs 0.610 on 4 warps) and 576 split programs in two (B=8 x 32768:
+#: 9 splits 0.356 ms, 8 splits 0.256); (128, 4, 2) fits about 2 per SM (B=8 x 32768: 4 splits =
+#: 256 programs 0.257 ms, 8 = 512 0.292; B=16 x 4096: 2 splits 0.0815, 4 splits 0.0925). Tiles
+#: not listed: the fit of round 1 ((64, 4, 3): 3 without, 4 with splits).
+_DECODE_RESIDENT = {(64, 2, 3): (4, 4), (128, 4, 2): (2, 2)}
+#: the split model sees the block table's capacity rounded down to 1/_CONTEXT_STEPS of its power
+#: of two (model_context): spare columns change no split count.
+_CONTEXT_STEPS = 8
 #: scores as one FMA per element: p = exp2(qk * scale - m), the row max taken on raw qk.
 _FMA_SCORES = True
 #: grid order: the KV heads of one (query tile, split) are consecutive programs, so they stream
@@ -53,12 +67,22 @@ _FMA_SCORES = True
 _HEADS_FIRST = True
 #: (head_pad up to, 32-bit inputs) -> (max rows (query token x head pairs) per program,
 #: (tile_n, num_warps, num_stages) for: decode-like tiles (<= 16 rows), mid tiles (<= half the
-#: max rows), full tiles). Rows bound the fp32 accumulator's registers. D <= 128, 16-bit: measured
-#: on the H200 (Triton 3.6, bench/NOTES.md): prefill 256 rows (64 queries x 4 heads) x 64 keys on
-#: 8 warps ran 13 % faster than 128 rows on 4 warps, which beat 128 rows on 8 warps by 10 %.
-#: ``bench/bench_attention.py --sweep`` times alternatives on the GPU.
+#: max rows), full tiles[, decode-like tiles of a small grid]). Rows bound the fp32 accumulator's
+#: registers. D <= 128, 16-bit: measured on the H200 (Triton 3.6, bench/NOTES.md; issue 14 round-2
+#: sweep, padded block tables, ms NHD / HND):
+#: - decode, grids of >= num_sms programs without splits: 64 keys on 2 warps, 3 stages (B=64 x
+#:   8192, no split: 0.486 / 0.486 vs 0.495 / 0.497 for (64, 4, 3) with 2 splits; B=256 x 2048:
+#:   0.485 / 0.486 vs 0.519 / 0.519).
+#: - decode, smaller grids (the 4th entry): 128 keys on 4 warps, 2 stages, splits filling about 2
+#:   programs per SM (B=16 x 4096, 2 splits: 0.0816 / 0.0815 vs 0.0826 / 0.0824 for (64, 2, 3)
+#:   with 4 and 0.084 for (64, 4, 3) with 4; B=8 x 32768, 4 splits: 0.257 / 0.257, (64, 2, 3) with
+#:   8 splits 0.256 / 0.257).
+#: - prefill B=4 x 4096 causal: 256 rows (64 queries x 4 heads) x 64 keys on 8 warps, 4 stages:
+#:   1.479 / 1.480 vs 3 stages 1.492 / 1.499 and 128 rows on 4 warps, 3 stages 1.546 / 1.537
+#:   (round 1: 2 stages lose 20 %). 128-row tiles (mid) keep (64, 4, 3).
+#: ``bench/gpu_kernels_sweep.py`` times alternatives on the GPU.
 _TUNING = {
-    (128, False): (256, (64, 4, 3), (64, 4, 3), (64, 8, 3)),
+    (128, False): (256, (64, 2, 3), (64, 4, 3), (64, 8, 4), (128, 4, 2)),
     (256, False): (64, (32, 4, 2), (32, 8, 2), (32, 8, 2)),
     (1024, False): (16, (16, 8, 1), (16, 8, 1), (16, 8, 1)),
     (128, True): (32, (32, 8, 2), (16, 8, 2), (16, 8, 2)),
@@ -102,22 +126,25 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     """The default launch configuration: a pure function of the shapes (no autotuning).
 
     ``max_context`` is the block-table capacity in tokens (``max_blocks * block_size``): the split
-    count never depends on ``seq_lens`` values, so choosing it needs no device sync. Decode (and
-    varlen batches whose mean query length is small) takes the split count that minimizes
-    :func:`_split_cost` (each split >= 512 keys); prefill-like tiles split only a small grid (to
-    about ``4 * num_sms`` programs).
+    count never depends on ``seq_lens`` values, so choosing it needs no device sync. The model
+    plans for :func:`model_context` of it (rounded down, so the padding columns engines allocate
+    change nothing; the kernel cuts each sequence's keys by its real length). Decode (and varlen
+    batches whose mean query length is small) takes the split count that minimizes
+    :func:`_split_cost` (each split >= 512 keys) for its decode tile (a grid of fewer programs
+    than SMs before splitting gets the small-grid tile, when the table has one); prefill-like
+    tiles split only a small grid (to about ``4 * num_sms`` programs).
 
     >>> c = attention_config(num_seqs=8, num_q_tokens=8, num_q_heads=32, num_kv_heads=8,
     ...                      head_size=128, max_context=32768, itemsize=2, num_sms=132, varlen=False)
-    >>> c.block_q, c.heads_per_program, c.num_splits
-    (1, 4, 16)
+    >>> c.block_q, c.heads_per_program, c.num_splits, c.tile_n, c.num_warps
+    (1, 4, 4, 128, 4)
     """
     group = num_q_heads // num_kv_heads
     head_pad = _pow2(max(head_size, 16))
     if head_pad > _MAX_HEAD_SIZE:
         raise field_error("head_size", head_size, f"<= {_MAX_HEAD_SIZE} for attention")
     size = next(k for k in _TUNING if head_pad <= k[0] and (itemsize >= 4) == k[1])
-    rows_cap, decode_tiles, mid_tiles, full_tiles = _TUNING[size]
+    rows_cap, decode_tiles, mid_tiles, full_tiles, *small_grid = _TUNING[size]
     heads = min(group, rows_cap)
     if varlen:
         mean_q = max(1, -(-num_q_tokens // max(num_seqs, 1)))
@@ -130,12 +157,14 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     chunks = -(-group // heads)
     tiles = num_seqs if not varlen else num_q_tokens // block_q + num_seqs
     programs = max(1, tiles * num_kv_heads * chunks)
+    if rows <= 16 and small_grid and programs < num_sms:
+        tile_n, warps, stages = small_grid[0]
+    max_context = model_context(max_context)
     most = max(1, -(-max_context // max(_MIN_SPLIT_TOKENS, tile_n)))
     if rows <= 16:
-        full = [n for n in range(1, most + 1)
-                if programs * n >= _MIN_WAVES * _RESIDENT_PER_SM * num_sms]
-        splits = min(full or [most], key=lambda n: _split_cost(n, programs, max_context, tile_n,
-                                                               num_sms))
+        resident = decode_residency(tile_n, warps, stages)
+        splits = min(range(1, most + 1), key=lambda n: _split_cost(
+            n, programs, max_context, tile_n, num_sms, resident))
     else:
         splits = max(1, min(-(-(_PROGRAMS_PER_SM * num_sms) // programs), most))
     splits = -(-max_context // _split_len(max_context, splits, tile_n))
@@ -143,28 +172,59 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
                            num_splits=splits, num_warps=warps, num_stages=stages)
 
 
+def model_context(max_context: int) -> int:
+    """The context the split model plans for: the block table's capacity rounded down to a
+    multiple of ``max(512, 2**floor(log2(capacity)) / 8)`` tokens (unchanged below 512).
+
+    Engines allocate block tables with spare columns (one more than needed, or a fixed maximum);
+    rounding makes the split count, hence the grid, the same with or without them (the kernel
+    splits each sequence by its real length, so the extra capacity is never walked).
+
+    >>> [model_context(c) for c in (32768, 32768 + 16, 2048 + 16, 4096 + 16, 8192 + 48, 300)]
+    [32768, 32768, 2048, 4096, 8192, 300]
+    """
+    step = max(_MIN_SPLIT_TOKENS, (1 << (max(1, max_context).bit_length() - 1)) // _CONTEXT_STEPS)
+    return max_context - max_context % step if max_context >= step else max_context
+
+
 def _split_len(max_context: int, splits: int, tile_n: int) -> int:
     """Keys per split: whole tiles (the last split may be shorter)."""
     return -(-(-(-max_context // splits)) // tile_n) * tile_n
 
 
-def _split_cost(splits: int, programs: int, max_context: int, tile_n: int, num_sms: int) -> float:
-    """Modelled time of a memory-bound split grid, in keys streamed by one resident program.
+def decode_residency(tile_n: int, num_warps: int, num_stages: int) -> tuple[int, int]:
+    """Resident programs per SM the split model assumes for a decode tile (no splits, splits)."""
+    return _DECODE_RESIDENT.get((tile_n, num_warps, num_stages),
+                                (_RESIDENT_PER_SM, _RESIDENT_PER_SM_SPLIT))
 
-    ``programs * splits`` programs of ``split_len`` keys run in waves of ``_RESIDENT_PER_SM *
-    num_sms``; the last, partial wave of fraction f takes ``max(f, 1/2)`` of a full one; each
-    program adds ``_PROGRAM_OVERHEAD_KEYS`` of slot time. A split count that rounds to fewer
+
+def _split_cost(splits: int, programs: int, max_context: int, tile_n: int, num_sms: int,
+                resident: tuple[int, int] = (_RESIDENT_PER_SM, _RESIDENT_PER_SM_SPLIT)) -> float:
+    """Modelled time of a memory-bound split grid, in keys streamed at the full bandwidth.
+
+    ``programs * splits`` programs of ``split_len`` keys run in waves of ``slots`` (resident
+    programs: ``resident[1]`` per SM with splits, ``resident[0]`` without); a wave
+    of ``n`` programs streams ``n * split_len`` keys at the fraction ``_wave_rate(n)`` of the full
+    bandwidth; each program adds ``_PROGRAM_OVERHEAD_KEYS``. A split count that rounds to fewer
     splits costs as much as that count plus a little, so ties go to the smaller one.
 
-    >>> [round(_split_cost(n, 512, 8192, 64, 132)) for n in (1, 2, 5)]  # B=64 x 8192, Hkv 8
-    [12350, 10716, 11126]
+    >>> [round(_split_cost(n, 128, 4096, 128, 132, (2, 2)) / 1000) for n in (1, 2, 3, 4, 8)]  # B=16
+    [973, 611, 765, 624, 649]
     """
     split_len = _split_len(max_context, splits, tile_n)
-    slots = _RESIDENT_PER_SM * num_sms
     total = programs * -(-max_context // split_len)
+    slots = (resident[1] if total > programs else resident[0]) * num_sms
     waves, rest = divmod(total, slots)
-    last = max(rest / slots, 0.5) if rest else 0.0
-    return split_len * (waves + last) + total * _PROGRAM_OVERHEAD_KEYS / slots + splits * 1e-6
+    saturating = _SATURATING_PER_SM * num_sms
+    time = waves * slots / _wave_rate(slots, saturating)
+    if rest:
+        time += rest / _wave_rate(rest, saturating)
+    return split_len * time + total * _PROGRAM_OVERHEAD_KEYS + splits * 1e-6
+
+
+def _wave_rate(n: int, saturating: int) -> float:
+    """Fraction of the full bandwidth ``n`` concurrent streaming programs reach."""
+    return 1.0 - (1.0 - min(n, saturating) / saturating) ** 2
 
 
 @functools.lru_cache(maxsize=16)
@@ -184,6 +244,8 @@ class Problem(NamedTuple):
     varlen: bool
     max_context: int
     scale: float
+    window: int | None    # sliding window; None when off (None or 0 given)
+    softcap: float | None  # logit softcap; None when off (None or 0 given)
 
 
 def _is_tensor(x: Any) -> bool:
@@ -267,12 +329,13 @@ def check_attention_inputs(q: Any, cache: Any, spec: KVCacheSpec, block_table: A
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
             math.isfinite(scale) and scale > 0):
         raise field_error("scale", scale, "a positive finite float (or None for 1/sqrt(head_size))")
+    # Engines pass 0 for "off" (vLLM's sliding_window and logits_soft_cap): 0 and None mean off.
     if sliding_window is not None and (isinstance(sliding_window, bool)
-                                       or not isinstance(sliding_window, int) or sliding_window < 1):
-        raise field_error("sliding_window", sliding_window, "a positive int or None")
+                                       or not isinstance(sliding_window, int) or sliding_window < 0):
+        raise field_error("sliding_window", sliding_window, "a positive int, or 0 / None for no window")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not (math.isfinite(softcap) and softcap > 0)):
-        raise field_error("softcap", softcap, "a positive finite float or None")
+                                or not (math.isfinite(softcap) and softcap >= 0)):
+        raise field_error("softcap", softcap, "a positive finite float, or 0 / None for no softcap")
     if spec.is_fp8:
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             if value is None:
@@ -290,7 +353,8 @@ def check_attention_inputs(q: Any, cache: Any, spec: KVCacheSpec, block_table: A
             raise FkvError(f"'out' is on {out.device} but 'q' is on {device}")
     return Problem(num_seqs=num_seqs, num_q_tokens=q.shape[0], num_q_heads=num_q_heads,
                    group=num_q_heads // hkv, varlen=varlen,
-                   max_context=block_table.shape[1] * spec.block_size, scale=float(scale))
+                   max_context=block_table.shape[1] * spec.block_size, scale=float(scale),
+                   window=sliding_window or None, softcap=float(softcap) if softcap else None)
 
 
 def check_attention_values(spec: KVCacheSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -389,7 +453,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
       queries of sequence b are its last ``qsl[b+1] - qsl[b]`` tokens.
     - query head h reads KV head ``h // (Hq / Hkv)``; ``sliding_window=W``: position p sees keys
       ``p-W+1 .. p``; ``softcap=c``: scores (after ``scale``, default ``1/sqrt(D)``) become
-      ``c * tanh(s / c)``; fp8 caches need ``k_scale``/``v_scale`` (float32, one element).
+      ``c * tanh(s / c)``; as engines pass them, ``sliding_window=0`` and ``softcap=0`` mean off
+      (like None); fp8 caches need ``k_scale``/``v_scale`` (float32, one element).
     - MLA: multi-query attention over the latent, which is both key and value (module docstring).
     - ``validate``: check the values of ``block_table`` (the entries each sequence uses),
       ``seq_lens`` and ``query_start_loc`` and raise FkvError naming the first bad one. Default, as
@@ -432,7 +497,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
             num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, max_context=prob.max_context,
             itemsize=q.element_size(), num_sms=_num_sms(device), varlen=prob.varlen)
     _launch(q, cache, spec, block_table, seq_lens, query_start_loc, prob, config,
-            sliding_window, softcap, k_scale, v_scale, out)
+            prob.window, prob.softcap, k_scale, v_scale, out)
     return out
 
 
@@ -448,8 +513,8 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
     chunks = -(-prob.group // heads)
     block_q = config.block_q if prob.varlen else 1
     tile_n = config.tile_n
-    split_len = -(-(-(-prob.max_context // config.num_splits)) // tile_n) * tile_n
-    num_splits = -(-prob.max_context // split_len)
+    # Never more splits than tiles of capacity; the kernel cuts each sequence by its real length.
+    num_splits = max(1, min(config.num_splits, -(-prob.max_context // tile_n)))
     num_tiles = prob.num_q_tokens // block_q + prob.num_seqs if prob.varlen else prob.num_seqs
     strides = cache_strides(spec)
     split = num_splits > 1
@@ -468,7 +533,7 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
         out, part_out, part_lse,
         prob.scale, float(softcap or 1.0), int(sliding_window or 0), prob.num_seqs, num_tiles,
-        prob.num_q_heads, prob.num_q_tokens, spec.num_blocks, prob.max_context, split_len,
+        prob.num_q_heads, prob.num_q_tokens, spec.num_blocks, prob.max_context, num_splits,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         block_table.stride(0), strides["stride_block"], strides["stride_kv"], strides["stride_head"],
         **cache_constexprs(spec),

@@ -104,7 +104,8 @@ class LayerMove:
         return len(self.src)
 
     def __call__(self, src_block_ids: Any, dst_block_ids: Any, num_tokens: int | None = None,
-                 *, validate: bool | None = None) -> None:
+                 *, validate: bool | None = None, layers: tuple[int, int] | None = None) -> None:
+        """Move the tokens of layers ``layers = (start, stop)`` (default: every layer)."""
         from fkv.ops.relayout import _block_ids, _num_tokens
 
         s, d = self.src_spec, self.dst_spec
@@ -113,13 +114,17 @@ class LayerMove:
         cap_s, cap_d = sids.count * s.block_size, dids.count * d.block_size
         n = _num_tokens(num_tokens, cap_s, {f"the {sids.count} src_block_ids": cap_s,
                                             f"the {dids.count} dst_block_ids": cap_d})
-        if n <= 0:
+        start, stop = (0, self.num_layers) if layers is None else layers
+        if not 0 <= start <= stop <= self.num_layers:
+            raise field_error("layers", layers, f"(start, stop) with 0 <= start <= stop <= "
+                              f"{self.num_layers}")
+        if n <= 0 or start == stop:
             return
         heads = self.src_heads[1] - self.src_heads[0]
         if not self.triton:
             from fkv.ops.reference import move
 
-            for a, b in zip(self.src, self.dst, strict=True):
+            for a, b in zip(self.src[start:stop], self.dst[start:stop], strict=True):
                 move(a, s, sids.tensor, b, d, dids.tensor, src_heads=self.src_heads,
                      dst_heads=self.dst_heads, num_tokens=n)
             return
@@ -127,4 +132,5 @@ class LayerMove:
 
         launch_move(self.src[0], s, sids.tensor, self.src_heads[0], self.dst[0], d,
                     dids.tensor, self.dst_heads[0], heads, n,
-                    layers=(self.num_layers, "table", "table"), tables=tuple(self._tables))
+                    layers=(stop - start, "table", "table"),
+                    tables=tuple(t[start:stop] for t in self._tables))

@@ -47,7 +47,8 @@ __all__ = ["convert", "gather", "move", "scatter", "staging_spec"]
 # -- the public ops -------------------------------------------------------------------------------
 def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
          dst: torch.Tensor, dst_spec: KVCacheSpec, dst_block_ids: Any, *,
-         src_heads: tuple[int, int] | None = None, dst_heads: tuple[int, int] | None = None,
+         src_heads: tuple[int, int] | slice | None = None,
+         dst_heads: tuple[int, int] | slice | None = None,
          num_tokens: int | None = None, validate: bool | None = None) -> None:
     """Copy one request's tokens of one layer from ``src`` (per ``src_spec``) into ``dst``.
 
@@ -55,7 +56,8 @@ def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
     ``i % src_spec.block_size`` and goes to block ``dst_block_ids[i // dst_spec.block_size]`` slot
     ``i % dst_spec.block_size``: the block sizes may differ (re-chunking, e.g. 4 <-> 8), as may the
     layouts and backends. ``num_tokens`` defaults to ``len(src_block_ids) * src_spec.block_size``
-    and must fit both id lists. ``src_heads=(a, b)`` / ``dst_heads=(c, d)`` pick contiguous head
+    and must fit both id lists. ``src_heads=(a, b)`` / ``dst_heads=(c, d)`` (or ``slice(a, b)``,
+    step 1, a None bound meaning the first / past the last head) pick contiguous head
     ranges of equal length (default: all heads). K and V both move (MLA: the latent). This is the
     re-chunking API; ``gather``/``scatter`` expose it too (``block_size=``, ``num_tokens=``).
 
@@ -111,13 +113,15 @@ def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any 
 
 
 def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
-           heads: tuple[int, int] | None = None, out: torch.Tensor | None = None,
+           heads: tuple[int, int] | slice | None = None, out: torch.Tensor | None = None,
            num_tokens: int | None = None, block_size: int | None = None,
            validate: bool | None = None) -> torch.Tensor:
     """Pack blocks (and a head range) of one layer into a contiguous staging buffer.
 
     Returns ``[n, 2, h, N, D]`` (K/V, heads, tokens, dim: canonical HND) for K/V backends,
-    ``[n, N, D]`` for mla, where ``h = b - a`` for ``heads=(a, b)`` (default all heads). Works from
+    ``[n, N, D]`` for mla, where ``h = b - a`` for ``heads=(a, b)`` or ``heads=slice(a, b)``
+    (default all heads; a slice has step 1, a None bound means the first / past the last head; a
+    negative bound or another step raises FkvError). Works from
     any layout. Re-chunking: with ``block_size=Ns`` the staging blocks hold ``Ns`` tokens (token
     ``i`` goes to staging block ``i // Ns`` slot ``i % Ns``) and ``n = ceil(num_tokens / Ns)``;
     ``num_tokens`` defaults to ``len(block_ids) * spec.block_size``. Staging slots past
@@ -132,6 +136,7 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
     >>> tuple(st.shape), torch.equal(st[0, 1, 0], cache[5, 1, :, 2])
     ((2, 2, 2, 4, 8), True)
     """
+    heads = _plain_heads(heads)
     sig = _staging_signature("gather", cache, spec, block_ids, heads, out, num_tokens, block_size)
     fast = _FAST.get(sig) if sig is not None else None
     if fast is not None:
@@ -139,7 +144,8 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
             _check_range(block_ids, spec, "block_ids")
         if out is None:
             out = fast.alloc(fast.shape, dtype=fast.dtype, device=cache.device)
-        fast.site(fast.grid, (cache, out, block_ids, cache, fast.num_tokens))
+        # per-call arguments as launch_move passes them (the src tensor fills unused pointers)
+        fast.site(fast.grid, (cache, out, block_ids, cache, cache, cache, fast.num_tokens))
         return out
     m, staging = _check_gather(cache, spec, block_ids, heads, out, num_tokens, block_size,
                                validate=validate)
@@ -150,7 +156,7 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
 
 
 def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
-            heads: tuple[int, int] | None = None, num_tokens: int | None = None,
+            heads: tuple[int, int] | slice | None = None, num_tokens: int | None = None,
             block_size: int | None = None, validate: bool | None = None) -> None:
     """The inverse of :func:`gather`: write a staging buffer into blocks (and heads) of one layer.
 
@@ -167,13 +173,14 @@ def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block
     >>> torch.equal(cache[1, 0, :, 1], staging[1, 0, 1])
     True
     """
+    heads = _plain_heads(heads)
     sig = _staging_signature("scatter", cache, spec, block_ids, heads, staging, num_tokens,
                              block_size)
     fast = _FAST.get(sig) if sig is not None else None
     if fast is not None:
         if fast.host_ids if validate is None else validate:
             _check_range(block_ids, spec, "block_ids")
-        fast.site(fast.grid, (staging, cache, cache, block_ids, fast.num_tokens))
+        fast.site(fast.grid, (staging, cache, staging, block_ids, staging, staging, fast.num_tokens))
         return
     m = _check_scatter(staging, cache, spec, block_ids, heads, num_tokens, block_size,
                        validate=validate)
@@ -272,20 +279,45 @@ def _check_device(t: Any, device: Any, name: str, other: str) -> None:
 
 
 def _heads(heads: Any, spec: KVCacheSpec, name: str) -> tuple[int, int]:
+    """``(start, stop)`` of a head range given as None (all), a ``(start, stop)`` pair or a
+    ``slice`` (step 1; a None bound means the first / past the last head)."""
     total = spec.num_kv_heads
     if heads is None:
         return 0, total
-    expected = (f"a (start, stop) pair of ints with 0 <= start < stop <= {total} "
-                f"(a contiguous range of this rank's {total} heads)")
+    expected = (f"a slice(start, stop) or a (start, stop) pair of ints with 0 <= start < stop <= "
+                f"{total} (a contiguous range of this rank's {total} heads)")
+    if isinstance(heads, slice):
+        step = heads.step
+        if not (step is None or (type(step) is int and step == 1)):
+            raise field_error(name, heads, expected, f"heads are one contiguous range: drop the "
+                              f"step (e.g. slice({heads.start}, {heads.stop}))")
+        bounds = (0 if heads.start is None else heads.start,
+                  total if heads.stop is None else heads.stop)
+    else:
+        bounds = heads
     try:
-        a, b = (operator.index(v) for v in heads)
-        if any(isinstance(v, bool) for v in heads):
+        a, b = (operator.index(v) for v in bounds)
+        if any(isinstance(v, bool) for v in bounds):
             raise TypeError
     except (TypeError, ValueError):
         raise field_error(name, heads, expected) from None
+    if isinstance(heads, slice) and (a < 0 or b < 0):
+        raise field_error(name, heads, expected, f"negative bounds (counted from the end) are "
+                          f"not taken: write the heads out, e.g. slice({a % total if a < 0 else a}, "
+                          f"{b % total if b < 0 else b})")
     if not 0 <= a < b <= total:
-        raise field_error(name, tuple(heads), expected)
+        raise field_error(name, heads if isinstance(heads, slice) else tuple(heads), expected)
     return a, b
+
+
+def _plain_heads(heads: Any) -> Any:
+    """A ``slice(a, b)`` of two ints (step None or 1) as the pair ``(a, b)``, for the fast path's
+    signature; anything else unchanged (the checked path validates it)."""
+    if (type(heads) is slice and type(heads.start) is int and type(heads.stop) is int
+            and (heads.step is None or (type(heads.step) is int and heads.step == 1))
+            and 0 <= heads.start and 0 <= heads.stop):
+        return heads.start, heads.stop
+    return heads
 
 
 # Range checks of ids that live on a GPU need a device sync; remember the bounds of each id tensor

@@ -1,16 +1,20 @@
 """``write_kv``: reshape-and-cache into any paged layout, one Triton variant per layout.
 
-Three thin layers (STYLE.md):
+Three thin layers:
 
 1. ``_write_kv_kernel``: sees only pointers, strides and ``tl.constexpr``. One program writes one
    tile of ``BLOCK_T`` consecutive tokens × ``HEAD_TILE`` heads × the whole head of either K or V
    (grid axis 1 picks the half; MLA has one). In HND (``HEADS_OUTER``) the tile is arranged
    ``[heads, tokens, dim]`` so that, for a run of consecutive slots, every head's rows land as one
    contiguous stretch of its (head, block) page tile; in NHD it is ``[tokens, heads, dim]``, one
-   contiguous stretch per token. Loads read whole head rows of ``key``/``value`` (any strides).
-2. :func:`write_tiling`: a pure, cached function of the spec giving the tile sizes and
-   ``num_warps`` (no autotuning), and :func:`write_constexprs`: the spec's constexprs
-   (``fkv.ops._spec.cache_constexprs`` plus the in-page strides), so each layout compiles once.
+   contiguous stretch per token. Loads read whole head rows of ``key``/``value`` (any strides)
+   and do not wait for the slot load (their mask depends only on the token count), so a decode
+   step costs one memory round trip before its stores, not two.
+2. :func:`write_tiling`: a pure, cached function of the spec and the token count's power-of-two
+   class giving the tile sizes and ``num_warps`` (no autotuning): prefill-sized T gets big tiles,
+   decode-sized T many one-token programs; and :func:`write_constexprs`: the spec's constexprs
+   (``fkv.ops._spec.cache_constexprs`` plus the in-page strides), so each (layout, tiling)
+   compiles once.
 3. :func:`write_kv`: checks tensors against the spec (FkvError before launch), then launches with
    keyword arguments. No per-token Python work and no host sync when ``validate=False``, so the
    call can be captured in a CUDA graph.
@@ -27,7 +31,7 @@ import triton.language as tl
 from fkv.errors import FkvError
 from fkv.layout import KVCacheSpec
 from fkv.ops._launch import KernelLauncher, LaunchSite
-from fkv.ops._spec import cache_constexprs, cache_strides
+from fkv.ops._spec import cache_constexprs, cache_strides, join_kv_views
 from fkv.ops.reference._write import check_slots, check_token_counts, check_write_inputs
 
 if TYPE_CHECKING:
@@ -40,16 +44,45 @@ __all__ = ["WriteTiling", "write_constexprs", "write_kv", "write_tiling"]
 _DO_NOT_SPECIALIZE = ("num_tokens", "num_slots")
 # Elements of one program's tile (one K or V half). bf16/fp16/fp32 caches: 16384 (32 KiB of bf16
 # read + written; H200 sweep: HND 65536 tokens 3658 GB/s vs 3611 at 8192, NHD 3685 vs 3665). fp8
-# caches: 8192 (the quantizing kernel loses occupancy with bigger tiles: 3138 GB/s at 8192, 2692 at
-# 16384, 1870 at 16384 with 4096 per warp). bench/NOTES.md has the runs.
+# caches: 4096 on 4 warps (the quantizing kernel loses occupancy with bigger tiles; round-2 H200
+# sweep, NHD / HND GB/s: 65536 tokens 3323 / 3309 vs 3025 / 2970 for 8192 elements on 4 warps and
+# 3150 / 3136 on 8; 8192 tokens 2537 / 2525 vs 2146 / 2140). bench/NOTES.md has the runs.
 _TILE_ELEMENTS = 16384
-_TILE_ELEMENTS_FP8 = 8192
-# One warp per this many tile elements (1..8 warps): 2048 bf16 elements = 4 KiB, 16 B a lane.
+_TILE_ELEMENTS_FP8 = 4096
+# One warp per this many tile elements (1..8 warps): 2048 bf16 elements = 4 KiB, 16 B a lane;
+# fp8 caches one per _ELEMENTS_PER_WARP // _FP8_WARP_FACTOR (1024: 4096 elements on 4 warps).
 _ELEMENTS_PER_WARP = 2048
+_FP8_WARP_FACTOR = 2
+# Small T (decode): tiles shrink until the grid has about this many programs (K and V halves
+# together), down to this many elements (one token of 8 heads x 128), one warp per
+# _SMALL_ELEMENTS_PER_WARP elements. A 256-token decode of 8 x 128 then runs 512 programs of one
+# token each instead of 32 of 16 tokens (2.95 us per call in a graph, 4.47 for fp8, H200).
+_TARGET_PROGRAMS = 512
+_MIN_TILE_ELEMENTS = 1024
+_SMALL_ELEMENTS_PER_WARP = 512
+_SMALL_MAX_WARPS = 4
+# Token classes up to _FEW_TOKENS (a grid of a few programs): one warp per
+# _FEW_ELEMENTS_PER_WARP elements (bf16 one token of 8 x 128 on 4 warps; round-2 H200 sweep, us
+# per call in a graph, NHD / HND: T=16 2.20 / 2.20 vs 2.28 / 2.27 on 2 warps, T=1 2.03 / 2.03 vs
+# 2.03 / 2.05; at T=256 2 warps stay: 2.45 / 2.79 vs 2.76 / 2.75 on 4).
+_FEW_TOKENS = 16
+_FEW_ELEMENTS_PER_WARP = 256
+# fp8 caches quantize (an IEEE division per element): more warps per small tile, up to
+# _SMALL_MAX_WARPS_FP8. Round-2 H200 sweep, one token of 8 x 128 per program, NHD / HND: 8 warps
+# T=1 2.17 / 2.17 us vs 2.31 / 2.29 on 4; T=16 2.37 / 2.35 vs 2.49 / 2.48; T=256 2.87 / 2.85 vs
+# 2.93 / 2.91 (2 warps 3.23 / 3.20).
+_SMALL_ELEMENTS_PER_WARP_FP8 = 128
+_SMALL_MAX_WARPS_FP8 = 8
+# A forced tiling (see _set_tiling_override): None = the default choice.
+_TILING_OVERRIDE: Any = None
 # fp8 dtype -> (largest finite value, mantissa bits, smallest normal exponent)
 _FP8 = {"float8_e4m3fn": (448.0, 3, -6), "float8_e5m2": (57344.0, 2, -14)}
 # Cache modifier of the cache stores ("" = default write-back; ".cs" = streaming): a bench knob.
 _STORE_MODIFIER = ""
+# Token classes up to this many tokens write K and V in one program (grid axis 1 of one program,
+# the slot load and address math shared) instead of one program per half; 0 = never. A bench knob
+# until the H200 sweep says (bench/gpu_kernels_sweep.py, candidates "fused").
+_FUSE_KV_TOKENS = 0
 
 
 @triton.jit
@@ -74,12 +107,11 @@ def _arrange_mask(tok, head, dim, HEADS_OUTER: tl.constexpr):
 @triton.jit
 def _round_to_fp8_grid(y, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
                        FP8_MIN_EXP: tl.constexpr):
-    """Round float32 ``y`` to the nearest fp8 value (ties to even), saturating at ``FP8_MAX``.
+    """Round finite float32 ``y`` to the nearest fp8 value (ties to even), saturating at
+    ``FP8_MAX`` (+-inf saturate too; NaN is the caller's).
 
-    The result is exactly representable, so the final cast does no rounding of its own: the same
-    bits on every GPU and in the CPU interpreter (whose own fp8 downcast does not carry a rounded
-    mantissa into the exponent). Adding then subtracting ``1.5 * 2**(ulp_exp + 23)`` makes the
-    float32 adder round ``y`` to a multiple of the fp8 ulp ``2**ulp_exp``.
+    Adding then subtracting ``1.5 * 2**(ulp_exp + 23)`` makes the float32 adder round ``y`` to a
+    multiple of the fp8 ulp ``2**ulp_exp``; the result is exactly representable in fp8.
     """
     y = tl.clamp(y, -2.0 * FP8_MAX, 2.0 * FP8_MAX)
     exp = ((y.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
@@ -93,23 +125,58 @@ def _round_to_fp8_grid(y, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
 
 
 @triton.jit
-def _copy_half(src_ptr, src_tok, stride_h, stride_d, dst_ptr, dst_off, mask, scale_ptr,
-               h, d, HEADS_OUTER: tl.constexpr, QUANT: tl.constexpr, NATIVE_FP8: tl.constexpr,
-               FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+def _fp8_bits(y, FP8_TYPE: tl.constexpr, NATIVE_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+              FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_SUBNORMAL: tl.constexpr):
+    """The fp8 byte (uint8) of float32 ``y``: round to nearest even, +-inf and out-of-range values
+    saturate to +-FP8_MAX, NaN stays NaN with its sign (0x7F / 0xFF), as torch's cast after the
+    reference's clamp.
+
+    Compiled: the GPU's conversion (a saturating cvt on sm_89+, after a clamp), NaN's sign set
+    afterwards. Interpreter: its fp8 downcast neither carries a rounded mantissa into the exponent
+    nor keeps NaN (NaN became 0xFE = -448), so the byte is built from the float32 bits of the value
+    rounded to the fp8 grid.
+    """
+    u = y.to(tl.uint32, bitcast=True)
+    if NATIVE_FP8:
+        # The conversion keeps every sign but NaN's (canonical 0x7F): OR-ing the sign of y into
+        # every byte is exact for finite values and +-inf (already signed) and restores -NaN's, with
+        # no NaN test and no widening of the bytes (which cost the fp8 prefill 25 %: a layout
+        # conversion through shared memory on Triton 3.6).
+        x = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        sign8 = ((u >> 24) & 0x80).to(tl.uint8)
+        return x.to(FP8_TYPE).to(tl.uint8, bitcast=True) | sign8
+    else:
+        sign = (u >> 24) & 0x80
+        nan = y != y
+        r = _round_to_fp8_grid(tl.where(nan, 0.0, y), FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+        a = r.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+        e = (a >> 23).to(tl.int32) - 127
+        is_normal = e >= FP8_MIN_EXP
+        normal = ((e - FP8_MIN_EXP + 1) << FP8_MANT).to(tl.uint32) | ((a & 0x7FFFFF) >> (23 - FP8_MANT))
+        # exact: a subnormal is an integer multiple 0 .. 2**MANT - 1 of 2**(MIN_EXP - MANT)
+        subnormal = (tl.where(is_normal, 0.0, tl.abs(r)) * FP8_SUBNORMAL).to(tl.int32).to(tl.uint32)
+        bits = tl.where(is_normal, normal, subnormal) | sign
+        return tl.where(nan, sign | 0x7F, bits).to(tl.uint8)
+
+
+@triton.jit
+def _copy_half(src_ptr, src_tok, stride_h, stride_d, dst_ptr, dst_off, load_mask, store_mask,
+               scale_ptr, h, d, HEADS_OUTER: tl.constexpr, QUANT: tl.constexpr,
+               NATIVE_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
+               FP8_MIN_EXP: tl.constexpr, FP8_SUBNORMAL: tl.constexpr,
                STORE_MODIFIER: tl.constexpr):
     src_off = _arrange(src_tok, h * stride_h, d * stride_d, HEADS_OUTER)
-    x = tl.load(src_ptr + src_off, mask=mask, eviction_policy="evict_first")
+    # The load does not wait for the slot: its mask depends only on the token count.
+    x = tl.load(src_ptr + src_off, mask=load_mask, eviction_policy="evict_first")
     if QUANT:
-        scale = tl.load(scale_ptr)
-        y = tl.math.div_rn(x.to(tl.float32), scale)
-        if NATIVE_FP8:
-            # The GPU's own fp32 -> fp8 conversion rounds to nearest even (a saturating cvt on
-            # sm_89+); clamping first (NaN kept) saturates exactly like the reference.
-            x = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        else:
-            x = _round_to_fp8_grid(y, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
-    tl.store(dst_ptr + dst_off, x.to(dst_ptr.dtype.element_ty), mask=mask,
-             cache_modifier=STORE_MODIFIER)
+        y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
+        bits = _fp8_bits(y, dst_ptr.dtype.element_ty, NATIVE_FP8, FP8_MAX, FP8_MANT, FP8_MIN_EXP,
+                         FP8_SUBNORMAL)
+        tl.store(dst_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + dst_off, bits,
+                 mask=store_mask, cache_modifier=STORE_MODIFIER)
+    else:
+        tl.store(dst_ptr + dst_off, x.to(dst_ptr.dtype.element_ty), mask=store_mask,
+                 cache_modifier=STORE_MODIFIER)
 
 
 @triton.jit(do_not_specialize=_DO_NOT_SPECIALIZE)
@@ -123,7 +190,8 @@ def _write_kv_kernel(
     HEADS_OUTER: tl.constexpr, IS_MLA: tl.constexpr, CACHE_FP8: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
     QUANT: tl.constexpr, NATIVE_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr, STORE_MODIFIER: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr, FP8_SUBNORMAL: tl.constexpr, STORE_MODIFIER: tl.constexpr,
+    FUSE_KV: tl.constexpr,
     BLOCK_T: tl.constexpr, HEAD_TILE: tl.constexpr, D_PAD: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -131,26 +199,40 @@ def _write_kv_kernel(
     h = tl.program_id(2) * HEAD_TILE + tl.arange(0, HEAD_TILE)
     d = tl.arange(0, D_PAD)
     in_range = t < num_tokens
+    h_ok = h < NUM_HEADS
+    d_ok = d < HEAD_SIZE
+    # int64 offsets: int32 ones compile to more instructions and registers (each element's offset
+    # is widened for its pointer add; sm_90 SASS, Triton 3.6).
     slot = tl.load(slot_ptr + t * slot_stride, mask=in_range, other=-1).to(tl.int64)
     # Padding (negative) and out-of-cache slots write nothing, validated or not.
     ok = in_range & (slot >= 0) & (slot < num_slots)
     block = slot // BLOCK_SIZE
     dst_tok = block * stride_block + (slot - block * BLOCK_SIZE) * STRIDE_TOKEN
     dst_off = _arrange(dst_tok, h * STRIDE_HEAD, d * STRIDE_DIM, HEADS_OUTER)
-    mask = _arrange_mask(ok, h < NUM_HEADS, d < HEAD_SIZE, HEADS_OUTER)
+    load_mask = _arrange_mask(in_range, h_ok, d_ok, HEADS_OUTER)
+    store_mask = _arrange_mask(ok, h_ok, d_ok, HEADS_OUTER)
     t64 = t.to(tl.int64)
-    if half == 0:
+    if FUSE_KV:  # one program writes K and V of its tokens (grid axis 1 has one program)
         _copy_half(key_ptr, t64 * key_stride_t, key_stride_h, key_stride_d, cache_ptr, dst_off,
-                   mask, k_scale_ptr, h, d, HEADS_OUTER, QUANT, NATIVE_FP8, FP8_MAX, FP8_MANT,
-                   FP8_MIN_EXP, STORE_MODIFIER)
+                   load_mask, store_mask, k_scale_ptr, h, d, HEADS_OUTER, QUANT, NATIVE_FP8,
+                   FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL, STORE_MODIFIER)
+        _copy_half(value_ptr, t64 * value_stride_t, value_stride_h, value_stride_d,
+                   cache_ptr + stride_kv, dst_off, load_mask, store_mask, v_scale_ptr, h, d,
+                   HEADS_OUTER, QUANT, NATIVE_FP8, FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL,
+                   STORE_MODIFIER)
+    elif half == 0:
+        _copy_half(key_ptr, t64 * key_stride_t, key_stride_h, key_stride_d, cache_ptr, dst_off,
+                   load_mask, store_mask, k_scale_ptr, h, d, HEADS_OUTER, QUANT, NATIVE_FP8,
+                   FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL, STORE_MODIFIER)
     else:
         _copy_half(value_ptr, t64 * value_stride_t, value_stride_h, value_stride_d,
-                   cache_ptr + stride_kv, dst_off, mask, v_scale_ptr, h, d, HEADS_OUTER, QUANT,
-                   NATIVE_FP8, FP8_MAX, FP8_MANT, FP8_MIN_EXP, STORE_MODIFIER)
+                   cache_ptr + stride_kv, dst_off, load_mask, store_mask, v_scale_ptr, h, d,
+                   HEADS_OUTER, QUANT, NATIVE_FP8, FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL,
+                   STORE_MODIFIER)
 
 
 class WriteTiling(NamedTuple):
-    """Tile and launch shape of ``write_kv`` for one spec (a pure function of it)."""
+    """Tile and launch shape of ``write_kv`` for one spec and token-count class."""
 
     block_t: int    # consecutive tokens per program
     head_tile: int  # heads per program
@@ -158,36 +240,96 @@ class WriteTiling(NamedTuple):
     num_warps: int
 
 
-@functools.lru_cache(maxsize=None)
-def write_tiling(spec: KVCacheSpec) -> WriteTiling:
-    """Tile sizes and ``num_warps`` for ``spec``: about 16384 elements per program (8192 for fp8
-    caches), one warp per 2048 elements, no autotune.
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def token_class(num_tokens: int) -> int:
+    """The token-count class the tiling is chosen by: ``num_tokens`` rounded up to a power of two.
+
+    >>> [token_class(t) for t in (1, 16, 17, 256, 8192, 8193)]
+    [1, 16, 32, 256, 8192, 16384]
+    """
+    return 1 << max(0, num_tokens - 1).bit_length()
+
+
+def write_tiling(spec: KVCacheSpec, num_tokens: int | None = None) -> WriteTiling:
+    """Tile sizes and ``num_warps`` for ``spec`` writing ``num_tokens`` tokens (None: a large
+    prefill), a pure function of the spec and :func:`token_class` (no autotune).
+
+    Large T: about 16384 elements per program, one warp per 2048 (fp8 caches: 4096 elements, one
+    warp per 1024: the quantizing kernel loses occupancy with bigger tiles). Small T: tiles shrink
+    (down to ``_MIN_TILE_ELEMENTS``, one whole token of the bench shape) until the grid has about
+    ``_TARGET_PROGRAMS`` programs, so a decode step spreads over the GPU instead of running a few
+    long programs; fewer elements per warp there (``_SMALL_ELEMENTS_PER_WARP``, at most
+    ``_SMALL_MAX_WARPS`` warps; fewer still for up to ``_FEW_TOKENS`` tokens and for fp8 caches,
+    up to 8 warps).
 
     >>> from fkv import KVCacheSpec
-    >>> write_tiling(KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=8, head_size=128))
+    >>> spec = KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=8, head_size=128)
+    >>> write_tiling(spec)
     WriteTiling(block_t=16, head_tile=8, d_pad=128, num_warps=8)
+    >>> write_tiling(spec, 256)
+    WriteTiling(block_t=1, head_tile=8, d_pad=128, num_warps=2)
     """
-    tile = _TILE_ELEMENTS_FP8 if spec.is_fp8 else _TILE_ELEMENTS
+    override = _TILING_OVERRIDE
+    if override is not None:
+        return override(spec, num_tokens) if callable(override) else override
+    return _tiling(spec, None if num_tokens is None else token_class(num_tokens))
+
+
+@functools.lru_cache(maxsize=None)
+def _tiling(spec: KVCacheSpec, tokens: int | None) -> WriteTiling:
+    largest = _TILE_ELEMENTS_FP8 if spec.is_fp8 else _TILE_ELEMENTS
     d_pad = triton.next_power_of_2(spec.head_size)
     h_pad = triton.next_power_of_2(spec.num_kv_heads)
+    halves = 1 if spec.is_mla else 2
+    tile, most_warps = largest, 8
+    per_warp = _ELEMENTS_PER_WARP // (_FP8_WARP_FACTOR if spec.is_fp8 else 1)
+    if tokens is not None:
+        spread = _pow2_floor(tokens * h_pad * d_pad * halves // _TARGET_PROGRAMS)
+        if spread < largest:
+            tile = max(spread, _MIN_TILE_ELEMENTS)
+            if spec.is_fp8:
+                per_warp, most_warps = _SMALL_ELEMENTS_PER_WARP_FP8, _SMALL_MAX_WARPS_FP8
+            elif tokens <= _FEW_TOKENS:
+                per_warp, most_warps = _FEW_ELEMENTS_PER_WARP, _SMALL_MAX_WARPS
+            else:
+                per_warp, most_warps = _SMALL_ELEMENTS_PER_WARP, _SMALL_MAX_WARPS
     head_tile = max(1, min(h_pad, tile // d_pad))
     block_t = max(1, tile // (head_tile * d_pad))
     elements = block_t * head_tile * d_pad
-    num_warps = max(1, min(8, elements // _ELEMENTS_PER_WARP))
+    num_warps = max(1, min(most_warps, elements // per_warp))
     return WriteTiling(block_t, head_tile, d_pad, num_warps)
+
+
+def _clear_tiling_caches() -> None:
+    _tiling.cache_clear()
+    _PREPARED.clear()
+
+
+write_tiling.cache_clear = _clear_tiling_caches  # type: ignore[attr-defined]  # bench knobs
+
+
+def _set_tiling_override(override: Any) -> None:
+    """Force a tiling (a :class:`WriteTiling`, a function ``(spec, num_tokens) -> WriteTiling``,
+    or None for the default) on every later call: the GPU sweep's knob. Clears the launch caches."""
+    global _TILING_OVERRIDE
+    _TILING_OVERRIDE = override
+    _clear_tiling_caches()
 
 
 @functools.lru_cache(maxsize=None)
 def write_constexprs(spec: KVCacheSpec, quantize: bool) -> dict[str, Any]:
-    """Every constexpr of the kernel for ``spec``: the layout's (``cache_constexprs``), the in-page
-    strides, fp8 handling and the tiling. Equal specs give equal dicts, hence one compiled variant.
+    """Every constexpr of the kernel for ``spec`` but the tiling's: the layout's
+    (``cache_constexprs``), the in-page strides and fp8 handling. Equal specs give equal dicts, so
+    one compiled variant per (spec, tiling).
 
     fp8 rounding: compiled kernels use the GPU's conversion (``NATIVE_FP8``); the CPU interpreter's
-    fp8 downcast does not carry a rounded mantissa into the exponent, so there the kernel rounds to
-    the fp8 grid in float32 itself (same bits, ~2x the instructions).
+    fp8 downcast does not carry a rounded mantissa into the exponent nor keep NaN, so there the
+    kernel builds the fp8 byte itself (same bits, ~3x the instructions).
     """
     st = cache_strides(spec)
-    tiling = write_tiling(spec)
     fp8_max, fp8_mant, fp8_min_exp = _FP8.get(spec.dtype, (0.0, 0, 0))
     return {
         **cache_constexprs(spec),
@@ -199,10 +341,8 @@ def write_constexprs(spec: KVCacheSpec, quantize: bool) -> dict[str, Any]:
         "FP8_MAX": fp8_max,
         "FP8_MANT": fp8_mant,
         "FP8_MIN_EXP": fp8_min_exp,
+        "FP8_SUBNORMAL": float(2.0 ** (fp8_mant - fp8_min_exp)),
         "STORE_MODIFIER": _STORE_MODIFIER,
-        "BLOCK_T": tiling.block_t,
-        "HEAD_TILE": tiling.head_tile,
-        "D_PAD": tiling.d_pad,
     }
 
 
@@ -215,16 +355,48 @@ _LAUNCHER = KernelLauncher(
 )
 
 
-class _Prepared(NamedTuple):
-    """Everything a launch needs that does not depend on the token count or the data."""
+class _Prepared:
+    """Everything a launch needs that does not depend on the data: the checked fixed arguments
+    and, per token class, the launch site of its tiling (sites shared between classes of one
+    tiling)."""
 
-    site: LaunchSite  # the kernel with its strides, sizes, constexprs and num_warps bound
-    block_t: int
-    kv_halves: int
-    head_tiles: int
-    quantize: bool
-    is_mla: bool
-    cpu_slots: bool  # validate by default: reading slots back costs no device sync on CPU
+    __slots__ = ("fixed", "kv_halves", "num_heads", "quantize", "is_mla", "cpu_slots", "spec",
+                 "by_class", "by_tiling", "site")
+
+    def __init__(self, fixed: dict[str, Any], spec: KVCacheSpec, quantize: bool,
+                 cpu_slots: bool) -> None:
+        self.fixed = fixed
+        self.spec = spec
+        self.kv_halves = 1 if spec.is_mla else 2
+        self.num_heads = spec.num_kv_heads
+        self.quantize = quantize
+        self.is_mla = spec.is_mla
+        self.cpu_slots = cpu_slots  # validate by default: reading slots costs no sync on CPU
+        # token class -> (site, block_t, head_tiles, programs on grid axis 1); (tiling, K and V
+        # fused) -> the same
+        self.by_class: dict[int, tuple[LaunchSite, int, int, int]] = {}
+        self.by_tiling: dict[tuple[WriteTiling, bool], tuple[LaunchSite, int, int, int]] = {}
+        self.site: LaunchSite | None = None  # the last site launched (bench/tests look at it)
+
+    def launch_for(self, num_tokens: int) -> tuple[LaunchSite, int, int, int]:
+        cls = 1 << max(0, num_tokens - 1).bit_length()
+        entry = self.by_class.get(cls)
+        if entry is None:
+            tiling = write_tiling(self.spec, num_tokens)
+            entry = self.by_tiling.get(tiling)
+            fuse = self.kv_halves == 2 and cls <= _FUSE_KV_TOKENS
+            entry = self.by_tiling.get((tiling, fuse))
+            if entry is None:
+                site = _LAUNCHER.site({**self.fixed, "BLOCK_T": tiling.block_t,
+                                       "HEAD_TILE": tiling.head_tile, "D_PAD": tiling.d_pad,
+                                       "FUSE_KV": fuse},
+                                      {"num_warps": tiling.num_warps})
+                entry = (site, tiling.block_t, triton.cdiv(self.num_heads, tiling.head_tile),
+                         1 if fuse else self.kv_halves)
+                self.by_tiling[(tiling, fuse)] = entry
+            self.by_class[cls] = entry
+        self.site = entry[0]
+        return entry
 
 
 _PREPARED: dict[tuple, _Prepared] = {}
@@ -261,7 +433,6 @@ def _prepare(key: Any, value: Any, cache: Any, slot_mapping: Any, spec: Any, k_s
     k = ins.key
     v = k if ins.value is None else ins.value
     st = cache_strides(spec)
-    tiling = write_tiling(spec)
     fixed = dict(
         num_slots=spec.num_blocks * spec.block_size, slot_stride=slot_mapping.stride(0),
         key_stride_t=k.stride(0), key_stride_h=k.stride(1), key_stride_d=k.stride(2),
@@ -269,10 +440,7 @@ def _prepare(key: Any, value: Any, cache: Any, slot_mapping: Any, spec: Any, k_s
         stride_block=st["stride_block"], stride_kv=st["stride_kv"],
         **write_constexprs(spec, ins.quantize),
     )
-    site = _LAUNCHER.site(fixed, {"num_warps": tiling.num_warps})
-    return _Prepared(site, tiling.block_t, 1 if spec.is_mla else 2,
-                     triton.cdiv(spec.num_kv_heads, tiling.head_tile), ins.quantize, spec.is_mla,
-                     slot_mapping.device.type == "cpu")
+    return _Prepared(fixed, spec, ins.quantize, slot_mapping.device.type == "cpu")
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
@@ -287,7 +455,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
       MLA: ``key`` is the latent, ``[T, D]`` or ``[T, 1, D]``; ``value`` is ignored (pass None).
     - ``cache``: one layer's logical view of ``spec`` (from ``fkv.allocate``, also a cross-layer
       layer view): triton/flashinfer ``(NB, 2, N, H, D)``, flash_attn ``(2, NB, N, H, D)``, mla
-      ``(NB, N, D)``; NHD or HND strides.
+      ``(NB, N, D)``; NHD or HND strides. Or, as engines pass it, the pair ``(key_cache,
+      value_cache)`` of that view's halves: ``(cache[:, 0], cache[:, 1])`` (flash_attn:
+      ``(cache[0], cache[1])``); both must be views of one buffer of ``spec`` (FkvError otherwise).
     - ``slot_mapping``: ``[T]`` int64 (or int32), any stride; negative = padding (nothing
       written). It may be shorter than ``key`` (extra rows are ignored), never longer.
     - fp8 ``spec.dtype`` fed with bf16/fp16/fp32: stored value is ``x / k_scale`` (``v_scale``),
@@ -311,6 +481,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
 
     (Runs on CUDA tensors, or on CPU with ``TRITON_INTERPRET=1`` set before triton is imported.)
     """
+    if type(cache) is tuple or type(cache) is list:
+        cache = join_kv_views(cache, spec)
     try:
         sig = _signature(key, value, cache, slot_mapping, spec, k_scale, v_scale)
         prep = _PREPARED.get(sig)
@@ -336,5 +508,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
         value, v_scale = key, k_scale
     if not prep.quantize:
         k_scale = v_scale = key
-    grid = ((num_tokens + prep.block_t - 1) // prep.block_t, prep.kv_halves, prep.head_tiles)
-    prep.site(grid, (key, value, cache, slot_mapping, k_scale, v_scale, num_tokens))
+    site, block_t, head_tiles, halves = prep.launch_for(num_tokens)
+    site(((num_tokens + block_t - 1) // block_t, halves, head_tiles),
+         (key, value, cache, slot_mapping, k_scale, v_scale, num_tokens))

@@ -98,7 +98,7 @@ class EnginePair(NamedTuple):
 
 
 def heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
-    """KV heads one rank holds (SPEC.md §4): ``max(1, total // tp)`` (replicated when tp > total).
+    """KV heads one rank holds (docs/handshake.md): ``max(1, total // tp)`` (replicated when tp > total).
 
     >>> heads_per_rank(8, 2), heads_per_rank(8, 16), heads_per_rank(1, 4)
     (4, 1, 1)
@@ -120,7 +120,7 @@ def engine_pairs(*, total_num_kv_heads: Any = (1, 2, 4, 8), prefill_tp: Any = (1
                  model: str = "fkv-test-model", divisible: bool = True) -> Any:
     """A strategy of :class:`EnginePair`: one model served by a prefill and a decode engine.
 
-    Both sides share the model facts SPEC.md §4 hashes (model, model dtype, total KV heads, head
+    Both sides share the model facts the handshake compares (model, model dtype, total KV heads, head
     size, layers, backend, cache dtype); each side has its own TP size, layout, block size,
     cross-layer choice and num_blocks. Heads per rank are ``max(1, total // tp)`` (MLA: 1 latent,
     total 1). The prefill side is its rank-0 view; the decode side is a drawn rank of its engine.

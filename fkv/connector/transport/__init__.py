@@ -16,38 +16,43 @@ Decode side, on every rank::
 ``connect`` fetches every prefill rank's metadata through rank 0 (peer bytes go through
 ``fkv.connector.wire.decode_untrusted`` only), runs :func:`fkv.connector.handshake` (a
 :class:`HandshakeRejected` carries every reason), registers the local cache regions once and
-prepares NIXL descriptor lists once locally and once per remote rank. ``read`` checks the block ids
-against both caches before anything moves and takes one of three paths (``ReadResult.strategy``):
+prepares what each path needs once. ``read`` checks the block ids against both caches before
+anything moves and takes one of four paths (``ReadResult.strategy``):
 
-- ``direct``: the plan's rows land final bytes in the local cache (one descriptor per row);
+- ``ipc``: prefill and decode are CUDA processes of one host and the decode GPU can reach the
+  prefill GPU: the decode rank maps the prefill caches (CUDA IPC, once per connection) and one
+  ``fkv.ops`` kernel per prefill rank moves every layer of the request straight into its cache
+  (head slice, layout, backend and block size converted in the same pass);
+- ``packed``: each prefill rank gathers the request (its blocks, the decode rank's heads, every
+  layer) into its registered pack buffer when the decode rank asks on the side channel; the
+  decode rank READs it as one descriptor and scatters it into its cache;
+- ``direct``: the plan's rows land final bytes in the local cache (one NIXL descriptor per row);
 - ``staging``: the plan's rows read whole pages into a registered staging buffer, then
-  ``fkv.ops.move`` rearranges them (layout, head slice, block size);
-- ``packed``: each prefill rank read gathers the request (its blocks, the decode rank's heads,
-  every layer) into its registered pack buffer with ``fkv.ops.gather`` when the decode rank asks
-  on the side channel; the decode rank READs it as one descriptor and ``fkv.ops.scatter`` puts it
-  into its cache (any layout and block size). On a GPU a descriptor costs tens of µs in NIXL/UCX,
-  so a request of thousands of small rows moves far faster packed.
+  ``fkv.ops.move`` rearranges them (layout, head slice, block size).
 
-``connect(..., strategy=)``: ``"auto"`` (default) follows the plan (direct or staging) and packs a
-request whose rows exceed ``pack_threshold`` descriptors when both sides' caches are on CUDA;
-``"direct"``/``"staging"``/``"packed"`` force a path. Then ``read`` polls the READs to DONE within
-``timeout``, runs the moves, and notifies the prefill ranks (``"<request id>:<decode tp size>"``,
-also the ``notify_only_ranks``). It returns a :class:`ReadResult`; ``ok`` is True only when every
-byte landed.
+``connect(..., strategy=)``: ``"auto"`` (default) takes ``ipc`` whenever it applies, else packs a
+request whose plan needs more than ``pack_threshold`` descriptors when both sides' caches are on
+CUDA, else follows the plan (direct or staging); ``"nixl"`` is ``"auto"`` without ``ipc``;
+``"ipc"``/``"packed"``/``"direct"``/``"staging"`` force a path (refused at connect, with the
+reason, when impossible). ``client.describe()`` names the paths and why the others are off.
+``read`` waits for the copies within ``timeout``, then notifies the prefill ranks
+(``"<request id>:<decode tp size>"``, also the ``notify_only_ranks``). It returns a
+:class:`ReadResult`; ``ok`` is True only when every byte landed.
 
 Caches are ``fkv.allocate(spec, device)`` views (CPU DRAM or CUDA VRAM). NIXL is only ever called
 from one thread at a time per agent: the server's own thread after start-up (it also does the
 packing, between polls), the client under its lock.
 
 Environment knobs: ``FKV_TRANSPORT_SPIN`` (seconds; default 0) busy-polls the side channel, READ
-states and the server loop that long before sleeping (on an H200 VM: 1.65x for packed reads, 2x
-for one-descriptor reads, at the cost of a busy core per rank; bench/NOTES.md "transfer");
+states and the server loop that long before sleeping (at the cost of a busy core per rank);
 ``FKV_PACK_DESCRIPTORS`` splits each pack READ in that many descriptors (default 1);
-``FKV_NIXL_PROGRESS_THREAD`` / ``FKV_NIXL_NUM_THREADS`` (see ``fkv.connector._nixl.Agent``).
+``FKV_NIXL_PROGRESS_THREAD`` / ``FKV_NIXL_NUM_THREADS`` (see ``_agent.Agent``).
 
-Modules: ``_server`` (prefill ranks), ``_pack`` (pack buffer and slots), ``_client`` (decode
-ranks), ``_connection`` (plan paths, descriptors, staging), ``_unpack`` (packed reads, decode
-side), ``_side`` (the ZMQ messages), ``_nixl`` (the NIXL agent), ``_common`` (shared helpers).
+Modules, bottom to top (each imports only those above it in this list): ``_base`` (errors,
+results, cache checks), ``_side`` (the ZMQ messages), ``_agent`` (the NIXL agent), ``_ipc`` (CUDA
+IPC export and mapping), ``_packer`` (prefill pack buffer), ``_link`` (a connection's NIXL state),
+the paths ``_plan_path``, ``_packed_path``, ``_ipc_path``, then ``_connection`` (the one place that
+picks a request's path), ``_server`` (prefill ranks) and ``_client`` (decode ranks).
 
 >>> import fkv, torch
 >>> from fkv.connector import EngineDesc, serve, connect
@@ -92,7 +97,7 @@ def serve(engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, host: str = "12
           port: int = 0, join: str | None = None, lease: float = DEFAULT_LEASE,
           join_timeout: float = 30.0,
           on_release: Callable[[str, Any, str], None] | None = None,
-          pack_bytes: int | None = None) -> Server:
+          pack_bytes: int | None = None, curve: Any = None) -> Server:
     """Expose one prefill rank's caches; a context manager with ``.address``.
 
     Rank 0 binds the side channel on ``host:port`` (``port=0``: any free port) and answers for the
@@ -117,21 +122,22 @@ def serve(engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, host: str = "12
     (['req-1'], 256)
     """
     return Server(engine, spec, caches, host=host, port=port, join=join, lease=lease,
-                  join_timeout=join_timeout, on_release=on_release, pack_bytes=pack_bytes)
+                  join_timeout=join_timeout, on_release=on_release, pack_bytes=pack_bytes,
+                  curve=curve)
 
 
 def connect(engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, remote_address: str,
             timeout: float = 10.0, expected_engine: str | None = None, strategy: str = "auto",
             staging_bytes: int = DEFAULT_STAGING_BYTES, telemetry: bool = False,
-            pack_threshold: int = DEFAULT_PACK_THRESHOLD) -> Client:
+            pack_threshold: int = DEFAULT_PACK_THRESHOLD, curve: Any = None) -> Client:
     """Connect one decode rank to a prefill engine through its rank-0 side channel.
 
     Fetches every prefill rank's metadata within ``timeout`` seconds (waiting for ranks still
     joining), runs the handshake (raises :class:`HandshakeRejected`, an FkvError whose ``reasons``
     lists every reason), and prepares NIXL descriptors once. ``caches``: the per-layer views
     ``fkv.allocate(spec, device)`` returns. ``expected_engine`` checks the prefill engine id;
-    ``strategy``: ``"auto"``, or force ``"direct"``, ``"staging"`` or ``"packed"`` (see the module
-    docstring); ``pack_threshold``: ``"auto"`` packs requests needing more descriptors than this
+    ``strategy``: ``"auto"``, ``"nixl"`` (auto without ipc), or force ``"ipc"``, ``"packed"``,
+    ``"direct"`` or ``"staging"`` (see the module docstring); ``pack_threshold``: ``"auto"`` packs requests needing more descriptors than this
     (CUDA on both sides); ``staging_bytes`` caps the registered staging buffer (staging and packed
     reads; larger reads go in chunks); ``telemetry`` turns on NIXL's transfer telemetry.
     ``client.describe()`` says what the client will do.
@@ -150,4 +156,4 @@ def connect(engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, remote_addres
     """
     return Client(engine, spec, caches, remote_address=remote_address, timeout=timeout,
                   expected_engine=expected_engine, strategy=strategy, staging_bytes=staging_bytes,
-                  telemetry=telemetry, pack_threshold=pack_threshold)
+                  telemetry=telemetry, pack_threshold=pack_threshold, curve=curve)

@@ -4,7 +4,7 @@ Everything NIXL-specific lives here: loading ``nixl`` (quietly), registering mem
 ``Nx3`` uint64 descriptor tables ``(address, length, device)``, preparing descriptor lists, posting
 READs with a notification, polling them against a deadline and releasing handles. The caller
 (the transport's server and client) must call one :class:`Agent` from one thread at a time
-(SPEC.md §6).
+(docs/transport.md).
 
 Descriptors are *granules*: each registered region is cut into ``len // granule`` equal pieces, so
 a plan row ``(region, offset, nbytes)`` is the index run ``offset // granule`` .. ``+ nbytes //
@@ -28,7 +28,8 @@ import numpy as np
 from fkv.connector.transport._base import TransferFailed, tensor_memory
 from fkv.errors import FkvError
 
-__all__ = ["Agent", "TransferFailed", "granule_table", "load_nixl", "row_indices", "tensor_memory"]
+__all__ = ["Agent", "TransferFailed", "UndecodableNotifications", "granule_table", "load_nixl",
+           "row_indices", "tensor_memory"]
 
 
 _NIXL: Any = None
@@ -77,6 +78,10 @@ def row_indices(first: np.ndarray, count: np.ndarray) -> np.ndarray:
     return idx.astype(np.int32)
 
 
+class UndecodableNotifications(TransferFailed):
+    """NIXL could not decode a batch of notifications (a peer's agent name is not UTF-8)."""
+
+
 class Xfer:
     """One posted READ: its NIXL handle, the remote it reads and the bytes it moves."""
 
@@ -99,7 +104,8 @@ class Agent:
     def __init__(self, role: str, *, progress_thread: bool | None = None,
                  num_threads: int | None = None, telemetry: bool = False) -> None:
         nixl = load_nixl()
-        self.name = f"fkv-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # unguessable: a notification's sender is bound to a reader by this name
+        self.name = f"fkv-{role}-{os.getpid()}-{uuid.uuid4().hex}"
         if progress_thread is None:
             progress_thread = os.environ.get("FKV_NIXL_PROGRESS_THREAD", "1") != "0"
         if num_threads is None:
@@ -155,14 +161,13 @@ class Agent:
         return bytes(self._agent.get_agent_metadata())
 
     # -- peers ---------------------------------------------------------------------------------
-    def add_remote(self, metadata: bytes) -> str:
-        """Load a peer's agent metadata (already size-checked by the wire decoder)."""
-        try:
-            name = self._agent.add_remote_agent(metadata)
-        except Exception as e:
-            raise TransferFailed(f"NIXL refused the peer's agent metadata: {type(e).__name__}: "
-                                 f"{e}") from e
-        name = name.decode() if isinstance(name, bytes) else str(name)
+    def add_remote(self, metadata: bytes, *, timeout: float = 10.0) -> str:
+        """Load a peer's agent metadata once it passed ``_metadata.check_agent_metadata`` (a
+        structural check and a probe in a child process: a corrupt blob costs an FkvError, never
+        this process); nothing stays added when anything fails."""
+        from fkv.connector.transport._metadata import add_remote_checked
+
+        name = add_remote_checked(self._agent, metadata, timeout=timeout)
         self._remotes.add(name)
         return name
 
@@ -272,12 +277,16 @@ class Agent:
             return None
 
     # -- notifications -------------------------------------------------------------------------
-    def notifications(self) -> list[bytes]:
-        """New notification messages from any peer (bytes each)."""
-        out: list[bytes] = []
-        for msgs in self._agent.get_new_notifs().values():
-            out.extend(bytes(m) for m in msgs)
-        return out
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """New notifications as ``(sender agent name, message)``. NIXL decodes sender names as
+        UTF-8: a peer with a name that is not loses its whole batch (raises
+        :class:`UndecodableNotifications`; the requests of that batch wait for their lease)."""
+        try:
+            batch = self._agent.get_new_notifs()
+        except UnicodeDecodeError as e:
+            raise UndecodableNotifications(f"a batch of NIXL notifications had a sender name "
+                                           f"that is not UTF-8 ({e}); the batch was dropped") from e
+        return [(str(name), bytes(m)) for name, msgs in batch.items() for m in msgs]
 
     def notify(self, remote: str, message: bytes) -> None:
         try:

@@ -67,7 +67,9 @@ class ReadResult:
     chunk); ``error`` says what failed (None when ok); ``seconds`` the whole call,
     ``transfer_seconds`` the part spent posting READs and waiting for them; ``strategy`` the path
     this request took (``"ipc"``, ``"packed"``, ``"direct"`` or ``"staging"``); ``pack_seconds`` (packed) the
-    time from asking the prefill ranks to pack until every one replied."""
+    time from asking the prefill ranks to pack until every one replied; ``layer_seconds`` when
+    each layer landed, from the start of the read (a streaming read lands layers as they are
+    published; otherwise every layer lands at the end). A failed read claims no layer."""
 
     ok: bool
     request_id: str
@@ -78,6 +80,7 @@ class ReadResult:
     transfer_seconds: float = 0.0  # of ``seconds``: posting the READs until they were DONE
     strategy: str = ""
     pack_seconds: float = 0.0
+    layer_seconds: tuple[float, ...] = ()  # when each layer landed, from the read's start
 
 
 def layer_views(spec: KVCacheSpec, caches: Any) -> list[Any]:

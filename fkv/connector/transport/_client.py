@@ -41,7 +41,18 @@ from fkv.connector.wire import Peer, decode_untrusted
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 
-__all__ = ["Client"]
+__all__ = ["Client", "failure_kind"]
+
+
+def failure_kind(error: str) -> str:
+    """The telemetry reason of a failed read, from its error text."""
+    if "before the read's timeout" in error or "until the read's timeout" in error:
+        return "timeout"
+    if "NIXL state ERR" in error or "exited during the read" in error or "may have died" in error:
+        return "peer_failed"
+    if "refused" in error or "pack failed" in error:
+        return "refused"
+    return "other"
 
 
 class Client:
@@ -51,8 +62,9 @@ class Client:
     def __init__(self, engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, remote_address: str,
                  timeout: float = 10.0, expected_engine: str | None = None, strategy: str = "auto",
                  staging_bytes: int = DEFAULT_STAGING_BYTES, telemetry: bool = False,
-                 pack_threshold: int = DEFAULT_PACK_THRESHOLD) -> None:
+                 pack_threshold: int = DEFAULT_PACK_THRESHOLD, curve: Any = None) -> None:
         self.engine = check_engine(engine)
+        self._curve = curve
         self.spec = spec
         self._views = layer_views(spec, caches)
         regions, self._mem_type, self._device_id, self._device = cache_regions(spec, caches)
@@ -68,6 +80,9 @@ class Client:
         self._pack_threshold = pack_threshold
         self._expected_engine, self._strategy, self._telemetry = expected_engine, strategy, telemetry
         self._lock = threading.RLock()
+        from fkv.telemetry import Telemetry
+
+        self.telemetry = Telemetry("client", engine_id=engine.engine_id)
         self._zctx = zmq().Context()
         self._agent: Agent | None = None
         self._state: Connection | None = None
@@ -111,6 +126,17 @@ class Client:
         """The plan's description and the paths this client takes (and why not the others)."""
         return self._connected().describe()
 
+    def stats(self) -> dict[str, Any]:
+        """This client's reads so far as plain dicts: per path count, seconds, bytes,
+        descriptors, GB/s and waits (``transfer``, ``pack``), failures by reason (see
+        ``fkv.telemetry.Telemetry.stats``)."""
+        return self.telemetry.stats()
+
+    def prometheus(self, registry: Any = None) -> Any:
+        """Register this client's metrics (``fkv_transfer_*``, label ``role="client"``) on
+        ``registry`` (default: a new ``prometheus_client.CollectorRegistry``); returns it."""
+        return self.telemetry.prometheus(registry)
+
     def reconnect(self, remote_address: str | None = None, *, timeout: float = 10.0) -> None:
         """Drop the current prefill engine's state and connect again (e.g. after it restarted),
         to ``remote_address`` or the previous address; the local registration is kept."""
@@ -119,7 +145,8 @@ class Client:
             self._connect(remote_address or self.address, timeout)
 
     def read(self, request_id: str, local_block_ids: Any, remote_block_ids: Any, *,
-             timeout: float = 30.0, num_tokens: int | None = None) -> ReadResult:
+             timeout: float = 30.0, num_tokens: int | None = None,
+             stream: bool = False) -> ReadResult:
         """Pull one request's KV from the prefill ranks into the local blocks; never hangs.
 
         Token ``i`` of the request lives in remote block ``remote_block_ids[i // N_remote]`` and
@@ -127,6 +154,13 @@ class Client:
         both lists hold; each list must hold exactly the blocks of those tokens. Bad ids raise
         FkvError before anything moves; a dead, hung or unreachable prefill rank gives
         ``ok=False`` with ``error`` within ``timeout`` seconds.
+
+        ``stream=True`` reads a *streaming* request (the prefill ranks hold it with
+        ``layers_ready=`` and ``publish`` layers as they are written): each layer moves as soon
+        as every prefill rank read published it, pipelined with the wait for the next, and
+        ``ReadResult.layer_seconds`` says when each landed. A prefill that stops publishing gives
+        ``ok=False`` at ``timeout`` naming the last layer received; nothing is reported as done
+        and the prefill ranks are not notified.
         """
         if not isinstance(request_id, str) or not request_id:
             raise field_error("request_id", request_id, "a non-empty str")
@@ -149,15 +183,28 @@ class Client:
             deadline = time.monotonic() + float(timeout)
             tally = Tally()
             path, rows = state.choose(local, remote, tokens)
+            layer_seconds: tuple[float, ...] = ()
             try:
-                if rows is not None:
-                    path.read(request_id, local, remote, tokens, deadline, tally, rows)
+                if stream:
+                    layer_seconds = self._stream(state, path, request_id, local, remote, tokens,
+                                                 deadline, tally, t0)
+                    state.link.notify((*state.plan.remote_ranks, *state.plan.notify_only_ranks),
+                                      request_id)
                 else:
-                    path.read(request_id, local, remote, tokens, deadline, tally)
-                state.link.notify(state.notify_after(path), request_id)
-            except TransferFailed as e:
+                    if rows is not None:
+                        path.read(request_id, local, remote, tokens, deadline, tally, rows)
+                    else:
+                        path.read(request_id, local, remote, tokens, deadline, tally)
+                    state.link.notify(state.notify_after(path), request_id)
+            except (TransferFailed, SideChannelError) as e:
+                self.telemetry.failure(failure_kind(str(e)))
                 return self._result(False, request_id, tally, t0, path.name, str(e))
-            return self._result(True, request_id, tally, t0, path.name, None)
+            result = self._result(True, request_id, tally, t0, path.name, None, layer_seconds)
+            self.telemetry.record(path=path.name, seconds=result.seconds, nbytes=result.bytes,
+                                  descriptors=result.descriptors,
+                                  waits={"transfer": tally.transfer_seconds,
+                                         "pack": tally.pack_seconds})
+            return result
 
     def close(self) -> None:
         """Release descriptor lists, peers, registrations and the NIXL agent. Idempotent."""
@@ -182,11 +229,49 @@ class Client:
                 f"strategy={self._strategy!r}, {where})")
 
     # -- connection --------------------------------------------------------------------------------
-    @staticmethod
-    def _result(ok: bool, request_id: str, tally: Tally, t0: float, path: str,
-                error: str | None) -> ReadResult:
-        return ReadResult(ok, request_id, tally.bytes, tally.descriptors, time.perf_counter() - t0,
-                          error, tally.transfer_seconds, path, tally.pack_seconds)
+    def _result(self, ok: bool, request_id: str, tally: Tally, t0: float, path: str,
+                error: str | None, layer_seconds: tuple[float, ...] = ()) -> ReadResult:
+        seconds = time.perf_counter() - t0
+        if ok and not layer_seconds:
+            layer_seconds = (seconds,) * self.spec.num_layers
+        return ReadResult(ok, request_id, tally.bytes, tally.descriptors, seconds, error,
+                          tally.transfer_seconds, path, tally.pack_seconds, layer_seconds)
+
+    def _stream(self, state: Connection, path: Any, request_id: str, local: Any, remote: Any,
+                tokens: int, deadline: float, tally: Tally, t0: float) -> tuple[float, ...]:
+        """Move the layers of a streaming request as the prefill ranks publish them."""
+        from fkv.connector.transport._stream import sleep_until, wait_pause
+
+        watch = state.watch()
+        total = state.remote_spec.num_layers
+        landed: list[float] = []
+        idle = 0
+        layered = path.layered()
+        while len(landed) < total:
+            done = len(landed)
+            if time.monotonic() > deadline:
+                got = f"layers 0..{done - 1} landed" if done else "no layer landed"
+                raise TransferFailed(f"streaming request {request_id!r}: {got}, layer {done} of "
+                                     f"{total} was not published by prefill engine "
+                                     f"{state.engine_id!r} before the read's timeout; the read "
+                                     f"is not complete and nothing is reported as done")
+            try:
+                ready = watch.ready(request_id, deadline)
+            except TransferFailed as e:
+                got = f"layers 0..{done - 1} landed" if done else "no layer landed"
+                raise TransferFailed(f"streaming request {request_id!r}: {got} of {total}; {e}; "
+                                     f"nothing is reported as done") from e
+            if ready <= done or (not layered and ready < total):
+                idle += 1
+                sleep_until(deadline, wait_pause(idle))
+                continue
+            idle = 0
+            if layered:
+                path.read(request_id, local, remote, tokens, deadline, tally, layers=(done, ready))
+            else:
+                path.read(request_id, local, remote, tokens, deadline, tally)
+            landed += [time.perf_counter() - t0] * (ready - done)
+        return tuple(landed)
 
     def _connected(self) -> Connection:
         if self._state is None:
@@ -198,7 +283,7 @@ class Client:
         deadline = time.monotonic() + timeout
         while True:
             reply = _side.request(self._zctx, address, _side.Fetch(),
-                                  max(0.05, deadline - time.monotonic()))
+                                  max(0.05, deadline - time.monotonic()), curve=self._curve)
             if isinstance(reply, _side.Ranks):
                 break
             message = reply.message if isinstance(reply, _side.Error) else repr(reply)
@@ -218,6 +303,7 @@ class Client:
     def _connect(self, address: str, timeout: float) -> None:
         if not isinstance(address, str):
             raise field_error("remote_address", address, "a str like 'tcp://127.0.0.1:5555'")
+        deadline = time.monotonic() + timeout
         peers, entries = self._fetch(address, timeout)
         outcome = handshake((self.engine, self.spec), (peers[0].engine, peers[0].spec),
                             expected_remote_engine=self._expected_engine,
@@ -231,8 +317,8 @@ class Client:
                       mem_type=self._mem_type, device_id=self._device_id, device=self._device,
                       agent=self._agent, zctx=self._zctx, strategy=self._strategy,
                       staging_bytes_max=self._staging_bytes_max,
-                      pack_threshold=self._pack_threshold)
-        self._state = Connection(local, outcome.plan, peers, entries)
+                      pack_threshold=self._pack_threshold, curve=self._curve)
+        self._state = Connection(local, outcome.plan, peers, entries, deadline)
 
     def _disconnect(self) -> None:
         state, self._state = self._state, None

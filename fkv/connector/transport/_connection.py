@@ -36,14 +36,16 @@ __all__ = ["Connection"]
 class Connection:
     """Plan, peers, the NIXL link and the paths of one decode rank's connection."""
 
-    def __init__(self, local: Local, plan: TransferPlan, peers: list[Peer], entries: list[Any]
-                 ) -> None:
+    def __init__(self, local: Local, plan: TransferPlan, peers: list[Peer], entries: list[Any],
+                 deadline: float) -> None:
         self.local, self.plan, self.peers = local, plan, tuple(peers)
         self.engine_id = peers[0].engine.engine_id
         self.remote_spec = peers[0].spec
         self.ipc: Any = None
         self.packed: PackedPath | None = None
         self.link: Link | None = None
+        self._watch: Any = None
+        self._entries = entries
         strategy = local.strategy
         self.ipc_reason = self._ipc_reason(strategy)
         if strategy == "ipc" and self.ipc_reason:
@@ -67,7 +69,9 @@ class Connection:
         try:
             self.link = Link(local, plan, peers, entries, staging_path_bytes=staging_path_bytes,
                              staging_bytes=max(staging_path_bytes,
-                                               sizing.buffer_bytes if sizing else 0))
+                                               sizing.buffer_bytes if sizing else 0),
+                             deadline=deadline)
+            self._hello(entries, deadline)
             self.plan_path = PlanPath(self.link, blocks)
             if sizing is not None:
                 self.packed = PackedPath(self.link, sizing)
@@ -76,6 +80,25 @@ class Connection:
         except BaseException:
             self.close()
             raise
+
+    def _hello(self, entries: list[Any], deadline: float) -> None:
+        """Tell every prefill rank this rank notifies which NIXL agent speaks for it (their
+        request tables count notifications by reader identity)."""
+        import time
+
+        from fkv.connector.transport import _side
+        from fkv.connector.transport._base import SideChannelError
+
+        engine = self.local.engine
+        hello = _side.Hello(engine_id=engine.engine_id, rank=engine.tp_rank,
+                            tp_size=engine.tp_size, agent=self.local.agent.name)
+        for rank in (*self.plan.remote_ranks, *self.plan.notify_only_ranks):
+            reply = _side.request(self.local.zctx, entries[rank].address, hello,
+                                  max(0.05, deadline - time.monotonic()), curve=self.local.curve)
+            if not isinstance(reply, _side.Ok):
+                raise SideChannelError(f"prefill rank {rank} of engine {self.engine_id!r} refused "
+                                       f"this decode rank's hello: "
+                                       f"{getattr(reply, 'message', reply)}")
 
     def _ipc_reason(self, strategy: str) -> str:
         if strategy not in ("auto", "ipc"):
@@ -146,7 +169,19 @@ class Connection:
             return self.plan.notify_only_ranks
         return (*self.plan.remote_ranks, *self.plan.notify_only_ranks)
 
+    def watch(self) -> Any:
+        """The layer-status watch of streaming reads (made on first use)."""
+        if self._watch is None:
+            from fkv.connector.transport._stream import Watch
+
+            self._watch = Watch(self.local.zctx, self._entries, self.plan.remote_ranks,
+                                self.engine_id, curve=self.local.curve)
+        return self._watch
+
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         for path in (self.ipc, self.packed):
             if path is not None:
                 path.close()

@@ -77,20 +77,29 @@ class IpcPath:
         return (f"ipc: the prefill caches of {ranks} are mapped into cuda:"
                 f"{self.local.device.index}; one kernel per read moves every layer")
 
+    #: Token counts that reach every compiled variant of the move kernel (its tile covers 1 to 32
+    #: tokens, a power of two, with or without a ragged last tile).
+    WARM_TOKENS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
+
     def warm(self) -> None:
-        """Compile and run the kernels once (one token into nothing: ids outside the cache are
-        masked), so the first request pays no compile."""
+        """Compile and run every kernel variant a request can need, into nothing (ids outside
+        the caches are masked), so the first request after connect pays no compile."""
         import torch
 
         dev = self.local.device
         with torch.cuda.device(dev):
-            far = torch.full((1,), -1, dtype=torch.int64, device=dev)
+            far = torch.full((max(self.WARM_TOKENS),), -1, dtype=torch.int64, device=dev)
             for _, mover in self.movers:
-                mover(far, far, 1, validate=False)
+                for tokens in self.WARM_TOKENS:
+                    mover(far, far, tokens, validate=False)
             torch.cuda.current_stream(dev).synchronize()
 
+    def layered(self) -> bool:
+        """Whether a request can move a few layers at a time (streaming)."""
+        return True
+
     def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
-             deadline: float, tally: Tally) -> None:
+             deadline: float, tally: Tally, layers: tuple[int, int] | None = None) -> None:
         import torch
 
         dev = self.local.device
@@ -102,7 +111,7 @@ class IpcPath:
             rids = torch.from_numpy(np.ascontiguousarray(remote, dtype=np.int64)).to(
                 dev, non_blocking=True)
             for _, mover in self.movers:
-                mover(rids, lids, tokens, validate=False)
+                mover(rids, lids, tokens, validate=False, layers=layers)
             done = torch.cuda.Event()
             done.record(stream)
             while not done.query():
@@ -115,8 +124,8 @@ class IpcPath:
             raise TransferFailed(f"prefill rank(s) {dead} of engine {self.engine_id!r} exited "
                                  f"during the read: its bytes are not trusted; reconnect once "
                                  f"it is back (client.reconnect())")
-        tally.bytes += tokens * self.bytes_per_token
-        tally.descriptors += 0
+        share = 1.0 if layers is None else (layers[1] - layers[0]) / len(self.local.views)
+        tally.bytes += round(tokens * self.bytes_per_token * share)
 
     def close(self) -> None:
         self.movers.clear()

@@ -13,6 +13,7 @@ failed. Callers hold the client's lock: NIXL is called from one thread at a time
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import attrs
@@ -22,9 +23,14 @@ from fkv.connector.plan import TransferPlan
 from fkv.connector.transport._agent import Agent, Xfer, granule_table, row_indices
 from fkv.connector.transport._base import TransferFailed, spin_seconds
 from fkv.connector.wire import Peer
+from fkv.errors import FkvError
 from fkv.layout import KVCacheSpec
 
-__all__ = ["Link", "Local", "wait_reads"]
+__all__ = ["Link", "Local", "MAX_PREPARED_DESCRIPTORS", "wait_reads"]
+
+#: Most remote descriptors (granules) a decode rank prepares for one prefill rank: about 96 MiB
+#: of descriptor tables. A 32-layer cache of 16384 blocks cut in head halves needs 2**21.
+MAX_PREPARED_DESCRIPTORS = 1 << 22
 
 
 @attrs.define
@@ -44,6 +50,7 @@ class Local:
     strategy: str
     staging_bytes_max: int
     pack_threshold: int
+    curve: Any = None  # CurveKeys for the side channel (None: plain-TCP frames)
 
 
 def wait_reads(agent: Any, xfers: list[Xfer], ranks: list[int], engine_id: str,
@@ -69,7 +76,7 @@ class Link:
     """
 
     def __init__(self, local: Local, plan: TransferPlan, peers: list[Peer], entries: list[Any],
-                 *, staging_path_bytes: int, staging_bytes: int) -> None:
+                 *, staging_path_bytes: int, staging_bytes: int, deadline: float) -> None:
         self.local, self.plan, self.peers = local, plan, tuple(peers)
         self.entries = entries
         self.mem_types = [e.mem_type for e in entries]
@@ -84,8 +91,10 @@ class Link:
         self.spin = spin_seconds()  # busy-poll READ states this long before sleeping
         agent = local.agent
         try:
+            self._check_peers(deadline)
             for rank in (*plan.remote_ranks, *plan.notify_only_ranks):
-                self.names[rank] = agent.add_remote(peers[rank].agent_metadata)
+                self.names[rank] = agent.add_remote(peers[rank].agent_metadata,
+                                                    timeout=max(0.5, deadline - time.monotonic()))
             if staging_bytes:
                 import torch
 
@@ -97,6 +106,26 @@ class Link:
         except BaseException:
             self.close()
             raise
+
+    def _check_peers(self, deadline: float) -> None:
+        """Every peer's NIXL metadata passes the structural check and the probe (one child
+        process for all), and registers every region the peer's wire message announced."""
+        from fkv.connector.transport._metadata import check_each
+
+        ranks = (*self.plan.remote_ranks, *self.plan.notify_only_ranks)
+        verdicts = check_each([self.peers[r].agent_metadata for r in ranks],
+                              timeout=max(0.5, deadline - time.monotonic()))
+        for rank, meta in zip(ranks, verdicts, strict=True):
+            if isinstance(meta, Exception):
+                raise FkvError(f"prefill rank {rank} of engine {self.engine_id!r}: {meta}")
+            if rank not in self.plan.remote_ranks:
+                continue
+            for i, (base, nbytes) in enumerate(self.peers[rank].regions):
+                if not meta.covers(base, nbytes, self.mem_types[rank]):
+                    raise FkvError(f"prefill rank {rank} of engine {self.engine_id!r} announced "
+                                   f"region {i} at 0x{base:x} (+{nbytes} B, "
+                                   f"{self.mem_types[rank]}) that its NIXL metadata does not "
+                                   f"register; refusing to read from it")
 
     # -- descriptors -------------------------------------------------------------------------------
     def _probe_granule(self) -> int:
@@ -133,6 +162,14 @@ class Link:
         self.local_per_region = ls.region_bytes // granule
         self.staging_base = ls.num_regions * self.local_per_region
         self.remote_per_region = rs.region_bytes // granule
+        count = self.remote_per_region * rs.num_regions
+        if count > MAX_PREPARED_DESCRIPTORS:
+            raise FkvError(f"prefill engine {self.engine_id!r} announced a cache of "
+                           f"{rs.num_blocks} blocks x {rs.num_regions} region(s) "
+                           f"({rs.region_bytes} B each): {count} descriptors of {granule} B to "
+                           f"prepare, over this decode rank's limit of "
+                           f"{MAX_PREPARED_DESCRIPTORS} (MAX_PREPARED_DESCRIPTORS); nothing was "
+                           f"allocated")
         self.local_dlist = agent.prep(None, granule_table(local, granule,
                                                           device_id=self.local.device_id),
                                       self.local.mem_type)
@@ -158,8 +195,13 @@ class Link:
 
     # -- notifications -----------------------------------------------------------------------------
     def notif(self, request_id: str) -> bytes:
-        """The request notification every reader sends each prefill rank it read or notifies."""
-        return f"{request_id}:{self.local.engine.tp_size}".encode()
+        """The request notification every reader sends each prefill rank it read or notifies
+        (``fkv1|<request id>|<decode engine id>|<decode rank>|done``), once every READ of the
+        request landed: a failed read notifies nobody, so its retry is safe."""
+        from fkv.connector.transport._lifecycle import notification
+
+        engine = self.local.engine
+        return notification(request_id, engine.engine_id, engine.tp_rank)
 
     def notify(self, ranks: Any, request_id: str) -> None:
         for rank in ranks:

@@ -6,9 +6,9 @@ each chunk inside one *area* of the local staging buffer; requests larger than
 pipeline). For each chunk the decode rank
 
 1. sends a ``Pack`` to every prefill rank it reads (block ids, that rank's head range it needs,
-   token count; see ``_packer``) through one persistent DEALER socket per rank; the rank gathers
-   the chunk into a slot of its pack buffer and replies where it lies (a busy buffer answers
-   ``retry``: ask again until the deadline);
+   token count; see ``_packer``) through one persistent side-channel connection per rank
+   (``_side.Dealer``); the rank gathers the chunk into a slot of its pack buffer and replies
+   where it lies (a busy buffer answers ``retry``: ask again until the deadline);
 2. posts one READ per rank (one descriptor, or ``FKV_PACK_DESCRIPTORS`` equal pieces) of the
    packed bytes into its part of the chunk's staging area; the READ carries the slot's free
    notification, so NIXL frees the slot once the bytes moved;
@@ -55,7 +55,7 @@ import numpy as np
 
 from fkv.connector.transport import _side
 from fkv.connector.transport._agent import Xfer
-from fkv.connector.transport._base import Tally, TransferFailed, kernels, on_device, zmq
+from fkv.connector.transport._base import Tally, TransferFailed, kernels, on_device
 from fkv.connector.transport._link import Link, Local, wait_reads
 from fkv.connector.transport._packer import (
     ALIGN,
@@ -168,14 +168,15 @@ def packed_sizing(local: Local, plan: Any, entries: list[Any], rs: Any, depth: i
 
 
 class _Dealer(_side.Dealer):
-    """A pack Dealer that keeps replies that come before the one awaited (several packs of one
-    rank are outstanding at once) and remembers abandoned requests, whose Packed replies (slots
-    nobody will READ) it hands back as *orphans* to be freed."""
+    """A pack Dealer for pipelined reads. Several packs of one rank are outstanding at once; the
+    base class keeps a reply that comes before the awaited one for its own wait. This one also
+    remembers packs a failed read abandoned: their Packed replies (slots nobody will READ) are
+    handed back as *orphans* to be freed, and replies to nothing outstanding are dropped (so the
+    kept replies never crowd out the ones a read waits for)."""
 
-    def __init__(self, ctx: Any, address: str) -> None:
-        super().__init__(ctx, address)
+    def __init__(self, ctx: Any, address: str, curve: Any = None) -> None:
+        super().__init__(ctx, address, curve)
         self.outstanding: set[int] = set()
-        self.early: dict[int, Any] = {}
         self.abandoned: dict[int, None] = {}
         self.orphans: list[_side.Packed] = []
 
@@ -183,67 +184,44 @@ class _Dealer(_side.Dealer):
         super().send(msg)
         self.outstanding.add(msg.token)
 
+    def take(self, token: int, deadline: float, spin: float = 0.0
+             ) -> _side.Error | _side.Packed | None:
+        """The reply to ``token`` (None at the deadline; the token stays outstanding)."""
+        reply = self.wait(token, deadline, spin)
+        if reply is not None:
+            self.outstanding.discard(token)
+        self._sort()
+        return reply
+
     def abandon(self, token: int) -> None:
         """Nobody waits for ``token`` any more: free its slot when its reply comes."""
         self.outstanding.discard(token)
-        early = self.early.pop(token, None)
-        if early is not None:
-            if isinstance(early, _side.Packed):
-                self.orphans.append(early)
-            return
         self.abandoned[token] = None
         while len(self.abandoned) > _MAX_ABANDONED:
             del self.abandoned[next(iter(self.abandoned))]
-
-    def _keep(self, reply: Any) -> None:
-        token = getattr(reply, "token", 0)
-        if token in self.outstanding:
-            self.early[token] = reply
-        elif token in self.abandoned:
-            del self.abandoned[token]
-            if isinstance(reply, _side.Packed):
-                self.orphans.append(reply)
-
-    def _recv(self) -> Any:
-        z = zmq()
-        try:
-            frames = self._sock.recv_multipart(z.NOBLOCK)
-        except z.Again:
-            return None
-        try:
-            return _side.decode_reply(frames[-1])
-        except _side.SideChannelError:
-            return None  # not ours to answer
-
-    def take(self, token: int, deadline: float, spin: float = 0.0
-             ) -> _side.Error | _side.Packed | None:
-        """The reply to ``token`` (None at the deadline; the token stays outstanding), keeping
-        the others; busy-polls the first ``spin`` seconds."""
-        z = zmq()
-        busy_until = time.monotonic() + spin
-        while token not in self.early:
-            now = time.monotonic()
-            left = deadline - now
-            if left <= 0:
-                return None
-            wait = 0 if now < busy_until else max(1, int(left * 1000))
-            if not self._sock.poll(wait, z.POLLIN):
-                if wait:
-                    return None
-                continue
-            reply = self._recv()
-            if reply is not None:
-                self._keep(reply)
-        self.outstanding.discard(token)
-        return self.early.pop(token)
+        self._sort()
 
     def drain(self) -> None:
         """Take every reply already here without waiting."""
-        z = zmq()
-        while self._sock.poll(0, z.POLLIN):
-            reply = self._recv()
-            if reply is not None:
-                self._keep(reply)
+        while (data := self._recv(0.0)) is not None:
+            try:
+                reply = _side.decode_reply(data)
+            except _side.SideChannelError:
+                continue  # not ours to answer
+            if isinstance(reply, _side.Error | _side.Packed):
+                self._replies.append(reply)
+        self._sort()
+
+    def _sort(self) -> None:
+        kept = []
+        for reply in self._replies:
+            if reply.token in self.outstanding:
+                kept.append(reply)
+            elif reply.token in self.abandoned:
+                del self.abandoned[reply.token]
+                if isinstance(reply, _side.Packed):
+                    self.orphans.append(reply)
+        self._replies[:] = kept
 
 
 class _Chunk:
@@ -297,10 +275,15 @@ class PackedPath:
                 self._table = layer_table(link.local.views, ls, link.local.device)
             for read in link.plan.reads:
                 rank = read.remote_rank
-                self.dealers[rank] = _Dealer(link.local.zctx, link.entries[rank].address)
+                self.dealers[rank] = _Dealer(link.local.zctx, link.entries[rank].address,
+                                             link.local.curve)
         except BaseException:
             self.close()
             raise
+
+    def layered(self) -> bool:
+        """Packs hold every layer: a streaming request reads packed once all are published."""
+        return False
 
     def describe(self) -> str:
         conn = self.conn
@@ -389,14 +372,25 @@ class PackedPath:
         for i, read in enumerate(self.conn.plan.reads):
             chunk.sent[i] = self._send_one(request_id, read, chunk, deadline)
 
+    def _who(self, rank: int) -> str:
+        conn = self.conn
+        return f"prefill rank {rank} of engine {conn.engine_id!r} ({conn.entries[rank].address})"
+
+    def _lost(self, rank: int, e: Exception) -> TransferFailed:
+        return TransferFailed(f"{self._who(rank)}: {e}: the prefill process is dead or "
+                              f"unreachable: reconnect once it is back (client.reconnect())")
+
     def _send_one(self, request_id: str, read: Any, chunk: _Chunk, deadline: float) -> int:
         conn = self.conn
         token = next(_tokens)
         heads = read.remote_heads if not conn.remote_spec.is_mla else (0, 1)
-        self.dealers[read.remote_rank].send(_side.Pack(
-            token=token, request_id=request_id, block_ids=chunk.remote.tolist(),
-            heads=tuple(heads), num_tokens=chunk.tokens,
-            timeout=max(1e-3, deadline - time.monotonic())))
+        try:
+            self.dealers[read.remote_rank].send(_side.Pack(
+                token=token, request_id=request_id, block_ids=chunk.remote.tolist(),
+                heads=tuple(heads), num_tokens=chunk.tokens,
+                timeout=max(1e-3, deadline - time.monotonic())))
+        except _side.SideChannelError as e:
+            raise self._lost(read.remote_rank, e) from None
         return token
 
     def _ask(self, request_id: str, chunk: _Chunk, deadline: float) -> int:
@@ -406,12 +400,14 @@ class PackedPath:
         retries = 0
         for i, read in enumerate(conn.plan.reads):
             rank = read.remote_rank
-            who = (f"prefill rank {rank} of engine {conn.engine_id!r} "
-                   f"({conn.entries[rank].address})")
+            who = self._who(rank)
             nbytes = chunk.remote.size * self.per_block[i]
             pause = 0.0002
             while True:
-                reply = self.dealers[rank].take(chunk.sent[i], deadline, self.spin)
+                try:
+                    reply = self.dealers[rank].take(chunk.sent[i], deadline, self.spin)
+                except _side.SideChannelError as e:
+                    raise self._lost(rank, e) from None
                 if reply is None:
                     raise TransferFailed(f"{who} did not answer the pack request before the "
                                          f"read's timeout: the prefill process is hung, dead or "

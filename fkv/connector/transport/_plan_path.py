@@ -17,16 +17,25 @@ import numpy as np
 
 from fkv.connector.transport._base import Tally, TransferFailed, kernels, on_device, split_chunks
 from fkv.connector.transport._link import Link, wait_reads
+from fkv.errors import FkvError
 
 __all__ = ["PlanPath", "staging_blocks"]
 
 
 def staging_blocks(plan: Any, local_spec: Any, remote_spec: Any, staging_bytes_max: int) -> int:
-    """Remote blocks one staging-path chunk holds (0 when the plan is direct)."""
+    """Remote blocks one staging-path chunk holds (0 when the plan is direct). The staging cap is
+    hard: geometry whose smallest chunk does not fit is refused (FkvError) before allocating."""
     if plan.strategy != "staging":
         return 0
     step = math.lcm(local_spec.block_size, remote_spec.block_size)
     per_block = plan.staging_bytes(1)
+    smallest = step // remote_spec.block_size * per_block
+    if smallest > staging_bytes_max:
+        raise FkvError(f"the smallest staging chunk of this pair is {step} tokens (the least "
+                       f"common multiple of block sizes {local_spec.block_size} and "
+                       f"{remote_spec.block_size}): {smallest} bytes, over the staging cap "
+                       f"staging_bytes={staging_bytes_max}; nothing was allocated: raise "
+                       f"connect(staging_bytes=) or use block sizes that divide each other")
     blocks = max(staging_bytes_max // per_block, step // remote_spec.block_size)
     return min(blocks, max(remote_spec.num_blocks, step // remote_spec.block_size))
 
@@ -35,7 +44,7 @@ class PlanPath:
     """The plan's direct or staging reads over a :class:`Link` (``name`` is the plan's
     strategy)."""
 
-    notifies_with_read = True  # the last READ carries the request notification
+    notifies_with_read = False  # the client notifies once every READ of the request landed
 
     def __init__(self, link: Link, blocks: int) -> None:
         self.link = link
@@ -55,19 +64,32 @@ class PlanPath:
         per = (self.staging_blocks * nr) // step * step  # tokens per chunk
         return split_chunks(local, remote, tokens, per, nl, nr)
 
+    def layered(self) -> bool:
+        """Whether a request can move a few layers at a time (streaming): each of the plan's
+        rows lies in one remote layer when the prefill caches are per-layer buffers."""
+        return not self.link.remote_spec.cross_layer
+
     def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
-             deadline: float, tally: Tally, rows: np.ndarray | None = None) -> None:
+             deadline: float, tally: Tally, rows: np.ndarray | None = None,
+             layers: tuple[int, int] | None = None) -> None:
+        """Read the request (``layers=(a, b)``: only those remote layers, and the READs carry no
+        notification: the caller notifies once every layer landed)."""
+        if layers is not None and not self.layered():
+            raise FkvError("PlanPath.read: a layer range needs per-layer prefill caches")
         chunks = self.chunks(local, remote, tokens)
         for k, (lc, rc, n_tok) in enumerate(chunks):
-            self._chunk(request_id, lc, rc, n_tok, k == len(chunks) - 1, deadline, tally,
-                        rows if len(chunks) == 1 else None)
+            self._chunk(request_id, lc, rc, n_tok, False, deadline, tally,
+                        rows if len(chunks) == 1 else None, layers)
 
     def _chunk(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
-               last: bool, deadline: float, tally: Tally, rows: np.ndarray | None) -> None:
+               last: bool, deadline: float, tally: Tally, rows: np.ndarray | None,
+               layers: tuple[int, int] | None = None) -> None:
         link = self.link
         agent, plan = link.local.agent, link.plan
         if rows is None:
             rows = plan.segments(local, remote, num_tokens=tokens)
+        if layers is not None:
+            rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
         link.ensure_granule(rows)
         tally.descriptors += int(rows.shape[0])
         xfers: list[Any] = []
@@ -94,9 +116,10 @@ class PlanPath:
             for x in xfers:
                 agent.release(x)
         if self.name == "staging":
-            self._run_staging(local, remote, tokens)
+            self._run_staging(local, remote, tokens, layers)
 
-    def _run_staging(self, local: np.ndarray, remote: np.ndarray, tokens: int) -> None:
+    def _run_staging(self, local: np.ndarray, remote: np.ndarray, tokens: int,
+                     layers: tuple[int, int] | None = None) -> None:
         import torch
 
         from fkv.tensors import wrap
@@ -109,6 +132,8 @@ class PlanPath:
             src_ids = torch.arange(remote.size, device=dev)
             dst_ids = torch.as_tensor(local, device=dev)
             for step in link.plan.staging_steps(local, remote, num_tokens=tokens):
+                if layers is not None and not layers[0] <= step.layer < layers[1]:
+                    continue
                 src = wrap(link.staging, step.stage_spec, step.stage_offset)[step.layer]
                 move(src, step.stage_spec, src_ids, views[step.layer], ls, dst_ids,
                      src_heads=step.src_heads, dst_heads=step.dst_heads,

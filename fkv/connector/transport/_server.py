@@ -14,7 +14,7 @@ thread that does everything afterwards, so NIXL is only ever called from that th
   it still does not fit;
 - polls NIXL notifications: ``"<request id>:<decode tp>"`` counts a reader of a request (held
   blocks are released after the expected count, or when the lease runs out); a
-  :data:`fkv.connector._pack.FREE_PREFIX` notification frees a pack slot;
+  :data:`_packer.FREE_PREFIX` notification frees a pack slot;
 - expires leases and pack slots.
 
 Errors inside the loop never stop it: they land in ``server.errors``. ``FKV_TRANSPORT_SPIN``
@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 
 from fkv.connector.transport import _side
 from fkv.connector.transport._base import (
@@ -42,24 +41,20 @@ from fkv.connector.transport._base import (
     spin_seconds,
     zmq,
 )
-from fkv.connector.transport._agent import Agent
+from fkv.connector.transport._agent import Agent, UndecodableNotifications
+from fkv.connector.transport._lifecycle import Requests
 from fkv.connector.transport._base import SideChannelError
 from fkv.connector.transport._packer import FREE_PREFIX, Packer
 from fkv.connector.handshake import EngineDesc
-from fkv.connector.plan import expected_notifications
 from fkv.connector.wire import decode_untrusted, encode
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 
 __all__ = ["Server"]
 
-
-@attrs.define
-class _Held:
-    block_ids: Any
-    deadline: float
-    notified: int = 0
-    expected: int | None = None
+# request-table counters that mean a refused peer notification (telemetry's refused kinds)
+_REFUSED_KINDS = ("duplicate", "unexpected_reader", "unknown_request", "late", "failed",
+                  "premature", "malformed", "foreign", "impersonation")
 
 
 class Server:
@@ -71,8 +66,9 @@ class Server:
                  host: str = "127.0.0.1", port: int = 0, join: str | None = None,
                  lease: float = DEFAULT_LEASE, join_timeout: float = 30.0,
                  on_release: Callable[[str, Any, str], None] | None = None,
-                 pack_bytes: int | None = None) -> None:
+                 pack_bytes: int | None = None, curve: Any = None) -> None:
         self.engine = check_engine(engine)
+        self._curve = curve
         self.spec = spec
         if engine.tp_rank == 0 and join is not None:
             raise field_error("join", join, "None on rank 0 (rank 0 answers the side channel)")
@@ -90,14 +86,21 @@ class Server:
         self.lease = float(lease)
         self._on_release = on_release
         self._lock = threading.Lock()
-        self._held: dict[str, _Held] = {}
-        self._released: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # the request table (release by reader identity), fed under self._lock
+        self._table = Requests(num_layers=spec.num_layers, prefill_tp=engine.tp_size,
+                               prefill_rank=engine.tp_rank)
+        self._published: dict[str, int] = {}   # streaming: layers announced so far
+        self._events: dict[str, list[tuple[int, Any]]] = {}  # announced, event not yet done
         self._stop = threading.Event()
         self._sock: Any = None
         self._ranks: dict[int, _side.RankEntry] = {}
         self._packer: Packer | None = None
         self._spin = spin_seconds()
-        self.errors: list[str] = []
+        #: recent problems of the server thread (bounded: peers must not grow it without end)
+        self.errors: collections.deque[str] = collections.deque(maxlen=100)
+        from fkv.telemetry import Telemetry
+
+        self.telemetry = Telemetry("server", engine_id=engine.engine_id)
         self._ctx = zmq().Context()
         self._agent = Agent("prefill")
         try:
@@ -118,9 +121,9 @@ class Server:
                 self.ipc_reason = "the caches are not on CUDA"
             wire = encode(engine, spec, regions, device_id=device_id,
                           agent_metadata=self._agent.metadata(), ipc=ipc)
-            own = self._bind(host, port) if engine.tp_rank == 0 or self._packer else ""
+            own = self._bind(host, port)
             packer = self._packer
-            entry = _side.RankEntry(peer=wire, mem_type=mem_type, address=own if packer else "",
+            entry = _side.RankEntry(peer=wire, mem_type=mem_type, address=own,
                                     pack_base=packer.base if packer else 0,
                                     pack_bytes=packer.capacity if packer else 0)
             if engine.tp_rank == 0:
@@ -137,32 +140,113 @@ class Server:
         self._thread.start()
 
     # -- public ------------------------------------------------------------------------------------
-    def hold(self, request_id: str, block_ids: Any = None, *, lease: float | None = None) -> None:
-        """Hold ``request_id``'s blocks until every expected decode reader notified, or until the
-        lease (default: the server's) runs out. Calling it again renews the lease."""
-        if not isinstance(request_id, str) or not request_id:
-            raise field_error("request_id", request_id, "a non-empty str")
+    def hold(self, request_id: str, block_ids: Any = None, *, lease: float | None = None,
+             layers_ready: int | None = None, decode_engine_id: str | None = None,
+             decode_tp: int | None = None) -> None:
+        """Hold ``request_id``'s blocks until every expected decode reader notified once, or
+        until the lease (default: the server's) runs out. Calling it again renews the lease.
+
+        Readers are decode ranks (engine id, rank). With ``decode_engine_id`` and ``decode_tp``
+        the readers of this rank are fixed now (the plan's rule); without, the first decode rank
+        that reads and notifies fixes them to its engine. Notifications count only from the NIXL
+        agent each reader announced at connect, once per reader: duplicates, strangers and
+        failed reads never release blocks (``server.diagnostics()`` counts them).
+
+        ``layers_ready``: None (default) means every layer is written; an int starts a
+        *streaming* request with layers ``[0, layers_ready)`` written, the rest announced later
+        with :meth:`publish` (decode ranks read it with ``client.read(..., stream=True)``)."""
+        from fkv.connector.transport._lifecycle import expected_readers
+
         lease = self.lease if lease is None else lease
+        if (decode_engine_id is None) != (decode_tp is None):
+            raise field_error("decode_engine_id/decode_tp", (decode_engine_id, decode_tp),
+                              "both or neither")
+        readers = None if decode_engine_id is None else expected_readers(
+            decode_engine_id, decode_tp, self.engine.tp_size, self.engine.tp_rank)
         with self._lock:
-            held = self._held.get(request_id)
-            deadline = time.monotonic() + float(lease)
-            if held is None:
-                self._released.pop(request_id, None)
-                self._held[request_id] = _Held(block_ids, deadline)
+            self._table.hold(request_id, block_ids, readers, now=time.monotonic(),
+                             lease=float(lease), layers_ready=layers_ready)
+            if layers_ready is not None:
+                self._published.setdefault(request_id, layers_ready)
+
+    def publish(self, request_id: str, layers_ready: int, *, event: Any = None) -> None:
+        """Announce that layers ``[0, layers_ready)`` of the streaming request are written.
+
+        Monotonic: ``layers_ready`` may not go back nor past ``spec.num_layers`` (FkvError). On
+        CUDA pass ``event``, a ``torch.cuda.Event`` recorded after the last of those layers'
+        writes: readers see the layers only once it has completed (the server thread waits for
+        it, so no reader's copy can overtake the writes). Renews the lease."""
+        with self._lock:
+            published = self._published.get(request_id)
+            if published is None or request_id not in self._table.pending():
+                why = ("it is not held" if request_id not in self._table.pending()
+                       else "it was held as fully written")
+                raise FkvError(f"publish: request {request_id!r} is not a streaming request on "
+                               f"this rank ({why}); start it with server.hold(request_id, "
+                               f"block_ids, layers_ready=0)")
+            self._check_layers(layers_ready, published)
+            self._published[request_id] = layers_ready
+            now = time.monotonic()
+            self._table.hold(request_id, None, None, now=now, lease=self.lease)  # renew
+            if event is None or event.query():
+                self._events.pop(request_id, None)
+                self._table.publish(request_id, layers_ready, now)
             else:
-                held.deadline = deadline
-                if block_ids is not None:
-                    held.block_ids = block_ids
+                self._events.setdefault(request_id, []).append((layers_ready, event))
+
+    def layers_ready(self, request_id: str) -> int | None:
+        """Layers of ``request_id`` readers may read now (None: not held)."""
+        with self._lock:
+            if request_id not in self._table.pending():
+                return None
+            return self._table.layers_ready(request_id)
+
+    def _check_layers(self, value: Any, lo: int) -> None:
+        top = self.spec.num_layers
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= top:
+            raise field_error("layers_ready", value,
+                              f"an int in [{lo}, {top}] (layers only move forward, up to "
+                              f"spec.num_layers={top})")
+
+    def _advance(self) -> None:
+        """Make layers visible whose CUDA event completed (server thread)."""
+        with self._lock:
+            now = time.monotonic()
+            for request_id, events in list(self._events.items()):
+                while events and events[0][1].query():
+                    layers = events.pop(0)[0]
+                    if request_id in self._table.pending():
+                        self._table.publish(request_id, layers, now)
+                if not events:
+                    del self._events[request_id]
 
     def pending(self) -> set[str]:
         """Request ids whose blocks this rank still holds."""
         with self._lock:
-            return set(self._held)
+            return set(self._table.pending())
 
     def released(self) -> dict[str, str]:
         """Recently released request ids and why: ``"notified"`` or ``"lease expired"``."""
         with self._lock:
-            return dict(self._released)
+            return self._table.released()
+
+    def diagnostics(self) -> dict[str, Any]:
+        """The request table's counters (held, accepted, released, and every refused kind:
+        duplicate, unexpected_reader, unknown_request, late, failed, premature, malformed,
+        foreign, impersonation) and its most recent refused notifications (bounded)."""
+        with self._lock:
+            return {"counts": self._table.stats(), "recent": self._table.events()}
+
+    def stats(self) -> dict[str, Any]:
+        """What this rank served so far as plain dicts: packs (path ``packed``: gather time and
+        bytes), notifications, lease expiries, refused peer messages by reason (see
+        ``fkv.telemetry.Telemetry.stats``)."""
+        return self.telemetry.stats()
+
+    def prometheus(self, registry: Any = None) -> Any:
+        """Register this rank's metrics (label ``role="server"``) on ``registry`` (default: a new
+        ``prometheus_client.CollectorRegistry``); returns it."""
+        return self.telemetry.prometheus(registry)
 
     @property
     def pack_bytes(self) -> int:
@@ -179,7 +263,10 @@ class Server:
         self._stop.set()
         thread = getattr(self, "_thread", None)
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(timeout=10.0)
+            if thread.is_alive():  # stuck in a NIXL call: leave the daemon thread, keep going
+                self.errors.append("close: the server thread did not stop within 10 s")
+                return
         self._shutdown()
 
     def __enter__(self) -> Server:
@@ -195,20 +282,14 @@ class Server:
 
     # -- start and stop ----------------------------------------------------------------------------
     def _bind(self, host: str, port: int) -> str:
-        z = zmq()
-        self._sock = self._ctx.socket(z.ROUTER)
-        self._sock.setsockopt(z.LINGER, 0)
-        self._sock.setsockopt(z.MAXMSGSIZE, _side.MAX_SIDE_MESSAGE_BYTES)
-        self._sock.setsockopt(z.ROUTER_MANDATORY, 0)
-        try:
-            self._sock.bind(f"tcp://{host}:{port if self.engine.tp_rank == 0 and port else '*'}")
-        except z.ZMQError as e:
-            raise field_error("host/port", f"{host}:{port}", f"an address to bind ({e})") from None
-        return self._sock.getsockopt(z.LAST_ENDPOINT).decode()
+        self._sock = _side.SideServer(self._ctx, host,
+                                      port if self.engine.tp_rank == 0 and port else 0,
+                                      curve=self._curve)
+        return self._sock.address
 
     def _shutdown(self) -> None:
         if self._sock is not None:
-            self._sock.close(0)
+            self._sock.close()
             self._sock = None
         agent = getattr(self, "_agent", None)
         if agent is not None:
@@ -228,7 +309,8 @@ class Server:
         while time.monotonic() < deadline:
             try:
                 reply = _side.request(self._ctx, address, msg,
-                                      min(2.0, max(0.05, deadline - time.monotonic())))
+                                      min(2.0, max(0.05, deadline - time.monotonic())),
+                                      curve=self._curve)
             except SideChannelError as e:
                 last = str(e)
                 continue
@@ -244,78 +326,101 @@ class Server:
 
     # -- the server thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        z = zmq()
         spin, active = self._spin, 0.0
         while not self._stop.is_set():
             try:
                 if self._sock is not None:
-                    wait = 0 if time.monotonic() - active < spin else 2
-                    if self._sock.poll(wait, z.POLLIN):
-                        batch = []
-                        for _ in range(64):
-                            try:
-                                batch.append(self._sock.recv_multipart(z.NOBLOCK))
-                            except z.Again:
-                                break
+                    wait = 0.0 if time.monotonic() - active < spin else 0.002
+                    batch = self._sock.poll(wait)
+                    if batch:
                         self._answer_all(batch)
                         active = time.monotonic()
                 else:
                     self._stop.wait(0.002)
                 self._take_notifications()
+                self._advance()
                 self._expire()
             except Exception as e:  # keep serving; the error is visible in server.errors
                 self.errors.append(f"{type(e).__name__}: {e}")
-                del self.errors[:-100]
                 self._stop.wait(0.01)
 
     def _take_notifications(self) -> None:
-        for message in self._agent.notifications():
+        try:
+            batch = self._agent.notifications()
+        except UndecodableNotifications as e:
+            self.errors.append(str(e))
+            self.telemetry.refused("undecodable_notifications")
+            return
+        now = time.monotonic()
+        for sender, message in batch:
             if message.startswith(FREE_PREFIX):
                 if self._packer is None or not self._packer.free(message):
                     self.errors.append(f"ignored a free of no held slot {message[:40]!r}")
-            else:
-                self._notified(message)
+                    self.telemetry.refused("unknown_slot")
+                continue
+            self.telemetry.notification()
+            with self._lock:
+                before = self._table.stats()
+                release = self._table.notified(sender, message, now)
+                after = self._table.stats()
+            for kind in _REFUSED_KINDS:
+                if after[kind] > before[kind]:
+                    self.telemetry.refused(kind)
+            if release is not None:
+                self._released_now(release)
 
-    def _answer_all(self, batch: list[list[bytes]]) -> None:
-        """Answer a batch of requests in order. A pack's reply goes out once its own gather has
-        finished: on CPU right after it ran, on CUDA after every gather of the batch is launched
-        (each reply waits for its gather's event only)."""
+    def _answer_all(self, batch: list[tuple[Any, bytes | None]]) -> None:
+        """Answer a batch of requests ``(envelope, payload)`` in order. A pack's reply goes out
+        once its own gather has finished: on CPU right after it ran, on CUDA after every gather
+        of the batch is launched (each reply waits for its gather's event only)."""
         queued = self._packer is not None and self._packer.asynchronous
-        out: list[tuple[list[bytes], Any]] = []
-        for frames in batch:
-            out.append(self._reply(frames))
+        t0 = time.perf_counter()
+        out: list[tuple[Any, Any]] = []
+        for envelope, payload in batch:
+            out.append(self._reply(envelope, payload))
             if not queued:
-                self._send_replies(out)
-        self._send_replies(out)
+                t0 = self._send_replies(out, t0)
+        self._send_replies(out, t0)
 
-    def _send_replies(self, out: list[tuple[list[bytes], Any]]) -> None:
+    def _send_replies(self, out: list[tuple[Any, Any]], t0: float) -> float:
         """Send (and drop from ``out``) every reply, a pack's once its gather has finished (a
-        gather that failed on the device turns its reply into an error and frees its slot)."""
+        gather that failed on the device turns its reply into an error and frees its slot); a
+        pack's gather time counts from ``t0`` or the previous pack's reply. Returns the time the
+        last reply went out."""
         for envelope, reply in out:
             if isinstance(reply, _side.Packed):
                 try:
                     self._packer.sync(reply.slot)
+                    now = time.perf_counter()
+                    self.telemetry.record(path="packed", seconds=now - t0, nbytes=reply.nbytes,
+                                          descriptors=1, waits={"gather": now - t0})
+                    t0 = now
                 except Exception as e:  # the gather may not have run: refuse the pack
                     self._packer.slots.held.pop(reply.slot, None)
                     reply = _side.Error(message=f"pack failed on prefill rank "
                                         f"{self.engine.tp_rank}: {type(e).__name__}: {e}",
                                         token=reply.token)
             try:
-                self._sock.send_multipart([*envelope, _side.encode_message(reply)], zmq().NOBLOCK)
+                if not self._sock.reply(envelope, _side.encode_message(reply)):
+                    self.errors.append("reply not sent: the requester left")
             except Exception as e:  # the requester left: nothing to answer
                 self.errors.append(f"reply not sent: {e}")
         out.clear()
+        return time.perf_counter()
 
-    def _reply(self, frames: list[bytes]) -> tuple[list[bytes], Any]:
-        if len(frames) >= 3 and frames[1] == b"":
-            envelope, body = frames[:2], frames[2:]
-        else:
-            envelope, body = frames[:1], frames[1:]
-        if len(body) != 1:
-            return envelope, _side.Error(message=f"expected one message frame, got {len(body)}")
+    def _reply(self, envelope: Any, payload: bytes | None) -> tuple[Any, Any]:
+        if payload is None:
+            self.telemetry.refused("frames")
+            return envelope, _side.Error(message="expected one message frame")
         try:
-            return envelope, self._handle(_side.decode_request(body[0]))
+            msg = _side.decode_request(payload)
         except FkvError as e:
+            self.telemetry.refused("undecodable")
+            return envelope, _side.Error(message=str(e))
+        try:
+            return envelope, self._handle(msg)
+        except FkvError as e:
+            self.telemetry.refused(type(msg).__name__.lower())
             return envelope, _side.Error(message=str(e))
         except Exception as e:
             return envelope, _side.Error(message=f"internal error: {type(e).__name__}: {e}")
@@ -323,6 +428,17 @@ class Server:
     def _handle(self, msg: Any) -> Any:
         tp, rank = self.engine.tp_size, self.engine.tp_rank
         if isinstance(msg, _side.Ping):
+            return _side.Ok(engine_id=self.engine.engine_id)
+        if isinstance(msg, _side.Status):
+            self._advance()
+            with self._lock:
+                if msg.request_id not in self._table.pending():
+                    return _side.Layers(token=msg.token, layers_ready=0, held=False)
+                ready = self._table.layers_ready(msg.request_id)
+                return _side.Layers(token=msg.token, layers_ready=ready, held=True)
+        if isinstance(msg, _side.Hello):
+            with self._lock:
+                self._table.bind(msg.agent, (msg.engine_id, msg.rank), decode_tp=msg.tp_size)
             return _side.Ok(engine_id=self.engine.engine_id)
         if isinstance(msg, _side.Pack):
             if self._packer is None:
@@ -360,49 +476,33 @@ class Server:
             problems.append(f"spec {peer.spec!r} differs from rank 0's {self.spec!r} (every rank "
                             f"of an engine must share one spec, num_blocks included)")
         if problems:
+            self.telemetry.refused("publish")
             return _side.Error(message="publish refused: " + "; ".join(problems))
         self._ranks[msg.rank] = _side.RankEntry(peer=msg.peer, mem_type=msg.mem_type,
                                                 address=msg.address, pack_base=msg.pack_base,
                                                 pack_bytes=msg.pack_bytes)
         return _side.Ok(engine_id=self.engine.engine_id)
 
-    def _notified(self, message: bytes) -> None:
-        try:
-            request_id, _, dtp = message.decode().rpartition(":")
-            decode_tp = int(dtp)
-            if not request_id or decode_tp < 1:
-                raise ValueError(message)
-        except (UnicodeDecodeError, ValueError):
-            self.errors.append(f"ignored a malformed notification {message[:80]!r}")
-            return
-        with self._lock:
-            held = self._held.get(request_id)
-            if held is None:
-                if request_id in self._released:
-                    return  # a late reader of a request already freed
-                held = self._held[request_id] = _Held(None, time.monotonic() + self.lease)
-            held.notified += 1
-            held.expected = expected_notifications(self.engine.tp_size, decode_tp)
-            done = held.notified >= held.expected
-        if done:
-            self._release(request_id, "notified")
-
     def _expire(self) -> None:
-        now = time.monotonic()
         with self._lock:
-            expired = [r for r, h in self._held.items() if h.deadline <= now]
-        for request_id in expired:
-            self._release(request_id, "lease expired")
+            expired = self._table.expire(time.monotonic())
+            for release in expired:
+                self._published.pop(release.request_id, None)
+                self._events.pop(release.request_id, None)
+        for release in expired:
+            self._released_now(release)
+        if expired:
+            self.telemetry.lease_expired(len(expired))
         if self._packer is not None:
             self._packer.expire()
 
-    def _release(self, request_id: str, why: str) -> None:
+    def _released_now(self, release: Any) -> None:
         with self._lock:
-            held = self._held.pop(request_id, None)
-            if held is None:
-                return
-            self._released[request_id] = why
-            while len(self._released) > 4096:
-                self._released.popitem(last=False)
+            self._published.pop(release.request_id, None)
+            self._events.pop(release.request_id, None)
         if self._on_release is not None:
-            self._on_release(request_id, held.block_ids, why)
+            try:  # one failing callback must not lose the others (nor stop the loop)
+                self._on_release(release.request_id, release.block_ids, release.reason)
+            except Exception as e:
+                self.errors.append(f"on_release({release.request_id!r}) raised "
+                                   f"{type(e).__name__}: {e}")

@@ -31,20 +31,21 @@ from fkv.connector.transport._base import SideChannelError
 from fkv.errors import FkvError
 
 __all__ = [
-    "Dealer", "Error", "Fetch", "MAX_SIDE_MESSAGE_BYTES", "Ok", "Pack", "Packed", "Ping", "Publish",
-    "RankEntry", "Ranks", "SideChannelError", "decode_reply", "decode_request", "encode_message",
+    "Dealer", "Error", "Fetch", "Hello", "Layers", "MAX_SIDE_MESSAGE_BYTES", "Ok", "Pack", "Packed", "Ping",
+    "Publish", "RankEntry", "Ranks", "Status", "SideChannelError", "decode_reply", "decode_request", "encode_message",
     "request",
 ]
 
-#: Largest side-channel message either side decodes (checked before decoding).
-MAX_SIDE_MESSAGE_BYTES = 256 << 20
+#: Largest side-channel message either side takes (a frame's size is checked on its header,
+#: before any of it is buffered): a ``Publish`` carrying a wire message of up to 32 MiB.
+MAX_SIDE_MESSAGE_BYTES = 33 << 20
 
-_Wire = Annotated[bytes, msgspec.Meta(max_length=64 << 20)]
+_Wire = Annotated[bytes, msgspec.Meta(max_length=32 << 20)]
 _Address = Annotated[str, msgspec.Meta(max_length=1024)]
 _Size = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 _Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 #: Most blocks one pack request may name.
-MAX_PACK_BLOCKS = 1 << 22
+MAX_PACK_BLOCKS = 1 << 21
 
 
 class Publish(msgspec.Struct, tag="publish", forbid_unknown_fields=True, frozen=True):
@@ -91,6 +92,32 @@ class Pack(msgspec.Struct, tag="pack", forbid_unknown_fields=True, frozen=True):
     timeout: Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
 
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, frozen=True):
+    """A decode rank tells a prefill rank which NIXL agent speaks for it: notifications from
+    ``agent`` count as reader ``(engine_id, rank)`` of an engine of ``tp_size`` ranks."""
+
+    engine_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    agent: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+
+
+class Status(msgspec.Struct, tag="status", forbid_unknown_fields=True, frozen=True):
+    """A decode rank asks how many layers of a streaming request this prefill rank published."""
+
+    token: _Token
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
+class Layers(msgspec.Struct, tag="layers", forbid_unknown_fields=True, frozen=True):
+    """Layers ``[0, layers_ready)`` of :class:`Status` ``token``'s request are written (and, on
+    CUDA, their writes finished); ``held``: whether this rank holds the request at all."""
+
+    token: _Token
+    layers_ready: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+    held: bool
+
+
 class Packed(msgspec.Struct, tag="packed", forbid_unknown_fields=True, frozen=True):
     """The bytes of :class:`Pack` ``token`` lie at ``offset`` of the pack buffer, ``nbytes`` long
     (layer after layer, each ``[n, 2, h, N, D]``, MLA ``[n, N, D]``), held under ``slot``."""
@@ -115,8 +142,8 @@ class Error(msgspec.Struct, tag="error", forbid_unknown_fields=True, frozen=True
     token: _Token = 0    # the Pack request answered (0 for other requests)
 
 
-_REQUESTS = msgspec.msgpack.Decoder(Publish | Fetch | Ping | Pack)
-_REPLIES = msgspec.msgpack.Decoder(Ok | Ranks | Error | Packed)
+_REQUESTS = msgspec.msgpack.Decoder(Publish | Fetch | Ping | Pack | Status | Hello)
+_REPLIES = msgspec.msgpack.Decoder(Ok | Ranks | Error | Packed | Layers)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -135,94 +162,266 @@ def _decode(decoder: Any, data: Any, what: str) -> Any:
         raise SideChannelError(f"{what} refused: {e}") from None
 
 
-def decode_request(data: Any) -> Publish | Fetch | Ping | Pack:
+def decode_request(data: Any) -> Publish | Fetch | Ping | Pack | Status | Hello:
     """A request as rank 0 receives it; raises only SideChannelError."""
     return _decode(_REQUESTS, data, "side-channel request")
 
 
-def decode_reply(data: Any) -> Ok | Ranks | Error | Packed:
+def decode_reply(data: Any) -> Ok | Ranks | Error | Packed | Layers:
     """A reply as a requester receives it; raises only SideChannelError."""
     return _decode(_REPLIES, data, "side-channel reply")
 
 
-def request(ctx: Any, address: str, msg: Any, timeout: float) -> Ok | Ranks | Error | Packed:
-    """Send one request to ``address`` and wait at most ``timeout`` seconds for the reply.
+def request(ctx: Any, address: str, msg: Any, timeout: float, curve: Any = None
+            ) -> Ok | Ranks | Error | Packed | Layers:
+    """Send one request to ``address`` and wait at most ``timeout`` seconds for the reply, on a
+    fresh connection (a lost reply never wedges the next one): plain-TCP frames, or with
+    ``curve`` (:class:`~fkv.connector.transport._sidelimits.CurveKeys`) a CURVE ZMQ REQ."""
+    if curve is None:
+        from fkv.connector.transport._sidelimits import SideLimitError, frame_request
 
-    A fresh REQ socket per request: a lost reply never wedges the next one.
-    """
+        try:
+            return decode_reply(frame_request(address, encode_message(msg), timeout=timeout,
+                                              max_frame=MAX_SIDE_MESSAGE_BYTES))
+        except SideLimitError as e:
+            raise SideChannelError(f"prefill side channel at {address}: {e} (is the prefill "
+                                   f"engine serving there?)") from None
     import zmq
+
+    from fkv.connector.transport._sidelimits import harden_client
 
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIDE_MESSAGE_BYTES)
     try:
+        harden_client(sock, max_frame=MAX_SIDE_MESSAGE_BYTES, curve=curve)
         try:
             sock.connect(address)
         except zmq.ZMQError as e:
-            raise SideChannelError(f"'remote_address' {address!r} is not a ZMQ address like "
+            raise SideChannelError(f"'remote_address' {address!r} is not an address like "
                                    f"'tcp://127.0.0.1:5555': {e}") from None
         sock.send(encode_message(msg))
         if not sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
             raise SideChannelError(f"no answer from the prefill side channel at {address} within "
-                                   f"{timeout:g} s (is rank 0 of the prefill engine serving there?)")
+                                   f"{timeout:g} s (is it serving there, with the CURVE keys "
+                                   f"this side expects?)")
         return decode_reply(sock.recv())
     finally:
         sock.close(0)
 
 
 class Dealer:
-    """A persistent DEALER socket to one prefill rank's address, for token-matched requests
-    (:class:`Pack`). Not thread-safe: its owner serializes calls (the client's lock).
+    """A persistent connection to one prefill rank's side channel for requests matched by
+    ``token`` (pack requests, layer status).
 
-    ``send`` queues a request (ZMQ connects and reconnects in the background); ``wait`` returns
-    the reply carrying ``token``, dropping replies to other tokens, or None at the deadline.
+    ``send`` queues a request; ``wait`` returns the reply carrying ``token``, dropping replies
+    to other tokens, or None at the deadline. Plain-TCP frames (the prefill rank answers one
+    request of a connection at a time, in order), or with ``curve`` a CURVE ZMQ DEALER.
     """
 
-    def __init__(self, ctx: Any, address: str) -> None:
+    def __init__(self, ctx: Any, address: str, curve: Any = None) -> None:
+        self.address = address
+        self._curve = curve
+        self._sock: Any = None
+        self._plain: Any = None
+        self._decoder: Any = None
+        self._replies: list[Any] = []
+        if curve is None:
+            self._connect_plain()
+            return
         import zmq
 
-        self.address = address
+        from fkv.connector.transport._sidelimits import harden_client
+
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIDE_MESSAGE_BYTES)
+        harden_client(self._sock, max_frame=MAX_SIDE_MESSAGE_BYTES, curve=curve)
         try:
             self._sock.connect(address)
         except zmq.ZMQError as e:
             self._sock.close(0)
-            raise SideChannelError(f"prefill pack address {address!r} is not a ZMQ address: "
+            raise SideChannelError(f"prefill address {address!r} is not a ZMQ address: "
                                    f"{e}") from None
 
+    def _connect_plain(self) -> None:
+        import socket
+
+        from fkv.connector.transport._sidelimits import FrameDecoder, _split_address
+
+        try:
+            host, port = _split_address(self.address)
+            self._plain = socket.create_connection((host, port), timeout=5.0)
+        except (OSError, FkvError) as e:
+            raise SideChannelError(f"prefill side channel at {self.address} is not reachable: "
+                                   f"{e}") from None
+        self._plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._decoder = FrameDecoder(max_frame=MAX_SIDE_MESSAGE_BYTES)
+
     def send(self, msg: Any) -> None:
+        if self._plain is not None:
+            from fkv.connector.transport._sidelimits import encode_frame
+
+            try:
+                self._plain.settimeout(5.0)
+                self._plain.sendall(encode_frame(encode_message(msg)))
+            except OSError as e:
+                raise SideChannelError(f"the request to {self.address} could not be sent ({e}): "
+                                       f"the prefill rank is not reachable") from None
+            return
         import zmq
 
         try:
             self._sock.send_multipart([b"", encode_message(msg)], zmq.NOBLOCK)
         except zmq.Again:
-            raise SideChannelError(f"the pack request to {self.address} could not be queued "
+            raise SideChannelError(f"the request to {self.address} could not be queued "
                                    f"(the prefill rank is not reachable)") from None
 
-    def wait(self, token: int, deadline: float, spin: float = 0.0) -> Error | Packed | None:
+    def wait(self, token: int, deadline: float, spin: float = 0.0
+             ) -> Error | Packed | Layers | None:
         """The reply to ``token`` (None at the deadline); busy-polls the first ``spin`` s."""
-        import zmq
-
         busy_until = time.monotonic() + spin
         while True:
+            for i, reply in enumerate(self._replies):
+                if reply.token == token:
+                    return self._replies.pop(i)
             now = time.monotonic()
             left = deadline - now
             if left <= 0:
                 return None
-            if now < busy_until:
-                if not self._sock.poll(0, zmq.POLLIN):
+            data = self._recv(0.0 if now < busy_until else left)
+            if data is None:
+                if now < busy_until:
                     continue
-            elif not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
                 return None
-            frames = self._sock.recv_multipart()
             try:
-                reply = decode_reply(frames[-1])
+                reply = decode_reply(data)
             except SideChannelError:
                 continue  # not ours to answer; keep waiting for the real reply
-            if isinstance(reply, Error | Packed) and reply.token == token:
-                return reply
+            if isinstance(reply, Error | Packed | Layers):
+                if reply.token == token:
+                    return reply
+                if len(self._replies) < 64:  # a reply to another pending token (bounded)
+                    self._replies.append(reply)
+
+    def _recv(self, timeout: float) -> bytes | None:
+        if self._plain is not None:
+            import select
+
+            from fkv.connector.transport._sidelimits import SideLimitError
+
+            pending = self._decoder.feed(b"") if self._decoder.buffered else []
+            if pending:
+                self._pending_frames = pending[1:]
+                return pending[0]
+            if getattr(self, "_pending_frames", None):
+                return self._pending_frames.pop(0)
+            if not select.select([self._plain], [], [], max(0.0, timeout))[0]:
+                return None
+            try:
+                data = self._plain.recv(1 << 20)
+            except OSError:
+                data = b""
+            if not data:
+                raise SideChannelError(f"the prefill side channel at {self.address} closed the "
+                                       f"connection")
+            try:
+                frames = self._decoder.feed(data)
+            except SideLimitError as e:
+                raise SideChannelError(f"the prefill side channel at {self.address}: {e}") \
+                    from None
+            if not frames:
+                return None
+            self._pending_frames = frames[1:]
+            return frames[0]
+        import zmq
+
+        if not self._sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
+            return None
+        return self._sock.recv_multipart()[-1]
 
     def close(self) -> None:
-        self._sock.close(0)
+        if self._plain is not None:
+            self._plain.close()
+            self._plain = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+
+class SideServer:
+    """The listening end of a prefill rank's side channel: plain-TCP frames, bounded by
+    construction (``_sidelimits.FrameServer``: frame size checked on its header, one request of
+    a connection at a time, a budget for unfinished frames, deadlines), or with ``curve`` a
+    CURVE-authenticated ZMQ ROUTER (only holders of an allowed key reach it)."""
+
+    def __init__(self, ctx: Any, host: str, port: int, *, curve: Any = None) -> None:
+        self._auth = None
+        self._router = self._frames = None
+        if curve is None:
+            from fkv.connector.transport._sidelimits import FrameServer
+
+            self._frames = FrameServer(f"tcp://{host}:{port}", max_frame=MAX_SIDE_MESSAGE_BYTES,
+                                       max_buffered=2 * MAX_SIDE_MESSAGE_BYTES)
+            self.address = self._frames.address
+            return
+        import zmq
+
+        from fkv.connector.transport._sidelimits import harden_server
+
+        self._router = ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._auth = harden_server(self._router, max_frame=MAX_SIDE_MESSAGE_BYTES, curve=curve)
+        try:
+            self._router.bind(f"tcp://{host}:{port or '*'}")
+        except zmq.ZMQError as e:
+            self.close()
+            raise FkvError(f"'host/port' must be an address to bind (got {host}:{port}): "
+                           f"{e}") from None
+        self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def poll(self, timeout: float) -> list[tuple[Any, bytes | None]]:
+        """Requests that arrived within ``timeout`` s: ``(envelope, payload)``; a ZMQ message
+        of more than one frame comes back with payload None (refuse it)."""
+        if self._frames is not None:
+            return self._frames.poll(timeout)
+        import zmq
+
+        out: list[tuple[Any, bytes | None]] = []
+        if not self._router.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
+            return out
+        for _ in range(64):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) >= 3 and frames[1] == b"":
+                envelope, body = frames[:2], frames[2:]
+            else:
+                envelope, body = frames[:1], frames[1:]
+            out.append((envelope, body[0] if len(body) == 1 else None))
+        return out
+
+    def reply(self, envelope: Any, payload: bytes) -> bool:
+        if self._frames is not None:
+            return self._frames.reply(envelope, payload)
+        import zmq
+
+        try:
+            self._router.send_multipart([*envelope, payload], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def stats(self) -> dict[str, int]:
+        return self._frames.stats() if self._frames is not None else {}
+
+    def close(self) -> None:
+        if self._frames is not None:
+            self._frames.close()
+            self._frames = None
+        if self._router is not None:
+            self._router.close(0)
+            self._router = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None

@@ -77,12 +77,12 @@ def attend(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table:
             c_hi = min(c_lo + _QUERY_CHUNK, q_hi)
             qc = q[c_lo:c_hi].to(acc_dtype)                                          # [n, Hq, D]
             s = torch.einsum("qhd,khd->hqk", qc, k) * prob.scale
-            if softcap is not None:
-                s = softcap * torch.tanh(s / softcap)
+            if prob.softcap is not None:
+                s = prob.softcap * torch.tanh(s / prob.softcap)
             pos = length - (q_hi - q_lo) + torch.arange(c_lo - q_lo, c_hi - q_lo, device=q.device)
             visible = key_pos[None, :] <= pos[:, None]
-            if sliding_window is not None:
-                visible &= key_pos[None, :] > pos[:, None] - sliding_window
+            if prob.window is not None:
+                visible &= key_pos[None, :] > pos[:, None] - prob.window
             s = s.masked_fill(~visible, float("-inf"))
             out[c_lo:c_hi] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
     return out

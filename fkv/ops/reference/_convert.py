@@ -61,7 +61,7 @@ def _run(m: _Move) -> None:
 
 def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
          dst: torch.Tensor, dst_spec: KVCacheSpec, dst_block_ids: Any, *,
-         src_heads: tuple[int, int] | None = None, dst_heads: tuple[int, int] | None = None,
+         src_heads: Any = None, dst_heads: Any = None,
          num_tokens: int | None = None) -> None:
     """Reference of :func:`fkv.ops.move` (token ``i``: ``ids[i // N]`` slot ``i % N``).
 
@@ -103,7 +103,7 @@ def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any 
 
 
 def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
-           heads: tuple[int, int] | None = None, out: torch.Tensor | None = None,
+           heads: tuple[int, int] | slice | None = None, out: torch.Tensor | None = None,
            num_tokens: int | None = None, block_size: int | None = None) -> torch.Tensor:
     """Reference of :func:`fkv.ops.relayout.gather` (staging ``[n, 2, h, N, D]``; mla ``[n, N, D]``).
 
@@ -120,7 +120,7 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
 
 
 def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
-            heads: tuple[int, int] | None = None, num_tokens: int | None = None,
+            heads: tuple[int, int] | slice | None = None, num_tokens: int | None = None,
             block_size: int | None = None) -> None:
     """Reference of :func:`fkv.ops.relayout.scatter`, the inverse of :func:`gather`.
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fkv.errors import FkvError
 from fkv.layout import KVCacheSpec
-from fkv.ops._spec import check_cache
+from fkv.ops._spec import check_cache, join_kv_views
 from fkv.tensors import require_torch, torch_dtype
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
     Same contract as :func:`fkv.ops.write_kv`: ``key``/``value`` ``[T, H, D]`` with any strides
     (MLA: ``key`` ``[T, D]`` or ``[T, 1, D]``, ``value`` ignored); ``cache`` one layer's logical
     view of ``spec`` (triton/flashinfer ``(NB, 2, N, H, D)``, flash_attn ``(2, NB, N, H, D)``, mla
-    ``(NB, N, D)``, in NHD or HND strides); negative slots write nothing; fp8 caches store
+    ``(NB, N, D)``, in NHD or HND strides) or its ``(key_cache, value_cache)`` halves; negative slots write nothing; fp8 caches store
     ``x / scale`` saturated to the fp8 range. ``validate`` (default: on for CPU tensors) raises on
     slots ``>= num_blocks * block_size``; with it off such tokens are skipped.
 
@@ -179,6 +179,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
     (True, True)
     """
     torch = require_torch()
+    cache = join_kv_views(cache, spec)
     ins = check_write_inputs(key, value, cache, slot_mapping, spec, k_scale, v_scale)
     if validate is None:
         validate = slot_mapping.device.type == "cpu"

@@ -1,0 +1,534 @@
+"""Peer NIXL agent metadata never reaches our agent unchecked.
+
+NIXL's ``add_remote_agent(blob)`` hands the peer's bytes to NIXL's deserializer and then to UCX,
+which trusts them: setting the first byte of the UCX worker address to 0xff aborts the process
+(``Assertion `*addr_version == UCP_OBJECT_VERSION_V2'``), random byte flips give SIGSEGV, and a
+non-UTF-8 agent name raises ``UnicodeDecodeError`` *after* the agent was added. NIXL offers no
+validating call (``check_remote_metadata`` only asks whether an agent is already loaded), so fkv
+checks a blob in two steps before its own agent sees it:
+
+1. :func:`parse_agent_metadata`, a structural parse of NIXL's serialization (``nixlSerDes``,
+   below) with a bound on every length and count: truncations, insertions and most flips outside
+   the opaque UCX fields give :class:`~fkv.errors.FkvError` here, in microseconds; the agent name
+   must be UTF-8.
+2. :func:`probe_agent_metadata`, ``add_remote_agent`` of the blob in a short-lived child process
+   (``sys.executable -c``, the blob on stdin, a fresh NIXL agent with the UCX backend, killed at
+   the timeout): a child that dies, fails or hangs means refuse. The opaque UCX worker address and
+   remote keys can only be judged this way. The child *connects* to the peer, as our agent would.
+
+:func:`check_agent_metadata` runs both and caches verdicts by the blob's SHA-256 (a reconnect to
+the same peer re-checks nothing); :func:`add_remote_checked` checks, adds, verifies the name NIXL
+returns and removes the agent again if anything after the add fails, so nothing is left added.
+
+The format (nixl 1.5; every field ``<tag><u64 little-endian length><value>|``)::
+
+    nixlSerDes|
+    Agent <name> | Conns <u64 count> |  then per backend:  t <backend name> | c <conn info> |
+    "" MemSection | nixlSecElms <u64 count> |  then per section:
+        bknd <backend> | nixlDList nixlSDList | t <u32 mem type> | n <u64 count> |
+        then per descriptor:  "" <u64 addr, u64 len, u64 dev, backend bytes (remote key)> |
+
+>>> parse_agent_metadata(b"nixlSerDes|Agent\\x02" + bytes(7) + b"p0|")
+Traceback (most recent call last):
+  ...
+fkv.errors.FkvError: peer NIXL agent metadata refused (nothing was added): the blob ends at byte 27, where field 'Conns' was expected; it is not NIXL agent metadata of the format this fkv knows (nixl 1.5): check that the peer runs the same fkv and NIXL versions
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import re
+import selectors
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import attrs
+
+from fkv.errors import FkvError
+
+__all__ = [
+    "MAX_NAME_BYTES", "AgentMetadata", "MetadataProbeTimeout", "Section", "add_remote_checked",
+    "check_agent_metadata", "check_agent_metadata_many", "check_each", "decode_peer_str",
+    "parse_agent_metadata", "probe_agent_metadata",
+]
+
+_HEADER = b"nixlSerDes|"
+#: Longest agent name accepted (UTF-8 bytes).
+MAX_NAME_BYTES = 1024
+_MAX_BACKENDS = 16
+_MAX_BACKEND_NAME = 64
+_MAX_CONN_INFO = 1 << 16
+_MAX_SECTIONS = 64
+_MAX_DESCS = 1 << 20
+_MAX_DESC_BYTES = 24 + (1 << 16)
+_NAME = re.compile(rb"[A-Za-z0-9_]+")
+_MEM_TYPES = {0: "DRAM", 1: "VRAM", 2: "BLK", 3: "OBJ", 4: "FILE"}
+_FIX = ("it is not NIXL agent metadata of the format this fkv knows (nixl 1.5): check that the "
+        "peer runs the same fkv and NIXL versions")
+
+
+@attrs.frozen
+class Section:
+    """Registered memory of one backend and memory type: ``descs`` are ``(addr, len, dev)``."""
+
+    backend: str
+    mem_type: str
+    descs: tuple[tuple[int, int, int], ...]
+
+
+@attrs.frozen
+class AgentMetadata:
+    """What a blob announces: the agent's name, its backends (with the size of each one's
+    connection info) and its registered memory."""
+
+    name: str
+    backends: tuple[tuple[str, int], ...]
+    sections: tuple[Section, ...]
+    #: ``(offset, length)`` of each backend's connection info inside the blob (for UCX: the
+    #: packed UCP worker address, whose first byte carries its version)
+    conn_spans: tuple[tuple[int, int], ...] = ()
+
+    def covers(self, base: int, nbytes: int, mem_type: str) -> bool:
+        """Whether ``[base, base + nbytes)`` lies inside one registered descriptor."""
+        return any(s.mem_type == mem_type and a <= base and base + nbytes <= a + n
+                   for s in self.sections for a, n, _ in s.descs)
+
+
+def _refuse(what: str, fix: str = _FIX) -> FkvError:
+    return FkvError(f"peer NIXL agent metadata refused (nothing was added): {what}; {fix}")
+
+
+def decode_peer_str(field: str, raw: Any, *, max_bytes: int = MAX_NAME_BYTES) -> str:
+    """A string a peer sent (bytes or str), as str: UTF-8, at most ``max_bytes``, no control
+    characters; FkvError naming ``field`` otherwise (never ``UnicodeDecodeError``).
+
+    >>> decode_peer_str("agent name", b"fkv-decode-1")
+    'fkv-decode-1'
+    >>> decode_peer_str("agent name", b"\\xff")
+    Traceback (most recent call last):
+      ...
+    fkv.errors.FkvError: 'agent name' must be UTF-8 text from the peer (got b'\\xff'): the peer sent it; nothing was added
+    """
+    if isinstance(raw, bytes | bytearray | memoryview):
+        raw = bytes(raw)
+        if len(raw) > max_bytes:
+            raise FkvError(f"{field!r} must be at most {max_bytes} bytes (got {len(raw)}): the "
+                           f"peer sent it; nothing was added")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FkvError(f"{field!r} must be UTF-8 text from the peer (got {raw[:64]!r}): the "
+                           f"peer sent it; nothing was added") from None
+    elif isinstance(raw, str):
+        text = raw
+        if len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+            raise FkvError(f"{field!r} must be at most {max_bytes} bytes (got {len(text)} "
+                           f"characters): the peer sent it; nothing was added")
+    else:
+        raise FkvError(f"{field!r} must be text from the peer (got {type(raw).__name__}); "
+                       f"nothing was added")
+    if not text or any(ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) <= 0xDFFF for c in text):
+        raise FkvError(f"{field!r} must be non-empty printable text (got {text[:64]!r}): the peer "
+                       f"sent it; nothing was added")
+    return text
+
+
+# -- 1. the structural parse --------------------------------------------------------------------
+
+class _Reader:
+    def __init__(self, blob: bytes) -> None:
+        self.blob, self.pos = blob, 0
+
+    def field(self, tag: bytes, lo: int, hi: int) -> bytes:
+        """The value of the next field, which must carry ``tag`` and be ``lo..hi`` bytes long."""
+        blob, at = self.blob, self.pos
+        if blob[at:at + len(tag)] != tag:
+            if at + len(tag) > len(blob):
+                raise _refuse(f"the blob ends at byte {len(blob)}, where field "
+                              f"{tag.decode()!r} was expected")
+            raise _refuse(f"byte {at} starts {blob[at:at + 12]!r}, expected field "
+                          f"{tag.decode()!r}")
+        at += len(tag)
+        if at + 8 > len(blob):
+            raise _refuse(f"the blob ends at byte {len(blob)} inside the length of "
+                          f"{tag.decode()!r}")
+        n = int.from_bytes(blob[at:at + 8], "little")
+        at += 8
+        if not lo <= n <= hi:
+            raise _refuse(f"field {tag.decode()!r} at byte {self.pos} says {n} bytes; it must "
+                          f"be {lo}..{hi}")
+        if at + n + 1 > len(blob):
+            raise _refuse(f"field {tag.decode()!r} at byte {self.pos} says {n} bytes but only "
+                          f"{max(0, len(blob) - at - 1)} follow")
+        if blob[at + n:at + n + 1] != b"|":
+            raise _refuse(f"field {tag.decode()!r} at byte {self.pos} is not closed by '|' "
+                          f"(found {blob[at + n:at + n + 1]!r})")
+        self.pos = at + n + 1
+        return blob[at:at + n]
+
+    def count(self, tag: bytes, hi: int, width: int = 8) -> int:
+        n = int.from_bytes(self.field(tag, width, width), "little")
+        if n > hi:
+            raise _refuse(f"field {tag.decode()!r} counts {n}; at most {hi} are accepted")
+        return n
+
+    def text(self, tag: bytes, hi: int, what: str) -> str:
+        raw = self.field(tag, 1, hi)
+        if not _NAME.fullmatch(raw):
+            raise _refuse(f"{what} {raw[:32]!r} is not a name of ASCII letters, digits and '_'")
+        return raw.decode()
+
+
+def parse_agent_metadata(blob: Any) -> AgentMetadata:
+    """Parse a peer's NIXL agent metadata without handing it to NIXL; FkvError if it is not
+    exactly one well-formed blob (see the module docstring for the format).
+
+    >>> import nixl  # doctest: +SKIP
+    >>> parse_agent_metadata(my_agent.get_agent_metadata()).name  # doctest: +SKIP
+    'fkv-prefill-1234-ab12cd34'
+    """
+    if not isinstance(blob, bytes | bytearray | memoryview):
+        raise _refuse(f"it is a {type(blob).__name__}, not bytes", "this is a bug in the caller")
+    blob = bytes(blob)
+    if not blob.startswith(_HEADER):
+        raise _refuse(f"it starts {blob[:16]!r}, not {_HEADER!r}")
+    r = _Reader(blob)
+    r.pos = len(_HEADER)
+    raw_name = r.field(b"Agent", 1, MAX_NAME_BYTES)
+    name = decode_peer_str("agent name", raw_name)
+    backends, spans = [], []
+    for _ in range(r.count(b"Conns", _MAX_BACKENDS)):
+        backend = r.text(b"t", _MAX_BACKEND_NAME, "backend name")
+        n = len(r.field(b"c", 1, _MAX_CONN_INFO))
+        backends.append((backend, n))
+        spans.append((r.pos - 1 - n, n))
+    if r.field(b"", 10, 10) != b"MemSection":
+        raise _refuse(f"no 'MemSection' marker at byte {r.pos}")
+    sections = []
+    known = {b for b, _ in backends}
+    for _ in range(r.count(b"nixlSecElms", _MAX_SECTIONS)):
+        backend = r.text(b"bknd", _MAX_BACKEND_NAME, "section backend")
+        if backend not in known:
+            raise _refuse(f"a memory section names backend {backend!r}, which has no "
+                          f"connection info (backends: {sorted(known)})")
+        if r.field(b"nixlDList", 10, 10) != b"nixlSDList":
+            raise _refuse(f"a memory section of {backend!r} is not a nixlSDList")
+        code = r.count(b"t", len(_MEM_TYPES) - 1, width=4)
+        descs = []
+        for _ in range(r.count(b"n", _MAX_DESCS)):
+            raw = r.field(b"", 24, _MAX_DESC_BYTES)
+            addr, length, dev = (int.from_bytes(raw[i:i + 8], "little") for i in (0, 8, 16))
+            if length == 0 or addr + length > (1 << 64):
+                raise _refuse(f"a descriptor of {backend!r} is [{addr:#x}, +{length}), not a "
+                              f"non-empty range of the address space")
+            descs.append((addr, length, dev))
+        sections.append(Section(backend, _MEM_TYPES[code], tuple(descs)))
+    if r.pos != len(blob):
+        raise _refuse(f"{len(blob) - r.pos} unexpected bytes follow the metadata at byte {r.pos}")
+    return AgentMetadata(name, tuple(backends), tuple(sections), tuple(spans))
+
+
+# -- 2. the probe ------------------------------------------------------------------------------
+
+class MetadataProbeTimeout(FkvError):
+    """The probe child did not finish in time: nothing is known about the blob (not cached).
+    ``verdicts`` holds those of the blobs probed before the time ran out."""
+
+    verdicts: tuple[str | None, ...] = ()
+
+
+# The child: its own NIXL agent (UCX backend); per blob, on stdin: u64 length, the blob, u64
+# length, the agent name our parse read from it. One line per blob on a private copy of stdout
+# ("T" before, "A" or "E msg" after); anything NIXL or UCX print goes to stderr. After a
+# refusal it removes what NIXL kept of the agent (NIXL keeps the connection info of a blob whose
+# memory section failed) and stops: the next blob gets a fresh child, so no verdict depends on
+# what an earlier blob left behind.
+_CHILD = r"""
+import os, sys, importlib, uuid
+out = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+B = importlib.import_module(sys.argv[1] + "._bindings")
+cfg = B.nixlAgentConfig()
+cfg.useProgThread = False
+cfg.useListenThread = False
+agent = B.nixlAgent("fkv-probe-" + uuid.uuid4().hex, cfg)
+agent.createBackend("UCX", {})
+out.write("R\n")
+inp = sys.stdin.buffer
+def take():
+    head = inp.read(8)
+    return inp.read(int.from_bytes(head, "little")) if len(head) == 8 else None
+while True:
+    blob, name = take(), take()
+    if blob is None or name is None:
+        break
+    out.write("T\n")
+    try:
+        got = agent.loadRemoteMD(blob)
+    except Exception as e:
+        try:
+            agent.invalidateRemoteMD(name)
+        except Exception:
+            pass
+        out.write(f"E {type(e).__name__}: {str(e)[:200]!r}\n")
+        break
+    try:
+        agent.invalidateRemoteMD(got)
+    except Exception:
+        pass
+    out.write("A\n")
+"""
+
+
+def _backend_package() -> str:
+    """The NIXL wheel package the parent uses (``nixl_cu12``, ``nixl_cu13``...), so the child
+    imports its bindings directly: no torch import, the same build."""
+    mod = sys.modules.get("nixl._api")
+    if mod is not None and getattr(mod, "__name__", "").endswith("._api"):
+        return mod.__name__.rsplit(".", 1)[0]
+    from fkv.connector.transport._agent import load_nixl
+
+    return load_nixl()._api.__name__.rsplit(".", 1)[0]
+
+
+def probe_agent_metadata(blobs: list[bytes], *, timeout: float) -> list[str | None]:
+    """Add each blob to a NIXL agent in a child process, in order; one entry per blob: None
+    (added and removed again), or why it was refused (the child died or NIXL refused it). A
+    child serves blobs until one is refused or kills it; the rest go to a fresh child (started
+    ahead while more than one blob is left, so a refusal costs little). Blobs must parse
+    (:func:`parse_agent_metadata`). Raises :class:`MetadataProbeTimeout` when ``timeout``
+    seconds (the whole call) run out; every child is gone when it returns or raises.
+
+    >>> probe_agent_metadata([b"garbage"], timeout=30)  # doctest: +SKIP
+    ["NIXL refused it: nixlBackendError: 'NIXL_ERR_...'"]
+    """
+    deadline = time.monotonic() + timeout
+    package = _backend_package()
+    verdicts: list[str | None] = []
+    child = spare = None
+    try:
+        while len(verdicts) < len(blobs):
+            i = len(verdicts)
+            if child is None:
+                child, spare = spare or _Child(package), None
+            if spare is None and len(blobs) - i > 1:
+                spare = _Child(package)
+            try:
+                why, alive = child.probe(i, blobs[i], deadline, len(blobs))
+            except MetadataProbeTimeout as e:
+                e.verdicts = tuple(verdicts)
+                raise
+            verdicts.append(why)
+            if not alive:
+                child.close()
+                child = None
+        return verdicts
+    finally:
+        for c in (child, spare):
+            if c is not None:
+                c.close()
+
+
+class _Child:
+    """One probe process (see ``_CHILD``): started at once, used in lockstep, killed at close."""
+
+    def __init__(self, package: str) -> None:
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, package],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err, close_fds=True)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.proc.stdout, selectors.EVENT_READ)
+        self.buf = b""
+        self.ready = False
+
+    def line(self, deadline: float, what: str) -> str | None:
+        """The child's next line (None: it exited); MetadataProbeTimeout at the deadline."""
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sel.select(left):
+                raise MetadataProbeTimeout(
+                    f"peer NIXL agent metadata not checked: the probe process did not finish "
+                    f"within the timeout ({what}); nothing was added: retry with a longer "
+                    f"timeout")
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                return None
+            self.buf += chunk
+        text, self.buf = self.buf.split(b"\n", 1)
+        return text.decode("utf-8", "replace")
+
+    def probe(self, i: int, blob: bytes, deadline: float, n: int) -> tuple[str | None, bool]:
+        """``(verdict, child still usable)`` for blob ``i`` of ``n``."""
+        what = f"blob {i + 1} of {n}"
+        if not self.ready:
+            if self.line(deadline, f"starting a NIXL agent for {what}") != "R":
+                raise FkvError(f"the NIXL metadata probe could not start a NIXL agent with the "
+                               f"UCX backend: {self.tail()}")
+            self.ready = True
+        name = parse_agent_metadata(blob).name.encode()
+        try:
+            self.proc.stdin.write(len(blob).to_bytes(8, "little") + blob
+                                  + len(name).to_bytes(8, "little") + name)
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died; reading says so
+        got = self.line(deadline, what)
+        if got == "T":
+            got = self.line(deadline, what)
+        if got is None:
+            return f"it kills the process that adds it ({self.tail()})", False
+        if got == "A":
+            return None, True
+        if got.startswith("E "):
+            return f"NIXL refused it: {got[2:][:240]}", False
+        raise FkvError(f"the NIXL metadata probe answered {got[:80]!r}")
+
+    def tail(self) -> str:
+        """How the child ended and the last line it wrote to stderr."""
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        code = self.proc.returncode
+        how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        self.err.seek(0, os.SEEK_END)
+        self.err.seek(max(0, self.err.tell() - 4096))
+        lines = [x for x in self.err.read().decode("utf-8", "replace").splitlines() if x.strip()]
+        return how + (f": {lines[-1].strip()[:200]}" if lines else "")
+
+    def close(self) -> None:
+        self.sel.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.err):
+            try:
+                f.close()
+            except OSError:
+                continue
+
+
+# -- both, cached ---------------------------------------------------------------------------------
+
+_CACHE: collections.OrderedDict[bytes, AgentMetadata | str] = collections.OrderedDict()
+_CACHE_SIZE = 1024
+_LOCK = threading.Lock()
+
+
+def check_agent_metadata(blob: Any, *, timeout: float) -> AgentMetadata:
+    """Parse ``blob`` and probe it in a child process (verdicts cached by SHA-256); FkvError
+    saying what was wrong, that the peer sent it and that nothing was added.
+
+    >>> check_agent_metadata(peer_blob, timeout=10).name  # doctest: +SKIP
+    'fkv-prefill-1234-ab12cd34'
+    """
+    return check_agent_metadata_many([blob], timeout=timeout)[0]
+
+
+def check_agent_metadata_many(blobs: list[Any], *, timeout: float) -> list[AgentMetadata]:
+    """:func:`check_agent_metadata` of several blobs (e.g. every prefill rank's) in one probe
+    process: the cost of starting one is paid once. FkvError at the first refused blob."""
+    verdicts = check_each(blobs, timeout=timeout)
+    for i, v in enumerate(verdicts):
+        if isinstance(v, FkvError):
+            raise FkvError(f"blob {i} of {len(blobs)}: {v}") if len(blobs) > 1 else v
+    return verdicts  # type: ignore[return-value]
+
+
+def check_each(blobs: list[Any], *, timeout: float) -> list[AgentMetadata | FkvError]:
+    """One verdict per blob: its :class:`AgentMetadata`, or the FkvError refusing it (a
+    :class:`MetadataProbeTimeout` for blobs the probe could not finish in time: not cached)."""
+    out: list[AgentMetadata | FkvError | None] = [None] * len(blobs)
+    todo: dict[bytes, list[int]] = {}
+    parsed: dict[bytes, AgentMetadata] = {}
+    for i, blob in enumerate(blobs):
+        try:
+            meta = parse_agent_metadata(blob)
+        except FkvError as e:
+            out[i] = e
+            continue
+        key = hashlib.sha256(blob).digest()
+        with _LOCK:
+            known = _CACHE.get(key)
+            if known is not None:
+                _CACHE.move_to_end(key)
+        if known is not None:
+            out[i] = known if isinstance(known, AgentMetadata) else _refuse(known, _PROBE_FIX)
+        else:
+            todo.setdefault(key, []).append(i)
+            parsed[key] = meta
+    if todo:
+        keys = list(todo)
+        try:
+            verdicts = probe_agent_metadata([bytes(blobs[todo[k][0]]) for k in keys],
+                                            timeout=timeout)
+        except MetadataProbeTimeout as e:  # keep what was probed; the rest is not known
+            verdicts = [*e.verdicts, *[e] * (len(keys) - len(e.verdicts))]
+        with _LOCK:
+            for key, why in zip(keys, verdicts, strict=True):
+                if not isinstance(why, FkvError):
+                    _CACHE[key] = parsed[key] if why is None else why
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+        for key, why in zip(keys, verdicts, strict=True):
+            for i in todo[key]:
+                out[i] = (why if isinstance(why, FkvError) else parsed[key] if why is None
+                          else _refuse(why, _PROBE_FIX))
+    return out  # type: ignore[return-value]
+
+
+_PROBE_FIX = ("the peer sent it; NIXL would have been handed bytes it cannot take: check the "
+              "peer's fkv and NIXL versions and that it is the engine you meant to reach")
+
+
+def add_remote_checked(agent: Any, blob: Any, *, timeout: float) -> str:
+    """Check ``blob`` (:func:`check_agent_metadata`), add it to ``agent`` (a ``nixl_agent``) and
+    return the remote agent's name; if NIXL refuses it or names it otherwise than the blob did,
+    the agent is removed again and FkvError raised: nothing is left added.
+
+    >>> add_remote_checked(my_nixl_agent, peer_blob, timeout=10)  # doctest: +SKIP
+    'fkv-prefill-1234-ab12cd34'
+    """
+    meta = check_agent_metadata(blob, timeout=timeout)
+    if agent.check_remote_metadata(meta.name):
+        raise FkvError(f"the peer's agent {meta.name!r} is already added to this agent; nothing "
+                       f"was added: remove it first (a reconnect removes the old connection's "
+                       f"peers before adding)")
+    try:
+        raw = agent.add_remote_agent(bytes(blob))
+    except Exception as e:  # NIXL may keep the connection info of a blob it refused: drop it
+        _remove(agent, meta.name)
+        raise FkvError(f"NIXL refused the peer's agent metadata ({type(e).__name__}: {e}); "
+                       f"nothing was added: is the peer {meta.name!r} still running?") from None
+    try:
+        name = decode_peer_str("agent name", raw)
+        if name != meta.name:
+            raise FkvError(f"NIXL added the peer as {name!r} but its metadata says {meta.name!r}; "
+                           f"nothing was added")
+    except FkvError:
+        _remove(agent, raw if isinstance(raw, bytes | str) else meta.name)
+        _remove(agent, meta.name)
+        raise
+    return name
+
+
+def _remove(agent: Any, name: Any) -> None:
+    try:
+        agent.remove_remote_agent(name)
+    except Exception:  # not added (refused before), or already gone
+        return
+
+
+def _clear_cache() -> None:
+    """Forget every verdict (tests)."""
+    with _LOCK:
+        _CACHE.clear()

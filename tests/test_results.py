@@ -1,0 +1,180 @@
+"""The result files of ``bench/results/``: writer, schema, and every committed file valid."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from fkv import FkvError
+from fkv.bench import results
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = sorted((ROOT / "bench" / "results").glob("*.json"))
+SAMPLE = ROOT / "tests" / "data"
+
+
+def _run(**kw) -> results.Run:
+    env = {"gpu": "NVIDIA H200", "torch": "2.11.0", "git_commit": "abc", "env_vars": {}}
+    run = results.Run("write", config={"quick": False}, env=env, **kw)
+    run.created = "2026-12-01T10:20:30Z"
+    return run
+
+
+def test_every_committed_result_file_is_valid() -> None:
+    """Each file loads under the schema, is named after its bench and time, and names its commit
+    (an empty folder passes: results arrive with GPU runs)."""
+    for path in COMMITTED:
+        f = results.load(path)
+        stem = f"{f.bench}-{f.created.replace('-', '').replace(':', '')}"
+        assert path.stem == stem or path.stem.startswith(stem + "-"), (path.name, f.created)
+        assert f.env.get("git_commit"), f"{path.name}: no git commit in its env header"
+
+
+@pytest.mark.parametrize("path", sorted(SAMPLE.glob("*.json")), ids=lambda p: p.name)
+def test_sample_files_are_valid(path: Path) -> None:
+    assert results.load(path).cases
+
+
+def test_write_names_the_file_by_bench_and_utc_time_and_round_trips(tmp_path: Path) -> None:
+    run = _run()
+    run.ceiling("copy_gbps", 4228)
+    run.add("prefill 65536 NHD bfloat16", params={"tokens": 65536, "layout": "NHD"},
+            metrics={"gbps": 3647.5, "pct_of_copy": 86.25, "graph_us": None, "calls_count": 3})
+    first = results.write(run, results_dir=tmp_path)
+    second = results.write(run, results_dir=tmp_path)
+    assert (first.name, second.name) == ("write-20261201T102030Z.json",
+                                         "write-20261201T102030Z-2.json")
+    doc = json.loads(first.read_text())
+    assert doc["schema"] == "fkv.bench/1"
+    assert doc["ceilings"] == {"copy_gbps": 4228.0}
+    assert doc["cases"] == [{
+        "case": "prefill 65536 NHD bfloat16",
+        "params": {"tokens": 65536, "layout": "NHD"},
+        "metrics": {"gbps": 3647.5, "pct_of_copy": 86.25, "graph_us": None, "calls_count": 3.0},
+        "units": {"gbps": "GB/s", "pct_of_copy": "%", "graph_us": "us", "calls_count": "1"}}]
+    assert results.load(first) == run.to_file()
+
+
+def test_json_path_wins_over_the_folder(tmp_path: Path) -> None:
+    path = results.write(_run(), json_path=tmp_path / "x.json", results_dir=tmp_path / "no")
+    assert path == tmp_path / "x.json" and path.exists() and not (tmp_path / "no").exists()
+
+
+def test_default_folder_follows_fkv_results_dir(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FKV_RESULTS_DIR", str(tmp_path / "r"))
+    assert results.default_results_dir() == tmp_path / "r"
+    assert results.write(_run()).parent == tmp_path / "r"
+    monkeypatch.delenv("FKV_RESULTS_DIR")
+    assert results.default_results_dir() == ROOT / "bench" / "results"
+
+
+def test_save_follows_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    parser = argparse.ArgumentParser()
+    results.add_output_arguments(parser)
+    run = _run()
+    assert results.save(run, parser.parse_args(["--no-save", "--json", "x"])) is None
+    smoke = parser.parse_args([])
+    assert results.save(run, smoke, by_default=False) is None
+    path = results.save(run, parser.parse_args(["--results-dir", str(tmp_path)]),
+                        by_default=False)
+    assert path == tmp_path / "write-20261201T102030Z.json"
+    assert capsys.readouterr().out == f"results: {path}\n"
+    assert parser.parse_args(["--plot", "p.png"]).plot == "p.png"
+
+
+def test_unit_of_reads_the_suffix_and_refuses_names_without_one() -> None:
+    assert [results.unit_of(m) for m in ("gbps", "sdpa_ms", "eager_us", "wall_s", "request_bytes",
+                                         "ratio_to_link_x", "pct_of_copy", "tflops")] == [
+        "GB/s", "ms", "us", "s", "B", "x", "%", "TFLOP/s"]
+    with pytest.raises(FkvError, match=r"'metric' must be a name ending in a unit suffix .* "
+                                       r"\(got 'speedup'\)"):
+        results.unit_of("speedup")
+
+
+def test_add_refuses_a_case_twice() -> None:
+    run = _run()
+    run.add("a", metrics={"gbps": 1})
+    with pytest.raises(FkvError, match=r"'case' must be unique within a run \(got 'a'\)"):
+        run.add("a")
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d.update(schema="fkv.bench/0"), r"'schema' must be 'fkv.bench/1' \(got 'fkv.bench/0'\)"),
+    (lambda d: d.update(created="2026-12-01 10:20"), r"'created' must be UTC .* \(got '2026-12-01 10:20'\)"),
+    (lambda d: d["cases"][0]["metrics"].update(gbps="fast"), r"Expected `float \| null`, got `str`"),
+    (lambda d: d["cases"][0].update(speed=1), r"Object contains unknown field `speed`"),
+    (lambda d: d["cases"].append(dict(d["cases"][0])), r"'cases\[1\].case' must be unique"),
+    (lambda d: d["cases"][0]["units"].pop("gbps"), r"must name a unit for every metric \(missing \['gbps'\]"),
+    (lambda d: d.pop("env"), r"Object missing required field `env`"),
+])
+def test_check_names_what_is_wrong(edit, message) -> None:
+    run = _run()
+    run.add("a", metrics={"gbps": 1.0})
+    doc = json.loads(json.dumps(results.msgspec.to_builtins(run.to_file())))
+    edit(doc)
+    with pytest.raises(FkvError, match=message):
+        results.check(doc, source="f.json")
+
+
+def test_latest_case_comes_from_the_newest_file_unless_it_errored() -> None:
+    old, new = _run(), _run()
+    new.created = "2026-12-02T00:00:00Z"
+    old.add("a", metrics={"gbps": 1})
+    old.add("b", metrics={"gbps": 2})
+    new.add("a", metrics={"gbps": 3})
+    new.add("b", error="RuntimeError: boom")
+    latest = results.latest_cases([new.to_file(), old.to_file()])
+    assert {k: (c.metrics.get("gbps"), f.created) for k, (c, f) in latest.items()} == {
+        ("write", "a"): (3.0, "2026-12-02T00:00:00Z"), ("write", "b"): (2.0, "2026-12-01T10:20:30Z")}
+
+
+def test_environment_header_names_versions_git_and_ucx(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "cuda_ipc,tcp")
+    monkeypatch.setenv("FKV_RESULTS_DIR", "somewhere")       # a local path: never recorded
+    env = results.environment("cpu")
+    assert "FKV_RESULTS_DIR" not in env["env_vars"]
+    assert env["env_vars"] == {"UCX_TLS": "cuda_ipc,tcp"} | {
+        k: v for k, v in env["env_vars"].items() if k != "UCX_TLS"}
+    for key in ("torch", "triton", "nixl", "python", "git_commit", "git_dirty", "date", "host"):
+        assert env[key] is not None, key
+    assert env["device"] == "cpu" and env["gpu"] is None
+    assert len(env["git_commit"]) == 40
+
+
+def test_json_schema_is_exported() -> None:
+    schema = results.json_schema()
+    props = schema["$defs"]["ResultFile"]["properties"]
+    assert set(props) == {"schema", "bench", "created", "env", "cases", "config", "ceilings",
+                          "extra"}
+
+
+def test_a_test_run_leaves_a_summary_in_fkv_results_dir(tmp_path: Path) -> None:
+    """tests/conftest.py: with FKV_RESULTS_DIR set, pytest writes tests-<UTC>.json (bench
+    "tests") with the run's counts, its marker expression and the machine."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FKV_RESULTS_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    "tests/test_results.py", "-k", "unit_of or refuses_a_case", "-m", "not gpu"],
+                   cwd=ROOT, env=env, check=True, capture_output=True)
+    (path,) = tmp_path.glob("tests-*.json")
+    f = results.load(path)
+    (case,) = f.cases
+    assert (f.bench, case.case, case.params["markers"]) == ("tests", "pytest -m not gpu", "not gpu")
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p",
+                             "no:cacheprovider", "tests/test_results.py"], cwd=ROOT,
+                            env={k: v for k, v in env.items() if k != "FKV_RESULTS_DIR"},
+                            check=True, capture_output=True, text=True).stdout
+    total = sum("::" in line for line in listed.splitlines())
+    assert {k: v for k, v in case.metrics.items() if k != "duration_s"} == {
+        "passed_count": 2, "failed_count": 0, "skipped_count": 0, "xfailed_count": 0,
+        "xpassed_count": 0, "errors_count": 0, "deselected_count": case.metrics["deselected_count"]}
+    assert case.metrics["deselected_count"] == total - 2 > 20
+    assert 0 < case.metrics["duration_s"] < 600
+    assert f.env["device"] in ("cpu", "cuda") and f.env["git_commit"]

@@ -1,0 +1,345 @@
+"""Side-channel limits (fkv.connector.transport._sidelimits) with real processes: what libzmq does with
+big and many-frame messages (measured, pinned), the bounded framing server that replaces it for
+untrusted peers, and ZMQ CURVE with a client allow-list."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fkv.connector.transport import _sidelimits as S
+
+zmq = pytest.importorskip("zmq")
+
+pytestmark = pytest.mark.transport
+
+MiB = 1 << 20
+ROOT = str(pathlib.Path(S.__file__).resolve().parents[2])
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+
+# A side-channel server in its own process: mode "frame" (FrameServer) or "router" (a hardened
+# ROUTER; CURVE keys from argv). Answers b"rss" with its resident set size, anything else with
+# b"pong <n bytes>". Prints its address; exits when its stdin closes.
+SERVER = r"""
+import os, sys, threading
+import zmq
+from fkv.connector.transport import _sidelimits as S
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+def answer(req):
+    return str(rss()).encode() if req == b"rss" else b"pong %d" % len(req)
+
+threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+mode, max_frame = sys.argv[1], int(sys.argv[2])
+if mode == "frame":
+    server = S.FrameServer("tcp://127.0.0.1:0", max_frame=max_frame, max_connections=8,
+                           max_buffered=4 * max_frame, idle_timeout=5)
+    print(server.address, flush=True)
+    while True:
+        for conn, req in server.poll(0.05):
+            server.reply(conn, answer(req))
+else:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    curve = None
+    if len(sys.argv) > 3:
+        allowed = frozenset(k.encode() for k in sys.argv[5:]) or None
+        curve = S.CurveKeys(sys.argv[3].encode(), sys.argv[4].encode(), allowed=allowed)
+    auth = S.harden_server(sock, max_frame=max_frame, curve=curve)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    print(f"tcp://127.0.0.1:{port}", flush=True)
+    while True:
+        if sock.poll(50):
+            frames = sock.recv_multipart()
+            sock.send_multipart([frames[0], answer(b"".join(frames[1:]))])
+"""
+
+
+class Server:
+    def __init__(self, mode: str, max_frame: int, *curve: bytes) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, mode, str(max_frame), *(k.decode() for k in curve)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=ENV, text=True)
+        self.address = self.proc.stdout.readline().strip()
+        assert self.address.startswith("tcp://"), self.address
+        self.host, self.port = self.address[6:].rsplit(":", 1)
+        self.port = int(self.port)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def dealer_request(address: str, frames: list[bytes], timeout: float = 2.0, curve=None):
+    """Send one (multipart) message with a DEALER; the reply, or None after ``timeout``."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    S.harden_client(sock, max_frame=S.MAX_FRAME, curve=curve)
+    try:
+        sock.connect(address)
+        sock.send_multipart(frames)
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        return sock.recv_multipart()[-1]
+    finally:
+        sock.close(0)
+
+
+def router_rss(address: str) -> int:
+    return int(dealer_request(address, [b"rss"], timeout=10))
+
+
+def zmtp_connect(port: int) -> socket.socket:
+    """A raw TCP peer that speaks just enough ZMTP 3.0 (NULL mechanism) to send frames by hand."""
+    c = socket.create_connection(("127.0.0.1", port), timeout=5)
+    c.sendall(b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0")
+              + bytes(32))
+    body = bytes([5]) + b"READY" + bytes([11]) + b"Socket-Type" + struct.pack(">I", 6) + b"DEALER"
+    c.sendall(bytes([0x04, len(body)]) + body)
+    got = b""
+    while len(got) < 66:
+        got += c.recv(4096)
+    return c
+
+
+def zmtp_read(c: socket.socket) -> list[bytes]:
+    """The next message's frames from a raw ZMTP peer (commands such as PING skipped)."""
+    def exact(n):
+        out = b""
+        while len(out) < n:
+            chunk = c.recv(n - len(out))
+            assert chunk, "the server closed the connection"
+            out += chunk
+        return out
+    frames = []
+    while True:
+        flags = exact(1)[0]
+        size = int.from_bytes(exact(8 if flags & 2 else 1), "big")
+        body = exact(size)
+        if flags & 4:
+            continue
+        frames.append(body)
+        if not flags & 1:
+            return frames
+
+
+def zmtp_frame(payload: bytes, more: bool) -> bytes:
+    if len(payload) < 256:
+        return bytes([int(more), len(payload)]) + payload
+    return bytes([int(more) | 2]) + struct.pack(">Q", len(payload)) + payload
+
+
+# -- what libzmq does (the reasons for FrameServer) --------------------------------------------------
+
+def test_zmq_maxmsgsize_is_per_frame():
+    with Server("router", MiB) as server:
+        # three frames just under the limit: one 3 MiB message goes through
+        assert dealer_request(server.address, [b"x" * (MiB - 100)] * 3) == b"pong %d" % (
+            3 * (MiB - 100))
+        # one frame over it: that connection is dropped, nothing answered
+        assert dealer_request(server.address, [b"y" * (MiB + 1)], timeout=1) is None
+        assert dealer_request(server.address, [b"ping"]) == b"pong 4"
+
+
+def test_zmq_buffers_a_multipart_message_whole_and_without_bound():
+    """Frames with MORE are not readable until the last one came (the server answers only
+    then), and each empty frame (2 bytes on the wire) costs the server about 64 bytes
+    (a ``zmq_msg_t``), so a few MiB sent become tens of times more in the server."""
+    with Server("router", S.MAX_FRAME) as server:
+        c = zmtp_connect(server.port)
+        c.sendall(zmtp_frame(b"first", True))
+        c.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            zmtp_read(c)            # nothing was delivered to the application: no answer
+        c.sendall(zmtp_frame(b"last", False))
+        c.settimeout(10)
+        assert zmtp_read(c) == [b"pong 9"]   # 'first' + 'last': the whole message at once
+        c.close()
+
+        before = router_rss(server.address)
+        c = zmtp_connect(server.port)
+        one = zmtp_frame(b"", True)
+        frames = 3 * MiB // len(one)   # 3 MiB on the wire, never finished
+        c.sendall(one * frames)
+        grown, t = 0, time.monotonic()
+        while time.monotonic() - t < 10:   # until the server has taken them all in
+            time.sleep(0.3)
+            now = router_rss(server.address) - before
+            if now == grown:
+                break
+            grown = now
+        c.close()
+        print(f"\nROUTER: 3 MiB of empty frames ({frames} frames) grew the server by "
+              f"{grown / MiB:.0f} MiB ({grown / frames:.0f} B per frame)")
+        assert grown > 32 * frames     # > 16x the bytes sent
+
+
+# -- the bounded framing server ----------------------------------------------------------------------
+
+@given(st.lists(st.binary(max_size=40), max_size=8), st.lists(st.integers(1, 50), max_size=30))
+def test_frame_decoder_any_split(payloads, cuts):
+    stream = b"".join(S.encode_frame(p) for p in payloads)
+    decoder, out, at = S.FrameDecoder(max_frame=64), [], 0
+    for cut in cuts:
+        out += decoder.feed(stream[at:at + cut])
+        at += cut
+    out += decoder.feed(stream[at:])
+    assert out == payloads and decoder.buffered == 0
+
+
+def test_frame_decoder_refuses_before_the_payload():
+    decoder = S.FrameDecoder(max_frame=100)
+    with pytest.raises(S.SideLimitError, match=r"frame of 101 bytes announced; the limit is 100 "
+                                               r"\(max_frame\)"):
+        decoder.feed(S.encode_frame(b"x" * 101)[:4])
+    with pytest.raises(S.FkvError, match="'max_frame' must be a positive int"):
+        S.FrameDecoder(max_frame=0)
+
+
+def dropped(c: socket.socket) -> bool:
+    """The server closed this connection (a FIN, or a reset since our bytes were unread)."""
+    try:
+        return c.recv(10) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_frame_server_drops_an_oversized_frame_and_keeps_serving():
+    with Server("frame", MiB) as server:
+        c = socket.create_connection((server.host, server.port), timeout=5)
+        c.sendall(S.encode_frame(b"z" * (MiB + 1))[:4 + 1000])   # the header says too much
+        assert dropped(c)                                        # at once
+        c.close()
+        big = socket.create_connection((server.host, server.port), timeout=5)
+        big.sendall((100 * MiB).to_bytes(4, "big"))               # 100 MiB announced
+        assert dropped(big)
+        big.close()
+        assert S.frame_request(server.address, b"ping", timeout=5) == b"pong 4"
+        with pytest.raises(S.SideLimitError, match="frame of 8 bytes announced; the limit is 4"):
+            # a reply larger than the client's own cap is refused on the client side too
+            S.frame_request(server.address, b"x" * 100, timeout=0.2, max_frame=4)
+
+
+def test_frame_server_many_frames_and_connections_stay_bounded():
+    """The attacks that grow a ROUTER by gigabytes: 30 x 100 MiB frames, 64 MiB of empty frames
+    pipelined without reading a reply, 16 connections (8 allowed) each sending a frame header of
+    max_frame and stalling. RSS grows less than 64 MiB and the server still answers."""
+    max_frame = 8 * MiB
+    with Server("frame", max_frame) as server:
+        before = int(S.frame_request(server.address, b"rss", timeout=5))
+        t0 = time.perf_counter()
+        # 30 x 100 MiB frames: refused on the first header
+        c = socket.create_connection((server.host, server.port), timeout=5)
+        try:
+            for _ in range(30):
+                c.sendall(S.encode_frame(b"\0" * (100 * MiB)))
+        except OSError:
+            pass
+        c.close()
+        # many small frames, replies never read: one request is taken, the rest waits in TCP
+        c = socket.create_connection((server.host, server.port), timeout=5)
+        c.setblocking(False)
+        burst = S.encode_frame(b"") * (MiB // 4)
+        sent, t = 0, time.monotonic()
+        while sent < 64 * MiB and time.monotonic() - t < 3:
+            try:
+                sent += c.send(burst)
+            except BlockingIOError:
+                time.sleep(0.01)
+        # stalled frames on many connections
+        stalled = []
+        for _ in range(16):
+            s = socket.create_connection((server.host, server.port), timeout=5)
+            s.sendall(max_frame.to_bytes(4, "big") + b"\0" * 1000)
+            stalled.append(s)
+        time.sleep(0.3)
+        for s in stalled:
+            s.close()
+        time.sleep(0.2)   # the server sees the stalled ones go
+        after = int(S.frame_request(server.address, b"rss", timeout=5))
+        assert S.frame_request(server.address, b"ping", timeout=5) == b"pong 4"
+        c.close()
+        took = time.perf_counter() - t0
+        print(f"\nFrameServer: 30x100 MiB frames, {sent / MiB:.1f} MiB of empty frames pushed "
+              f"(the rest refused by TCP backpressure), 16 stalled max-size frames: RSS "
+              f"{before / MiB:.0f} -> {after / MiB:.0f} MiB in {took:.1f} s")
+        assert after - before < 64 * MiB
+
+
+def test_frame_server_limits_in_process():
+    """Connection cap, budget of announced bytes, slow frames and idle connections (no
+    subprocess: the counters are visible)."""
+    with S.FrameServer(max_frame=1000, max_connections=2, max_buffered=1500, idle_timeout=0.3,
+                       frame_timeout=0.3) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        conns = [socket.create_connection((host, int(port)), timeout=2) for _ in range(3)]
+        server.poll(0.05)
+        assert server.stats()["refused_connections"] == 1
+        conns[0].sendall((900).to_bytes(4, "big") + b"a" * 10)
+        conns[1].sendall((900).to_bytes(4, "big"))                # 1800 > 1500 announced
+        for _ in range(5):
+            server.poll(0.02)
+        s = server.stats()
+        assert s["closed_budget"] == 1 and s["reserved"] == 900
+        time.sleep(0.35)
+        server.poll(0.01)                                          # conns[0] is too slow
+        assert server.stats()["closed_slow"] == 1 and server.stats()["reserved"] == 0
+        idle = socket.create_connection((host, int(port)), timeout=2)
+        server.poll(0.05)
+        time.sleep(0.35)
+        server.poll(0.01)
+        assert server.stats()["closed_idle"] >= 1
+        for c in (*conns, idle):
+            c.close()
+
+
+# -- CURVE ----------------------------------------------------------------------------------------------
+
+def test_curve_only_the_right_keys_get_an_answer():
+    server_public, server_secret = S.curve_keypair()
+    client_public, client_secret = S.curve_keypair()
+    other_public, other_secret = S.curve_keypair()
+    good = S.CurveKeys(client_public, client_secret, server=server_public)
+    with Server("router", MiB, server_public, server_secret) as server:   # any key-holder
+        assert dealer_request(server.address, [b"ping"], curve=good) == b"pong 4"
+        assert dealer_request(server.address, [b"ping"], timeout=1) is None          # no CURVE
+        wrong = S.CurveKeys(client_public, client_secret, server=other_public)
+        assert dealer_request(server.address, [b"ping"], timeout=1, curve=wrong) is None
+    with Server("router", MiB, server_public, server_secret, client_public) as server:
+        assert dealer_request(server.address, [b"ping"], curve=good) == b"pong 4"
+        stranger = S.CurveKeys(other_public, other_secret, server=server_public)
+        assert dealer_request(server.address, [b"ping"], timeout=1, curve=stranger) is None
+
+
+def test_curve_keys_are_checked():
+    with pytest.raises(S.FkvError, match=r"'curve.public' must be a Z85 key of 40 bytes"):
+        S.CurveKeys(b"short", b"x" * 40)
+    with pytest.raises(S.FkvError, match=r"'curve.server' must be the server's public key"):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            S.harden_client(sock, curve=S.CurveKeys(*S.curve_keypair()))
+        finally:
+            sock.close(0)

@@ -1,0 +1,164 @@
+"""fkv.telemetry: exact stats for known events, the same in Prometheus samples, thread safety."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from fkv import FkvError
+from fkv.telemetry import BYTES_BUCKETS, SECONDS_BUCKETS, Telemetry
+
+MIB = 1 << 20
+
+
+def _client() -> Telemetry:
+    t = Telemetry("client", engine_id="decode")
+    t.record(path="packed", seconds=0.002, nbytes=16 * MIB, descriptors=1,
+             waits={"pack": 0.0012, "transfer": 0.0004})
+    t.record(path="packed", seconds=0.004, nbytes=48 * MIB, descriptors=3,
+             waits={"pack": 0.003, "transfer": 0.0006})
+    t.record(path="direct", seconds=0.5, nbytes=4096, descriptors=256)
+    t.failure("timeout")
+    t.failure("timeout")
+    t.failure("peer_lost")
+    t.notification(2)
+    t.refused("undecodable")
+    return t
+
+
+def test_stats_are_exact_per_path_and_in_total() -> None:
+    s = _client().stats()
+    assert (s["role"], s["engine_id"]) == ("client", "decode")
+    packed = s["paths"]["packed"]
+    assert packed["count"] == 2
+    assert packed["bytes"] == {"count": 2, "sum": 64 * MIB, "min": 16 * MIB, "max": 48 * MIB,
+                               "mean": 32 * MIB,
+                               "histogram": {"le": list(BYTES_BUCKETS),
+                                             "counts": [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0]}}
+    assert packed["descriptors"] == {"count": 2, "sum": 4, "min": 1, "max": 3, "mean": 2.0}
+    assert packed["seconds"]["sum"] == pytest.approx(0.006)
+    assert packed["seconds"]["histogram"]["counts"] == [0, 0, 0, 0, 1, 1] + [0] * 11
+    assert packed["gbps"]["min"] == pytest.approx(16 * MIB / 0.002 / 1e9)
+    assert packed["gbps"]["max"] == pytest.approx(48 * MIB / 0.004 / 1e9)
+    assert packed["gbps"]["overall"] == pytest.approx(64 * MIB / 0.006 / 1e9)
+    assert packed["waits"]["pack"]["sum"] == pytest.approx(0.0042)
+    assert packed["waits"]["transfer"]["max"] == pytest.approx(0.0006)
+    total = s["total"]
+    assert total["count"] == 3
+    assert total["bytes"]["sum"] == 64 * MIB + 4096 and total["bytes"]["min"] == 4096
+    assert total["descriptors"]["sum"] == 260
+    assert total["seconds"]["histogram"]["counts"][11] == 1          # 0.5 s: in (0.25, 0.5]
+    assert s["failures"] == {"peer_lost": 1, "timeout": 2}
+    assert s["refused_messages"] == {"undecodable": 1}
+    assert (s["notifications"], s["lease_expiries"]) == (2, 0)
+
+
+def test_empty_stats_have_no_min_max_mean() -> None:
+    s = Telemetry("server").stats()
+    assert s["total"]["count"] == 0 and s["paths"] == {}
+    assert s["total"]["bytes"]["min"] is None and s["total"]["gbps"]["overall"] is None
+
+
+def test_prometheus_samples_match_the_events() -> None:
+    client = _client()
+    registry = client.prometheus()
+    assert isinstance(registry, CollectorRegistry)
+    server = Telemetry("server", engine_id="prefill")
+    assert server.prometheus(registry) is registry
+    server.record(path="packed", seconds=0.001, nbytes=16 * MIB, descriptors=1,
+                  waits={"gather": 0.0003})
+    server.lease_expired()
+    server.notification()
+    server.refused("unknown_request")
+    server.refused("unknown_request")
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    c = {"role": "client", "engine_id": "decode", "path": "packed"}
+    assert value("fkv_transfer_duration_seconds_count", **c) == 2
+    assert value("fkv_transfer_duration_seconds_sum", **c) == pytest.approx(0.006)
+    assert value("fkv_transfer_duration_seconds_bucket", **c, le="0.0025") == 1
+    assert value("fkv_transfer_duration_seconds_bucket", **c, le="0.005") == 2
+    assert value("fkv_transfer_duration_seconds_bucket", **c, le="+Inf") == 2
+    assert value("fkv_transfer_size_bytes_sum", **c) == 64 * MIB
+    assert value("fkv_transfer_size_bytes_bucket", **c, le="1.6777216e+07") == 1
+    assert value("fkv_transfer_descriptors_total", **c) == 4
+    assert value("fkv_transfer_descriptors_total", role="client", engine_id="decode",
+                 path="direct") == 256
+    assert value("fkv_transfer_wait_seconds_sum", **c, stage="pack") == pytest.approx(0.0042)
+    assert value("fkv_transfer_failures_total", role="client", engine_id="decode",
+                 reason="timeout") == 2
+    assert value("fkv_transfer_failures_total", role="client", engine_id="decode",
+                 reason="peer_lost") == 1
+    assert value("fkv_notifications_total", role="client", engine_id="decode") == 2
+    s = {"role": "server", "engine_id": "prefill"}
+    assert value("fkv_transfer_duration_seconds_count", **s, path="packed") == 1
+    assert value("fkv_transfer_wait_seconds_count", **s, path="packed", stage="gather") == 1
+    assert value("fkv_lease_expiries_total", **s) == 1
+    assert value("fkv_notifications_total", **s) == 1
+    assert value("fkv_refused_messages_total", **s, reason="unknown_request") == 2
+    assert value("fkv_refused_messages_total", role="client", engine_id="decode",
+                 reason="undecodable") == 1
+    client.record(path="packed", seconds=0.001, nbytes=MIB, descriptors=1)   # read at scrape
+    assert value("fkv_transfer_duration_seconds_count", **c) == 3
+    text = generate_latest(registry).decode()
+    assert "# TYPE fkv_transfer_duration_seconds histogram" in text
+    assert "# TYPE fkv_transfer_failures_total counter" in text
+
+
+def test_registering_twice_counts_once_and_describing_registries_accept_it() -> None:
+    t = _client()
+    registry = CollectorRegistry(auto_describe=True)      # like prometheus_client.REGISTRY
+    t.prometheus(registry)
+    t.prometheus(registry)
+    assert registry.get_sample_value("fkv_transfer_failures_total", {
+        "role": "client", "engine_id": "decode", "reason": "timeout"}) == 2
+
+
+def test_concurrent_recording_loses_nothing() -> None:
+    t = Telemetry("client")
+
+    def work() -> None:
+        for _ in range(500):
+            t.record(path="direct", seconds=0.001, nbytes=10, descriptors=2)
+            t.failure("timeout")
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    s = t.stats()
+    assert s["total"]["count"] == 4000 and s["total"]["bytes"]["sum"] == 40000
+    assert s["total"]["descriptors"]["sum"] == 8000 and s["failures"] == {"timeout": 4000}
+    assert sum(s["total"]["seconds"]["histogram"]["counts"]) == 4000
+    assert len(SECONDS_BUCKETS) + 1 == len(s["total"]["seconds"]["histogram"]["counts"])
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda t: Telemetry("decoder"), r"'role' must be one of \('client', 'server'\) \(got 'decoder'\)"),
+    (lambda t: t.record(path="", seconds=1, nbytes=1, descriptors=1), r"'path' must be a non-empty string"),
+    (lambda t: t.record(path="direct", seconds=-1, nbytes=1, descriptors=1),
+     r"'seconds' must be a non-negative number \(got -1\)"),
+    (lambda t: t.record(path="direct", seconds=1, nbytes=1.5, descriptors=1),
+     r"'nbytes' must be a non-negative integer \(got 1.5\)"),
+    (lambda t: t.record(path="direct", seconds=1, nbytes=1, descriptors=1, waits={"pack": float("nan")}),
+     r"'waits.pack' must be a non-negative number \(got nan\)"),
+    (lambda t: t.failure(""), r"'reason' must be a non-empty string"),
+    (lambda t: t.notification(-2), r"'n' must be a non-negative integer \(got -2\)"),
+])
+def test_bad_events_are_refused_with_the_field(call, message) -> None:
+    with pytest.raises(FkvError, match=message):
+        call(Telemetry("client"))
+
+
+def test_import_stays_pure_and_fkv_does_not_load_it() -> None:
+    code = ("import sys, fkv; assert 'fkv.telemetry' not in sys.modules; import fkv.telemetry; "
+            "bad = [m for m in ('torch', 'triton', 'nixl', 'zmq', 'prometheus_client', 'numpy') "
+            "if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
