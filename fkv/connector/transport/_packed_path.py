@@ -242,8 +242,8 @@ class _Chunk:
 
 class PackedPath:
     """Packed reads of one connection: the prefill ranks' pack addresses and buffers, the chunk
-    size and pipeline depth, the staging areas (and the quarantined ones), and one DEALER socket
-    per prefill rank read."""
+    size and pipeline depth, the staging areas (and the quarantined ones), and one side-channel
+    connection (``_Dealer``) per prefill rank read."""
 
     name = "packed"
     notifies_with_read = False  # the request notification goes after the last chunk
