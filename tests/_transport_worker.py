@@ -198,14 +198,16 @@ class Worker:
         return {"pack_bytes": server.pack_bytes, "held": server.packs_held(), "digest": digest}
 
     def cmd_stop_after_pack(self, cmd: dict[str, Any]) -> None:
-        """Stop this process (SIGSTOP) right after its server answers a pack request of
-        ``request_id``: the decode rank gets its reply, and its READ then finds nobody serving."""
+        """Stop this process (SIGSTOP) right after its server answers the ``after``-th (default
+        first) pack request of ``request_id``: the decode rank gets its reply, and its READ then
+        finds nobody serving (a pipelined read: in the middle of the request)."""
         import signal
 
         from fkv.connector.transport import _side
 
         server = self.servers[cmd["name"]]
         answer_all = server._answer_all
+        seen = [0]
 
         def answer_then_stop(batch: list[tuple[Any, bytes | None]]) -> None:
             answer_all(batch)
@@ -215,7 +217,9 @@ class Worker:
                 except _side.SideChannelError:
                     continue
                 if isinstance(msg, _side.Pack) and msg.request_id == cmd["request_id"]:
-                    os.kill(os.getpid(), signal.SIGSTOP)
+                    seen[0] += 1
+                    if seen[0] == cmd.get("after", 1):
+                        os.kill(os.getpid(), signal.SIGSTOP)
 
         server._answer_all = answer_then_stop
 
@@ -245,9 +249,14 @@ class Worker:
                                          num_tokens=r.get("num_tokens"),
                                          stream=r.get("stream", False))
         ended = time.perf_counter()  # the read's own clock started ``seconds`` before its return
+        packed = self.clients[name]._state.packed
         return {"result_ok": result.ok, "bytes": result.bytes, "descriptors": result.descriptors,
                 "error": result.error, "read_seconds": result.seconds, "path": result.strategy,
-                "started_at": ended - result.seconds, "layer_seconds": list(result.layer_seconds)}
+                "started_at": ended - result.seconds, "layer_seconds": list(result.layer_seconds),
+                "pack_seconds": result.pack_seconds, "transfer_seconds": result.transfer_seconds,
+                # a packed read's chunks, pipeline depth, most chunks in flight at once, ...
+                "packed": dict(packed.last) if packed is not None and
+                result.strategy == "packed" else None}
 
     def cmd_read_async(self, cmd: dict[str, Any]) -> None:
         """Start a read in a thread (``read_wait`` collects it): the worker keeps answering."""

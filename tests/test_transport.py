@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -337,14 +338,24 @@ PACKED = {
 def _packed_case(cluster: Any, ptp: int, dtp: int, pover: dict[str, Any], dover: dict[str, Any],
                  *, heads: int = HEADS, tokens: int = 14, device: str = "cpu",
                  connect_kw: dict[str, Any] | None = None, serve_kw: dict[str, Any] | None = None,
-                 chunks: int = 1, env: dict[str, str] | None = None) -> None:
+                 chunks: int = 1, env: dict[str, str] | None = None,
+                 d_env: dict[str, str] | None = None, depth: int | None = None) -> None:
+    """A packed read of ``tokens`` tokens in ``chunks`` chunks (``descriptors``: one per prefill
+    rank read per chunk), pipelined ``depth`` chunks deep when given (``describe()`` says so, and
+    ``min(depth, chunks)`` chunks were in flight at once), bit-exact; every slot comes back."""
     pspec = spec_dict(tp=ptp, heads=heads, **pover)
     dspec = spec_dict(tp=dtp, heads=heads, **dover)
     pair = Pair(cluster, ptp, dtp, pspec, dspec, heads=heads, device=device, serve_kw=serve_kw,
-                connect_kw={"strategy": "packed", **(connect_kw or {})}, p_env=env, d_env=env)
+                connect_kw={"strategy": "packed", **(connect_kw or {})}, p_env=env,
+                d_env={**(env or {}), **(d_env or {})})
     try:
         assert all(c["packed"] for c in pair.connected)
-        assert "packed: each prefill rank read gathers the request" in pair.connected[0]["describe"]
+        described = pair.connected[0]["describe"]
+        assert "packed: each prefill rank read gathers the request" in described
+        assert re.search(r"one READ per rank per chunk of up to \d+ tokens \(\d+ bytes\), "
+                         r"pipelined \d chunk\(s\) deep", described), described
+        if depth is not None:
+            assert f"pipelined {depth} chunk(s) deep" in described, described
         for p in pair.P:
             p.call("poison_pack", name=pair.name)  # stale pack bytes must not reach a cache
         local, remote = request_blocks(pspec, dspec, tokens)
@@ -353,6 +364,10 @@ def _packed_case(cluster: Any, ptp: int, dtp: int, pover: dict[str, Any], dover:
         assert {r["path"] for r in results} == {"packed"}
         reads = [len(c["remote_ranks"]) for c in pair.connected]
         assert [r["descriptors"] for r in results] == [n * chunks for n in reads], results
+        assert [r["packed"]["chunks"] for r in results] == [chunks] * dtp, results
+        if depth is not None:
+            assert [(r["packed"]["depth"], r["packed"]["in_flight"]) for r in results] == \
+                [(min(depth, chunks),) * 2] * dtp, results
         assert pair.verify_all(local, remote, tokens) == [None] * dtp
         assert pair.wait_released("r1") == ["notified"] * ptp
         for p in pair.P:  # every slot came back with its READ's notification
@@ -384,6 +399,15 @@ PACKED_MORE = {
                    {"connect_kw": {"staging_bytes": 2 * 4096 + 2 * 256}, "chunks": 2}),
     # both sides busy-poll (side channel, READ states, the server loop) instead of sleeping
     "spin-2-2": (2, 2, HEADS, {}, {}, {"env": {"FKV_TRANSPORT_SPIN": "0.002"}}),
+    # 8 KiB shared by 2 decode ranks: each keeps 2 one-block chunks in flight in its 4 KiB; a
+    # free that comes after the next pack gets "busy, retry" (replies out of order)
+    "tight-1-2": (1, 2, HEADS, {"layout": "NHD"}, {},
+                  {"serve_kw": {"pack_bytes": 8192}, "chunks": 4, "depth": 2}),
+    # plain CPU: the torch reference gathers and scatters per layer (no Triton interpreter), 2
+    # chunks pipelined
+    "reference-2-2": (2, 2, HEADS, {"layout": "NHD"}, {},
+                      {"env": {"TRITON_INTERPRET": "0"}, "chunks": 2, "depth": 2,
+                       "d_env": {"FKV_PACK_CHUNK_BYTES": "4096"}}),
 }
 
 
@@ -391,6 +415,173 @@ PACKED_MORE = {
 def test_packed_backends_and_chunks(cluster: Any, case: str) -> None:
     ptp, dtp, heads, pover, dover, kw = PACKED_MORE[case]
     _packed_case(cluster, ptp, dtp, pover, dover, heads=heads, **kw)
+
+
+# A pack is 2 KiB per block for one prefill rank read of 4 heads (2 layers of [1, 2, 4, 4, 16]
+# bf16); FKV_PACK_CHUNK_BYTES on the decode side cuts requests into chunks of about that many
+# bytes per decode rank (all prefill ranks read together).
+PIPELINED = {
+    # name: (P TP, D TP, heads, prefill overrides, decode overrides, tokens, decode env, chunks,
+    #        depth)
+    "1-chunk": (1, 2, HEADS, {}, {}, 14, {}, 1, 2),
+    # 8 + 6 tokens
+    "2-chunks": (1, 2, HEADS, {"layout": "NHD"}, {}, 14, {"FKV_PACK_CHUNK_BYTES": "4096"}, 2, 2),
+    # one block from each of 2 prefill ranks per chunk: 12 chunks, 2 in flight
+    "many": (2, 1, HEADS, {}, {"layout": "NHD"}, 46, {"FKV_PACK_CHUNK_BYTES": "4096"}, 12, 2),
+    # 4-token prefill blocks, 8-token decode blocks: chunks of 8 tokens (a whole decode block),
+    # 3 in flight
+    "blocks-depth3": (2, 2, HEADS, {"layout": "NHD", "block_size": 4},
+                      {"block_size": 8, "num_blocks": 8}, 30,
+                      {"FKV_PACK_CHUNK_BYTES": "2048", "FKV_PACK_DEPTH": "3"}, 4, 3),
+    # MLA (one rank read, the other notified), 512 B per block: 4 chunks
+    "mla": (2, 1, 1, {"backend": "mla", "head_size": 32}, {"backend": "mla", "head_size": 32}, 14,
+            {"FKV_PACK_CHUNK_BYTES": "512"}, 4, 2),
+    # cross-layer decode cache (the scatter's layer table), 8-token prefill blocks
+    "cross": (1, 2, HEADS, {"backend": "flash_attn", "layout": "NHD", "block_size": 8,
+                            "num_blocks": 8}, {"backend": "flashinfer", "cross_layer": True}, 30,
+              {"FKV_PACK_CHUNK_BYTES": "4096"}, 4, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(PIPELINED))
+def test_packed_pipelined(cluster: Any, case: str) -> None:
+    """Pipelined packed reads: 1, 2 and many chunks, 2 or 3 in flight, bytes equal to the
+    reference, every pack slot returned by its READ's notification."""
+    ptp, dtp, heads, pover, dover, tokens, d_env, chunks, depth = PIPELINED[case]
+    _packed_case(cluster, ptp, dtp, pover, dover, heads=heads, tokens=tokens, d_env=d_env,
+                 chunks=chunks, depth=depth)
+
+
+def test_pack_dealer_keeps_early_replies_and_frees_abandoned_packs() -> None:
+    """Several packs of one rank are outstanding in a pipelined read: a reply that comes before
+    the awaited one is kept for its own wait, a reply to an abandoned pack (the read failed) is
+    handed back to be freed, a reply to no pack asked is dropped."""
+    import socket
+
+    import zmq
+
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._packed_path import _Dealer
+    from fkv.connector.transport._sidelimits import FrameDecoder, encode_frame
+
+    listen = socket.create_server(("127.0.0.1", 0))
+    ctx = zmq.Context()
+    dealer = _Dealer(ctx, f"tcp://127.0.0.1:{listen.getsockname()[1]}")
+    peer, _ = listen.accept()
+    try:
+        for token in (1, 2, 3):
+            dealer.send(_side.Pack(token=token, request_id="r", block_ids=[token], heads=(0, 1),
+                                   num_tokens=1, timeout=5.0))
+        decoder, requests = FrameDecoder(max_frame=1 << 20), []
+        peer.settimeout(5.0)
+        while len(requests) < 3:
+            requests += decoder.feed(peer.recv(1 << 16))
+        assert [_side.decode_request(r).token for r in requests] == [1, 2, 3]
+        for msg in (_side.Packed(token=99, slot=9, offset=0, nbytes=1),  # asked by nobody
+                    _side.Packed(token=2, slot=20, offset=0, nbytes=1),
+                    _side.Error(message="busy", retry=True, token=1),
+                    _side.Packed(token=3, slot=30, offset=256, nbytes=1)):
+            peer.sendall(encode_frame(_side.encode_message(msg)))
+        deadline = time.monotonic() + 5
+        first = dealer.take(1, deadline)
+        assert isinstance(first, _side.Error) and first.retry, first
+        assert dealer.take(2, deadline) == _side.Packed(token=2, slot=20, offset=0, nbytes=1)
+        dealer.abandon(3)  # the read failed before it waited for chunk 3
+        while not dealer.orphans and time.monotonic() < deadline:
+            dealer.drain()
+        assert dealer.orphans == [_side.Packed(token=3, slot=30, offset=256, nbytes=1)]
+        assert dealer.take(99, time.monotonic() + 0.05) is None  # dropped, never kept
+        assert not dealer.outstanding and not dealer.abandoned and not dealer._replies
+    finally:
+        dealer.close()
+        peer.close()
+        listen.close()
+        ctx.term()
+
+
+def test_packed_areas_stay_quarantined_until_nixl_finishes_their_reads() -> None:
+    """A READ that outlived its read's deadline may still land: its staging area is left out of
+    later reads (and its NIXL handle kept, not released) until NIXL says it finished; with every
+    area quarantined a read waits for one until its deadline, then fails naming the rank."""
+    from types import SimpleNamespace
+
+    from fkv.connector.transport._agent import Xfer
+    from fkv.connector.transport._base import TransferFailed
+    from fkv.connector.transport._packed_path import PackedPath
+
+    class Agent:  # NIXL's view: a READ stays in progress until its peer finished it
+        def __init__(self) -> None:
+            self.finished: set[str] = set()
+            self.released: list[Xfer] = []
+
+        def poll(self, x: Xfer) -> str:
+            if x.state == "PROC" and x.remote in self.finished:
+                x.state = "DONE"
+            return x.state
+
+        def release(self, x: Xfer) -> None:
+            self.released.append(x)
+
+    agent = Agent()
+    path = object.__new__(PackedPath)
+    path.conn = SimpleNamespace(local=SimpleNamespace(agent=agent), names={0: "a0", 1: "a1"},
+                                engine_id="P")
+    path.depth, path.dealers = 2, {}
+    path.quarantine = {0: [Xfer(None, "a1", 4096)]}
+    assert path._areas(time.monotonic() + 1) == [1]
+    path.quarantine[1] = [Xfer(None, "a1", 4096)]
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match=r"in flight from an earlier failed read \(from "
+                                             r"prefill rank\(s\) \[1\] of engine 'P'\)"):
+        path._areas(t0 + 0.2)
+    assert 0.15 < time.monotonic() - t0 < 2.0
+    assert agent.released == []  # never released while it may still land
+    agent.finished.add("a1")
+    path._reclaim()
+    assert path.quarantine == {} and len(agent.released) == 2
+    assert path._areas(time.monotonic() + 1) == [0, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(PIPELINED))
+def test_packed_pipelined_cuda(cluster: Any, case: str) -> None:
+    """The same on CUDA (every rank on GPU 0): a reply per pack once its gather's event completed,
+    a READ into an area once that area's scatter event completed."""
+    ptp, dtp, heads, pover, dover, tokens, d_env, chunks, depth = PIPELINED[case]
+    _packed_case(cluster, ptp, dtp, pover, dover, heads=heads, tokens=tokens, d_env=d_env,
+                 chunks=chunks, depth=depth, device="cuda")
+
+
+def test_packed_sizing_gives_each_chunk_in_flight_its_share() -> None:
+    """A decode rank's share of a prefill pack buffer (``pack_bytes / decode ranks``) and the
+    staging buffer hold ``depth`` chunks; too small for that, the pipeline gets shallower."""
+    from types import SimpleNamespace
+
+    import fkv
+    from fkv.connector.transport._packed_path import packed_sizing
+
+    rs = fkv.KVCacheSpec(num_blocks=64, block_size=4, num_kv_heads=4, head_size=16,
+                         num_layers=2)  # 2 KiB per block (4 heads)
+    ls = rs.evolve(block_size=8, num_blocks=32)
+    plan = SimpleNamespace(reads=[SimpleNamespace(remote_rank=0, remote_heads=(0, 4))],
+                           notifications=2)
+
+    def sizing(pack_bytes: int, staging: int, depth: int) -> Any:
+        local = SimpleNamespace(spec=ls, staging_bytes_max=staging)
+        entries = [SimpleNamespace(address="tcp://x", pack_bytes=pack_bytes)]
+        return packed_sizing(local, plan, entries, rs, depth)
+
+    s, why = sizing(64 * 1024, 1 << 20, 2)  # a 32 KiB share: 8 blocks per chunk
+    assert why == "" and (s.depth, s.chunk_tokens, s.area_bytes) == (2, 32, 16384), (s, why)
+    assert s.buffer_bytes == 2 * 16384
+    s, _ = sizing(64 * 1024, 1 << 20, 3)  # 10922 B per chunk: 5 blocks, 4 of them whole steps
+    assert (s.depth, s.chunk_tokens) == (3, 16), s
+    s, _ = sizing(64 * 1024, 2 * (8192 + 256), 2)  # staging: two areas of 4 blocks
+    assert (s.depth, s.chunk_tokens, s.buffer_bytes) == (2, 16, 2 * 8192), s
+    s, _ = sizing(8192, 1 << 20, 2)  # a 4 KiB share: 2 blocks (one step) only at depth 1
+    assert (s.depth, s.chunk_tokens) == (1, 8), s
+    s, why = sizing(4096, 1 << 20, 2)
+    assert s is None and "one chunk of 8 tokens needs 2 remote blocks of 2048 packed bytes" in why
 
 
 @pytest.mark.gpu
@@ -1058,6 +1249,58 @@ def test_prefill_stopped_or_killed_during_a_packed_read_then_reconnect(cluster: 
         victim.close()
         if reborn is not None:
             reborn.close()
+
+
+def test_packed_pipeline_fails_midway_and_every_slot_comes_back(cluster: Any) -> None:
+    """A pipelined packed read (12 chunks, 2 in flight, 2 prefill ranks) whose prefill rank 1
+    stops itself after answering its third pack: ``ok=False`` within the timeout, the request is
+    reported done nowhere (no prefill rank got its notification). Once rank 1 runs again, its
+    unfinished READs finish (their quarantined staging areas are given back), the packs left
+    unanswered are freed when their replies come (the next read takes them in), the next read is
+    bit-exact and neither rank holds a slot or logged an error."""
+    pspec = spec_dict(tp=2)
+    dspec = spec_dict(tp=1, layout="NHD")
+    victim = Proc("pipeline-victim", cluster["logdir"], env=TCP_LO)
+    pair = Pair(cluster, 2, 1, pspec, dspec, p_procs=[cluster["P"][0], victim], p_env=TCP_LO,
+                d_env={**TCP_LO, "FKV_PACK_CHUNK_BYTES": "4096"},
+                connect_kw={"strategy": "packed"})
+    D, P0 = pair.D[0], pair.P[0]
+
+    def slots_held(timeout: float = 10.0) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while True:
+            held = [p.call("pack_state", name=pair.name)["held"] for p in pair.P]
+            if held == [0, 0] or time.monotonic() > deadline:
+                return held
+            time.sleep(0.05)
+
+    try:
+        local, remote = request_blocks(pspec, dspec, 46)
+        warm = D.call("read", name=pair.name, request_id="warm", local=local, remote=remote)
+        assert warm["result_ok"] and warm["packed"]["chunks"] == 12, warm
+        victim.call("stop_after_pack", name=pair.name, request_id="mid", after=3)
+        D.send("read", name=pair.name, request_id="mid", local=local, remote=remote[::-1],
+               timeout=3.0)
+        _wait_stopped(victim.proc.pid, timeout=10.0)
+        mid = D.result(timeout=30)
+        assert not mid["result_ok"] and mid["read_seconds"] < 3.0 + 2.0, mid
+        assert "prefill rank 1" in mid["error"], mid
+        assert mid["packed"]["in_flight"] == 2 and mid["packed"]["chunks"] == 12, mid
+        state = P0.call("pending", name=pair.name)
+        assert "mid" not in state["released"] and "mid" not in state["pending"], state
+        victim.kill(signal.SIGCONT)
+        # (waits, if it must, until NIXL finished the READs left in the quarantined areas)
+        again = D.call("read", name=pair.name, request_id="again", local=local, remote=remote,
+                       timeout=30.0)
+        assert again["result_ok"], again
+        assert pair.verify_all(local, remote, 46) == [None]
+        assert slots_held() == [0, 0]
+        assert [p.call("pending", name=pair.name)["errors"] for p in pair.P] == [[], []]
+    finally:
+        if victim.proc.poll() is None:
+            victim.kill(signal.SIGCONT)
+        pair.stop()
+        victim.close()
 
 
 # -- two "hosts": network namespaces joined by a veth pair ------------------------------------------

@@ -3,8 +3,13 @@
 A packed read turns one request into one large descriptor per prefill rank instead of thousands
 of small ones (NIXL/UCX pays tens of µs per descriptor on a GPU). The decode rank sends a
 :class:`fkv.connector.transport._side.Pack` (block ids, the head range it needs, token count); the prefill
-rank's server thread checks it, reserves a *slot* of its registered pack buffer, runs
-``fkv.ops.gather`` once per layer into the slot and replies :class:`~fkv.connector.transport._side.Packed`.
+rank's server thread checks it, reserves a *slot* of its registered pack buffer, gathers every
+layer into the slot and replies :class:`~fkv.connector.transport._side.Packed`. With Triton (CUDA,
+or the CPU interpreter) the gather is one launch of the move kernel for all layers (the cache
+layers' addresses from a table made once, the pack's layers a fixed stride apart); plain CPU runs
+the torch reference per layer. On CUDA the gather is asynchronous: :meth:`Packer.sync` waits for
+one slot's gather (a CUDA event recorded after it), so the server replies to each pack as soon as
+its own bytes are ready while the gathers queued behind it keep the device busy.
 The decode rank READs the slot and attaches the notification :data:`FREE_PREFIX` ``+ slot`` to
 that READ: NIXL delivers it once the bytes moved, and the slot is free again. A slot whose READ
 never comes (decode died, READ failed) is freed when its lease runs out: the pack request's
@@ -22,6 +27,7 @@ blocks of the prefill block size ``N``, ``h`` the heads asked for (:func:`pack_l
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -31,7 +37,8 @@ from fkv.connector.transport import _side
 from fkv.connector.transport._base import kernels, on_device
 from fkv.layout import KVCacheSpec
 
-__all__ = ["ALIGN", "FREE_PREFIX", "Packer", "SLOT_GRACE", "align", "pack_layer_bytes"]
+__all__ = ["ALIGN", "FREE_PREFIX", "Packer", "SLOT_GRACE", "align", "layer_table",
+           "pack_layer_bytes", "uses_triton"]
 
 #: NIXL notification that frees a pack slot (the slot id follows). Not UTF-8, so never a request id.
 FREE_PREFIX = b"\xfffkv-free:"
@@ -49,6 +56,22 @@ def pack_layer_bytes(spec: KVCacheSpec, num_blocks: int, num_heads: int) -> int:
     """Bytes of one layer of a pack: ``num_blocks`` staging blocks of ``num_heads`` heads."""
     per_token = (1 if spec.is_mla else 2 * num_heads) * spec.head_size * spec.itemsize
     return num_blocks * spec.block_size * per_token
+
+
+def uses_triton(device: Any) -> bool:
+    """Whether ``device``'s moves run the Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``;
+    as :func:`fkv.connector.transport._base.kernels` picks) rather than the torch reference."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def layer_table(views: list[Any], spec: KVCacheSpec, device: Any) -> Any:
+    """The int64 element offsets of every layer view from layer 0 (on ``device``): the move
+    kernel's ``"table"`` layer mode (``fkv.ops._move_kernel.launch_move``)."""
+    import torch
+
+    base, item = views[0].data_ptr(), spec.itemsize
+    return torch.tensor([(v.data_ptr() - base) // item for v in views], dtype=torch.int64,
+                        device=device)
 
 
 class _Slots:
@@ -96,6 +119,14 @@ class Packer:
         agent.register([(self.buffer.data_ptr(), self.capacity)], mem_type, device_id)
         self.slots = _Slots(self.capacity)
         self._ops = kernels(device)
+        self._triton = uses_triton(device)
+        self._table = layer_table(views, spec, device) if self._triton else None
+        self._events: dict[int, Any] = {}  # slot -> CUDA event recorded after its gather
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether a gather may still run after :meth:`pack` returned (CUDA)."""
+        return self.device.type == "cuda"
 
     @property
     def base(self) -> int:
@@ -131,6 +162,13 @@ class Packer:
         slot, offset = got
         try:
             self._gather(msg, offset, layer_bytes, sync)
+            if not sync and self.asynchronous:
+                import torch
+
+                with on_device(self.device, False):
+                    event = torch.cuda.Event()
+                    event.record()
+                self._events[slot] = event
         except BaseException:
             del self.slots.held[slot]
             raise
@@ -154,12 +192,22 @@ class Packer:
                     f"tokens but 'block_ids' holds {ids.size}")
         return None
 
-    def sync(self) -> None:
-        """Wait until every gather launched so far has finished (a no-op on CPU)."""
+    def sync(self, slot: int | None = None) -> None:
+        """Wait until the gather into ``slot`` (None: every gather launched so far) has finished
+        (a no-op on CPU, where gathers run before :meth:`pack` returns)."""
+        if slot is not None:
+            event = self._events.pop(slot, None)
+            if event is not None:
+                event.synchronize()
+            return
+        self._events.clear()
         with on_device(self.device):
             return
 
     def _gather(self, msg: _side.Pack, offset: int, layer_bytes: int, sync: bool) -> None:
+        """Gather every layer of ``msg``'s tokens and heads into the buffer at ``offset`` (layer
+        ``l`` at ``offset + l * layer_bytes``): one move-kernel launch for all layers with Triton,
+        the torch reference per layer otherwise. The ids were checked by :meth:`_check`."""
         import torch
 
         from fkv.ops.relayout import staging_spec
@@ -168,11 +216,21 @@ class Packer:
         spec = self.spec
         a, b = msg.heads
         n = len(msg.block_ids)
-        shape = staging_spec(spec, n, num_heads=b - a).physical_shape
+        stage = staging_spec(spec, n, num_heads=b - a)
+        shape = stage.physical_shape
         dtype = torch_dtype(spec.dtype)
         heads = None if spec.is_mla else (a, b)
         with on_device(self.device, sync):
             ids = torch.as_tensor(msg.block_ids, dtype=torch.int64).to(self.device)
+            if self._triton:
+                from fkv.ops._move_kernel import launch_move
+
+                out = self.buffer[offset:offset + layer_bytes].view(dtype)
+                launch_move(self.views[0], spec, ids, a, out, stage, None, 0, b - a,
+                            msg.num_tokens, layers=(len(self.views), "table",
+                                                    layer_bytes // spec.itemsize),
+                            tables=(self._table, None))
+                return
             for layer, view in enumerate(self.views):
                 start = offset + layer * layer_bytes
                 out = self.buffer[start:start + layer_bytes].view(dtype).view(shape)
@@ -185,7 +243,10 @@ class Packer:
             slot = int(message[len(FREE_PREFIX):])
         except ValueError:
             return False
+        self._events.pop(slot, None)
         return self.slots.held.pop(slot, None) is not None
 
     def expire(self) -> None:
         self.slots.expire(time.monotonic())
+        for slot in [s for s in self._events if s not in self.slots.held]:
+            del self._events[slot]

@@ -5,10 +5,13 @@ thread that does everything afterwards, so NIXL is only ever called from that th
 
 - answers its side-channel socket: rank 0 for the whole engine (``Fetch``, ``Publish`` from ranks
   ``1..tp-1``), every rank with a pack buffer for ``Pack`` requests of packed reads. Packs run on
-  this thread between polls: the requests waiting on the socket are taken as one batch, their
-  gathers (``fkv.ops.gather`` per layer) launched one after another, then one wait for the device,
-  then every reply. A pack that finds the buffer full first takes in the NIXL notifications that
-  free slots, then asks the requester to retry if it still does not fit;
+  this thread between polls: the requests waiting on the socket are taken as one batch and
+  answered in order; each pack's gather (one launch for all layers) is launched as its request
+  comes up, and its reply goes out as soon as that gather has finished (CUDA: its own event, with
+  the gathers behind it already queued; CPU: right after it ran), so a decode rank that keeps
+  several chunks in flight READs one while the next is gathered. A pack that finds the buffer
+  full first takes in the NIXL notifications that free slots, then asks the requester to retry if
+  it still does not fit;
 - polls NIXL notifications: ``"<request id>:<decode tp>"`` counts a reader of a request (held
   blocks are released after the expected count, or when the lease runs out); a
   :data:`_packer.FREE_PREFIX` notification frees a pack slot;
@@ -367,31 +370,43 @@ class Server:
                 self._released_now(release)
 
     def _answer_all(self, batch: list[tuple[Any, bytes | None]]) -> None:
-        """Answer a batch of requests ``(envelope, payload)``: packs launched one after another,
-        one device wait, then every reply."""
+        """Answer a batch of requests ``(envelope, payload)`` in order. A pack's reply goes out
+        once its own gather has finished: on CPU right after it ran, on CUDA after every gather
+        of the batch is launched (each reply waits for its gather's event only)."""
+        queued = self._packer is not None and self._packer.asynchronous
         t0 = time.perf_counter()
-        out = [self._reply(envelope, payload) for envelope, payload in batch]
-        packed = [reply for _, reply in out if isinstance(reply, _side.Packed)]
-        if packed:
-            try:
-                self._packer.sync()
-                share = (time.perf_counter() - t0) / len(packed)
-                for reply in packed:
-                    self.telemetry.record(path="packed", seconds=share, nbytes=reply.nbytes,
-                                          descriptors=1, waits={"gather": share})
-            except Exception as e:  # the gathers may not have run: refuse every pack of the batch
-                for i, (envelope, reply) in enumerate(out):
-                    if isinstance(reply, _side.Packed):
-                        self._packer.slots.held.pop(reply.slot, None)
-                        out[i] = (envelope, _side.Error(
-                            message=f"pack failed on prefill rank {self.engine.tp_rank}: "
-                                    f"{type(e).__name__}: {e}", token=reply.token))
+        out: list[tuple[Any, Any]] = []
+        for envelope, payload in batch:
+            out.append(self._reply(envelope, payload))
+            if not queued:
+                t0 = self._send_replies(out, t0)
+        self._send_replies(out, t0)
+
+    def _send_replies(self, out: list[tuple[Any, Any]], t0: float) -> float:
+        """Send (and drop from ``out``) every reply, a pack's once its gather has finished (a
+        gather that failed on the device turns its reply into an error and frees its slot); a
+        pack's gather time counts from ``t0`` or the previous pack's reply. Returns the time the
+        last reply went out."""
         for envelope, reply in out:
+            if isinstance(reply, _side.Packed):
+                try:
+                    self._packer.sync(reply.slot)
+                    now = time.perf_counter()
+                    self.telemetry.record(path="packed", seconds=now - t0, nbytes=reply.nbytes,
+                                          descriptors=1, waits={"gather": now - t0})
+                    t0 = now
+                except Exception as e:  # the gather may not have run: refuse the pack
+                    self._packer.slots.held.pop(reply.slot, None)
+                    reply = _side.Error(message=f"pack failed on prefill rank "
+                                        f"{self.engine.tp_rank}: {type(e).__name__}: {e}",
+                                        token=reply.token)
             try:
                 if not self._sock.reply(envelope, _side.encode_message(reply)):
                     self.errors.append("reply not sent: the requester left")
             except Exception as e:  # the requester left: nothing to answer
                 self.errors.append(f"reply not sent: {e}")
+        out.clear()
+        return time.perf_counter()
 
     def _reply(self, envelope: Any, payload: bytes | None) -> tuple[Any, Any]:
         if payload is None:
