@@ -1078,6 +1078,40 @@ def test_connect_to_nothing_fails_within_its_timeout(cluster: Any) -> None:
     assert time.monotonic() - t0 < 10.0
 
 
+def test_a_timed_out_read_is_quarantined_until_nixl_finishes_it(cluster: Any) -> None:
+    """A READ that outlived its read's deadline may still land bytes: the next read waits for it
+    (and fails at its own deadline naming why) until NIXL says it ended; then reads work."""
+    pspec = spec_dict(tp=1, num_blocks=64, block_size=16, head_size=64)
+    D = cluster["D"][0]
+    name = f"c{next(_counter)}"
+    victim = Proc("quarantine-victim", cluster["logdir"], env=TCP_LO)
+    try:
+        address = victim.call("serve", name=name, spec=pspec, seed=SEED,
+                              engine=engine_dict(f"P-{name}", 1, 0), wait=120)["address"]
+        D.call("connect", name=name, spec=pspec, engine=engine_dict("D", 1, 0), address=address,
+               env=TCP_LO, strategy="direct")
+        ids = list(range(64))
+        victim.kill(signal.SIGSTOP)
+        wait_stopped(victim.pid)
+        first = D.call("read", name=name, request_id="r1", local=ids, remote=ids, timeout=1.0)
+        assert first["result_ok"] is False, first
+        second = D.call("read", name=name, request_id="r2", local=ids, remote=ids, timeout=1.0)
+        assert second["result_ok"] is False
+        assert "have not finished: their bytes could still land" in second["error"], second
+        victim.kill(signal.SIGCONT)
+        third = D.call("read", name=name, request_id="r3", local=ids, remote=ids, timeout=30.0)
+        assert third["result_ok"], third
+        assert D.call("verify", name=name, local=ids, remote=ids, seed=SEED,
+                      remote_spec=pspec)["mismatch"] is None
+    finally:
+        try:
+            victim.kill(signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        D.call("stop", name=name)
+        victim.close()
+
+
 def test_garbage_on_the_side_channel_gets_an_error_reply(cluster: Any) -> None:
     """Frames that do not decode get an error reply; a frame header over the limit or bytes that
     are not even frames drop that connection; the server serves on."""

@@ -182,7 +182,7 @@ class Connection:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
-        for path in (self.ipc, self.packed):
+        for path in (self.ipc, self.packed, getattr(self, "plan_path", None)):
             if path is not None:
                 path.close()
         self.ipc = self.packed = None

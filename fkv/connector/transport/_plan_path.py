@@ -50,6 +50,9 @@ class PlanPath:
         self.link = link
         self.name = link.plan.strategy
         self.staging_blocks = blocks   # remote blocks one staging-path chunk holds
+        #: READs that outlived their read's deadline: NIXL may still land their bytes (in the
+        #: staging buffer or the local blocks), so no read of this path starts before they end
+        self.quarantine: list[Any] = []
 
     def describe(self) -> str:
         return f"{self.name}: the plan's rows, one READ per prefill rank"
@@ -90,6 +93,7 @@ class PlanPath:
             rows = plan.segments(local, remote, num_tokens=tokens)
         if layers is not None:
             rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
+        self._drain_quarantine(deadline)
         link.ensure_granule(rows)
         tally.descriptors += int(rows.shape[0])
         xfers: list[Any] = []
@@ -114,9 +118,32 @@ class PlanPath:
             tally.bytes += sum(x.nbytes for x in xfers if x.state == "DONE")
             tally.transfer_seconds += time.perf_counter() - t0
             for x in xfers:
-                agent.release(x)
+                if x.state == "PROC":  # may still land bytes: keep it until NIXL says it ended
+                    self.quarantine.append(x)
+                else:
+                    agent.release(x)
         if self.name == "staging":
             self._run_staging(local, remote, tokens, layers)
+
+    def _drain_quarantine(self, deadline: float) -> None:
+        """Release quarantined READs NIXL has finished; wait for the others until ``deadline``
+        (then TransferFailed: the staging buffer cannot be trusted yet)."""
+        agent = self.link.local.agent
+        while self.quarantine:
+            for x in list(self.quarantine):
+                if agent.poll(x) != "PROC":
+                    agent.release(x)
+                    self.quarantine.remove(x)
+            if not self.quarantine:
+                return
+            if time.monotonic() > deadline:
+                names = sorted({x.remote for x in self.quarantine})
+                raise TransferFailed(f"{len(self.quarantine)} READ(s) of an earlier read that "
+                                     f"timed out (from {names}) have not finished: their bytes "
+                                     f"could still land in the staging buffer, so this read did "
+                                     f"not start; reconnect (client.reconnect()) if the prefill "
+                                     f"rank is gone")
+            time.sleep(0.0005)
 
     def _run_staging(self, local: np.ndarray, remote: np.ndarray, tokens: int,
                      layers: tuple[int, int] | None = None) -> None:
@@ -140,4 +167,6 @@ class PlanPath:
                      num_tokens=step.num_tokens)
 
     def close(self) -> None:
-        return
+        for x in self.quarantine:  # the agent keeps handles NIXL cannot release yet
+            self.link.local.agent.release(x)
+        self.quarantine.clear()
