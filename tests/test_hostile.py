@@ -223,9 +223,12 @@ def test_corrupt_metadata_never_kills_the_decode_worker(procs: Any) -> None:
             "connected (harmless)" if o == "connected" else
             "probe: the child died" if "kills the process" in o else
             "probe: NIXL refused it" if "NIXL refused it" in o else
+            "add_remote: NIXL refused it" if "NIXL refused the peer's agent metadata" in o else
             "region not registered" if "does not register" in o else
-            "NIXL add/prep failed" if "NIXL" in o else
-            "structure" if "nothing was added" in o else "other FkvError" for o in outcomes)
+            "agent name not UTF-8 / printable" if "'agent name' must be" in o else
+            "prep: NIXL refused the descriptors" if "could not prepare" in o else
+            "structure" if "agent metadata refused (nothing was added)" in o else
+            "other FkvError: " + o[11:70] for o in outcomes)
         TALLY["mutations"].update(why)
         TALLY["mutation_s"] = (precheck_s, connect_s)
         # the decode worker still serves: connect to the real prefill, read, verify
