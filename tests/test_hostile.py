@@ -32,7 +32,8 @@ from typing import Any
 import msgspec
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # the transport tests' harness (import-mode=importlib)
+# the transport tests' harness (pytest runs with --import-mode=importlib)
+sys.path.insert(0, str(Path(__file__).parent))
 from test_metadata_probe import mutations  # noqa: E402
 from test_transport import (  # noqa: E402
     HEADS,
@@ -158,7 +159,8 @@ class FakePrefill:
                     self.fetches += 1
                 elif isinstance(msg, _side.Pack):
                     self.packs += 1
-                    reply = self.pack(msg) if self.pack else _side.Error(message="no", token=msg.token)
+                    reply = (self.pack(msg) if self.pack
+                             else _side.Error(message="no", token=msg.token))
                     if reply is None:
                         continue  # never answered
                 else:
@@ -235,7 +237,8 @@ def test_corrupt_metadata_never_kills_the_decode_worker(procs: Any) -> None:
         D.call("reconnect", name=name, address=address)
         local, remote = request_blocks(spec, spec, 9)
         P.call("hold", name=name, request_id="after", blocks=remote)
-        assert D.call("read", name=name, request_id="after", local=local, remote=remote)["result_ok"]
+        assert D.call("read", name=name, request_id="after", local=local,
+                      remote=remote)["result_ok"]
         assert D.call("verify", name=name, local=local, remote=remote, seed=SEED,
                       remote_spec=spec, num_tokens=None, also_written=[],
                       layers=None)["mismatch"] is None
