@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import os
-import random
 import socket
 import sys
 import threading
@@ -36,7 +35,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_metadata_probe import mutations  # noqa: E402
 from test_transport import (  # noqa: E402
-    HEADS,
     SEED,
     Pair,
     Proc,
