@@ -108,6 +108,7 @@ class Worker:
         self.clients: dict[str, Any] = {}
         self.caches: dict[str, tuple[list[torch.Tensor], fkv.KVCacheSpec, EngineDesc]] = {}
         self.pending_reads: dict[str, Any] = {}
+        self.rogues: dict[str, list[Any]] = {}  # NIXL agents of hostile tests, per name
 
     def reply(self, **fields: Any) -> None:
         self.out.write(json.dumps(fields) + "\n")
@@ -326,6 +327,84 @@ class Worker:
         self.clients[cmd["name"]].reconnect(cmd.get("address"), timeout=cmd.get("timeout", 20.0))
         poison(self.caches[cmd["name"]][0])
 
+    # -- hostile peers (tests/test_hostile.py) ----------------------------------------------
+    def cmd_notify_raw(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Send raw NIXL notifications (hex ``messages``) to prefill rank ``rank`` of client
+        ``name``'s connection: from the client's own agent, or with ``fresh`` from a new NIXL
+        agent (bound by no Hello) that added that rank's metadata. Fresh agents stay alive
+        until ``stop`` so their notifications are not lost in flight."""
+        from fkv.connector.transport._agent import Agent
+
+        client = self.clients[cmd["name"]]
+        state = client._connected()
+        rank = cmd.get("rank", 0)
+        messages = [bytes.fromhex(m) for m in cmd["messages"]]
+        if not cmd.get("fresh"):
+            for m in messages:
+                client._agent.notify(state.link.names[rank], m)
+            return {"agent": client._agent.name}
+        rogue = Agent("rogue")
+        self.rogues.setdefault(cmd["name"], []).append(rogue)
+        remote = rogue.add_remote(state.peers[rank].agent_metadata, timeout=10.0)
+        for m in messages:
+            rogue.notify(remote, m)
+        return {"agent": rogue.name}
+
+    def cmd_rss(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """This process's resident set (``VmRSS`` of ``/proc/self/status``), in bytes."""
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return {"rss": int(line.split()[1]) * 1024}
+        raise RuntimeError("no VmRSS in /proc/self/status")
+
+    def cmd_precheck(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Check NIXL metadata blobs (hex) in one batch: the verdicts are cached by hash, so the
+        connects that follow find them without a probe child each."""
+        from fkv.connector.transport import _metadata as M
+
+        blobs = [bytes.fromhex(b) for b in cmd["blobs"]]
+        verdicts = M.check_each(blobs, timeout=cmd.get("timeout", 120.0))
+        return {"accepted": sum(isinstance(v, M.AgentMetadata) for v in verdicts),
+                "timeouts": sum(isinstance(v, M.MetadataProbeTimeout) for v in verdicts)}
+
+    def cmd_reconnect_many(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``client.reconnect(address)`` ``n`` times; each outcome: ``"connected"``, ``"FkvError:
+        <message>"`` or, for anything that is not an FkvError, ``"NOT FKV <type>: <message>"``."""
+        from fkv.errors import FkvError
+
+        client = self.clients[cmd["name"]]
+        outcomes, worst = [], 0.0
+        for _ in range(cmd["n"]):
+            t0 = time.monotonic()
+            try:
+                client.reconnect(cmd["address"], timeout=cmd.get("timeout", 10.0))
+                outcomes.append("connected")
+            except FkvError as e:
+                outcomes.append(f"FkvError: {str(e)[:cmd.get('chars', 400)]}")
+            except Exception as e:
+                outcomes.append(f"NOT FKV {type(e).__name__}: {str(e)[:400]}")
+            worst = max(worst, time.monotonic() - t0)
+        return {"outcomes": outcomes, "worst": worst}
+
+    def cmd_republish(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Prefill rank k > 0 publishes its entry again (a retry, with its own secret); says
+        whether that secret appears anywhere in what rank 0 hands out (``Fetch``)."""
+        from fkv.connector.transport import _side
+        from fkv.connector.transport._sidelimits import frame_request
+
+        server = self.servers[cmd["name"]]
+        raw = frame_request(server.address, _side.encode_message(_side.Fetch()), timeout=10.0,
+                            max_frame=_side.MAX_SIDE_MESSAGE_BYTES)
+        entry = _side.decode_reply(raw).ranks[server.engine.tp_rank]
+        server._publish(server.address, entry, 10.0)
+        return {"secret_handed_out": server._secret in raw}
+
+    def cmd_side_stats(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The server's side-channel counters, telemetry refusals and request table counts."""
+        server = self.servers[cmd["name"]]
+        return {"side": server._sock.stats(), "refused": server.stats()["refused_messages"],
+                "counts": server.diagnostics()["counts"], "errors": list(server.errors)}
+
     # -- both --------------------------------------------------------------------------------
     def cmd_ping(self, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"pid": os.getpid()}
@@ -335,6 +414,8 @@ class Worker:
             obj = table.pop(cmd["name"], None)
             if obj is not None:
                 obj.close()
+        for rogue in self.rogues.pop(cmd["name"], []):
+            rogue.close()
         self.caches.pop(cmd["name"], None)
 
     def cmd_exit(self, cmd: dict[str, Any]) -> None:

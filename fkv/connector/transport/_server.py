@@ -25,6 +25,9 @@ in ``poll``.
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -94,6 +97,10 @@ class Server:
         self._stop = threading.Event()
         self._sock: Any = None
         self._ranks: dict[int, _side.RankEntry] = {}
+        # rank 0: per rank k > 0, the hash of the secret its first Publish carried (only rank k
+        # may replace its entry); rank k > 0: its own secret, never handed out
+        self._secrets: dict[int, bytes] = {}
+        self._secret = os.urandom(32)
         self._packer: Packer | None = None
         self._spin = spin_seconds()
         #: recent problems of the server thread (bounded: peers must not grow it without end)
@@ -304,7 +311,7 @@ class Server:
         deadline = time.monotonic() + timeout
         msg = _side.Publish(rank=self.engine.tp_rank, peer=entry.peer, mem_type=entry.mem_type,
                             address=entry.address, pack_base=entry.pack_base,
-                            pack_bytes=entry.pack_bytes)
+                            pack_bytes=entry.pack_bytes, secret=self._secret)
         last = "no answer"
         while time.monotonic() < deadline:
             try:
@@ -475,9 +482,20 @@ class Server:
         if peer.spec != self.spec:
             problems.append(f"spec {peer.spec!r} differs from rank 0's {self.spec!r} (every rank "
                             f"of an engine must share one spec, num_blocks included)")
+        digest = hashlib.sha256(msg.secret).digest()
+        known = self._secrets.get(msg.rank)
+        if not problems and known is not None and not hmac.compare_digest(known, digest):
+            problems.append(f"rank {msg.rank} already published with another secret (a rank's "
+                            f"entry can be replaced only by that rank; restart the whole prefill "
+                            f"engine to replace a rank's process)")
+        if not problems and len(msg.secret) < 16:
+            problems.append(f"the secret is {len(msg.secret)} bytes; at least 16 random bytes "
+                            f"are needed (every rank > 0 draws one at start: upgrade that rank's "
+                            f"fkv)")
         if problems:
             self.telemetry.refused("publish")
             return _side.Error(message="publish refused: " + "; ".join(problems))
+        self._secrets[msg.rank] = digest
         self._ranks[msg.rank] = _side.RankEntry(peer=msg.peer, mem_type=msg.mem_type,
                                                 address=msg.address, pack_base=msg.pack_base,
                                                 pack_bytes=msg.pack_bytes)

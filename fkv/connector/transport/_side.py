@@ -44,6 +44,8 @@ _Wire = Annotated[bytes, msgspec.Meta(max_length=32 << 20)]
 _Address = Annotated[str, msgspec.Meta(max_length=1024)]
 _Size = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 _Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+#: Largest per-rank secret a :class:`Publish` may carry.
+MAX_PUBLISH_SECRET_BYTES = 64
 #: Most blocks one pack request may name.
 MAX_PACK_BLOCKS = 1 << 21
 
@@ -57,6 +59,10 @@ class Publish(msgspec.Struct, tag="publish", forbid_unknown_fields=True, frozen=
     address: _Address = ""  # where this rank answers pack requests ("" : no pack buffer)
     pack_base: _Size = 0     # address and size of its registered pack buffer
     pack_bytes: _Size = 0
+    #: the rank's random secret (drawn at start): rank 0 keeps only its hash and refuses a later
+    #: Publish for the same rank with another secret ("a rank's entry is replaced only by that
+    #: rank"); never handed out in :class:`Ranks`
+    secret: Annotated[bytes, msgspec.Meta(max_length=MAX_PUBLISH_SECRET_BYTES)] = b""
 
 
 class Fetch(msgspec.Struct, tag="fetch", forbid_unknown_fields=True, frozen=True):
