@@ -230,6 +230,7 @@ class Dealer:
         self._sock: Any = None
         self._plain: Any = None
         self._decoder: Any = None
+        self._frames: list[bytes] = []   # reply frames decoded, not yet taken
         self._replies: list[Any] = []
         if curve is None:
             self._connect_plain()
@@ -309,17 +310,14 @@ class Dealer:
                     self._replies.append(reply)
 
     def _recv(self, timeout: float) -> bytes | None:
+        """The next reply frame within ``timeout`` seconds (None: nothing arrived)."""
         if self._plain is not None:
             import select
 
             from fkv.connector.transport._sidelimits import SideLimitError
 
-            pending = self._decoder.feed(b"") if self._decoder.buffered else []
-            if pending:
-                self._pending_frames = pending[1:]
-                return pending[0]
-            if getattr(self, "_pending_frames", None):
-                return self._pending_frames.pop(0)
+            if self._frames:
+                return self._frames.pop(0)
             if not select.select([self._plain], [], [], max(0.0, timeout))[0]:
                 return None
             try:
@@ -330,14 +328,11 @@ class Dealer:
                 raise SideChannelError(f"the prefill side channel at {self.address} closed the "
                                        f"connection")
             try:
-                frames = self._decoder.feed(data)
+                self._frames += self._decoder.feed(data)
             except SideLimitError as e:
                 raise SideChannelError(f"the prefill side channel at {self.address}: {e}") \
                     from None
-            if not frames:
-                return None
-            self._pending_frames = frames[1:]
-            return frames[0]
+            return self._frames.pop(0) if self._frames else None
         import zmq
 
         if not self._sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
