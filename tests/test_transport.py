@@ -102,7 +102,10 @@ class Proc:
                 self.proc.kill()
                 self.proc.wait()
         if self.proc.stdin:
-            self.proc.stdin.close()
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:  # the worker died with unflushed input: close without it
+                self.proc.stdin = None
         os.close(self.fd)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:

@@ -318,7 +318,22 @@ class Client:
                       agent=self._agent, zctx=self._zctx, strategy=self._strategy,
                       staging_bytes_max=self._staging_bytes_max,
                       pack_threshold=self._pack_threshold, curve=self._curve)
-        self._state = Connection(local, outcome.plan, peers, entries, deadline)
+        try:
+            self._state = Connection(local, outcome.plan, peers, entries, deadline)
+        except BaseException:
+            if local.tainted:
+                self._fresh_agent()
+            raise
+
+    def _fresh_agent(self) -> None:
+        """Replace the NIXL agent (registration included) after a peer's metadata was loaded
+        into it and the connection then failed: NIXL may keep state of a peer it half refused,
+        and UCX could later trip over it; a fresh agent carries nothing of that peer."""
+        old, self._agent = self._agent, None
+        if old is not None:
+            old.close()
+        self._agent = Agent("decode", telemetry=self._telemetry)
+        self._agent.register(self._regions, self._mem_type, self._device_id)
 
     def _disconnect(self) -> None:
         state, self._state = self._state, None

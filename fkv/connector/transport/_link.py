@@ -51,6 +51,7 @@ class Local:
     staging_bytes_max: int
     pack_threshold: int
     curve: Any = None  # CurveKeys for the side channel (None: plain-TCP frames)
+    tainted: bool = False  # a peer's metadata was loaded into the agent for this connection
 
 
 def wait_reads(agent: Any, xfers: list[Xfer], ranks: list[int], engine_id: str,
@@ -93,6 +94,7 @@ class Link:
         try:
             self._check_peers(deadline)
             for rank in (*plan.remote_ranks, *plan.notify_only_ranks):
+                local.tainted = True
                 self.names[rank] = agent.add_remote(peers[rank].agent_metadata,
                                                     timeout=max(0.5, deadline - time.monotonic()))
             if staging_bytes:

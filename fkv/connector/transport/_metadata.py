@@ -243,48 +243,90 @@ class MetadataProbeTimeout(FkvError):
     verdicts: tuple[str | None, ...] = ()
 
 
-# The child: its own NIXL agent (UCX backend); per blob, on stdin: u64 length, the blob, u64
-# length, the agent name our parse read from it. One line per blob on a private copy of stdout
+# The child: its own NIXL agent (UCX backend, progress thread on, as the real agent runs); per
+# blob, on stdin: u64 length, the blob, u64 length, the agent name our parse read from it, u64
+# length, the peer's registered descriptors (it loads the blob, prepares descriptor lists on
+# them as a decode rank would, then removes it). One line per blob on a private copy of stdout
 # ("T" before, "A" or "E msg" after); anything NIXL or UCX print goes to stderr. After a
 # refusal it removes what NIXL kept of the agent (NIXL keeps the connection info of a blob whose
 # memory section failed) and stops: the next blob gets a fresh child, so no verdict depends on
 # what an earlier blob left behind.
 _CHILD = r"""
-import os, sys, importlib, uuid
+import os, sys, importlib, uuid, time
 out = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 B = importlib.import_module(sys.argv[1] + "._bindings")
 cfg = B.nixlAgentConfig()
-cfg.useProgThread = False
+cfg.useProgThread = True   # as the real agent runs: its progress thread touches the peer too
 cfg.useListenThread = False
 agent = B.nixlAgent("fkv-probe-" + uuid.uuid4().hex, cfg)
 agent.createBackend("UCX", {})
+SEGS = {0: B.DRAM_SEG, 1: B.VRAM_SEG}
 out.write("R\n")
 inp = sys.stdin.buffer
 def take():
     head = inp.read(8)
     return inp.read(int.from_bytes(head, "little")) if len(head) == 8 else None
+def sections(raw):
+    # per section: u8 memory type, u32 count, count x (u64 addr, u64 len, u64 dev)
+    i, out_ = 0, []
+    while i < len(raw):
+        mem, n = raw[i], int.from_bytes(raw[i + 1:i + 5], "little")
+        i += 5
+        descs = [tuple(int.from_bytes(raw[i + 24 * k + 8 * j:i + 24 * k + 8 * j + 8], "little")
+                       for j in range(3)) for k in range(n)]
+        i += 24 * n
+        out_.append((mem, descs))
+    return out_
 while True:
-    blob, name = take(), take()
-    if blob is None or name is None:
+    blob, name, secs = take(), take(), take()
+    if blob is None or name is None or secs is None:
         break
     out.write("T\n")
     try:
         got = agent.loadRemoteMD(blob)
+        time.sleep(0.002)
+        # what a decode rank does next: prepare descriptor lists on the peer's memory
+        for mem, descs in sections(secs):
+            if mem in SEGS and descs:
+                agent.releasedDlistH(agent.prepXferDlist(got, B.nixlXferDList(SEGS[mem], descs),
+                                                         []))
+        time.sleep(0.002)
     except Exception as e:
         try:
             agent.invalidateRemoteMD(name)
         except Exception:
             pass
+        time.sleep(0.002)
         out.write(f"E {type(e).__name__}: {str(e)[:200]!r}\n")
         break
     try:
         agent.invalidateRemoteMD(got)
     except Exception:
         pass
+    time.sleep(0.002)
     out.write("A\n")
 """
+
+
+#: Most descriptors of one section the probe prepares (a decode rank prepares its own subset).
+_PROBE_DESCS = 4096
+_MEM_CODES = {"DRAM": 0, "VRAM": 1}
+
+
+def _encode_sections(meta: Any) -> bytes:
+    """The peer's registered descriptors for the probe child to prepare (see ``_CHILD``)."""
+    out = bytearray()
+    for section in meta.sections:
+        if section.mem_type not in _MEM_CODES:
+            continue
+        descs = section.descs[:_PROBE_DESCS]
+        out += bytes([_MEM_CODES[section.mem_type]]) + len(descs).to_bytes(4, "little")
+        for desc in descs:
+            for value in desc:
+                out += int(value).to_bytes(8, "little")
+    return bytes(out)
 
 
 def _backend_package() -> str:
@@ -373,10 +415,13 @@ class _Child:
                 raise FkvError(f"the NIXL metadata probe could not start a NIXL agent with the "
                                f"UCX backend: {self.tail()}")
             self.ready = True
-        name = parse_agent_metadata(blob).name.encode()
+        meta = parse_agent_metadata(blob)
+        name = meta.name.encode()
+        secs = _encode_sections(meta)
         try:
             self.proc.stdin.write(len(blob).to_bytes(8, "little") + blob
-                                  + len(name).to_bytes(8, "little") + name)
+                                  + len(name).to_bytes(8, "little") + name
+                                  + len(secs).to_bytes(8, "little") + secs)
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # it died; reading says so
