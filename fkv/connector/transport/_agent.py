@@ -48,14 +48,18 @@ def load_nixl() -> Any:
     return _NIXL
 
 
-def granule_table(regions: Any, granule: int, *, device_id: int) -> np.ndarray:
+def granule_table(regions: Any, granule: int, *, device_id: int,
+                  limit: int | None = None) -> np.ndarray:
     """``Nx3`` uint64 ``(address, granule, device_id)`` rows cutting each ``(base, nbytes)`` region
-    into ``nbytes // granule`` pieces, regions one after another."""
+    into ``nbytes // granule`` pieces, regions one after another. ``limit``: at most about that
+    many rows, the first pieces of every region (a sample; nothing larger is allocated)."""
     parts = []
+    regions = list(regions)
+    per = None if limit is None else max(1, limit // max(1, len(regions)))
     for base, nbytes in regions:
         if nbytes % granule:
             raise FkvError(f"region of {nbytes} bytes is not a multiple of the granule {granule}")
-        k = nbytes // granule
+        k = nbytes // granule if per is None else min(per, nbytes // granule)
         t = np.empty((k, 3), dtype=np.uint64)
         t[:, 0] = np.uint64(base) + np.arange(k, dtype=np.uint64) * np.uint64(granule)
         t[:, 1] = granule

@@ -28,6 +28,8 @@ from fkv.layout import KVCacheSpec
 
 __all__ = ["Link", "Local", "MAX_PREPARED_DESCRIPTORS", "wait_reads"]
 
+#: Rows of a peer's descriptor table the metadata probe prepares first.
+_PROBE_ROWS = 4096
 #: Most remote descriptors (granules) a decode rank prepares for one prefill rank: about 96 MiB
 #: of descriptor tables. A 32-layer cache of 16384 blocks cut in head halves needs 2**21.
 MAX_PREPARED_DESCRIPTORS = 1 << 22
@@ -92,6 +94,7 @@ class Link:
         self.spin = spin_seconds()  # busy-poll READ states this long before sleeping
         agent = local.agent
         try:
+            self.granule = self._probe_granule()
             self._check_peers(deadline)
             for rank in (*plan.remote_ranks, *plan.notify_only_ranks):
                 local.tainted = True
@@ -103,8 +106,7 @@ class Link:
                 self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=local.device)
                 self._staging_reg = agent.register([(self.staging.data_ptr(), staging_bytes)],
                                                    local.mem_type, local.device_id)
-            self.granule = 0
-            self._prep(self._probe_granule())
+            self._prep(self.granule)
         except BaseException:
             self.close()
             raise
@@ -115,8 +117,13 @@ class Link:
         from fkv.connector.transport._metadata import check_each
 
         ranks = (*self.plan.remote_ranks, *self.plan.notify_only_ranks)
+        # the probe prepares the very descriptors this rank will prepare on each peer
+        preps = [(self.mem_types[r], granule_table(self.peers[r].regions, self.granule,
+                                                   device_id=self.peers[r].device_id,
+                                                   limit=_PROBE_ROWS))
+                 if r in self.plan.remote_ranks else None for r in ranks]
         verdicts = check_each([self.peers[r].agent_metadata for r in ranks],
-                              timeout=max(0.5, deadline - time.monotonic()))
+                              timeout=max(0.5, deadline - time.monotonic()), preps=preps)
         for rank, meta in zip(ranks, verdicts, strict=True):
             if isinstance(meta, Exception):
                 raise FkvError(f"prefill rank {rank} of engine {self.engine_id!r}: {meta}")

@@ -329,6 +329,18 @@ def _encode_sections(meta: Any) -> bytes:
     return bytes(out)
 
 
+def _encode_prep(mem_type: str, table: Any) -> bytes:
+    """One section of descriptors (an ``Nx3`` table's first :data:`_PROBE_DESCS` rows) for the
+    probe child, in the format of :func:`_encode_sections`."""
+    import numpy as np
+
+    rows = np.asarray(table, dtype=np.uint64).reshape(-1, 3)[:_PROBE_DESCS]
+    if mem_type not in _MEM_CODES:
+        return b""
+    return (bytes([_MEM_CODES[mem_type]]) + len(rows).to_bytes(4, "little")
+            + rows.astype("<u8").tobytes())
+
+
 def _backend_package() -> str:
     """The NIXL wheel package the parent uses (``nixl_cu12``, ``nixl_cu13``...), so the child
     imports its bindings directly: no torch import, the same build."""
@@ -340,7 +352,8 @@ def _backend_package() -> str:
     return load_nixl()._api.__name__.rsplit(".", 1)[0]
 
 
-def probe_agent_metadata(blobs: list[bytes], *, timeout: float) -> list[str | None]:
+def probe_agent_metadata(blobs: list[bytes], *, timeout: float,
+                         preps: list[bytes | None] | None = None) -> list[str | None]:
     """Add each blob to a NIXL agent in a child process, in order; one entry per blob: None
     (added and removed again), or why it was refused (the child died or NIXL refused it). A
     child serves blobs until one is refused or kills it; the rest go to a fresh child (started
@@ -363,7 +376,8 @@ def probe_agent_metadata(blobs: list[bytes], *, timeout: float) -> list[str | No
             if spare is None and len(blobs) - i > 1:
                 spare = _Child(package)
             try:
-                why, alive = child.probe(i, blobs[i], deadline, len(blobs))
+                why, alive = child.probe(i, blobs[i], deadline, len(blobs),
+                                         None if preps is None else preps[i])
             except MetadataProbeTimeout as e:
                 e.verdicts = tuple(verdicts)
                 raise
@@ -407,7 +421,8 @@ class _Child:
         text, self.buf = self.buf.split(b"\n", 1)
         return text.decode("utf-8", "replace")
 
-    def probe(self, i: int, blob: bytes, deadline: float, n: int) -> tuple[str | None, bool]:
+    def probe(self, i: int, blob: bytes, deadline: float, n: int, prep: bytes | None = None
+              ) -> tuple[str | None, bool]:
         """``(verdict, child still usable)`` for blob ``i`` of ``n``."""
         what = f"blob {i + 1} of {n}"
         if not self.ready:
@@ -417,7 +432,7 @@ class _Child:
             self.ready = True
         meta = parse_agent_metadata(blob)
         name = meta.name.encode()
-        secs = _encode_sections(meta)
+        secs = _encode_sections(meta) if prep is None else prep
         try:
             self.proc.stdin.write(len(blob).to_bytes(8, "little") + blob
                                   + len(name).to_bytes(8, "little") + name
@@ -489,19 +504,27 @@ def check_agent_metadata_many(blobs: list[Any], *, timeout: float) -> list[Agent
     return verdicts  # type: ignore[return-value]
 
 
-def check_each(blobs: list[Any], *, timeout: float) -> list[AgentMetadata | FkvError]:
+def check_each(blobs: list[Any], *, timeout: float,
+               preps: list[Any] | None = None) -> list[AgentMetadata | FkvError]:
     """One verdict per blob: its :class:`AgentMetadata`, or the FkvError refusing it (a
-    :class:`MetadataProbeTimeout` for blobs the probe could not finish in time: not cached)."""
+    :class:`MetadataProbeTimeout` for blobs the probe could not finish in time: not cached).
+
+    ``preps[i]``: ``(mem_type, Nx3 table)`` of the descriptors the caller will prepare on blob
+    ``i``'s peer (the probe prepares the same ones, at most :data:`_PROBE_DESCS`); default: the
+    descriptors the blob itself registers."""
     out: list[AgentMetadata | FkvError | None] = [None] * len(blobs)
     todo: dict[bytes, list[int]] = {}
     parsed: dict[bytes, AgentMetadata] = {}
+    extras: dict[bytes, bytes] = {}
     for i, blob in enumerate(blobs):
         try:
             meta = parse_agent_metadata(blob)
         except FkvError as e:
             out[i] = e
             continue
-        key = hashlib.sha256(blob).digest()
+        extra = b"" if preps is None or preps[i] is None else _encode_prep(*preps[i])
+        key = hashlib.sha256(bytes(blob) + b"|" + extra).digest()
+        extras[key] = extra
         with _LOCK:
             known = _CACHE.get(key)
             if known is not None:
@@ -515,7 +538,8 @@ def check_each(blobs: list[Any], *, timeout: float) -> list[AgentMetadata | FkvE
         keys = list(todo)
         try:
             verdicts = probe_agent_metadata([bytes(blobs[todo[k][0]]) for k in keys],
-                                            timeout=timeout)
+                                            timeout=timeout,
+                                            preps=[extras[k] or None for k in keys])
         except MetadataProbeTimeout as e:  # keep what was probed; the rest is not known
             verdicts = [*e.verdicts, *[e] * (len(keys) - len(e.verdicts))]
         with _LOCK:
