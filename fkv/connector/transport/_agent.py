@@ -25,27 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from fkv.connector.transport._base import TransferFailed, tensor_memory
+from fkv.connector.transport._base import TransferFailed, load_nixl, tensor_memory
 from fkv.errors import FkvError
 
 __all__ = ["Agent", "TransferFailed", "UndecodableNotifications", "granule_table", "load_nixl",
            "row_indices", "tensor_memory"]
 
 
-_NIXL: Any = None
-
-
-def load_nixl() -> Any:
-    """``import nixl`` with its Python logging turned down to warnings (it logs to stdout)."""
-    global _NIXL
-    if _NIXL is None:
-        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        try:
-            import nixl
-        except ImportError as e:  # pragma: no cover - nixl is a declared dependency
-            raise FkvError(f"fkv transfers need NIXL: pip install nixl ({e})") from e
-        _NIXL = nixl
-    return _NIXL
 
 
 def granule_table(regions: Any, granule: int, *, device_id: int,

@@ -26,7 +26,8 @@ from fkv.layout import KVCacheSpec
 __all__ = [
     "DEFAULT_LEASE", "DEFAULT_PACK_BYTES", "DEFAULT_PACK_THRESHOLD", "DEFAULT_STAGING_BYTES",
     "HandshakeRejected", "ReadResult", "STRATEGIES", "SideChannelError", "Tally", "TransferFailed",
-    "cache_regions", "check_engine", "kernels", "layer_views", "on_device", "spin_seconds",
+    "cache_regions", "check_engine", "kernels", "layer_views", "load_nixl", "on_device",
+    "spin_seconds",
     "split_chunks", "tensor_memory", "zmq",
 ]
 
@@ -194,6 +195,22 @@ def spin_seconds() -> float:
         return max(0.0, float(os.environ.get("FKV_TRANSPORT_SPIN", "0") or 0))
     except ValueError:
         return 0.0
+
+
+_NIXL: Any = None
+
+
+def load_nixl() -> Any:
+    """``import nixl`` with its Python logging turned down to warnings (it logs to stdout)."""
+    global _NIXL
+    if _NIXL is None:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        try:
+            import nixl
+        except ImportError as e:  # pragma: no cover - nixl is a declared dependency
+            raise FkvError(f"fkv transfers need NIXL: pip install nixl ({e})") from e
+        _NIXL = nixl
+    return _NIXL
 
 
 def tensor_memory(t: Any) -> tuple[str, int]:

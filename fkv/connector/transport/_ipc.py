@@ -155,7 +155,7 @@ class _DLTensor(ctypes.Structure):
 
 
 class _DLManaged(ctypes.Structure):
-    pass
+    """DLPack's ``DLManagedTensor`` (its fields are set below: the deleter points to the type)."""
 
 
 _DLManaged._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),

@@ -347,7 +347,7 @@ def _backend_package() -> str:
     mod = sys.modules.get("nixl._api")
     if mod is not None and getattr(mod, "__name__", "").endswith("._api"):
         return mod.__name__.rsplit(".", 1)[0]
-    from fkv.connector.transport._agent import load_nixl
+    from fkv.connector.transport._base import load_nixl
 
     return load_nixl()._api.__name__.rsplit(".", 1)[0]
 
