@@ -247,6 +247,10 @@ class Client:
         landed: list[float] = []
         idle = 0
         layered = path.layered()
+        rows = None  # the plan's rows of the request, computed once (each layer range filters them)
+        if layered and path.name in ("direct", "staging") and \
+                len(path.chunks(local, remote, tokens)) == 1:
+            rows = state.plan.segments(local, remote, num_tokens=tokens)
         while len(landed) < total:
             done = len(landed)
             if time.monotonic() > deadline:
@@ -266,7 +270,10 @@ class Client:
                 sleep_until(deadline, wait_pause(idle))
                 continue
             idle = 0
-            if layered:
+            if rows is not None:
+                path.read(request_id, local, remote, tokens, deadline, tally, rows,
+                          layers=(done, ready))
+            elif layered:
                 path.read(request_id, local, remote, tokens, deadline, tally, layers=(done, ready))
             else:
                 path.read(request_id, local, remote, tokens, deadline, tally)
