@@ -92,6 +92,8 @@ class _Ipc(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                        msgspec.Meta(max_length=MAX_REGIONS)]
     offsets: Annotated[list[_int(0, 1 << 48)], msgspec.Meta(max_length=MAX_REGIONS)]  # type: ignore[valid-type]
     pid: _int(0, 1 << 31) = 0  # type: ignore[valid-type]
+    # the IPC handle of the rank's publish event (streaming), or empty
+    event: Annotated[bytes, msgspec.Meta(max_length=IPC_HANDLE_BYTES)] = b""
 
 
 class _Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -124,6 +126,10 @@ class IpcInfo:
     handles: tuple[bytes, ...]
     offsets: tuple[int, ...]
     pid: int = 0   # the exporting process, when the reader shares its PID namespace (else 0)
+    #: the IPC handle of an interprocess event the rank records after each streaming publish
+    #: (64 bytes), or empty: a reader that waits for it on its stream may read every published
+    #: layer before the layers' writes finished
+    event: bytes = b""
 
 
 @attrs.frozen(repr=False)
@@ -211,7 +217,7 @@ def encode(engine: EngineDesc, spec: KVCacheSpec, regions: Any, *, device_id: in
         device_id=device_id, agent_metadata=bytes(agent_metadata),
         ipc=None if ipc is None else _Ipc(host=ipc.host, device_uuid=ipc.device_uuid,
                                           handles=list(ipc.handles), offsets=list(ipc.offsets),
-                                          pid=ipc.pid))
+                                          pid=ipc.pid, event=ipc.event))
     data = _ENCODER.encode(message)
     try:  # the limits live in one place: the decoder's types
         decode_untrusted(data)
@@ -284,5 +290,8 @@ def _check_ipc(spec: KVCacheSpec, ipc: _Ipc) -> IpcInfo:
         value = getattr(ipc, name)
         if not (value.isascii() and value.isprintable()):
             raise FkvError(f"'ipc.{name}' must be printable ASCII (got {value[:64]!r})")
+    if ipc.event and len(ipc.event) != IPC_HANDLE_BYTES:
+        raise FkvError(f"'ipc.event' must be empty or an IPC event handle of {IPC_HANDLE_BYTES} "
+                       f"bytes (got {len(ipc.event)})")
     return IpcInfo(host=ipc.host, device_uuid=ipc.device_uuid, handles=tuple(ipc.handles),
-                   offsets=tuple(ipc.offsets), pid=ipc.pid)
+                   offsets=tuple(ipc.offsets), pid=ipc.pid, event=ipc.event)

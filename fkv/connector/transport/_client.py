@@ -239,38 +239,43 @@ class Client:
 
     def _stream(self, state: Connection, path: Any, request_id: str, local: Any, remote: Any,
                 tokens: int, deadline: float, tally: Tally, t0: float) -> tuple[float, ...]:
-        """Move the layers of a streaming request as the prefill ranks publish them."""
-        from fkv.connector.transport._stream import sleep_until, wait_pause
-
+        """Move the layers of a streaming request as the prefill ranks publish them: a long
+        poll asks for the next layers while the previous ones move."""
         watch = state.watch()
+        watch.start(request_id)
         total = state.remote_spec.num_layers
         landed: list[float] = []
-        idle = 0
         layered = path.layered()
+        # ipc with publish events: move what is published, the stream waiting for the writes
+        recorded = bool(getattr(path, "waits_on_events", lambda: False)())
         rows = None  # the plan's rows of the request, computed once (each layer range filters them)
         if layered and path.name in ("direct", "staging") and \
                 len(path.chunks(local, remote, tokens)) == 1:
             rows = state.plan.segments(local, remote, num_tokens=tokens)
         while len(landed) < total:
             done = len(landed)
-            if time.monotonic() > deadline:
-                got = f"layers 0..{done - 1} landed" if done else "no layer landed"
+            got = f"layers 0..{done - 1} landed" if done else "no layer landed"
+            try:
+                ready = watch.beyond(request_id, done if layered else total - 1, deadline,
+                                     recorded)
+            except TransferFailed as e:
+                raise TransferFailed(f"streaming request {request_id!r}: {got} of {total}; {e}; "
+                                     f"nothing is reported as done") from e
+            if ready > total:
+                raise TransferFailed(f"streaming request {request_id!r}: prefill engine "
+                                     f"{state.engine_id!r} announced {ready} layers published of "
+                                     f"the {total} its spec has; nothing is reported as done")
+            if ready <= done or (not layered and ready < total):
                 raise TransferFailed(f"streaming request {request_id!r}: {got}, layer {done} of "
                                      f"{total} was not published by prefill engine "
                                      f"{state.engine_id!r} before the read's timeout; the read "
                                      f"is not complete and nothing is reported as done")
-            try:
-                ready = watch.ready(request_id, deadline)
-            except TransferFailed as e:
-                got = f"layers 0..{done - 1} landed" if done else "no layer landed"
-                raise TransferFailed(f"streaming request {request_id!r}: {got} of {total}; {e}; "
-                                     f"nothing is reported as done") from e
-            if ready <= done or (not layered and ready < total):
-                idle += 1
-                sleep_until(deadline, wait_pause(idle))
-                continue
-            idle = 0
-            if rows is not None:
+            if ready < total:
+                watch.ask(request_id, ready, recorded)  # the next wait overlaps this move
+            if recorded:
+                path.read(request_id, local, remote, tokens, deadline, tally,
+                          layers=(done, ready), after_events=True)
+            elif rows is not None:
                 path.read(request_id, local, remote, tokens, deadline, tally, rows,
                           layers=(done, ready))
             elif layered:

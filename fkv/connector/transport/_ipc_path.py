@@ -49,6 +49,8 @@ class IpcPath:
         self.mappings: dict[int, Mapping] = {}
         self.movers: list[tuple[int, Any]] = []
         self.pids: dict[int, int] = {}
+        # per mapped rank its interprocess publish event (streaming), when every rank has one
+        self.events: dict[int, Any] = {}
         rs = peers[0].spec
         self.bytes_per_token = 0
         try:
@@ -67,10 +69,33 @@ class IpcPath:
                 h = 1 if rs.is_mla else read.remote_heads[1] - read.remote_heads[0]
                 self.bytes_per_token += ((1 if rs.is_mla else 2) * h * rs.head_size * rs.itemsize
                                          * rs.num_layers)
+            self.events = self._open_events(peers)
             self.warm()
         except BaseException:
             self.close()
             raise
+
+    def _open_events(self, peers: list[Any]) -> dict[int, Any]:
+        """Open every mapped rank's publish event; none at all unless every rank has one (a
+        streaming read then counts finished writes, as the NIXL paths do)."""
+        import torch
+
+        events = {}
+        for rank in self.mappings:
+            handle = peers[rank].ipc.event
+            if not handle:
+                return {}
+            try:
+                events[rank] = torch.cuda.Event.from_ipc_handle(self.local.device, handle)
+            except Exception:  # noqa: BLE001 - a handle CUDA refuses: count finished writes
+                return {}
+        return events
+
+    def waits_on_events(self) -> bool:
+        """Whether a streaming read may move every *published* layer at once, its stream
+        waiting for the prefill ranks' publish events (else: only layers whose writes
+        finished)."""
+        return bool(self.events)
 
     def describe(self) -> str:
         ranks = ", ".join(f"P{rank}" for rank in self.mappings)
@@ -99,7 +124,11 @@ class IpcPath:
         return True
 
     def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
-             deadline: float, tally: Tally, layers: tuple[int, int] | None = None) -> None:
+             deadline: float, tally: Tally, layers: tuple[int, int] | None = None,
+             after_events: bool = False) -> None:
+        """Move the request (``layers=(a, b)``: only those layers; ``after_events``: first make
+        the stream wait for each prefill rank's publish event, so layers published but still
+        being written move once their writes finished)."""
         import torch
 
         dev = self.local.device
@@ -110,6 +139,9 @@ class IpcPath:
                 dev, non_blocking=True)
             rids = torch.from_numpy(np.ascontiguousarray(remote, dtype=np.int64)).to(
                 dev, non_blocking=True)
+            if after_events:
+                for event in self.events.values():
+                    stream.wait_event(event)
             for _, mover in self.movers:
                 mover(rids, lids, tokens, validate=False, layers=layers)
             done = torch.cuda.Event()

@@ -28,11 +28,13 @@ import collections
 import hashlib
 import hmac
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 
 from fkv.connector.transport import _side
 from fkv.connector.transport._base import (
@@ -58,6 +60,11 @@ __all__ = ["Server"]
 # request-table counters that mean a refused peer notification (telemetry's refused kinds)
 _REFUSED_KINDS = ("duplicate", "unexpected_reader", "unknown_request", "late", "failed",
                   "premature", "malformed", "foreign", "impersonation")
+
+#: Status long polls a rank keeps waiting at once; more are answered at once (peers must not
+#: grow the list without end).
+MAX_PARKED = 256
+_PARK = object()  # _handle's answer to a Status that waits for news
 
 
 class Server:
@@ -94,6 +101,13 @@ class Server:
                                prefill_rank=engine.tp_rank)
         self._published: dict[str, int] = {}   # streaming: layers announced so far
         self._events: dict[str, list[tuple[int, Any]]] = {}  # announced, event not yet done
+        # Status long polls waiting for news: (envelope, request, answer-by time)
+        self._parked: list[tuple[Any, _side.Status, float]] = []
+        self._waiter: _EventWaiter | None = None  # waits for publish events (made on first use)
+        # CUDA: an interprocess event recorded (on its own stream) after each publish's writes;
+        # ipc readers wait for it on their stream instead of for the writes on the host
+        self._ipc_event: Any = None
+        self._ipc_stream: Any = None
         self._stop = threading.Event()
         self._sock: Any = None
         self._ranks: dict[int, _side.RankEntry] = {}
@@ -124,6 +138,8 @@ class Server:
                     ipc = export_regions(regions, device)
                 except FkvError as e:  # the NIXL paths still work
                     self.ipc_reason = str(e)
+                else:
+                    ipc = attrs.evolve(ipc, event=self._publish_event(device))
             else:
                 self.ipc_reason = "the caches are not on CUDA"
             wire = encode(engine, spec, regions, device_id=device_id,
@@ -175,6 +191,7 @@ class Server:
                              lease=float(lease), layers_ready=layers_ready)
             if layers_ready is not None:
                 self._published.setdefault(request_id, layers_ready)
+        self._wake()
 
     def publish(self, request_id: str, layers_ready: int, *, event: Any = None) -> None:
         """Announce that layers ``[0, layers_ready)`` of the streaming request are written.
@@ -192,6 +209,8 @@ class Server:
                                f"this rank ({why}); start it with server.hold(request_id, "
                                f"block_ids, layers_ready=0)")
             self._check_layers(layers_ready, published)
+            if self._ipc_event is not None:
+                self._record_publish(event)  # before the count: an ipc reader waits for it
             self._published[request_id] = layers_ready
             now = time.monotonic()
             self._table.hold(request_id, None, None, now=now, lease=self.lease)  # renew
@@ -200,6 +219,11 @@ class Server:
                 self._table.publish(request_id, layers_ready, now)
             else:
                 self._events.setdefault(request_id, []).append((layers_ready, event))
+                if self._waiter is None:
+                    self._waiter = _EventWaiter(self._event_done)
+                self._waiter.put(event)
+                return
+        self._wake()
 
     def layers_ready(self, request_id: str) -> int | None:
         """Layers of ``request_id`` readers may read now (None: not held)."""
@@ -215,8 +239,49 @@ class Server:
                               f"an int in [{lo}, {top}] (layers only move forward, up to "
                               f"spec.num_layers={top})")
 
+    def _publish_event(self, device: Any) -> bytes:
+        """Make the interprocess publish event; its IPC handle (empty when CUDA refuses: ipc
+        readers then wait for the writes through the server, like the NIXL paths)."""
+        import torch
+
+        try:
+            with torch.cuda.device(device):
+                stream = torch.cuda.Stream(device)
+                event = torch.cuda.Event(interprocess=True)
+                event.record(stream)
+                handle = bytes(event.ipc_handle())
+        except Exception as e:  # noqa: BLE001 - any CUDA refusal: streaming still works
+            self.errors.append(f"no interprocess publish event ({type(e).__name__}: {e})")
+            return b""
+        self._ipc_stream, self._ipc_event = stream, event
+        return handle
+
+    def _record_publish(self, event: Any) -> None:
+        """Record the publish event after ``event`` (or, without one, after the work the caller
+        enqueued on its current stream so far): asynchronous, the host does not wait."""
+        import torch
+
+        stream = self._ipc_stream
+        with torch.cuda.device(stream.device):
+            if event is not None:
+                stream.wait_event(event)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(stream.device))
+            self._ipc_event.record(stream)
+
+    def _wake(self) -> None:
+        """Let the server thread answer the Status long polls now (any thread)."""
+        sock = self._sock
+        if sock is not None:
+            sock.wake()
+
+    def _event_done(self) -> None:
+        """The event waiter saw a publish event complete (its thread)."""
+        self._advance()
+        self._wake()
+
     def _advance(self) -> None:
-        """Make layers visible whose CUDA event completed (server thread)."""
+        """Make layers visible whose CUDA event completed (server thread, event waiter)."""
         with self._lock:
             now = time.monotonic()
             for request_id, events in list(self._events.items()):
@@ -268,6 +333,10 @@ class Server:
     def close(self) -> None:
         """Stop serving, release NIXL resources. Idempotent."""
         self._stop.set()
+        waiter = getattr(self, "_waiter", None)
+        if waiter is not None:
+            waiter.stop()
+        self._wake()
         thread = getattr(self, "_thread", None)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=10.0)
@@ -346,6 +415,8 @@ class Server:
                     self._stop.wait(0.002)
                 self._take_notifications()
                 self._advance()
+                if self._parked:
+                    self._answer_parked()
                 self._expire()
             except Exception as e:  # keep serving; the error is visible in server.errors
                 self.errors.append(f"{type(e).__name__}: {e}")
@@ -395,6 +466,8 @@ class Server:
         pack's gather time counts from ``t0`` or the previous pack's reply. Returns the time the
         last reply went out."""
         for envelope, reply in out:
+            if reply is None:  # a parked Status: answered later
+                continue
             if isinstance(reply, _side.Packed):
                 try:
                     self._packer.sync(reply.slot)
@@ -425,7 +498,11 @@ class Server:
             self.telemetry.refused("undecodable")
             return envelope, _side.Error(message=str(e))
         try:
-            return envelope, self._handle(msg)
+            reply = self._handle(msg)
+            if reply is _PARK:
+                self._parked.append((envelope, msg, time.monotonic() + msg.wait))
+                return envelope, None
+            return envelope, reply
         except FkvError as e:
             self.telemetry.refused(type(msg).__name__.lower())
             return envelope, _side.Error(message=str(e))
@@ -438,11 +515,11 @@ class Server:
             return _side.Ok(engine_id=self.engine.engine_id)
         if isinstance(msg, _side.Status):
             self._advance()
-            with self._lock:
-                if msg.request_id not in self._table.pending():
-                    return _side.Layers(token=msg.token, layers_ready=0, held=False)
-                ready = self._table.layers_ready(msg.request_id)
-                return _side.Layers(token=msg.token, layers_ready=ready, held=True)
+            reply = self._layers(msg)
+            if (msg.wait > 0 and reply.layers_ready <= msg.after
+                    and len(self._parked) < MAX_PARKED):
+                return _PARK
+            return reply
         if isinstance(msg, _side.Hello):
             with self._lock:
                 self._table.bind(msg.agent, (msg.engine_id, msg.rank), decode_tp=msg.tp_size)
@@ -501,6 +578,31 @@ class Server:
                                                 pack_bytes=msg.pack_bytes)
         return _side.Ok(engine_id=self.engine.engine_id)
 
+    def _layers(self, msg: _side.Status) -> _side.Layers:
+        with self._lock:
+            if msg.request_id not in self._table.pending():
+                return _side.Layers(token=msg.token, layers_ready=0, held=False)
+            ready = self._table.layers_ready(msg.request_id)
+            if msg.recorded and self._ipc_event is not None:
+                ready = self._published.get(msg.request_id, ready)
+            return _side.Layers(token=msg.token, layers_ready=ready, held=True)
+
+    def _answer_parked(self) -> None:
+        """Answer the Status long polls that have news, or whose wait is over."""
+        now = time.monotonic()
+        keep = []
+        for envelope, msg, until in self._parked:
+            reply = self._layers(msg)
+            if reply.layers_ready > msg.after or now >= until or self._stop.is_set():
+                try:
+                    if not self._sock.reply(envelope, _side.encode_message(reply)):
+                        self.errors.append("reply not sent: the requester left")
+                except Exception as e:  # the requester left: nothing to answer
+                    self.errors.append(f"reply not sent: {e}")
+            else:
+                keep.append((envelope, msg, until))
+        self._parked = keep
+
     def _expire(self) -> None:
         with self._lock:
             expired = self._table.expire(time.monotonic())
@@ -524,3 +626,36 @@ class Server:
             except Exception as e:
                 self.errors.append(f"on_release({release.request_id!r}) raised "
                                    f"{type(e).__name__}: {e}")
+
+
+class _EventWaiter:
+    """A thread that waits, in publish order, for the CUDA events of :meth:`Server.publish`
+    (``event.synchronize()`` releases the GIL) and calls ``done`` after each: the layers become
+    visible to the long polls as soon as their writes finished, with no polling in between."""
+
+    def __init__(self, done: Callable[[], None]) -> None:
+        self._done = done
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="fkv-publish-events", daemon=True)
+        self._thread.start()
+
+    def put(self, event: Any) -> None:
+        self._queue.put(event)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10.0)
+
+    def _run(self) -> None:
+        while True:
+            event = self._queue.get()
+            if event is None:
+                return
+            try:
+                event.synchronize()
+            except Exception:  # the server loop's query() sees the same failure
+                pass
+            try:
+                self._done()
+            except Exception:
+                pass

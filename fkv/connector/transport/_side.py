@@ -31,7 +31,7 @@ from fkv.connector.transport._base import SideChannelError
 from fkv.errors import FkvError
 
 __all__ = [
-    "Dealer", "Error", "Fetch", "Hello", "Layers", "MAX_SIDE_MESSAGE_BYTES", "Ok", "Pack", "Packed", "Ping",
+    "Dealer", "Error", "MAX_STATUS_WAIT", "Fetch", "Hello", "Layers", "MAX_SIDE_MESSAGE_BYTES", "Ok", "Pack", "Packed", "Ping",
     "Publish", "RankEntry", "Ranks", "Status", "SideChannelError", "decode_reply", "decode_request", "encode_message",
     "request",
 ]
@@ -108,11 +108,25 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, frozen=True
     agent: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 
 
+#: The longest a prefill rank keeps a :class:`Status` request waiting for news (seconds).
+MAX_STATUS_WAIT = 1.0
+
+
 class Status(msgspec.Struct, tag="status", forbid_unknown_fields=True, frozen=True):
-    """A decode rank asks how many layers of a streaming request this prefill rank published."""
+    """A decode rank asks how many layers of a streaming request this prefill rank published.
+
+    ``wait > 0`` makes it a long poll: the prefill rank answers as soon as it holds the request
+    with more than ``after`` layers published, or after ``wait`` seconds (at most
+    :data:`MAX_STATUS_WAIT`) with what it has; ``wait=0`` answers at once."""
 
     token: _Token
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    after: Annotated[int, msgspec.Meta(ge=-1, le=1 << 16)] = -1
+    wait: Annotated[float, msgspec.Meta(ge=0, le=MAX_STATUS_WAIT)] = 0.0
+    #: count the layers *published* (their writes enqueued before the rank's IPC publish event
+    #: was recorded) rather than those whose writes finished: only for a reader that makes its
+    #: stream wait for that event before reading (the ipc path)
+    recorded: bool = False
 
 
 class Layers(msgspec.Struct, tag="layers", forbid_unknown_fields=True, frozen=True):
@@ -379,16 +393,42 @@ class SideServer:
             raise FkvError(f"'host/port' must be an address to bind (got {host}:{port}): "
                            f"{e}") from None
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        import socket
+
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+
+    def wake(self) -> None:
+        """End the current (or next) :meth:`poll` at once; safe from any thread."""
+        if self._frames is not None:
+            self._frames.wake()
+            return
+        try:
+            self._wake_w.send(b"w")
+        except OSError:
+            pass  # a wake-up is pending already (or the server is closed)
 
     def poll(self, timeout: float) -> list[tuple[Any, bytes | None]]:
         """Requests that arrived within ``timeout`` s: ``(envelope, payload)``; a ZMQ message
-        of more than one frame comes back with payload None (refuse it)."""
+        of more than one frame comes back with payload None (refuse it). :meth:`wake` ends the
+        wait early."""
         if self._frames is not None:
             return self._frames.poll(timeout)
         import zmq
 
         out: list[tuple[Any, bytes | None]] = []
-        if not self._router.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
+        ready = dict(self._poller.poll(max(0, int(timeout * 1000))))
+        if self._wake_r.fileno() in ready:
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except OSError:
+                pass
+        if self._router not in ready:
             return out
         for _ in range(64):
             try:
@@ -423,6 +463,8 @@ class SideServer:
         if self._router is not None:
             self._router.close(0)
             self._router = None
+            for sock in (self._wake_r, self._wake_w):
+                sock.close()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

@@ -154,6 +154,9 @@ class _Conn:
     busy: bool = False      # a request was handed out and not answered yet
 
 
+_WAKE = object()  # the selector key data of the wake-up socket
+
+
 class FrameServer:
     """A bounded request/reply server on plain TCP (see the module docstring); no threads.
 
@@ -198,6 +201,11 @@ class FrameServer:
         self.address = f"tcp://{'[' + host + ']' if family == socket.AF_INET6 else host}:{bound[1]}"
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listen, selectors.EVENT_READ, None)
+        # wake(): another thread ends a poll at once (a byte on this socket pair)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._conns: dict[int, _Conn] = {}
         self._next = 1
         self._reserved = 0
@@ -213,6 +221,9 @@ class FrameServer:
             if key.data is None:
                 self._accept()
                 continue
+            if key.data is _WAKE:
+                self._drain_wake()
+                continue
             cid = key.data
             if events & selectors.EVENT_WRITE:
                 self._flush(cid)
@@ -220,6 +231,20 @@ class FrameServer:
                 out.extend(self._read(cid))
         self._expire()
         return out
+
+    def wake(self) -> None:
+        """End the current (or next) :meth:`poll` at once; safe from any thread."""
+        try:
+            self._wake_w.send(b"w")
+        except (BlockingIOError, InterruptedError, OSError):
+            pass  # a wake-up is pending already (or the server is closed)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError, OSError):
+            pass
 
     def reply(self, conn: int, payload: bytes) -> bool:
         """Send ``payload`` as the answer to ``conn``'s request (False: it is gone)."""
@@ -260,6 +285,8 @@ class FrameServer:
         except (KeyError, ValueError):
             pass
         self._listen.close()
+        for sock in (self._wake_r, self._wake_w):
+            sock.close()
         self._sel.close()
 
     def __enter__(self) -> FrameServer:

@@ -3,8 +3,12 @@
 A prefill rank serving a streaming request (``server.hold(..., layers_ready=k)`` then
 ``server.publish(request_id, n)``) answers :class:`~fkv.connector.transport._side.Status` on its
 own side-channel address with the layers readers may read now (on CUDA only after the event of
-``publish`` completed). :class:`Watch` asks every prefill rank a decode rank reads and returns the
-smallest answer: a layer is readable once every rank holding a part of it published it.
+``publish`` completed). A Status is a long poll: the rank keeps it until it has more than
+``after`` layers published (its server thread is woken by ``publish``, or by the thread that waits
+for the publish's event), so news reaches the decode rank one side-channel message after it
+happened, with no polling interval. :class:`Watch` asks every prefill rank a decode rank reads
+and returns the smallest answer: a layer is readable once every rank holding a part of it
+published it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ __all__ = ["Watch"]
 
 _tokens = itertools.count(1)
 
+#: Seconds a long poll asks a prefill rank to wait for news (it answers at once when it has some).
+LONG_POLL = 0.25
+
 
 class Watch:
     """Status requests to the prefill ranks one decode rank reads (one DEALER socket each)."""
@@ -28,6 +35,9 @@ class Watch:
                  curve: Any = None) -> None:
         self.engine_id = engine_id
         self.dealers: dict[int, _side.Dealer] = {}
+        self._out: dict[int, tuple[int, str]] = {}   # rank -> (token, request) of its long poll
+        self._request = ""                            # the request _known counts layers of
+        self._known: dict[int, int] = {}              # rank -> layers it said are published
         try:
             for rank in ranks:
                 if not entries[rank].address:
@@ -39,43 +49,66 @@ class Watch:
             self.close()
             raise
 
-    def ready(self, request_id: str, deadline: float) -> int:
-        """Layers readable on every rank now (0 while a rank does not hold the request yet)."""
+    def start(self, request_id: str) -> None:
+        """A new read of ``request_id``: forget what the ranks said before (a poll still out is
+        collected, not re-sent)."""
+        self._request, self._known = request_id, {}
+
+    def ask(self, request_id: str, after: int, recorded: bool = False) -> None:
+        """Start a long poll on every rank not known to have more than ``after`` layers of
+        ``request_id`` published (a rank with a poll still out keeps that one): each answers as
+        soon as it has news, so the wait overlaps whatever the caller does next. ``recorded``:
+        count layers published (writes enqueued before the rank's publish event), for a reader
+        whose stream waits for that event."""
+        if request_id != self._request:
+            self._request, self._known = request_id, {}
         try:
-            return self._ready(request_id, deadline)
+            for rank, dealer in self.dealers.items():
+                if rank in self._out or self._known.get(rank, -1) > after:
+                    continue
+                token = next(_tokens)
+                dealer.send(_side.Status(token=token, request_id=request_id, after=after,
+                                         wait=LONG_POLL, recorded=recorded))
+                self._out[rank] = (token, request_id)
         except SideChannelError as e:
             raise TransferFailed(f"layer status from prefill engine {self.engine_id!r}: {e}") \
                 from e
 
-    def _ready(self, request_id: str, deadline: float) -> int:
-        tokens = {}
-        for rank, dealer in self.dealers.items():
-            tokens[rank] = next(_tokens)
-            dealer.send(_side.Status(token=tokens[rank], request_id=request_id))
-        ready = None
-        for rank, dealer in self.dealers.items():
-            reply = dealer.wait(tokens[rank], deadline)
-            if reply is None:
-                raise TransferFailed(f"prefill rank {rank} of engine {self.engine_id!r} did not "
-                                     f"answer the layer status before the read's timeout")
-            if not isinstance(reply, _side.Layers):
-                raise TransferFailed(f"prefill rank {rank} of engine {self.engine_id!r} refused "
-                                     f"the layer status: {getattr(reply, 'message', reply)}")
+    def beyond(self, request_id: str, after: int, deadline: float,
+               recorded: bool = False) -> int:
+        """Block until every rank published more than ``after`` layers of ``request_id`` (the
+        smallest count then), or until ``deadline`` (the smallest count known, maybe
+        ``<= after``). Long polls, re-asked when a rank's wait ends without news."""
+        try:
+            while True:
+                self.ask(request_id, after, recorded)
+                for rank in list(self._out):
+                    self._collect(rank, deadline)
+                least = min(self._known.get(rank, 0) for rank in self.dealers)
+                if least > after or time.monotonic() >= deadline:
+                    return least
+        except SideChannelError as e:
+            raise TransferFailed(f"layer status from prefill engine {self.engine_id!r}: {e}") \
+                from e
+
+    def _collect(self, rank: int, deadline: float) -> None:
+        token, request_id = self._out[rank]
+        reply = self.dealers[rank].wait(token, deadline)
+        if reply is None:
+            if time.monotonic() < deadline:
+                return
+            raise TransferFailed(f"prefill rank {rank} of engine {self.engine_id!r} did not "
+                                 f"answer the layer status before the read's timeout")
+        del self._out[rank]
+        if not isinstance(reply, _side.Layers):
+            raise TransferFailed(f"prefill rank {rank} of engine {self.engine_id!r} refused "
+                                 f"the layer status: {getattr(reply, 'message', reply)}")
+        if request_id == self._request:
             n = reply.layers_ready if reply.held else 0
-            ready = n if ready is None else min(ready, n)
-        return ready or 0
+            self._known[rank] = max(n, self._known.get(rank, 0))
 
     def close(self) -> None:
         for dealer in self.dealers.values():
             dealer.close()
         self.dealers.clear()
-
-
-def wait_pause(idle: int) -> float:
-    """Seconds to sleep after ``idle`` status polls that found nothing new (20 µs up to
-    0.25 ms: a published layer is seen within a quarter millisecond)."""
-    return min(0.00025, 0.00002 * (1 << min(idle, 4)))
-
-
-def sleep_until(deadline: float, pause: float) -> None:
-    time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        self._out.clear()

@@ -1,0 +1,130 @@
+"""The layer status of streaming requests as a long poll: a prefill rank keeps a ``Status`` with
+``wait > 0`` until it has news (a publish, a hold, a publish event completing) or until the wait
+ends, answers the rest at once, never keeps more than ``MAX_PARKED`` waiting, and refuses a wait
+longer than ``MAX_STATUS_WAIT``. CPU, one process, real NIXL, plain frames and CURVE ZMQ."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import fkv
+from fkv.connector import CurveKeys, EngineDesc, curve_keypair, serve
+from fkv.connector.transport import _server, _side
+
+pytestmark = pytest.mark.transport
+
+SPEC = fkv.KVCacheSpec(layout="HND", num_blocks=8, block_size=4, num_kv_heads=2, head_size=8,
+                       num_layers=3)
+
+
+def engine(name: str) -> EngineDesc:
+    return EngineDesc(engine_id=name, tp_size=1, tp_rank=0, total_num_kv_heads=2)
+
+
+def status(token: int, after: int = -1, wait: float = 0.0) -> _side.Status:
+    return _side.Status(token=token, request_id="r1", after=after, wait=wait)
+
+
+def layers(token: int, n: int, held: bool = True) -> _side.Layers:
+    return _side.Layers(token=token, layers_ready=n, held=held)
+
+
+def soon(seconds: float = 5.0) -> float:
+    return time.monotonic() + seconds
+
+
+@pytest.mark.parametrize("side", ["frames", "curve"])
+def test_a_status_long_poll_is_answered_by_the_news_it_waits_for(side: str) -> None:
+    curve = client_curve = None
+    if side == "curve":
+        server_pub, server_sec = curve_keypair()
+        pub, sec = curve_keypair()
+        curve = CurveKeys(server_pub, server_sec, allowed=frozenset({pub}))
+        client_curve = CurveKeys(pub, sec, server=server_pub)
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC), curve=curve) as server:
+        ctx = server._ctx
+        dealer = _side.Dealer(ctx, server.address, client_curve)
+        try:
+            # not held yet: the poll waits through the hold of zero layers ...
+            dealer.send(status(1, after=0, wait=1.0))
+            assert dealer.wait(1, time.monotonic() + 0.2) is None
+            server.hold("r1", [1, 2], layers_ready=0)
+            assert dealer.wait(1, time.monotonic() + 0.2) is None
+            # ... and is answered by the publish
+            server.publish("r1", 2)
+            assert dealer.wait(1, soon()) == layers(1, 2)
+            # news already there: answered at once, whatever the wait
+            dealer.send(status(2, after=1, wait=1.0))
+            assert dealer.wait(2, soon()) == layers(2, 2)
+            # no news: answered with what there is when the wait ends
+            t0 = time.monotonic()
+            dealer.send(status(3, after=2, wait=0.3))
+            assert dealer.wait(3, soon()) == layers(3, 2)
+            assert time.monotonic() - t0 >= 0.29
+            # a plain Status (no wait) is answered at once, as before long polls existed
+            dealer.send(_side.Status(token=4, request_id="r1"))
+            assert dealer.wait(4, soon()) == layers(4, 2)
+            # a wait over the limit is refused, naming the field
+            dealer.send(status(5, after=2, wait=_side.MAX_STATUS_WAIT * 2))
+            reply = dealer.wait(0, soon())
+            assert isinstance(reply, _side.Error)
+            assert "wait" in reply.message and "<= 1.0" in reply.message, reply.message
+        finally:
+            dealer.close()
+
+
+def test_at_most_max_parked_polls_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_server, "MAX_PARKED", 2)
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
+        server.hold("r1", [1], layers_ready=1)
+        dealers = [_side.Dealer(None, server.address) for _ in range(3)]
+        try:
+            for k, dealer in enumerate(dealers):
+                dealer.send(status(10 + k, after=1, wait=1.0))
+                time.sleep(0.1)  # in order
+            # the third finds two waiting: answered at once with what there is
+            assert dealers[2].wait(12, time.monotonic() + 0.5) == layers(12, 1)
+            assert dealers[0].wait(10, time.monotonic() + 0.1) is None
+            server.publish("r1", 3)
+            assert [d.wait(10 + k, soon()) for k, d in enumerate(dealers[:2])] == \
+                [layers(10, 3), layers(11, 3)]
+        finally:
+            for dealer in dealers:
+                dealer.close()
+
+
+class SlowEvent:
+    """A stand-in for a CUDA event whose writes finish ``seconds`` after it is made."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.at - time.monotonic()))
+
+
+def test_a_publish_event_releases_the_layers_when_it_completes() -> None:
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
+        server.hold("r1", [1], layers_ready=0)
+        dealer = _side.Dealer(None, server.address)
+        try:
+            event = SlowEvent(0.4)
+            server.publish("r1", 1, event=event)
+            dealer.send(status(1, after=0, wait=1.0))
+            reply = dealer.wait(1, soon())
+            assert reply == layers(1, 1)
+            assert time.monotonic() >= event.at  # never before the writes finished
+            # an event-less publish of more layers supersedes a pending event
+            server.publish("r1", 2, event=SlowEvent(1.5))
+            server.publish("r1", 3)
+            dealer.send(status(2, after=1, wait=1.0))
+            assert dealer.wait(2, time.monotonic() + 0.5) == layers(2, 3)
+        finally:
+            dealer.close()
+        assert server.layers_ready("r1") == 3
+        assert list(server.errors) == []  # the server thread kept serving
