@@ -24,7 +24,7 @@ REGIONS = [(0x7F0000000000, SPEC.region_bytes), (0x7F0001000000, SPEC.region_byt
 
 def ipc_info(**kw: object) -> IpcInfo:
     base = {"host": _ipc.host_identity(), "device_uuid": "GPU-1234", "handles": (b"\x01" * 64,
-            b"\x02" * 64), "offsets": (0, 4096), "pid": 4242, "event": b"\x03" * 64}
+            b"\x02" * 64), "offsets": (0, 4096), "pid": 4242, "events": (b"\x03" * 64, b"\x04" * 64)}
     return IpcInfo(**{**base, **kw})
 
 
@@ -39,7 +39,7 @@ def test_wire_round_trip_carries_the_ipc_fields() -> None:
     info = ipc_info()
     assert peer(info).ipc == info
     assert peer(None).ipc is None
-    assert peer(ipc_info(event=b"")).ipc.event == b""  # a rank without a publish event
+    assert peer(ipc_info(events=())).ipc.events == ()  # a rank without publish events
 
 
 @pytest.mark.parametrize("change,message", [
@@ -47,8 +47,8 @@ def test_wire_round_trip_carries_the_ipc_fields() -> None:
     ({"offsets": (0, 1, 2)}, "'ipc.offsets' must hold spec.num_regions=2 entries (got 3)"),
     ({"host": "h\x00st"}, "'ipc.host' must be printable ASCII"),
     ({"device_uuid": "GPU-\u00e9"}, "'ipc.device_uuid' must be printable ASCII"),
-    ({"event": b"\x03" * 63}, "'ipc.event' must be empty or an IPC event handle of 64 bytes "
-                              "(got 63)"),
+    ({"events": (b"\x03" * 64,) * 3}, "'ipc.events' must hold at most one event per layer "
+                                      "(spec.num_layers=2, at most 128) (got 3)"),
 ])
 def test_bad_ipc_fields_are_refused_by_the_peer(change: dict, message: str) -> None:
     msg = msgspec.msgpack.decode(encode(ENGINE, SPEC, REGIONS, ipc=ipc_info()))
@@ -60,7 +60,8 @@ def test_bad_ipc_fields_are_refused_by_the_peer(change: dict, message: str) -> N
 @pytest.mark.parametrize("field,value", [("handles", [b"\x01" * 63, b"\x02" * 64]),
                                          ("offsets", [-1, 0]), ("offsets", [1 << 49, 0]),
                                          ("pid", -5), ("host", "x" * 513), ("host", ""),
-                                         ("event", b"\x03" * 65)])
+                                         ("events", [b"\x03" * 63]),
+                                         ("events", [b"\x03" * 64] * 129)])
 def test_out_of_bounds_ipc_fields_are_malformed(field: str, value: object) -> None:
     msg = msgspec.msgpack.decode(encode(ENGINE, SPEC, REGIONS, ipc=ipc_info()))
     msg["ipc"][field] = value

@@ -33,7 +33,8 @@ from fkv.errors import FkvError, FkvWireError
 from fkv.layout import KVCacheSpec
 
 __all__ = [
-    "IPC_HANDLE_BYTES", "MAX_AGENT_METADATA_BYTES", "MAX_MESSAGE_BYTES", "MAX_REGIONS",
+    "IPC_HANDLE_BYTES", "MAX_AGENT_METADATA_BYTES", "MAX_MESSAGE_BYTES", "MAX_PUBLISH_EVENTS",
+    "MAX_REGIONS",
     "WIRE_VERSION", "IpcInfo", "Peer", "decode_untrusted", "encode",
 ]
 
@@ -45,8 +46,10 @@ MAX_MESSAGE_BYTES = 32 << 20
 MAX_AGENT_METADATA_BYTES = 16 << 20
 #: Most registered regions (one per layer, or one cross-layer buffer).
 MAX_REGIONS = 4096
-#: Size of one CUDA IPC memory handle (``cudaIpcMemHandle_t``).
+#: Size of one CUDA IPC memory or event handle (``cudaIpcMemHandle_t``, ``cudaIpcEventHandle_t``).
 IPC_HANDLE_BYTES = 64
+#: Most interprocess publish events a rank announces (layers beyond share slots).
+MAX_PUBLISH_EVENTS = 128
 
 _U64 = (1 << 64) - 1
 _Str = Annotated[str, msgspec.Meta(max_length=256)]
@@ -92,8 +95,10 @@ class _Ipc(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                        msgspec.Meta(max_length=MAX_REGIONS)]
     offsets: Annotated[list[_int(0, 1 << 48)], msgspec.Meta(max_length=MAX_REGIONS)]  # type: ignore[valid-type]
     pid: _int(0, 1 << 31) = 0  # type: ignore[valid-type]
-    # the IPC handle of the rank's publish event (streaming), or empty
-    event: Annotated[bytes, msgspec.Meta(max_length=IPC_HANDLE_BYTES)] = b""
+    # the IPC handles of the rank's publish events (streaming), or none
+    events: Annotated[list[Annotated[bytes, msgspec.Meta(min_length=IPC_HANDLE_BYTES,
+                                                         max_length=IPC_HANDLE_BYTES)]],
+                      msgspec.Meta(max_length=MAX_PUBLISH_EVENTS)] = []
 
 
 class _Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -126,10 +131,11 @@ class IpcInfo:
     handles: tuple[bytes, ...]
     offsets: tuple[int, ...]
     pid: int = 0   # the exporting process, when the reader shares its PID namespace (else 0)
-    #: the IPC handle of an interprocess event the rank records after each streaming publish
-    #: (64 bytes), or empty: a reader that waits for it on its stream may read every published
-    #: layer before the layers' writes finished
-    event: bytes = b""
+    #: the IPC handles (64 bytes each) of the interprocess events the rank records after each
+    #: streaming publish, one per layer slot (publishing ``n`` layers records event
+    #: ``(n - 1) % len(events)``, all on one stream), or none: a reader that waits for the
+    #: slot's event on its stream may read the published layers before their writes finished
+    events: tuple[bytes, ...] = ()
 
 
 @attrs.frozen(repr=False)
@@ -217,7 +223,7 @@ def encode(engine: EngineDesc, spec: KVCacheSpec, regions: Any, *, device_id: in
         device_id=device_id, agent_metadata=bytes(agent_metadata),
         ipc=None if ipc is None else _Ipc(host=ipc.host, device_uuid=ipc.device_uuid,
                                           handles=list(ipc.handles), offsets=list(ipc.offsets),
-                                          pid=ipc.pid, event=ipc.event))
+                                          pid=ipc.pid, events=list(ipc.events)))
     data = _ENCODER.encode(message)
     try:  # the limits live in one place: the decoder's types
         decode_untrusted(data)
@@ -290,8 +296,9 @@ def _check_ipc(spec: KVCacheSpec, ipc: _Ipc) -> IpcInfo:
         value = getattr(ipc, name)
         if not (value.isascii() and value.isprintable()):
             raise FkvError(f"'ipc.{name}' must be printable ASCII (got {value[:64]!r})")
-    if ipc.event and len(ipc.event) != IPC_HANDLE_BYTES:
-        raise FkvError(f"'ipc.event' must be empty or an IPC event handle of {IPC_HANDLE_BYTES} "
-                       f"bytes (got {len(ipc.event)})")
+    if len(ipc.events) > min(spec.num_layers, MAX_PUBLISH_EVENTS):
+        raise FkvError(f"'ipc.events' must hold at most one event per layer (spec.num_layers="
+                       f"{spec.num_layers}, at most {MAX_PUBLISH_EVENTS}) (got "
+                       f"{len(ipc.events)})")
     return IpcInfo(host=ipc.host, device_uuid=ipc.device_uuid, handles=tuple(ipc.handles),
-                   offsets=tuple(ipc.offsets), pid=ipc.pid, event=ipc.event)
+                   offsets=tuple(ipc.offsets), pid=ipc.pid, events=tuple(ipc.events))

@@ -270,6 +270,8 @@ class Client:
                                      f"{total} was not published by prefill engine "
                                      f"{state.engine_id!r} before the read's timeout; the read "
                                      f"is not complete and nothing is reported as done")
+            if recorded:  # published may run far ahead of written: one layer, its own event
+                ready = done + 1
             if ready < total:
                 watch.ask(request_id, ready, recorded)  # the next wait overlaps this move
             if recorded:

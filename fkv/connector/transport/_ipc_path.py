@@ -49,8 +49,9 @@ class IpcPath:
         self.mappings: dict[int, Mapping] = {}
         self.movers: list[tuple[int, Any]] = []
         self.pids: dict[int, int] = {}
-        # per mapped rank its interprocess publish event (streaming), when every rank has one
-        self.events: dict[int, Any] = {}
+        # per mapped rank its interprocess publish events (streaming), when every rank has them
+        self.events: dict[int, list[Any]] = {}
+        self._ids: tuple[Any, ...] | None = None  # the last request's ids, host and device
         rs = peers[0].spec
         self.bytes_per_token = 0
         try:
@@ -75,18 +76,19 @@ class IpcPath:
             self.close()
             raise
 
-    def _open_events(self, peers: list[Any]) -> dict[int, Any]:
-        """Open every mapped rank's publish event; none at all unless every rank has one (a
+    def _open_events(self, peers: list[Any]) -> dict[int, list[Any]]:
+        """Open every mapped rank's publish events; none at all unless every rank has them (a
         streaming read then counts finished writes, as the NIXL paths do)."""
         import torch
 
         events = {}
         for rank in self.mappings:
-            handle = peers[rank].ipc.event
-            if not handle:
+            handles = peers[rank].ipc.events
+            if not handles:
                 return {}
             try:
-                events[rank] = torch.cuda.Event.from_ipc_handle(self.local.device, handle)
+                events[rank] = [torch.cuda.Event.from_ipc_handle(self.local.device, handle)
+                                for handle in handles]
             except Exception:  # noqa: BLE001 - a handle CUDA refuses: count finished writes
                 return {}
         return events
@@ -127,21 +129,20 @@ class IpcPath:
              deadline: float, tally: Tally, layers: tuple[int, int] | None = None,
              after_events: bool = False) -> None:
         """Move the request (``layers=(a, b)``: only those layers; ``after_events``: first make
-        the stream wait for each prefill rank's publish event, so layers published but still
-        being written move once their writes finished)."""
+        the stream wait for each prefill rank's publish event of layer ``b - 1``, recorded after
+        the writes of every layer before it: layers published but still being written move once
+        their writes finished)."""
         import torch
 
         dev = self.local.device
         t0 = time.perf_counter()
         with torch.cuda.device(dev):
             stream = torch.cuda.current_stream(dev)
-            lids = torch.from_numpy(np.ascontiguousarray(local, dtype=np.int64)).to(
-                dev, non_blocking=True)
-            rids = torch.from_numpy(np.ascontiguousarray(remote, dtype=np.int64)).to(
-                dev, non_blocking=True)
+            lids, rids = self._device_ids(local, remote)
             if after_events:
-                for event in self.events.values():
-                    stream.wait_event(event)
+                last = (layers[1] if layers else len(self.local.views)) - 1
+                for events in self.events.values():
+                    stream.wait_event(events[last % len(events)])
             for _, mover in self.movers:
                 mover(rids, lids, tokens, validate=False, layers=layers)
             done = torch.cuda.Event()
@@ -159,7 +160,24 @@ class IpcPath:
         share = 1.0 if layers is None else (layers[1] - layers[0]) / len(self.local.views)
         tally.bytes += round(tokens * self.bytes_per_token * share)
 
+    def _device_ids(self, local: np.ndarray, remote: np.ndarray) -> tuple[Any, Any]:
+        """The request's block ids on the device; the previous request's copies again when the
+        ids are the same (a streaming read moves its layers in many reads of one request)."""
+        import torch
+
+        kept = self._ids
+        if kept is not None and np.array_equal(kept[0], local) and np.array_equal(kept[1], remote):
+            return kept[2], kept[3]
+        dev = self.local.device
+        lids = torch.from_numpy(np.ascontiguousarray(local, dtype=np.int64)).to(
+            dev, non_blocking=True)
+        rids = torch.from_numpy(np.ascontiguousarray(remote, dtype=np.int64)).to(
+            dev, non_blocking=True)
+        self._ids = (np.array(local, copy=True), np.array(remote, copy=True), lids, rids)
+        return lids, rids
+
     def close(self) -> None:
+        self._ids = None
         self.movers.clear()
         for mapping in self.mappings.values():
             mapping.close()

@@ -104,9 +104,10 @@ class Server:
         # Status long polls waiting for news: (envelope, request, answer-by time)
         self._parked: list[tuple[Any, _side.Status, float]] = []
         self._waiter: _EventWaiter | None = None  # waits for publish events (made on first use)
-        # CUDA: an interprocess event recorded (on its own stream) after each publish's writes;
-        # ipc readers wait for it on their stream instead of for the writes on the host
-        self._ipc_event: Any = None
+        # CUDA: interprocess events, one per layer slot, recorded (on one stream of their own)
+        # after each publish's writes; ipc readers wait for them on their stream instead of for
+        # the writes on the host
+        self._ipc_events: list[Any] = []
         self._ipc_stream: Any = None
         self._stop = threading.Event()
         self._sock: Any = None
@@ -139,7 +140,7 @@ class Server:
                 except FkvError as e:  # the NIXL paths still work
                     self.ipc_reason = str(e)
                 else:
-                    ipc = attrs.evolve(ipc, event=self._publish_event(device))
+                    ipc = attrs.evolve(ipc, events=self._publish_events(device))
             else:
                 self.ipc_reason = "the caches are not on CUDA"
             wire = encode(engine, spec, regions, device_id=device_id,
@@ -209,8 +210,8 @@ class Server:
                                f"this rank ({why}); start it with server.hold(request_id, "
                                f"block_ids, layers_ready=0)")
             self._check_layers(layers_ready, published)
-            if self._ipc_event is not None:
-                self._record_publish(event)  # before the count: an ipc reader waits for it
+            if self._ipc_events and layers_ready > 0:
+                self._record_publish(event, layers_ready)  # first: ipc readers wait for it
             self._published[request_id] = layers_ready
             now = time.monotonic()
             self._table.hold(request_id, None, None, now=now, lease=self.lease)  # renew
@@ -239,26 +240,34 @@ class Server:
                               f"an int in [{lo}, {top}] (layers only move forward, up to "
                               f"spec.num_layers={top})")
 
-    def _publish_event(self, device: Any) -> bytes:
-        """Make the interprocess publish event; its IPC handle (empty when CUDA refuses: ipc
-        readers then wait for the writes through the server, like the NIXL paths)."""
+    def _publish_events(self, device: Any) -> tuple[bytes, ...]:
+        """Make the interprocess publish events (one per layer, at most MAX_PUBLISH_EVENTS);
+        their IPC handles (none when CUDA refuses: ipc readers then wait for the writes through
+        the server, like the NIXL paths)."""
         import torch
+
+        from fkv.connector.wire import MAX_PUBLISH_EVENTS
 
         try:
             with torch.cuda.device(device):
                 stream = torch.cuda.Stream(device)
-                event = torch.cuda.Event(interprocess=True)
-                event.record(stream)
-                handle = bytes(event.ipc_handle())
+                events = [torch.cuda.Event(interprocess=True)
+                          for _ in range(min(self.spec.num_layers, MAX_PUBLISH_EVENTS))]
+                for event in events:
+                    event.record(stream)
+                handles = tuple(bytes(event.ipc_handle()) for event in events)
         except Exception as e:  # noqa: BLE001 - any CUDA refusal: streaming still works
-            self.errors.append(f"no interprocess publish event ({type(e).__name__}: {e})")
-            return b""
-        self._ipc_stream, self._ipc_event = stream, event
-        return handle
+            self.errors.append(f"no interprocess publish events ({type(e).__name__}: {e})")
+            return ()
+        self._ipc_stream, self._ipc_events = stream, events
+        return handles
 
-    def _record_publish(self, event: Any) -> None:
-        """Record the publish event after ``event`` (or, without one, after the work the caller
-        enqueued on its current stream so far): asynchronous, the host does not wait."""
+    def _record_publish(self, event: Any, layers_ready: int) -> None:
+        """Record the publish event of ``layers_ready``'s slot after ``event`` (or, without one,
+        after the work the caller enqueued on its current stream so far): asynchronous, the host
+        does not wait. Every record goes on the one stream, so a slot recorded again later (a
+        layer of another request) completes no earlier: a reader may wait too long, never too
+        little."""
         import torch
 
         stream = self._ipc_stream
@@ -267,7 +276,7 @@ class Server:
                 stream.wait_event(event)
             else:
                 stream.wait_stream(torch.cuda.current_stream(stream.device))
-            self._ipc_event.record(stream)
+            self._ipc_events[(layers_ready - 1) % len(self._ipc_events)].record(stream)
 
     def _wake(self) -> None:
         """Let the server thread answer the Status long polls now (any thread)."""
@@ -583,7 +592,7 @@ class Server:
             if msg.request_id not in self._table.pending():
                 return _side.Layers(token=msg.token, layers_ready=0, held=False)
             ready = self._table.layers_ready(msg.request_id)
-            if msg.recorded and self._ipc_event is not None:
+            if msg.recorded and self._ipc_events:
                 ready = self._published.get(msg.request_id, ready)
             return _side.Layers(token=msg.token, layers_ready=ready, held=True)
 
