@@ -758,10 +758,19 @@ def test_stats_and_prometheus_match_what_happened(cluster: Any) -> None:
 # -- streaming: decode pulls each layer while prefill still writes the next ----------------------
 
 STREAM = {
-    # name: (P TP, D TP, prefill overrides, decode overrides, connect keywords, expected path)
+    # name: (P TP, D TP, prefill overrides, decode overrides, connect keywords, expected path[,
+    #        Pair keywords])
     "direct-1-2": (1, 2, {}, {}, {"strategy": "direct"}, "direct"),
     "staging-2-1": (2, 1, {"layout": "NHD"}, {"block_size": 8, "num_blocks": 8}, {}, "staging"),
     "packed-1-2": (1, 2, {}, {}, {"strategy": "packed"}, "packed"),
+    # two prefill ranks packed per layer range; FKV_PACK_CHUNK_BYTES counts the range's bytes
+    # (2 KiB per block-step of one layer from both ranks): 14 tokens go in 2 chunks for a range
+    # of one layer, 4 for a range of two
+    "packed-2-1-chunks": (2, 1, {"layout": "NHD"}, {}, {"strategy": "packed"}, "packed",
+                          {"d_env": {"FKV_PACK_CHUNK_BYTES": "4096"}}),
+    # a prefill cache in one cross-layer buffer (the plan's paths cannot stream it), packed
+    "packed-cross-1-1": (1, 1, {"backend": "flash_attn", "cross_layer": True},
+                         {"backend": "triton", "layout": "NHD"}, {"strategy": "packed"}, "packed"),
 }
 
 
@@ -769,12 +778,16 @@ STREAM = {
 def test_streaming_layers_land_as_published(cluster: Any, case: str) -> None:
     """The read starts before the first publish; layers are published with gaps; each layer lands
     at or after its publish, in order, bit-exact, and the later layers stay untouched until
-    published (direct, staging: layer by layer; packed: once every layer is published)."""
-    ptp, dtp, pover, dover, connect_kw, path = STREAM[case]
+    published, on every path (packed: each published range is packed, READ and scattered on its
+    own, and every pack slot comes back)."""
+    ptp, dtp, pover, dover, connect_kw, path, *pair_kw = STREAM[case]
     pspec = spec_dict(tp=ptp, num_layers=4, **pover)
     dspec = spec_dict(tp=dtp, num_layers=4, **dover)
-    pair = Pair(cluster, ptp, dtp, pspec, dspec, connect_kw=connect_kw)
+    pair = Pair(cluster, ptp, dtp, pspec, dspec, connect_kw=connect_kw, **(pair_kw or [{}])[0])
     try:
+        if path == "packed":
+            for p in pair.P:
+                p.call("poison_pack", name=pair.name)  # stale pack bytes must not reach a cache
         local, remote = request_blocks(pspec, dspec, 14)
         for d in pair.D:
             d.call("read_async", name=pair.name, request_id="s1", local=local, remote=remote,
@@ -787,7 +800,7 @@ def test_streaming_layers_land_as_published(cluster: Any, case: str) -> None:
             time.sleep(0.3)
             published.append(max(p.call("publish", name=pair.name, request_id="s1",
                                         layers_ready=layers)["published_at"] for p in pair.P))
-            if path != "packed" and layers < 4:  # landed (kernels may run interpreted: wait)
+            if layers < 4:  # landed (kernels may run interpreted: wait)
                 deadline = time.monotonic() + 20
                 while (got := pair.verify_all(local, remote, 14, layers=layers)) != [None] * dtp \
                         and time.monotonic() < deadline:
@@ -802,8 +815,19 @@ def test_streaming_layers_land_as_published(cluster: Any, case: str) -> None:
             publish_of_layer = [published[0], published[1], published[2], published[2]]
             assert all(t >= p for t, p in zip(landed, publish_of_layer, strict=True)), (landed,
                                                                                       published)
+            assert landed[0] < landed[1] < landed[2] == landed[3], landed  # 3 ranges, in order
+        if path == "packed":  # one READ per prefill rank read per chunk of each of the 3 ranges
+            reads = [len(c["remote_ranks"]) for c in pair.connected]
+            chunks = (2, 2, 4) if case.endswith("chunks") else (1, 1, 1)
+            assert [r["packed"]["chunks"] for r in results] == [chunks[-1]] * dtp, results
+            assert [r["descriptors"] for r in results] == [sum(chunks) * n for n in reads], \
+                results
         assert pair.verify_all(local, remote, 14) == [None] * dtp
         assert pair.wait_released("s1") == ["notified"] * ptp
+        if path == "packed":  # every slot came back with its READ's notification
+            for p in pair.P:
+                assert p.call("pack_state", name=pair.name)["held"] == 0
+                assert p.call("pending", name=pair.name)["errors"] == []
     finally:
         pair.stop()
 
@@ -947,6 +971,104 @@ def test_pack_requests_are_checked_before_anything_is_written(cluster: Any) -> N
     finally:
         dealer.close()
         P.call("stop", name=name)
+
+
+def test_streaming_packs_only_published_layers(cluster: Any) -> None:
+    """Raw ``Pack`` messages naming a layer range: a bad range is refused naming the field, the
+    value and the range; a held streaming request packs only layers it published (a whole-request
+    Pack too), each range exactly its share of the bytes; a range of a request nobody holds is
+    refused; every refusal leaves the buffer untouched; the field's bounds are the decoder's."""
+    from fkv.connector.transport import _side
+
+    pspec = spec_dict(tp=1, num_layers=4)  # all 8 heads: 2 KiB per block per layer
+    P = cluster["P"][0]
+    name = f"c{next(_counter)}"
+    address = P.call("serve", name=name, spec=pspec, engine=engine_dict(f"P-{name}", 1, 0),
+                     seed=SEED, pack_bytes=64 * 1024)["address"]
+    P.call("poison_pack", name=name)
+    P.call("hold", name=name, request_id="s1", blocks=[1, 2], layers_ready=1)
+    dealer = _side.Dealer(None, address)
+    tokens = iter(range(1, 1000))
+
+    def ask(**kw: Any) -> Any:
+        token = next(tokens)
+        fields = {"request_id": "s1", "block_ids": [1, 2], "heads": (0, 8), "num_tokens": 8,
+                  "timeout": 30.0, **kw}
+        dealer.send(_side.Pack(token=token, **fields))
+        reply = dealer.wait(token, time.monotonic() + 10)
+        assert reply is not None, "the prefill rank stopped answering"
+        return reply
+
+    def state() -> dict[str, Any]:
+        got = P.call("pack_state", name=name)
+        got.pop("seconds", None)
+        return got
+
+    try:
+        before = state()
+        refusals = {
+            (2, 9): "pack refused: 'layers' (2, 9) must be a range (a, b) with 0 <= a < b <= 4 "
+                    "(this rank's layers); nothing was packed",
+            (2, 2): "pack refused: 'layers' (2, 2) must be a range (a, b) with 0 <= a < b <= 4 "
+                    "(this rank's layers); nothing was packed",
+            (3, 1): "pack refused: 'layers' (3, 1) must be a range (a, b) with 0 <= a < b <= 4 "
+                    "(this rank's layers); nothing was packed",
+            (0, 2): "pack refused: layers (0, 2) of streaming request 's1' asked but only 1 of "
+                    "4 layers are published on this rank (layers [0, 1)); a reader packs only "
+                    "published layers; nothing was packed",
+            None: "pack refused: every layer of streaming request 's1' asked but only 1 of 4 "
+                  "layers are published on this rank (layers [0, 1)); a reader packs only "
+                  "published layers; nothing was packed",
+        }
+        for layers, message in refusals.items():
+            reply = ask(layers=layers)
+            assert isinstance(reply, _side.Error) and not reply.retry, reply
+            assert reply.message == message, reply
+        reply = ask(request_id="nobody", layers=(0, 1))
+        assert isinstance(reply, _side.Error) and not reply.retry, reply
+        assert "'layers' (0, 1) asks a layer range of request 'nobody', which this rank does " \
+            "not hold" in reply.message, reply
+        # the field's bounds are checked by the decoder, before the server looks at it
+        raw = _side.request(None, address, _side.Pack(
+            token=99, request_id="s1", block_ids=[1, 2], heads=(0, 8), num_tokens=8,
+            timeout=30.0, layers=(0, 1 << 17)), 10.0)
+        assert isinstance(raw, _side.Error) and "$.layers[1]" in raw.message, raw
+        assert state() == before  # not one byte written, no slot held
+        one = ask(layers=(0, 1))  # published: one layer of 2 blocks x 8 heads
+        assert isinstance(one, _side.Packed) and one.nbytes == 4096, one
+        P.call("publish", name=name, request_id="s1", layers_ready=3)
+        two = ask(layers=(1, 3))
+        assert isinstance(two, _side.Packed) and two.nbytes == 2 * 4096, two
+        assert P.call("pack_state", name=name)["held"] == 2
+        P.call("publish", name=name, request_id="s1", layers_ready=4)
+        whole = ask()  # every layer published: the whole request packs as a plain read's
+        assert isinstance(whole, _side.Packed) and whole.nbytes == 4 * 4096, whole
+        P.call("hold", name=name, request_id="w", blocks=[3])  # held as fully written
+        part = ask(request_id="w", block_ids=[3], num_tokens=4, layers=(3, 4))
+        assert isinstance(part, _side.Packed) and part.nbytes == 2048, part
+        assert P.call("pending", name=name)["errors"] == []
+    finally:
+        dealer.close()
+        P.call("stop", name=name)
+
+
+def test_whole_request_pack_is_the_message_it_was() -> None:
+    """A Pack without a layer range encodes without the field (byte for byte the message of a
+    decode rank that predates it, which a prefill rank that predates it takes), and a message
+    without it decodes as every layer."""
+    import msgspec
+
+    from fkv.connector.transport import _side
+
+    fields = {"token": 5, "request_id": "r", "block_ids": [1, 2], "heads": [0, 4],
+              "num_tokens": 7, "timeout": 3.0}
+    old = msgspec.msgpack.encode({"type": "pack", **fields})
+    msg = _side.Pack(**{**fields, "heads": (0, 4)})
+    assert _side.encode_message(msg) == old
+    assert _side.decode_request(old) == msg and msg.layers is None
+    ranged = _side.decode_request(_side.encode_message(msgspec.structs.replace(msg,
+                                                                              layers=(1, 2))))
+    assert ranged.layers == (1, 2)
 
 
 def test_packed_needs_a_pack_buffer(cluster: Any) -> None:

@@ -15,6 +15,13 @@ pipeline). For each chunk the decode rank
 3. once the chunk's READs are DONE, moves every layer of it into the local cache (one launch of
    the move kernel for all layers with Triton; the torch reference per layer on plain CPU).
 
+A streaming read (``read(..., layers=(a, b))``, once per range of layers the prefill ranks
+published) does the same with only those layers: the Packs carry the range, the prefill ranks
+gather, and the READs and scatters move, ``(b - a) / num_layers`` of the bytes; a prefill rank
+refuses a Pack reaching past what it published. The chunks are cut by tokens as for the whole
+request (``FKV_PACK_CHUNK_BYTES`` counts the range's bytes), so they fit the same slots and
+staging areas.
+
 Up to ``depth`` chunks (``FKV_PACK_DEPTH``, default 2) are in flight at once: the Packs of the
 next chunks go out before the current READ is waited for, the staging buffer holds ``depth``
 areas, and each prefill rank's share of its pack buffer holds ``depth`` chunks of this decode
@@ -63,8 +70,10 @@ from fkv.connector.transport._packer import (
     align,
     layer_table,
     pack_layer_bytes,
+    table_from,
     uses_triton,
 )
+from fkv.errors import FkvError
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_DEPTH", "MAX_DEPTH", "PackedPath", "PackedSizing",
            "packed_sizing"]
@@ -225,14 +234,16 @@ class _Dealer(_side.Dealer):
 
 
 class _Chunk:
-    """One chunk of a request: its ids and tokens, the pack request per prefill rank read, the
-    replies, the READs posted, and the staging area it lands in."""
+    """One chunk of a request: its ids and tokens, the layers it moves (None: all), the pack
+    request per prefill rank read, the replies, the READs posted, and the staging area it lands
+    in."""
 
-    __slots__ = ("local", "remote", "tokens", "sent", "packs", "offsets", "xfers", "area")
+    __slots__ = ("local", "remote", "tokens", "layers", "sent", "packs", "offsets", "xfers",
+                 "area")
 
-    def __init__(self, local: tuple[int, int], remote: np.ndarray, tokens: int, reads: int
-                 ) -> None:
-        self.local, self.remote, self.tokens = local, remote, tokens
+    def __init__(self, local: tuple[int, int], remote: np.ndarray, tokens: int, reads: int,
+                 layers: tuple[int, int] | None = None) -> None:
+        self.local, self.remote, self.tokens, self.layers = local, remote, tokens, layers
         self.sent: list[int] = [0] * reads         # pack token per read (0: none outstanding)
         self.packs: list[_side.Packed | None] = [None] * reads
         self.offsets: list[int] = []
@@ -267,6 +278,7 @@ class PackedPath:
         self.triton = uses_triton(link.local.device)
         self._ops = kernels(link.local.device)
         self._table = None
+        self._tables: dict[int, Any] = {}  # first layer -> the local layer table from it
         #: What the last read did: chunks, depth (chunks in flight allowed), most chunks that were
         #: in flight at once, pack requests asked again (busy buffer), areas quarantined.
         self.last: dict[str, int] = {}
@@ -282,8 +294,9 @@ class PackedPath:
             raise
 
     def layered(self) -> bool:
-        """Packs hold every layer: a streaming request reads packed once all are published."""
-        return False
+        """Whether a request can move a few layers at a time (streaming): a Pack names the layer
+        range it gathers."""
+        return True
 
     def describe(self) -> str:
         conn = self.conn
@@ -299,13 +312,18 @@ class PackedPath:
                 f"{self.area_bytes} bytes){split}: {ranks}")
 
     # -- one request -------------------------------------------------------------------------------
-    def _chunks(self, local: np.ndarray, remote: np.ndarray, tokens: int) -> list[_Chunk]:
+    def _chunks(self, local: np.ndarray, remote: np.ndarray, tokens: int,
+                layers: tuple[int, int] | None = None) -> list[_Chunk]:
         """The request's chunks: at most ``chunk_tokens`` each (whole steps of both block sizes),
-        about ``chunk_bytes`` each when the request is larger, all about equal."""
+        about ``chunk_bytes`` each (of the ``layers`` moved) when the request is larger, all
+        about equal."""
         ls, rs = self.conn.local.spec, self.conn.remote_spec
         per = self.chunk_tokens
         if self.chunk_bytes:
-            want = max(1, self.chunk_bytes * rs.block_size // self.block_bytes)
+            block_bytes = self.block_bytes
+            if layers is not None:
+                block_bytes = block_bytes * (layers[1] - layers[0]) // rs.num_layers
+            want = max(1, self.chunk_bytes * rs.block_size // block_bytes)
             per = min(per, max(self.step, _ceil(want, self.step) * self.step))
         per = _ceil(_ceil(tokens, _ceil(tokens, per)), self.step) * self.step  # equal chunks
         nl, nr, reads = ls.block_size, rs.block_size, len(self.conn.plan.reads)
@@ -313,15 +331,27 @@ class PackedPath:
         for start in range(0, tokens, per):
             n = min(per, tokens - start)
             out.append(_Chunk((start // nl, -(-(start + n) // nl)),
-                              remote[start // nr: -(-(start + n) // nr)], n, reads))
+                              remote[start // nr: -(-(start + n) // nr)], n, reads, layers))
         return out
 
     def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
-             deadline: float, tally: Tally) -> None:
+             deadline: float, tally: Tally, layers: tuple[int, int] | None = None) -> None:
+        """Read the request (``layers=(a, b)``: only those layers, a streaming read's published
+        range; the caller notifies the prefill ranks once every layer landed)."""
+        total = self.conn.remote_spec.num_layers
+        if layers is not None:
+            a, b = layers
+            if not 0 <= a < b <= total:
+                raise FkvError(f"PackedPath.read: 'layers' {tuple(layers)} must be a range "
+                               f"(a, b) with 0 <= a < b <= {total}")
+            if (a, b) == (0, total):
+                layers = None  # the whole request: the very Pack a plain read sends
+            else:
+                layers = (int(a), int(b))
         self.last = {}
         self._reclaim()
         areas = self._areas(deadline)
-        chunks = self._chunks(local, remote, tokens)
+        chunks = self._chunks(local, remote, tokens, layers)
         depth = min(len(areas), len(chunks))
         stats = {"chunks": len(chunks), "depth": depth, "in_flight": 0, "retries": 0,
                  "quarantined": len(self.quarantine)}
@@ -388,7 +418,7 @@ class PackedPath:
             self.dealers[read.remote_rank].send(_side.Pack(
                 token=token, request_id=request_id, block_ids=chunk.remote.tolist(),
                 heads=tuple(heads), num_tokens=chunk.tokens,
-                timeout=max(1e-3, deadline - time.monotonic())))
+                timeout=max(1e-3, deadline - time.monotonic()), layers=chunk.layers))
         except _side.SideChannelError as e:
             raise self._lost(read.remote_rank, e) from None
         return token
@@ -398,10 +428,11 @@ class PackedPath:
         returns how many packs were asked again."""
         conn = self.conn
         retries = 0
+        share = self._share(chunk.layers)
         for i, read in enumerate(conn.plan.reads):
             rank = read.remote_rank
             who = self._who(rank)
-            nbytes = chunk.remote.size * self.per_block[i]
+            nbytes = chunk.remote.size * self.per_block[i] * share[0] // share[1]
             pause = 0.0002
             while True:
                 try:
@@ -467,6 +498,11 @@ class PackedPath:
         chunk.xfers = []
         chunk.packs = [None] * len(chunk.packs)  # their READs' notifications freed the slots
 
+    def _share(self, layers: tuple[int, int] | None) -> tuple[int, int]:
+        """The fraction of a pack's bytes ``layers`` move: (layers moved, layers in all)."""
+        total = self.conn.remote_spec.num_layers
+        return (total, total) if layers is None else (layers[1] - layers[0], total)
+
     def _local_ids(self, local: np.ndarray) -> Any:
         import torch
 
@@ -475,8 +511,9 @@ class PackedPath:
             return torch.as_tensor(local, device=device)
 
     def _scatter(self, chunk: _Chunk, ids: Any) -> None:
-        """Move a landed chunk from its staging area into the local cache: every layer of each
-        rank's part in one launch (Triton), or per layer (the torch reference)."""
+        """Move a landed chunk from its staging area into the local cache: every layer it holds
+        (``chunk.layers``, or all) of each rank's part in one launch (Triton), or per layer (the
+        torch reference)."""
         import torch
 
         from fkv.ops.relayout import staging_spec
@@ -488,6 +525,7 @@ class PackedPath:
         nblocks = chunk.remote.size
         chunk_ids = ids[chunk.local[0]:chunk.local[1]]
         area = chunk.area * self.area_bytes
+        first, end = chunk.layers or (0, ls.num_layers)
         with on_device(client.device, False):
             for read, off, per_block in zip(conn.plan.reads, chunk.offsets, self.per_block,
                                             strict=True):
@@ -501,14 +539,15 @@ class PackedPath:
                     src = conn.staging[start:start + layer_bytes].view(dtype)
                     launch_move(src, stage, None, 0, client.views[0], ls, chunk_ids,
                                 0 if ls.is_mla else read.local_heads[0], h, chunk.tokens,
-                                layers=(ls.num_layers, layer_bytes // ls.itemsize, "table"),
-                                tables=(None, self._table))
+                                layers=(end - first, layer_bytes // ls.itemsize, "table"),
+                                tables=(None, table_from(self._table, first, self._tables)))
                     continue
                 scatter = self._ops.scatter
                 heads = None if ls.is_mla else read.local_heads
                 shape = stage.physical_shape
-                for layer, view in enumerate(client.views):
-                    at = start + layer * layer_bytes
+                for layer in range(first, end):
+                    view = client.views[layer]
+                    at = start + (layer - first) * layer_bytes
                     src = conn.staging[at:at + layer_bytes].view(dtype).view(shape)
                     scatter(src, view, ls, chunk_ids, heads=heads, num_tokens=chunk.tokens,
                             block_size=rs.block_size)

@@ -3,22 +3,26 @@
 A packed read turns one request into one large descriptor per prefill rank instead of thousands
 of small ones (NIXL/UCX pays tens of µs per descriptor on a GPU). The decode rank sends a
 :class:`fkv.connector.transport._side.Pack` (block ids, the head range it needs, token count); the prefill
-rank's server thread checks it, reserves a *slot* of its registered pack buffer, gathers every
-layer into the slot and replies :class:`~fkv.connector.transport._side.Packed`. With Triton (CUDA,
-or the CPU interpreter) the gather is one launch of the move kernel for all layers (the cache
-layers' addresses from a table made once, the pack's layers a fixed stride apart); plain CPU runs
-the torch reference per layer. On CUDA the gather is asynchronous: :meth:`Packer.sync` waits for
-one slot's gather (a CUDA event recorded after it), so the server replies to each pack as soon as
-its own bytes are ready while the gathers queued behind it keep the device busy.
+rank's server thread checks it, reserves a *slot* of its registered pack buffer, gathers the
+layers asked (``Pack.layers``: a range, or every layer) into the slot and replies
+:class:`~fkv.connector.transport._side.Packed`. A streaming request's pack may only ask layers
+the rank has published (the server passes its published count to :meth:`Packer.pack`). With
+Triton (CUDA, or the CPU interpreter) the gather is one launch of the move kernel for all those
+layers (the cache layers' addresses from a table made once, the pack's layers a fixed stride
+apart); plain CPU runs the torch reference per layer. On CUDA the gather is asynchronous:
+:meth:`Packer.sync` waits for one slot's gather (a CUDA event recorded after it), so the server
+replies to each pack as soon as its own bytes are ready while the gathers queued behind it keep
+the device busy.
 The decode rank READs the slot and attaches the notification :data:`FREE_PREFIX` ``+ slot`` to
 that READ: NIXL delivers it once the bytes moved, and the slot is free again. A slot whose READ
 never comes (decode died, READ failed) is freed when its lease runs out: the pack request's
 ``timeout`` (capped by the server's lease) plus :data:`SLOT_GRACE` seconds, so a slot outlives the
 decode side's deadline and is never reused under a READ the decoder still waits for.
 
-One pack, ``nbytes = num_layers * layer_bytes``: layer ``l`` at byte ``l * layer_bytes`` is a
-contiguous ``[n, 2, h, N, D]`` (MLA ``[n, N, D]``) tensor, ``n = ceil(num_tokens / N)`` staging
-blocks of the prefill block size ``N``, ``h`` the heads asked for (:func:`pack_layer_bytes`).
+One pack of layers ``[a, b)`` (every layer: ``a = 0, b = num_layers``) is ``nbytes = (b - a) *
+layer_bytes``: layer ``a + l`` at byte ``l * layer_bytes`` is a contiguous ``[n, 2, h, N, D]``
+(MLA ``[n, N, D]``) tensor, ``n = ceil(num_tokens / N)`` staging blocks of the prefill block size
+``N``, ``h`` the heads asked for (:func:`pack_layer_bytes`).
 
 >>> from fkv import KVCacheSpec
 >>> pack_layer_bytes(KVCacheSpec(num_blocks=8, block_size=16, num_kv_heads=8, head_size=128), 3, 4)
@@ -38,7 +42,7 @@ from fkv.connector.transport._base import kernels, on_device
 from fkv.layout import KVCacheSpec
 
 __all__ = ["ALIGN", "FREE_PREFIX", "Packer", "SLOT_GRACE", "align", "layer_table",
-           "pack_layer_bytes", "uses_triton"]
+           "pack_layer_bytes", "table_from", "uses_triton"]
 
 #: NIXL notification that frees a pack slot (the slot id follows). Not UTF-8, so never a request id.
 FREE_PREFIX = b"\xfffkv-free:"
@@ -72,6 +76,19 @@ def layer_table(views: list[Any], spec: KVCacheSpec, device: Any) -> Any:
     base, item = views[0].data_ptr(), spec.itemsize
     return torch.tensor([(v.data_ptr() - base) // item for v in views], dtype=torch.int64,
                         device=device)
+
+
+def table_from(table: Any, start: int, cache: dict[int, Any]) -> Any:
+    """``table[start:]`` (the move kernel's layer table of layers ``start, start + 1, ...``, still
+    offsets from layer 0) as its own tensor, made once per ``start`` and kept in ``cache``: a
+    fresh allocation keeps the table pointer aligned as the whole table's is, so a layer range
+    launches the kernel variants a whole request already compiled."""
+    if start == 0:
+        return table
+    out = cache.get(start)
+    if out is None:
+        out = cache[start] = table[start:].clone()
+    return out
 
 
 class _Slots:
@@ -121,6 +138,7 @@ class Packer:
         self._ops = kernels(device)
         self._triton = uses_triton(device)
         self._table = layer_table(views, spec, device) if self._triton else None
+        self._tables: dict[int, Any] = {}  # first layer -> the layer table from it
         self._events: dict[int, Any] = {}  # slot -> CUDA event recorded after its gather
 
     @property
@@ -133,22 +151,28 @@ class Packer:
         return self.buffer.data_ptr()
 
     # -- requests ----------------------------------------------------------------------------------
-    def pack(self, msg: _side.Pack, lease: float, sync: bool = True
-             ) -> _side.Packed | _side.Error:
-        """Check ``msg``, reserve a slot and gather every layer into it; ``sync``: wait for the
-        device too (else the caller calls :meth:`sync` before it replies)."""
-        problem = self._check(msg)
+    def pack(self, msg: _side.Pack, lease: float, sync: bool = True, *,
+             published: int | None = None, held: bool = True) -> _side.Packed | _side.Error:
+        """Check ``msg``, reserve a slot and gather its layers into it; ``sync``: wait for the
+        device too (else the caller calls :meth:`sync` before it replies).
+
+        ``published``: layers of ``msg``'s request readers may read now (None: no limit, the
+        request is not streaming here); a pack reaching past it is refused. ``held``: whether
+        this rank holds the request (a pack of a layer range reads only held requests: that is
+        a streaming read, and its layers are only known to be written while held)."""
+        problem = self._check(msg, published, held)
         if problem is not None:
             return _side.Error(message=f"pack refused: {problem}; nothing was packed",
                                token=msg.token)
         spec = self.spec
         n = len(msg.block_ids)
         heads = msg.heads[1] - msg.heads[0]
+        first, end = msg.layers or (0, spec.num_layers)
         layer_bytes = pack_layer_bytes(spec, n, heads)
-        nbytes = spec.num_layers * layer_bytes
+        nbytes = (end - first) * layer_bytes
         if nbytes > self.capacity:
             return _side.Error(
-                message=f"pack refused: {n} blocks x {heads} heads x {spec.num_layers} layers is "
+                message=f"pack refused: {n} blocks x {heads} heads x {end - first} layers is "
                         f"{nbytes} bytes but this rank's pack buffer holds {self.capacity} "
                         f"(serve(..., pack_bytes=)); ask for fewer blocks at a time; nothing "
                         f"was packed", token=msg.token)
@@ -174,7 +198,8 @@ class Packer:
             raise
         return _side.Packed(token=msg.token, slot=slot, offset=offset, nbytes=nbytes)
 
-    def _check(self, msg: _side.Pack) -> str | None:
+    def _check(self, msg: _side.Pack, published: int | None = None, held: bool = True
+               ) -> str | None:
         spec = self.spec
         ids = np.asarray(msg.block_ids, dtype=np.int64)
         bad = np.flatnonzero(ids >= spec.num_blocks)
@@ -190,6 +215,23 @@ class Packer:
         if need != ids.size:
             return (f"'num_tokens' {msg.num_tokens} needs {need} blocks of {spec.block_size} "
                     f"tokens but 'block_ids' holds {ids.size}")
+        top = spec.num_layers
+        if msg.layers is not None:
+            a, b = msg.layers
+            if not 0 <= a < b <= top:
+                return (f"'layers' {tuple(msg.layers)} must be a range (a, b) with 0 <= a < b <= "
+                        f"{top} (this rank's layers)")
+            if not held:
+                return (f"'layers' {tuple(msg.layers)} asks a layer range of request "
+                        f"{msg.request_id!r}, which this rank does not hold (a layer range is "
+                        f"packed only for a held streaming request; it may have been released "
+                        f"or its lease expired)")
+        end = top if msg.layers is None else msg.layers[1]
+        if published is not None and end > published:
+            asked = "every layer" if msg.layers is None else f"layers {tuple(msg.layers)}"
+            return (f"{asked} of streaming request {msg.request_id!r} asked but only "
+                    f"{published} of {top} layers are published on this rank (layers "
+                    f"[0, {published})); a reader packs only published layers")
         return None
 
     def sync(self, slot: int | None = None) -> None:
@@ -205,9 +247,10 @@ class Packer:
             return
 
     def _gather(self, msg: _side.Pack, offset: int, layer_bytes: int, sync: bool) -> None:
-        """Gather every layer of ``msg``'s tokens and heads into the buffer at ``offset`` (layer
-        ``l`` at ``offset + l * layer_bytes``): one move-kernel launch for all layers with Triton,
-        the torch reference per layer otherwise. The ids were checked by :meth:`_check`."""
+        """Gather ``msg``'s layers (``a`` to ``b``) of its tokens and heads into the buffer at
+        ``offset`` (layer ``a + l`` at ``offset + l * layer_bytes``): one move-kernel launch for
+        all those layers with Triton, the torch reference per layer otherwise. The ids and the
+        range were checked by :meth:`_check`."""
         import torch
 
         from fkv.ops.relayout import staging_spec
@@ -220,6 +263,7 @@ class Packer:
         shape = stage.physical_shape
         dtype = torch_dtype(spec.dtype)
         heads = None if spec.is_mla else (a, b)
+        first, end = msg.layers or (0, len(self.views))
         with on_device(self.device, sync):
             ids = torch.as_tensor(msg.block_ids, dtype=torch.int64).to(self.device)
             if self._triton:
@@ -227,12 +271,13 @@ class Packer:
 
                 out = self.buffer[offset:offset + layer_bytes].view(dtype)
                 launch_move(self.views[0], spec, ids, a, out, stage, None, 0, b - a,
-                            msg.num_tokens, layers=(len(self.views), "table",
+                            msg.num_tokens, layers=(end - first, "table",
                                                     layer_bytes // spec.itemsize),
-                            tables=(self._table, None))
+                            tables=(table_from(self._table, first, self._tables), None))
                 return
-            for layer, view in enumerate(self.views):
-                start = offset + layer * layer_bytes
+            for layer in range(first, end):
+                view = self.views[layer]
+                start = offset + (layer - first) * layer_bytes
                 out = self.buffer[start:start + layer_bytes].view(dtype).view(shape)
                 self._ops.gather(view, spec, ids, heads=heads, out=out, num_tokens=msg.num_tokens)
 

@@ -4,7 +4,9 @@ A server registers its rank's caches (and its pack buffer) with its own NIXL age
 thread that does everything afterwards, so NIXL is only ever called from that thread:
 
 - answers its side-channel socket: rank 0 for the whole engine (``Fetch``, ``Publish`` from ranks
-  ``1..tp-1``), every rank with a pack buffer for ``Pack`` requests of packed reads. Packs run on
+  ``1..tp-1``), every rank with a pack buffer for ``Pack`` requests of packed reads (a held
+  streaming request's packs only of layers it published: ``Status`` and ``Pack`` see the same
+  count). Packs run on
   this thread between polls: the requests waiting on the socket are taken as one batch and
   answered in order; each pack's gather (one launch for all layers) is launched as its request
   comes up, and its reply goes out as soon as that gather has finished (CUDA: its own event, with
@@ -537,11 +539,17 @@ class Server:
             if self._packer is None:
                 return _side.Error(message=f"prefill rank {rank} serves no pack buffer "
                                    f"(serve(..., pack_bytes=0))", token=msg.token)
+            self._advance()  # layers whose publish event completed since the last poll
+            with self._lock:  # a pack never carries layers this rank has not published
+                held = msg.request_id in self._table.pending()
+                published = self._table.layers_ready(msg.request_id) if held else None
             try:
-                reply = self._packer.pack(msg, self.lease, sync=False)
+                reply = self._packer.pack(msg, self.lease, sync=False, published=published,
+                                          held=held)
                 if isinstance(reply, _side.Error) and reply.retry:  # frees may be waiting
                     self._take_notifications()
-                    reply = self._packer.pack(msg, self.lease, sync=False)
+                    reply = self._packer.pack(msg, self.lease, sync=False, published=published,
+                                              held=held)
                 return reply
             except Exception as e:
                 return _side.Error(message=f"pack failed on prefill rank {rank}: "

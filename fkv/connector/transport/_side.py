@@ -83,10 +83,16 @@ class RankEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pack_bytes: _Size = 0
 
 
-class Pack(msgspec.Struct, tag="pack", forbid_unknown_fields=True, frozen=True):
+class Pack(msgspec.Struct, tag="pack", forbid_unknown_fields=True, frozen=True,
+           omit_defaults=True):
     """A decode rank asks one prefill rank to gather ``num_tokens`` tokens of ``block_ids`` (heads
-    ``[heads[0], heads[1])`` of that rank, all layers) into its pack buffer, and to keep them
-    there for at most ``timeout`` seconds (until the READ's free notification)."""
+    ``[heads[0], heads[1])`` of that rank; layers ``[layers[0], layers[1])``, or every layer when
+    ``layers`` is None) into its pack buffer, and to keep them there for at most ``timeout``
+    seconds (until the READ's free notification).
+
+    ``layers`` is how a streaming read packs the layers published so far; it is left out of the
+    encoded message when None, so a whole-request Pack is the same bytes as before the field
+    existed (and a prefill rank that predates it still takes it)."""
 
     token: _Token
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
@@ -96,6 +102,8 @@ class Pack(msgspec.Struct, tag="pack", forbid_unknown_fields=True, frozen=True):
                  Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]]
     num_tokens: Annotated[int, msgspec.Meta(ge=1, lt=1 << 40)]
     timeout: Annotated[float, msgspec.Meta(gt=0, le=86400)]
+    layers: tuple[Annotated[int, msgspec.Meta(ge=0, le=1 << 16)],
+                  Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]] | None = None
 
 
 class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, frozen=True):
