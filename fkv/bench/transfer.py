@@ -170,12 +170,14 @@ def _stream_blocks(cfg: dict[str, Any], n: int) -> tuple[list[int], list[int]]:
     return rng.permutation(nb)[:n].tolist(), rng.permutation(nb)[:n].tolist()
 
 
-def _compute(dev: Any, ms: float) -> Any:
+def _compute(dev: Any, ms: float, where: str = "device") -> Any:
     """A stand-in for one layer's prefill compute of about ``ms`` milliseconds: bf16 matmuls on a
-    GPU (calibrated once), a sleep on the CPU. Returns a callable."""
+    GPU (calibrated once), a sleep on the CPU or with ``where="host"`` (the prefill's GPU then
+    stays idle: what the decode sees when the prefill computes on another GPU). Returns a
+    callable."""
     import torch
 
-    if dev.type != "cuda":
+    if dev.type != "cuda" or where == "host":
         return lambda: time.sleep(ms / 1e3)
     a = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
     for _ in range(3):
@@ -200,7 +202,7 @@ def _prefill_stream(server: Any, conn: Any, cfg: dict[str, Any], dev: Any, sbarr
     returns the perf_counter time of each last publish."""
     import torch
 
-    compute = _compute(dev, cfg["compute_ms"])
+    compute = _compute(dev, cfg["compute_ms"], cfg.get("compute_on", "device"))
     out = []
     for n in cfg["sizes"]:
         _, remote = _stream_blocks(cfg, n)
@@ -604,6 +606,10 @@ def main(argv: list[str] | None = None) -> int:
                         "tail (last layer published -> read complete)")
     p.add_argument("--compute-ms", type=float, default=0.5,
                    help="prefill compute per layer when streaming (default 0.5)")
+    p.add_argument("--compute-on", choices=("device", "host"), default="device",
+                   help="where the streaming prefill computes: 'device' (matmuls on its GPU, which "
+                        "the decode shares when both use one GPU) or 'host' (a sleep: the GPU "
+                        "stays free, as when prefill and decode have a GPU each)")
     p.add_argument("--cases", default="",
                    help="comma list of link,hnd-direct,nhd-staging,hnd-staging,hnd-packed,"
                         "nhd-packed,hnd-auto,link-packed,hnd-ipc,nhd-ipc,hnd2nhd-ipc,hnd-ipc-tp1 "
@@ -621,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
            "request_blocks": args.request_blocks or blocks // 2, "layers": args.layers,
            "reps": args.reps or (6 if args.quick else 20), "warmup": 2,
            "ttfb_reps": 5 if args.quick else 20, "stream": args.stream,
-           "compute_ms": args.compute_ms, "stream_reps": 3 if args.quick else 5}
+           "compute_ms": args.compute_ms, "compute_on": args.compute_on,
+           "stream_reps": 3 if args.quick else 5}
     cases = _cases(args)
     page = 2 * 16 * HEADS * 128 * 2
     request_bytes = cfg["request_blocks"] * page * cfg["layers"]
@@ -666,15 +673,20 @@ def main(argv: list[str] | None = None) -> int:
     where = (f"cuda:{cfg['p_gpu']}->cuda:{cfg['d_gpu']}" if args.device == "cuda" else "cpu")
     for c in cases:
         link = links.get(c.request_blocks, {})
+        streamed = (f", streamed over {cfg['compute_ms']:g} ms/layer of "
+                    f"{'host' if cfg['compute_on'] == 'host' or args.device != 'cuda' else 'GPU'}"
+                    f" compute" if cfg["stream"] else "")
         run.add(f"{c.name} {c.request_blocks} blocks x{cfg['layers']} layers of {blocks} "
-                f"{where}{' UCX_TLS=' + c.ucx_tls if c.ucx_tls else ''}",
+                f"{where}{' UCX_TLS=' + c.ucx_tls if c.ucx_tls else ''}{streamed}",
                 params={"path": c.path or c.strategy, "series": c.name, "strategy": c.strategy,
                         "request_blocks": c.request_blocks,
                         "request_bytes": c.payload_per_request, "layers": cfg["layers"],
                         "cache_blocks": blocks, "prefill_tp": c.prefill_tp,
                         "decode_tp": c.decode_tp, "prefill_layout": c.prefill_layout,
                         "decode_layout": c.decode_layout, "devices": where,
-                        "ucx_tls": c.ucx_tls},
+                        "ucx_tls": c.ucx_tls,
+                        **({"compute_ms": cfg["compute_ms"], "compute_on": cfg["compute_on"]}
+                           if cfg["stream"] else {})},
                 metrics=None if c.error else {
                     "gbps": c.gbps, "repeat_gbps": c.repeat_gbps, "read_ms": c.ms,
                     "ttfb_ms": c.ttfb_ms, "first_read_ms": c.first_read_ms,

@@ -270,8 +270,10 @@ class Client:
                                      f"{total} was not published by prefill engine "
                                      f"{state.engine_id!r} before the read's timeout; the read "
                                      f"is not complete and nothing is reported as done")
-            if recorded:  # published may run far ahead of written: one layer, its own event
-                ready = done + 1
+            if recorded:
+                # published may run far ahead of written: move every layer whose write finished
+                # (its event completed) at once, else queue the next one behind its own event
+                ready = max(done + 1, path.written(done, ready))
             if ready < total:
                 watch.ask(request_id, ready, recorded)  # the next wait overlaps this move
             if recorded:

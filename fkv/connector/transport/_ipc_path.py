@@ -99,6 +99,16 @@ class IpcPath:
         finished)."""
         return bool(self.events)
 
+    def written(self, start: int, published: int) -> int:
+        """The end of the run of layers from ``start`` (below ``published``) whose publish
+        events completed on every rank: their writes finished (an event recorded again later
+        completes no earlier, so a slot shared with another layer can only say "not yet")."""
+        layer = start
+        while layer < published and all(events[layer % len(events)].query()
+                                         for events in self.events.values()):
+            layer += 1
+        return layer
+
     def describe(self) -> str:
         ranks = ", ".join(f"P{rank}" for rank in self.mappings)
         return (f"ipc: the prefill caches of {ranks} are mapped into cuda:"
