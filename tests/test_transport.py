@@ -884,6 +884,33 @@ def test_streaming_on_cuda_waits_for_the_publish_event(cluster: Any, strategy: s
         pair.stop()
 
 
+@pytest.mark.gpu
+def test_ipc_streaming_never_queues_work_behind_a_peer_event(cluster: Any) -> None:
+    """A prefill whose published layer is still being written when the read's timeout comes:
+    ``ok=False`` naming the layer, and the decode blocks stay untouched after the writes end (the
+    decode waited for the publish event on the host: no copy was left queued behind it)."""
+    pspec = spec_dict(tp=1, num_layers=2)
+    pair = Pair(cluster, 1, 1, pspec, pspec, device="cuda:0", d_device=_d_device(),
+                connect_kw={"strategy": "ipc"})
+    try:
+        local, remote = request_blocks(pspec, pspec, 14)
+        pair.P[0].call("hold", name=pair.name, request_id="s1", blocks=remote, layers_ready=0)
+        pair.D[0].call("read_async", name=pair.name, request_id="s1", local=local, remote=remote,
+                       num_tokens=14, stream=True, timeout=1.0)
+        t0 = time.monotonic()
+        pair.P[0].call("publish", name=pair.name, request_id="s1", layers_ready=1,
+                       delay_write=1500)   # seconds of matmuls before layer 0's final bytes
+        result = pair.D[0].call("read_wait", name=pair.name)
+        assert result["result_ok"] is False and result["path"] == "ipc", result
+        assert "the writes of layer 0 on prefill engine" in result["error"], result["error"]
+        assert "did not finish before the read's timeout" in result["error"]
+        pair.P[0].call("checksum", name=pair.name)  # waits for the prefill's GPU work
+        assert time.monotonic() - t0 > 1.5, "the delayed write ended before the read's timeout"
+        assert pair.D[0].call("untouched", name=pair.name)["untouched"] is True
+    finally:
+        pair.stop()
+
+
 def test_publish_backwards_or_past_the_end_is_refused(cluster: Any) -> None:
     pspec = spec_dict(tp=1, num_layers=4)
     pair = Pair(cluster, 1, 1, pspec, pspec)

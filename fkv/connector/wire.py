@@ -134,7 +134,7 @@ class IpcInfo:
     #: the IPC handles (64 bytes each) of the interprocess events the rank records after each
     #: streaming publish, one per layer slot (publishing ``n`` layers records event
     #: ``(n - 1) % len(events)``, all on one stream), or none: a reader that waits for the
-    #: slot's event on its stream may read the published layers before their writes finished
+    #: slot's event may learn of published layers before their writes finished
     events: tuple[bytes, ...] = ()
 
 

@@ -99,6 +99,20 @@ class IpcPath:
         finished)."""
         return bool(self.events)
 
+    def _wait_written(self, layer: int, deadline: float) -> None:
+        """Poll the publish events of ``layer`` until every rank's completed (busy for the first
+        2 ms: a layer's writes usually end within a layer's compute; then every 50 µs)."""
+        events = [ev[layer % len(ev)] for ev in self.events.values()]
+        t0 = time.monotonic()
+        while not all(event.query() for event in events):
+            now = time.monotonic()
+            if now > deadline:
+                raise TransferFailed(f"the writes of layer {layer} on prefill engine "
+                                     f"{self.engine_id!r} did not finish before the read's "
+                                     f"timeout (its publish event never completed)")
+            if now - t0 > 0.002:
+                time.sleep(0.00005)
+
     def written(self, start: int, published: int) -> int:
         """The end of the run of layers from ``start`` (below ``published``) whose publish
         events completed on every rank: their writes finished (an event recorded again later
@@ -138,10 +152,13 @@ class IpcPath:
     def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
              deadline: float, tally: Tally, layers: tuple[int, int] | None = None,
              after_events: bool = False) -> None:
-        """Move the request (``layers=(a, b)``: only those layers; ``after_events``: first make
-        the stream wait for each prefill rank's publish event of layer ``b - 1``, recorded after
-        the writes of every layer before it: layers published but still being written move once
-        their writes finished)."""
+        """Move the request (``layers=(a, b)``: only those layers; ``after_events``: first wait,
+        on the host and at most until ``deadline``, for each prefill rank's publish event of
+        layer ``b - 1``, recorded after the writes of every layer up to it: a layer published
+        while still being written moves the moment its writes finished).
+
+        The wait is the host's, never the stream's: a peer whose writes never finish costs this
+        read its timeout, and nothing stays queued behind its event to land later."""
         import torch
 
         dev = self.local.device
@@ -151,8 +168,7 @@ class IpcPath:
             lids, rids = self._device_ids(local, remote)
             if after_events:
                 last = (layers[1] if layers else len(self.local.views)) - 1
-                for events in self.events.values():
-                    stream.wait_event(events[last % len(events)])
+                self._wait_written(last, deadline)
             for _, mover in self.movers:
                 mover(rids, lids, tokens, validate=False, layers=layers)
             done = torch.cuda.Event()

@@ -201,8 +201,10 @@ class Server:
 
         Monotonic: ``layers_ready`` may not go back nor past ``spec.num_layers`` (FkvError). On
         CUDA pass ``event``, a ``torch.cuda.Event`` recorded after the last of those layers'
-        writes: readers see the layers only once it has completed (the server thread waits for
-        it, so no reader's copy can overtake the writes). Renews the lease."""
+        writes: readers see the layers only once it has completed (a thread of the server waits
+        for it, so no reader's copy can overtake the writes; ipc readers wait for the
+        interprocess event recorded after it instead). Renews the lease and wakes the readers'
+        long polls."""
         with self._lock:
             published = self._published.get(request_id)
             if published is None or request_id not in self._table.pending():
@@ -419,6 +421,9 @@ class Server:
                 if self._sock is not None:
                     wait = 0.0 if time.monotonic() - active < spin else 0.002
                     batch = self._sock.poll(wait)
+                    if self._parked:  # news first: a reader may be waiting for this layer
+                        self._advance()
+                        self._answer_parked()
                     if batch:
                         self._answer_all(batch)
                         active = time.monotonic()
