@@ -47,9 +47,10 @@ What it does, in order (every candidate is checked before it is timed):
    (the default against ``fkv.ops.reference`` and SDPA); fused merges also run 40 times and must
    give the same bits every time with all ticket counters back at 0. Candidates are then timed in
    two passes (forward, then reverse order; the default timed again between the passes) and the
-   faster pass kept; decode candidates also from a CUDA graph. Baseline: dense torch SDPA on the
-   same values, the fastest backend that runs (flash, efficient, cudnn, default dispatch), timed
-   before and after the candidates (the faster kept). GB/s = K+V bytes read once.
+   faster pass kept; decode candidates of small grids (B=8, B=16) also from a CUDA graph.
+   Baseline: dense torch SDPA on the same values, the fastest backend that runs (flash,
+   efficient, cudnn, default dispatch), timed before and after the candidates (the faster kept).
+   GB/s = K+V bytes read once.
 4. Prints a compact table, writes the ``kernels-sweep`` result file (``fkv.bench.results``: one
    case per timed row) and ``DIR/sweep.json`` (every raw number, per candidate).
 """
@@ -745,6 +746,8 @@ def _attention_section(shape: dict, device: str, rep: int, quick: bool) -> list[
                  f"{best_sdpa} {sdpa_ms:.4f} ms"
                  + (f", no padding column {row['ms_no_padding_column']:.4f} ms"
                     if kind == "decode" else ""))
+            # small grids (< 2 programs per SM before splitting): candidates also from a CUDA graph
+            small_grid = batch * a["hkv"] < 2 * _cand_sms(device)
             # candidates: checked against the default's output, then timed in two passes (forward,
             # then reverse order, the default again in between) and the faster pass kept
             cand_rows = []
@@ -803,7 +806,7 @@ def _attention_section(shape: dict, device: str, rep: int, quick: bool) -> list[
                 cand |= {"ms": cms, "gbps": p.bytes / cms / 1e6, "speedup_vs_default": ms / cms}
                 cand["ratio_vs_sdpa" if kind == "decode" else "ratio_time_vs_sdpa"] = (
                     sdpa_ms / cms if kind == "decode" else cms / sdpa_ms)
-                if device == "cuda" and kind == "decode":
+                if device == "cuda" and kind == "decode" and small_grid:
                     cand["ms_graph"] = _graph_ms(lambda c=cfg: p.kernel(config=c), half, device)
                 rows.append(cand)
                 ratio = cand.get("ratio_vs_sdpa", cand.get("ratio_time_vs_sdpa"))
