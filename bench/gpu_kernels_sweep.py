@@ -1,12 +1,23 @@
 """One H200 run for issue 14: write_kv tilings and paged_attention configurations, checked, timed
 against same-run baselines, written as a result file (and raw JSON).
 
-    PYTHONPATH=. python3 bench/gpu_kernels_sweep.py --out DIR   # the run (< 3 min on an H200):
+    PYTHONPATH=. python3 bench/gpu_kernels_sweep.py --out DIR   # the run (~4 min on an H200):
                           # bench/results/kernels-sweep-<UTC>.json (--json PATH, --results-dir,
                           # --no-save as every bench) and DIR/sweep.json (raw rows)
+    PYTHONPATH=. python3 bench/gpu_kernels_sweep.py --only attention --out DIR --results-dir DIR
+                          # issue 14 round 4: paged_attention only (~2-3 min on an H200)
     PYTHONPATH=. python3 bench/gpu_kernels_sweep.py --out DIR --cpu-smoke
                           # tiny shapes under TRITON_INTERPRET=1: the flow only (a result file
                           # only with --json or --results-dir)
+
+Reading the attention part of the table: one line per case and layout (default vs the fastest
+candidate, ratio to same-run SDPA: decode GB/s ratio, >= 0.92 wanted; prefill time ratio, <= 1.2
+wanted), then "picks": per case the five fastest configs by the mean of their NHD and HND times
+(``*`` marks the default; a label is the whole config: q<block_q>h<heads> n<tile_n> w<warps>
+s<stages> x<splits>, " fm" fused merge, " r<n>" range stages, " lazy" lazy rescale), then
+"knobs": per case the best ratio with a knob against the best without it. A default is a config
+that is fastest (or within noise) in its case without losing another case; the raw rows
+(DIR/sweep.json, "attention") keep every timing (``ms_passes``, ``ms_graph``) to check noise.
 
 What it does, in order (every candidate is checked before it is timed):
 
@@ -25,14 +36,21 @@ What it does, in order (every candidate is checked before it is timed):
    do_bench. Same-run baseline: an engine-style kernel (one program per token, K and V of all heads
    in it, 16 warps: a re-implementation of the leading engine's Triton reshape-and-cache, not its
    code).
-3. ``paged_attention`` decode B=64 x 8192, 256 x 2048, 8 x 32768, 16 x 4096 (Hq 32, Hkv 8, D 128,
-   bf16, block 16, random block permutations with ONE padding column of garbage), both layouts:
-   the default config (timed twice, the faster kept; also with no padding column, to show it
-   costs nothing) and candidates
-   (split counts, key tiles, warps, stages), forced with ``config=``; each checked against the
-   default's output, the default against ``fkv.ops.reference`` and SDPA. Baseline: dense torch
-   SDPA on the same values, the fastest backend that runs (flash, efficient, cudnn, default
-   dispatch). Prefill B=4 x 4096 causal the same way. GB/s = K+V bytes read once.
+3. ``paged_attention`` (round 4, ``ROUND``) decode B=64 x 8192, 256 x 2048, 8 x 32768, 16 x 4096
+   (Hq 32, Hkv 8, D 128, bf16, block 16, random block permutations with ONE padding column of
+   garbage), both layouts: the default config (the fastest of four timings; also with no padding
+   column, to show it costs nothing; and replayed from a CUDA graph) and the candidates of
+   ``_decode_candidates`` (split counts, single- and double-buffered key tiles, the in-kernel split
+   merge ``fused_merge``, GQA head chunks for small grids), forced with ``config=``; prefill B=4 x
+   4096 causal the same way with ``PREFILL_CONFIGS`` (128-row tiles, 64/128-key tiles, stages,
+   ``range_stages``, ``lazy_rescale``). Every candidate is checked against the default's output
+   (the default against ``fkv.ops.reference`` and SDPA); fused merges also run 40 times and must
+   give the same bits every time with all ticket counters back at 0. Candidates are then timed in
+   two passes (forward, then reverse order; the default timed again between the passes) and the
+   faster pass kept; decode candidates of small grids (B=8, B=16) also from a CUDA graph.
+   Baseline: dense torch SDPA on the same values, the fastest backend that runs (flash,
+   efficient, cudnn, default dispatch), timed before and after the candidates (the faster kept).
+   GB/s = K+V bytes read once.
 4. Prints a compact table, writes the ``kernels-sweep`` result file (``fkv.bench.results``: one
    case per timed row) and ``DIR/sweep.json`` (every raw number, per candidate).
 """
@@ -56,7 +74,7 @@ GPU = dict(num_blocks=32768, block_size=16, heads=8, head_size=128,
                      decode=((64, 8192), (256, 2048), (8, 32768), (16, 4096)), prefill=(4, 4096)))
 SMOKE = dict(num_blocks=64, block_size=16, heads=2, head_size=32,
              decode=(40, 1, 16), prefill=(200, 48),
-             attn=dict(hq=4, hkv=2, d=32, n=16, decode=((2, 100), (1, 300)), prefill=(2, 40)))
+             attn=dict(hq=4, hkv=2, d=32, n=16, decode=((2, 100), (1, 600)), prefill=(2, 40)))
 
 # write_kv tilings to try at decode: (tokens per program, heads per program, warps[, "kv"]); "kv":
 # K and V in one program (write._FUSE_KV_TOKENS). Defaults on 8 x 128 now: bf16 (1, 8, 4) for
@@ -74,20 +92,62 @@ SMALL_T_TILINGS = [(1, 8, 2), (1, 8, 4), (1, 8, 8)]  # T = 1, 16
 PREFILL_TILINGS = {"bfloat16": [None, (8, 8, 8), (4, 8, 2), (8, 8, 4)],
                    "float8_e4m3fn": [None, (8, 8, 4), (8, 8, 8), (2, 8, 4)]}
 
-# paged_attention candidates: decode (tile_n, num_warps, num_stages). Defaults now: grids of >= 132
-# programs before splitting (64, 2, 3), unsplit here; smaller grids (128, 4, 2), split to ~2
-# programs per SM (B=8 x 32768: 4, B=16 x 4096: 2). Round 2: (64, 2, 2/3/4) within 0.5 % of each
-# other; (128, 4, 3), (128, 8, 2) and (64, 4, 2) never ahead; the old default (64, 4, 3) stays as
-# a reference. Every tile is timed at the default's split count, then the split counts around it
-# for the default tile and for the other decode tile (ALT_DECODE_TILE).
+# paged_attention candidates (round 4). Decode: tiles (tile_n, num_warps, num_stages). Defaults
+# now: grids of >= 132 programs before splitting (64, 2, 3), unsplit here; smaller grids
+# (128, 4, 2), split to ~2 programs per SM (B=8 x 32768: 4, B=16 x 4096: 2). Round 2: (64, 2,
+# 2/3/4) within 0.5 % of each other; (128, 4, 3), (128, 8, 2) and (64, 4, 2) never ahead; the old
+# default (64, 4, 3) stays as a reference. Round 3 (ms NHD / HND): B=16 x 4096 default 0.0821 /
+# 0.0820 (0.916 / 0.918 of SDPA; in a CUDA graph 0.0692 vs SDPA 0.0628), splits 3 0.084, 4 0.093,
+# 1 0.095, (64, 2, 3) x 4 0.082 / 0.083: no tile or split count crossed 0.92.
+# Why (compiled for sm_90a, Triton 3.9, on the CPU machine; TTGIR read): the block-table id load
+# takes one pipeline stage of the key loop, so K/V get num_stages - 2 shared-memory buffers
+# (at least 1): every decode tile above is single-buffered, each program waits a full memory
+# latency per tile and only the programs resident on an SM overlap each other, which a small grid
+# cannot supply. DEEP_DECODE_TILES are double-buffered ((64, 2, 5): 70 KB, 187 registers;
+# (64, 4, 5): 141 registers; (128, 4, 5): 137 KB, one program per SM; (32, 2, 6): 37 KB).
+# Round 4 also adds (_decode_candidates): the in-kernel split merge (``fused_merge``: no second
+# kernel and launch gap), and for small grids (fewer than 2 programs per SM before splitting) GQA
+# head chunks (``heads_per_program`` 2 or 1: more programs with fewer or no splits; the chunks of
+# one KV head read the same pages at the same time, so the second read is an L2 hit).
 DECODE_TILES = [(64, 4, 3), (64, 2, 3), (64, 2, 2), (128, 4, 2)]
+DEEP_DECODE_TILES = [(64, 2, 5), (64, 4, 5), (128, 4, 5), (32, 2, 6)]
 ALT_DECODE_TILE = {(64, 2, 3): (128, 4, 2), (128, 4, 2): (64, 2, 3)}
-# prefill (block_q queries x 4 heads = rows, tile_n, num_warps, num_stages). Default now (64, 64,
-# 8, 4) = 256 rows (round 2: 1.479 / 1.480 ms NHD / HND; 3 stages 1.492 / 1.499; 128 rows (32, 64,
-# 4, 4) 1.531 / 1.527, (32, 32, 4, 3) 1.527 / 1.527, the old (32, 64, 4, 3) 1.546 / 1.537 at its
-# second timing); 128-key tiles, 64 rows and 256 rows x 32 keys lost 4-20 %. (64, 64, 8, 5) is new.
-PREFILL_CONFIGS = [(64, 64, 8, 3), (32, 64, 4, 4), (32, 32, 4, 3), (32, 64, 4, 3),
-                   (64, 64, 8, 5)]
+SMALL_GRID_HEADS = (2, 1)
+# Prefill B=4 x 4096 causal (AttentionConfig fields; rows = block_q x heads_per_program). Default
+# now 64 queries x 4 heads = 256 rows, 64 keys, 8 warps, 4 stages (round 3: 1.491 / 1.488 ms,
+# 1.48 / 1.45x SDPA; 5 stages 1.435 / 1.433, the best; 3 stages 1.481; 128 rows = 32 x 4 on 4
+# warps 1.513-1.529). Compiled for sm_90a (Triton 3.9, see above): the default has 2 K/V buffers
+# and 255 registers (the cap), 5 stages 3 buffers (160 KB); 128 rows x 64 keys on 8 warps: 3
+# buffers at 5 stages, 180 registers, 129 KB; 128 x 128 keys: 2 buffers at most (161 KB, 240
+# registers); 128 rows on 4 warps: 255 registers. Never timed before round 4: 128-row tiles on 8
+# warps (one head x 128 queries, 2 x 64, 4 x 32) with 64- and 128-key tiles, tl.range stages for
+# the unmasked loop only (``range_stages``: "s3 r5" = masked loops 3, unmasked 5), and lazy
+# rescaling (``lazy_rescale``, FlashAttention-4's conditional rescaling: the accumulator multiply
+# skipped while no row max grew by > 8 in base 2; still pipelined, one block-wide max more per
+# tile). Scores-ahead (the next tile's QK before this tile's softmax) was tried and dropped: Triton
+# waits for that wgmma right after issuing it (only accumulator-chain dots stay asynchronous), so
+# it cannot overlap the softmax.
+PREFILL_CONFIGS = [
+    dict(block_q=64, heads_per_program=4, tile_n=64, num_warps=8, num_stages=5),
+    dict(block_q=64, heads_per_program=4, tile_n=64, num_warps=8, num_stages=5, lazy_rescale=True),
+    dict(block_q=64, heads_per_program=4, tile_n=64, num_warps=8, num_stages=4, lazy_rescale=True),
+    dict(block_q=64, heads_per_program=4, tile_n=64, num_warps=8, num_stages=3, range_stages=5),
+    dict(block_q=128, heads_per_program=1, tile_n=64, num_warps=8, num_stages=5),
+    dict(block_q=128, heads_per_program=1, tile_n=64, num_warps=8, num_stages=5, lazy_rescale=True),
+    dict(block_q=128, heads_per_program=1, tile_n=64, num_warps=8, num_stages=4),
+    dict(block_q=128, heads_per_program=1, tile_n=128, num_warps=8, num_stages=3),
+    dict(block_q=128, heads_per_program=1, tile_n=128, num_warps=8, num_stages=3,
+         lazy_rescale=True),
+    dict(block_q=128, heads_per_program=1, tile_n=128, num_warps=8, num_stages=2),
+    dict(block_q=128, heads_per_program=1, tile_n=64, num_warps=4, num_stages=3),
+    dict(block_q=64, heads_per_program=2, tile_n=64, num_warps=8, num_stages=5),
+    dict(block_q=64, heads_per_program=2, tile_n=128, num_warps=8, num_stages=3),
+    dict(block_q=32, heads_per_program=4, tile_n=64, num_warps=8, num_stages=5),
+    dict(block_q=32, heads_per_program=4, tile_n=64, num_warps=8, num_stages=5, lazy_rescale=True),
+    dict(block_q=32, heads_per_program=4, tile_n=128, num_warps=8, num_stages=3),
+]
+#: sweep round (recorded in the raw rows and the result file)
+ROUND = 4
 #: GPU warm-up before the first timing (round 2's first timed case read 2.2x its repeat)
 WARMUP_S = 0.4
 
@@ -456,53 +516,128 @@ class _AttnProblem:
 
 
 def _default_config(p: _AttnProblem) -> Any:
-    import torch
+    from fkv.ops.attention import _num_sms
 
-    from fkv.ops.attention import _num_sms, attention_config
-
-    return attention_config(num_seqs=p.batch, num_q_tokens=p.q.shape[0], num_q_heads=p.a["hq"],
-                            num_kv_heads=p.a["hkv"], head_size=p.a["d"],
-                            max_context=p.block_table.shape[1] * p.a["n"], itemsize=2,
-                            num_sms=_num_sms(p.q.device), varlen=p.q_len > 1)
+    return _shape_default(p.a, "prefill" if p.q_len > 1 else "decode", p.batch, p.ctx,
+                          _num_sms(p.q.device), columns=p.block_table.shape[1])
 
 
-def _attn_candidates(kind: str, default: Any, ctx: int, quick: bool) -> list[tuple[str, Any]]:
+def _shape_default(a: dict, kind: str, batch: int, ctx: int, num_sms: int,
+                   columns: int | None = None) -> Any:
+    """The launcher's default for a case (a block table of ``need + 1`` columns unless given)."""
+    from fkv.ops.attention import attention_config
+
+    if columns is None:
+        columns = -(-ctx // a["n"]) + 1
+    q_tokens = batch if kind == "decode" else batch * ctx
+    return attention_config(num_seqs=batch, num_q_tokens=q_tokens, num_q_heads=a["hq"],
+                            num_kv_heads=a["hkv"], head_size=a["d"],
+                            max_context=columns * a["n"], itemsize=2, num_sms=num_sms,
+                            varlen=kind != "decode")
+
+
+def _cand_sms(device: str) -> int:
+    """The SM count candidates are planned for: the GPU's; 2 under --cpu-smoke (the launcher's CPU
+    count is 1), so that the smoke's 1-sequence case is a small grid and runs head chunks."""
+    if device == "cuda":
+        from fkv.ops.attention import _num_sms
+        import torch
+
+        return _num_sms(torch.device("cuda", torch.cuda.current_device()))
+    return 2
+
+
+def _label(cfg: Any) -> str:
+    """A compact name of a whole config: q<block_q>h<heads> n<tile_n> w<warps> s<stages>
+    x<splits>, then ' fm' (fused split merge), ' r<range_stages>' and ' lazy' (lazy rescale)
+    when set."""
+    out = (f"q{cfg.block_q}h{cfg.heads_per_program} n{cfg.tile_n} w{cfg.num_warps} "
+           f"s{cfg.num_stages} x{cfg.num_splits}")
+    if cfg.fused_merge and cfg.num_splits > 1:
+        out += " fm"
+    if cfg.range_stages:
+        out += f" r{cfg.range_stages}"
+    if cfg.lazy_rescale:
+        out += " lazy"
+    return out
+
+
+def _decode_candidates(a: dict, default: Any, batch: int, ctx: int, num_sms: int,
+                       quick: bool) -> list[Any]:
+    """Decode configs to time against the default (see DECODE_TILES for the rounds)."""
+    import attrs
+
+    group = a["hq"] // a["hkv"]
+    n = default.num_splits
+    small = batch * a["hkv"] < 2 * num_sms  # fewer than 2 programs per SM before splitting
+    seen = {default}
+    out: list[Any] = []
+
+    def add(base: Any = default, **kw: Any) -> None:
+        cfg = attrs.evolve(base, **kw)
+        if cfg.num_splits > 1 and ctx // cfg.num_splits < 256:
+            return  # splits of fewer than 256 keys: never competitive, not timed
+        if cfg.num_splits == 1 and cfg.fused_merge:
+            cfg = attrs.evolve(cfg, fused_merge=False)
+        if cfg not in seen:
+            seen.add(cfg)
+            out.append(cfg)
+
+    def tile(t: tuple) -> dict:
+        return {"tile_n": t[0], "num_warps": t[1], "num_stages": t[2]}
+
+    alt = ALT_DECODE_TILE.get((default.tile_n, default.num_warps, default.num_stages))
+    # 1. split counts around the default's (default tile, second-kernel merge)
+    for splits in sorted({1 if n < 4 else 2, max(1, n // 2), max(1, n - 1), n + 1, 2 * n} - {n}):
+        add(num_splits=splits)
+    # 2. every tile, single- and double-buffered, at the default's split count
+    for t in DECODE_TILES + DEEP_DECODE_TILES:
+        add(**tile(t))
+    # 3. the other decode tile at twice the splits; double-buffered tiles of small grids at
+    #    fewer and more splits (deeper buffers may need fewer programs per SM)
+    if alt:
+        add(**tile(alt), num_splits=2 * n)
+    if small:
+        for t in DEEP_DECODE_TILES:
+            for splits in sorted({1 if n < 4 else 2, max(1, n // 2), 2 * n}):
+                add(**tile(t), num_splits=splits)
+    # 4. in-kernel split merge: every split config so far; unsplit defaults at 2 splits
+    for cfg in [default, *out]:
+        if cfg.num_splits > 1:
+            add(cfg, fused_merge=True)
+    if n == 1:
+        for t in [None, alt, DEEP_DECODE_TILES[0]]:
+            add(**(tile(t) if t else {}), num_splits=2, fused_merge=True)
+    # 5. small grids: GQA head chunks (more programs without, or with fewer, splits)
+    if small:
+        for heads in SMALL_GRID_HEADS:
+            if heads >= group:
+                continue
+            chunks = -(-group // heads)
+            for t in [None, alt, DEEP_DECODE_TILES[0]]:
+                kw = tile(t) if t else {}
+                add(heads_per_program=heads, num_splits=1, **kw)
+                add(heads_per_program=heads, num_splits=max(2, n // chunks), fused_merge=True,
+                    **kw)
+    return out[:8] if quick else out
+
+
+def _prefill_candidates(default: Any, quick: bool) -> list[Any]:
     import attrs
 
     out = []
-    if kind == "decode":
-        def counts(n: int) -> list[int]:
-            return [c for c in sorted({1, max(1, n // 2), max(1, n - 1), n + 1, 2 * n} - {n})
-                    if c == 1 or ctx // c >= 256]
-
-        n = default.num_splits
-        for splits in counts(n)[:2] if quick else counts(n):
-            out.append((f"splits={splits}", attrs.evolve(default, num_splits=splits)))
-        for tile, warps, stages in DECODE_TILES[:2] if quick else DECODE_TILES:
-            cfg = attrs.evolve(default, tile_n=tile, num_warps=warps, num_stages=stages)
-            if cfg != default:
-                out.append((f"tile={tile} warps={warps} stages={stages}", cfg))
-        alt = ALT_DECODE_TILE.get((default.tile_n, default.num_warps, default.num_stages))
-        if alt and not quick:
-            # the other decode tile at the split counts around the default's (its residency,
-            # hence its best count, differs: 128-key tiles about half the programs per SM)
-            tile, warps, stages = alt
-            seen = {cfg for _, cfg in out}
-            for splits in sorted({n, 2 * n}):
-                if splits == 1 or ctx // splits >= 256:
-                    cfg = attrs.evolve(default, tile_n=tile, num_warps=warps, num_stages=stages,
-                                       num_splits=splits)
-                    if cfg not in seen:
-                        out.append((f"tile={tile} warps={warps} stages={stages} "
-                                    f"splits={splits}", cfg))
-    else:
-        for block_q, tile, warps, stages in PREFILL_CONFIGS[:3] if quick else PREFILL_CONFIGS:
-            cfg = attrs.evolve(default, block_q=block_q, tile_n=tile, num_warps=warps,
-                               num_stages=stages)
-            if cfg != default:
-                out.append((f"rows={block_q * default.heads_per_program} tile={tile} "
-                            f"warps={warps} stages={stages}", cfg))
+    for fields in PREFILL_CONFIGS[:4] if quick else PREFILL_CONFIGS:
+        cfg = attrs.evolve(default, **fields)
+        if cfg != default and cfg not in out:
+            out.append(cfg)
     return out
+
+
+def _attn_candidates(a: dict, kind: str, default: Any, batch: int, ctx: int, num_sms: int,
+                     quick: bool) -> list[tuple[str, Any]]:
+    cands = (_decode_candidates(a, default, batch, ctx, num_sms, quick) if kind == "decode"
+             else _prefill_candidates(default, quick))
+    return [(_label(c), c) for c in cands]
 
 
 def _sdpa_times(p: _AttnProblem, want: Any, rep: int, device: str) -> dict[str, float]:
@@ -528,16 +663,42 @@ def _sdpa_times(p: _AttnProblem, want: Any, rep: int, device: str) -> dict[str, 
     return times
 
 
+def _graph_ms(fn: Any, rep: int, device: str) -> float | None:
+    """ms per call of ``fn`` replayed from a CUDA graph (run once on the capture stream first, so
+    a fused merge's counters exist for that stream before capture)."""
+    if device != "cuda":
+        return None
+    from fkv.bench._common import graph_us
+
+    return graph_us([fn], rep) / 1e3
+
+
+def _stress(p: _AttnProblem, cfg: Any, runs: int) -> int:
+    """Runs ``cfg`` ``runs`` times back to back; the number of outputs that differ bit for bit
+    from the first (a fused merge is deterministic: any difference is a race)."""
+    import torch
+
+    first = p.kernel(config=cfg).clone()
+    outs = [p.kernel(config=cfg).clone() for _ in range(runs)]
+    return sum(not torch.equal(o, first) for o in outs)
+
+
+def _counters_clean() -> bool:
+    from fkv.ops.attention import _MERGE_COUNTERS
+
+    return all(int(c.abs().sum()) == 0 for c in _MERGE_COUNTERS.values())
+
+
 def _attention_section(shape: dict, device: str, rep: int, quick: bool) -> list[dict]:
     import attrs
     import torch
 
     from fkv.bench._common import time_ms
     from fkv.ops import reference
-
     a = shape["attn"]
     rows: list[dict] = []
     cases = [("decode", b, ctx) for b, ctx in a["decode"]] + [("prefill", *a["prefill"])]
+    stress_runs = 40 if device == "cuda" else 2
     for kind, batch, ctx in cases:
         for layout in ("NHD", "HND"):
             q_len = 1 if kind == "decode" else ctx
@@ -550,6 +711,7 @@ def _attention_section(shape: dict, device: str, rep: int, quick: bool) -> list[
             dense = p.sdpa_as_q(p.sdpa()).float()
             err_ref = (got - ref).abs().max().item()
             err_sdpa = (got - dense).abs().max().item()
+            del ref, dense
             if err_ref > 3e-2 or err_sdpa > 3e-2 or not torch.isfinite(got).all():
                 _log(f"MISMATCH {name}: |kernel - reference| {err_ref:.3g}, |kernel - SDPA| "
                      f"{err_sdpa:.3g}")
@@ -559,63 +721,100 @@ def _attention_section(shape: dict, device: str, rep: int, quick: bool) -> list[
             # timed twice, the faster kept (round 2: one first timing read 2.2x its repeat)
             ms_first = time_ms(lambda: p.kernel(), rep, device)
             ms_repeat = time_ms(lambda: p.kernel(), rep, device)
-            ms = min(ms_first, ms_repeat)
-            row = {"op": "attention", "kind": kind, "batch": batch, "ctx": ctx, "layout": layout,
-                   "variant": "default", "config": attrs.asdict(default), "ms": ms,
+            row = {"op": "attention", "round": ROUND, "kind": kind, "batch": batch, "ctx": ctx,
+                   "group": a["hq"] // a["hkv"], "layout": layout, "variant": "default",
+                   "label": _label(default),
+                   "config": attrs.asdict(default),
                    "ms_first": ms_first, "ms_repeat": ms_repeat, "bytes": p.bytes,
-                   "gbps": p.bytes / ms / 1e6,
-                   "sdpa_ms": sdpa_ms, "sdpa_backend": best_sdpa, "sdpa_ms_by_backend": sdpa,
+                   "sdpa_backend": best_sdpa, "sdpa_ms_by_backend": sdpa,
                    "max_err_vs_reference": err_ref, "max_err_vs_sdpa": err_sdpa}
             if kind == "decode":
-                row["ratio_vs_sdpa"] = sdpa_ms / ms  # GB/s ratio (same bytes)
                 nopad = p.tables[0]
                 row["ms_no_padding_column"] = time_ms(lambda: p.kernel(table=nopad), rep, device)
                 row["config_no_padding_column"] = attrs.asdict(
                     _default_config_for_table(p, nopad))
-            else:
-                row["ratio_time_vs_sdpa"] = ms / sdpa_ms
-                flops = 4 * batch * a["hq"] * a["d"] * ctx * (ctx + 1) / 2
-                row["tflops"], row["sdpa_tflops"] = flops / ms / 1e9, flops / sdpa_ms / 1e9
             if device == "cuda":
-                import triton.testing
-
-                row["ms_graph"] = triton.testing.do_bench_cudagraph(lambda: p.kernel(), rep=rep,
-                                                                    return_mode="median")
+                row["ms_graph"] = _graph_ms(lambda: p.kernel(), rep, device)
                 if best_sdpa != "default":
                     from torch.nn.attention import SDPBackend
 
                     backend = getattr(SDPBackend, best_sdpa)
-                    row["sdpa_ms_graph"] = triton.testing.do_bench_cudagraph(
-                        lambda: p.sdpa(backend), rep=rep, return_mode="median")
-            rows.append(row)
-            ratio = row.get("ratio_vs_sdpa", row.get("ratio_time_vs_sdpa"))
-            _log(f"  {name} default {_cfg(default)}: {ms:.3f} ms ({p.bytes / ms / 1e6:.0f} GB/s), "
-                 f"SDPA {best_sdpa} {sdpa_ms:.3f} ms, ratio {ratio:.3f}"
-                 + (f", no padding column {row['ms_no_padding_column']:.3f} ms"
+                    row["sdpa_ms_graph"] = _graph_ms(lambda: p.sdpa(backend), rep, device)
+                else:
+                    row["sdpa_ms_graph"] = _graph_ms(lambda: p.sdpa(), rep, device)
+            _log(f"  {name} default {_cfg(default)}: {min(ms_first, ms_repeat):.4f} ms, SDPA "
+                 f"{best_sdpa} {sdpa_ms:.4f} ms"
+                 + (f", no padding column {row['ms_no_padding_column']:.4f} ms"
                     if kind == "decode" else ""))
-            del p.k, p.v, p.qd
-            if device == "cuda":
-                torch.cuda.empty_cache()
-            for label, cfg in _attn_candidates(kind, default, ctx, quick):
-                cand = {"op": "attention", "kind": kind, "batch": batch, "ctx": ctx,
-                        "layout": layout, "variant": label, "config": attrs.asdict(cfg)}
+            # small grids (< 2 programs per SM before splitting): candidates also from a CUDA graph
+            small_grid = batch * a["hkv"] < 2 * _cand_sms(device)
+            # candidates: checked against the default's output, then timed in two passes (forward,
+            # then reverse order, the default again in between) and the faster pass kept
+            cand_rows = []
+            for label, cfg in _attn_candidates(a, kind, default, batch, ctx, _cand_sms(device),
+                                               quick):
+                cand = {"op": "attention", "round": ROUND, "kind": kind, "batch": batch,
+                        "ctx": ctx, "group": a["hq"] // a["hkv"], "layout": layout,
+                        "variant": label, "label": label,
+                        "config": attrs.asdict(cfg)}
                 try:
                     err = (p.kernel(config=cfg).float() - got).abs().max().item()
-                    cms = time_ms(lambda c=cfg: p.kernel(config=c), max(1, rep // 2), device)
+                    if cfg.fused_merge and cfg.num_splits > 1:
+                        cand["stress_runs"] = stress_runs
+                        cand["stress_differing"] = _stress(p, cfg, stress_runs)
+                        cand["counters_clean"] = _counters_clean()
                 except Exception as e:  # a config that does not fit (registers, shared memory)
                     cand["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                     rows.append(cand)
                     _log(f"    {label}: {cand['error']}")
                     continue
-                cand |= {"ms": cms, "gbps": p.bytes / cms / 1e6, "max_err_vs_default": err,
-                         "speedup_vs_default": ms / cms}
+                cand["max_err_vs_default"] = err
+                if err > 3e-2 or cand.get("stress_differing") or \
+                        cand.get("counters_clean") is False:
+                    cand["error"] = (f"MISMATCH vs the default's output ({err:.3g})" if err > 3e-2
+                                     else "fused merge: runs differ or counters left nonzero")
+                    _log(f"    {label}: {cand['error']}")
+                cand_rows.append((cand, cfg))
+            half = max(1, rep // 2)
+            for order in (cand_rows, cand_rows[::-1]):
+                for cand, cfg in order:
+                    cand.setdefault("ms_passes", []).append(
+                        time_ms(lambda c=cfg: p.kernel(config=c), half, device))
+                row.setdefault("ms_between_passes", []).append(
+                    time_ms(lambda: p.kernel(), half, device))
+            # the default: the fastest of its four timings; SDPA timed again after the passes,
+            # the faster kept (drift over the candidates' passes cannot favour either side)
+            ms = min(ms_first, ms_repeat, *row["ms_between_passes"])
+            if device == "cuda":
+                from torch.nn.attention import SDPBackend
+
+                backend = getattr(SDPBackend, best_sdpa, None) if best_sdpa != "default" else None
+                row["sdpa_ms_after"] = time_ms(lambda: p.sdpa(backend), rep, device)
+                sdpa_ms = min(sdpa_ms, row["sdpa_ms_after"])
+            del p.k, p.v, p.qd
+            row |= {"ms": ms, "gbps": p.bytes / ms / 1e6, "sdpa_ms": sdpa_ms}
+            if kind == "decode":
+                row["ratio_vs_sdpa"] = sdpa_ms / ms  # GB/s ratio (same bytes)
+            else:
+                row["ratio_time_vs_sdpa"] = ms / sdpa_ms
+                flops = 4 * batch * a["hq"] * a["d"] * ctx * (ctx + 1) / 2
+                row["tflops"], row["sdpa_tflops"] = flops / ms / 1e9, flops / sdpa_ms / 1e9
+            _log(f"  {name} default {_label(default)}: {ms:.4f} ms, SDPA {sdpa_ms:.4f} ms, ratio "
+                 f"{row.get('ratio_vs_sdpa', row.get('ratio_time_vs_sdpa')):.3f}")
+            for cand, cfg in cand_rows:
+                cms = min(cand["ms_passes"])
+                cand |= {"ms": cms, "gbps": p.bytes / cms / 1e6, "speedup_vs_default": ms / cms}
                 cand["ratio_vs_sdpa" if kind == "decode" else "ratio_time_vs_sdpa"] = (
                     sdpa_ms / cms if kind == "decode" else cms / sdpa_ms)
-                if err > 3e-2:
-                    cand["error"] = "MISMATCH vs the default's output"
+                if device == "cuda" and kind == "decode" and small_grid:
+                    cand["ms_graph"] = _graph_ms(lambda c=cfg: p.kernel(config=c), half, device)
                 rows.append(cand)
-                _log(f"    {label}: {cms:.3f} ms x{ms / cms:.3f} vs default"
-                     + (f" MISMATCH {err:.3g}" if err > 3e-2 else ""))
+                ratio = cand.get("ratio_vs_sdpa", cand.get("ratio_time_vs_sdpa"))
+                _log(f"    {cand['label']}: {cms:.4f} ms x{ms / cms:.3f} vs default, "
+                     f"{ratio:.3f} SDPA" + (f" graph {cand['ms_graph']:.4f}"
+                                           if cand.get("ms_graph") else "")
+                     + (f"  {cand['error']}" if "error" in cand else ""))
+            rows.append(row)
             del p
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -633,7 +832,9 @@ def _default_config_for_table(p: _AttnProblem, table: Any) -> Any:
 
 def _cfg(cfg: Any) -> str:
     return (f"(q {cfg.block_q} x h {cfg.heads_per_program}, tile {cfg.tile_n}, splits "
-            f"{cfg.num_splits}, warps {cfg.num_warps}, stages {cfg.num_stages})")
+            f"{cfg.num_splits}, warps {cfg.num_warps}, stages {cfg.num_stages}"
+            + (", fused merge" if cfg.fused_merge and cfg.num_splits > 1 else "")
+            + (f", range stages {cfg.range_stages}" if cfg.range_stages else "") + ")")
 
 
 def _warm_up(device: str, seconds: float) -> None:
@@ -686,18 +887,17 @@ def _compile_task(task: tuple) -> str:
                 errors.append(f"{layout} {dtype} {cand}: {str(e)[:160]}")
     else:
         a = shape["attn"]
-        for layout, what, cfg_fields in items:
-            import attrs
+        for layout, what, fields in items:
+            from fkv.ops.attention import AttentionConfig
 
             q_len = 1 if what == "decode" else 40
             # table width 33 blocks: like the runs' widths (need + 1 column), not divisible by 16
             p = _AttnProblem(a, layout, 2, 32 * a["n"] if not smoke else 100, q_len, device,
                              dense=False)
             try:
-                cfg = attrs.evolve(_default_config(p), **cfg_fields) if cfg_fields else None
-                p.kernel(config=cfg)
+                p.kernel(config=AttentionConfig(**fields) if fields else None)
             except Exception as e:
-                errors.append(f"{layout} {what} {cfg_fields}: {str(e)[:160]}")
+                errors.append(f"{layout} {what} {fields}: {str(e)[:160]}")
     if device == "cuda":
         torch.cuda.synchronize()
     return f"compiled {kind} {len(items)} variants" + (f"; errors: {errors}" if errors else "")
@@ -722,17 +922,34 @@ def _compile_tasks(shape: dict, smoke: bool, quick: bool) -> list[tuple]:
                 write_items.append((layout, dtype, cand, shape["prefill"][0]))
     attn_items = []
     for layout in ("NHD", "HND"):
-        for tile, warps, stages in DECODE_TILES[:3] if quick else DECODE_TILES:
-            fields = {"tile_n": tile, "num_warps": warps, "num_stages": stages}
-            attn_items.append((layout, "decode", {**fields, "num_splits": 4}))  # SPLIT variant
-            attn_items.append((layout, "decode", {**fields, "num_splits": 1}))
-        attn_items.append((layout, "prefill", {}))
-        for block_q, tile, warps, stages in PREFILL_CONFIGS[:3] if quick else PREFILL_CONFIGS:
-            attn_items.append((layout, "prefill", {"block_q": block_q, "tile_n": tile,
-                                                   "num_warps": warps, "num_stages": stages}))
+        for kind, fields in _attn_compile_variants(shape, smoke, quick):
+            attn_items.append((layout, kind, fields))
     tasks = [("write", smoke, write_items[i:i + 4]) for i in range(0, len(write_items), 4)]
     tasks += [("attn", smoke, [item]) for item in attn_items]
     return tasks
+
+
+def _attn_compile_variants(shape: dict, smoke: bool, quick: bool) -> list[tuple[str, dict]]:
+    """One (kind, config fields) per compiled variant the attention section will run: the
+    defaults and every candidate of every case, split counts folded to 2 (the SPLIT variant) or 1
+    (only constexprs matter; the tiny compile problem holds at least 2 tiles of any tile_n)."""
+    import attrs
+
+    a = shape["attn"]
+    num_sms = _cand_sms("cpu" if smoke else "cuda")
+    cases = [("decode", b, ctx) for b, ctx in a["decode"]] + [("prefill", *a["prefill"])]
+    seen, out = set(), []
+    for kind, batch, ctx in cases:
+        default = _shape_default(a, kind, batch, ctx, 1 if smoke else num_sms)
+        for cfg in [default] + [c for _, c in _attn_candidates(a, kind, default, batch, ctx,
+                                                               num_sms, quick)]:
+            cfg = attrs.evolve(cfg, num_splits=min(cfg.num_splits, 2))
+            if cfg.num_splits == 1:
+                cfg = attrs.evolve(cfg, fused_merge=False)
+            if (kind, cfg) not in seen:
+                seen.add((kind, cfg))
+                out.append((kind, attrs.asdict(cfg)))
+    return out
 
 
 def _precompile(tasks: list[tuple], jobs: int) -> float:
@@ -754,8 +971,8 @@ def _result_run(result: dict, args: Any, device: str) -> Any:
     from fkv.bench import results
 
     run = results.Run("kernels-sweep", device=device,
-                      config={"quick": args.quick, "only": args.only, "cpu_smoke": args.cpu_smoke,
-                              "rep_ms": args.rep})
+                      config={"round": ROUND, "quick": args.quick, "only": args.only,
+                              "cpu_smoke": args.cpu_smoke, "rep_ms": args.rep})
     run.ceiling("copy_gbps", result["copy_ceiling_gbps"])
     run.ceiling("read_gbps", result["read_ceiling_gbps"])
     for r in result["write"]:
@@ -787,8 +1004,11 @@ def _result_run(result: dict, args: Any, device: str) -> Any:
             ("ms_no_padding_column", "no_padding_column_ms"), ("tflops", "kernel_tflops"),
             ("sdpa_tflops", "sdpa_tflops"), ("speedup_vs_default", "speedup_vs_default_x"),
             ("max_err_vs_reference", "vs_reference_err"), ("max_err_vs_sdpa", "vs_sdpa_err"),
-            ("max_err_vs_default", "vs_default_err")) if k1 in r}
-        extra = {k: r[k] for k in ("sdpa_backend", "sdpa_ms_by_backend", "config_no_padding_column")
+            ("max_err_vs_default", "vs_default_err"), ("sdpa_ms_after", "sdpa_after_ms"),
+            ("stress_differing", "stress_differing_count")) if k1 in r}
+        extra = {k: r[k] for k in ("sdpa_backend", "sdpa_ms_by_backend", "config_no_padding_column",
+                                   "ms_passes", "ms_between_passes", "label", "round",
+                                   "stress_runs", "counters_clean")
                  if k in r}
         run.add(ident, params=params, metrics=metrics, error=r.get("error", ""), extra=extra)
     run.extra["seconds"] = result.get("seconds")
@@ -837,25 +1057,92 @@ def _table(result: dict) -> str:
                          + ("  MISMATCH" if any(r.get("mismatches") for r in grp) else ""))
     attn = result["attention"]
     if attn:
-        lines.append("paged_attention (decode: x SDPA GB/s, target >= 0.92; prefill: time / SDPA, "
-                     "target <= 1.2):")
-        for r in [r for r in attn if r["variant"] == "default"]:
-            grp = [c for c in attn if (c["kind"], c["batch"], c["ctx"], c["layout"]) ==
-                   (r["kind"], r["batch"], r["ctx"], r["layout"]) and "ms" in c
-                   and "error" not in c]
-            best = min(grp, key=lambda c: c["ms"])
-            if r["kind"] == "decode":
-                lines.append(f"  decode B={r['batch']:<3d} x {r['ctx']:<5d} {r['layout']}: default "
-                             f"{r['ratio_vs_sdpa']:.3f} ({r['gbps']:.0f} GB/s, splits "
-                             f"{r['config']['num_splits']}, no-pad {r['ms_no_padding_column'] / r['ms']:.3f}x "
-                             f"time)  best {r['sdpa_ms'] / best['ms']:.3f} [{best['variant']}]  "
-                             f"SDPA {r['sdpa_backend']}")
-            else:
-                lines.append(f"  prefill B={r['batch']} x {r['ctx']} {r['layout']}: default "
-                             f"{r['ratio_time_vs_sdpa']:.3f} ({r['tflops']:.0f} TFLOP/s)  best "
-                             f"{best['ms'] / r['sdpa_ms']:.3f} [{best['variant']}]  SDPA "
-                             f"{r['sdpa_backend']} {r['sdpa_tflops']:.0f} TFLOP/s")
+        lines += _attention_table(attn)
     return "\n".join(lines)
+
+
+def _attention_table(attn: list[dict]) -> list[str]:
+    """Per case and layout: the default and the best candidate; then, per case, the top configs
+    by the mean of their NHD and HND times (what a default should be chosen from), and per knob
+    the best config with it against the best without it, in every case."""
+    def ok(c: dict) -> bool:
+        return "ms" in c and "error" not in c
+
+    def g(v: Any) -> str:
+        return f"{v:.4f}" if v else "-"
+
+    lines = ["paged_attention (decode: x SDPA GB/s, target >= 0.92; prefill: time / SDPA, "
+             "target <= 1.2; graph: ms per call replayed from a CUDA graph):"]
+    defaults = [r for r in attn if r["variant"] == "default"]
+    for r in defaults:
+        grp = [c for c in attn if (c["kind"], c["batch"], c["ctx"], c["layout"]) ==
+               (r["kind"], r["batch"], r["ctx"], r["layout"]) and ok(c)]
+        best = min(grp, key=lambda c: c["ms"])
+        if r["kind"] == "decode":
+            lines.append(
+                f"  decode B={r['batch']:<3d} x {r['ctx']:<5d} {r['layout']}: default "
+                f"{r['ratio_vs_sdpa']:.3f} {r['ms']:.4f} ms [{r['label']}] graph "
+                f"{g(r.get('ms_graph'))} vs SDPA {g(r.get('sdpa_ms_graph'))}; no-pad "
+                f"{r['ms_no_padding_column'] / r['ms']:.3f}x | best "
+                f"{r['sdpa_ms'] / best['ms']:.3f} "
+                f"{best['ms']:.4f} ms [{best['label']}] graph {g(best.get('ms_graph'))} | SDPA "
+                f"{r['sdpa_backend']} {r['sdpa_ms']:.4f}")
+        else:
+            lines.append(
+                f"  prefill B={r['batch']} x {r['ctx']} {r['layout']}: default "
+                f"{r['ratio_time_vs_sdpa']:.3f} {r['ms']:.3f} ms ({r['tflops']:.0f} TFLOP/s) "
+                f"[{r['label']}] | best {best['ms'] / r['sdpa_ms']:.3f} {best['ms']:.3f} ms "
+                f"[{best['label']}] | SDPA {r['sdpa_backend']} {r['sdpa_ms']:.3f} "
+                f"({r['sdpa_tflops']:.0f} TFLOP/s)")
+    bad = [c for c in attn if "error" in c]
+    for c in bad:
+        lines.append(f"  ERROR {c['kind']} B={c['batch']} {c['layout']} [{c['label']}]: "
+                     f"{c['error'][:120]}")
+    # per case, both layouts: mean ms of each config timed in both
+    cases = sorted({(r["kind"], r["batch"], r["ctx"]) for r in defaults},
+                   key=lambda k: (k[0], -k[1]))
+    by_case: dict[tuple, list[tuple[float, float, str, dict]]] = {}
+    for key in cases:
+        sdpa = [r["sdpa_ms"] for r in defaults if (r["kind"], r["batch"], r["ctx"]) == key]
+        sdpa_ms = sum(sdpa) / len(sdpa)
+        labels: dict[str, list[dict]] = {}
+        for c in attn:
+            if (c["kind"], c["batch"], c["ctx"]) == key and ok(c):
+                labels.setdefault(c["label"], []).append(c)
+        ranked = []
+        for label, rs in labels.items():
+            if len(rs) == len(sdpa):
+                ms = sum(c["ms"] for c in rs) / len(rs)
+                ratio = sdpa_ms / ms if key[0] == "decode" else ms / sdpa_ms
+                ranked.append((ms, ratio, label, rs[0]))
+        ranked.sort()
+        by_case[key] = ranked
+    lines.append("picks: mean of NHD and HND (ms, ratio to SDPA), fastest first; * = default:")
+    for key, ranked in by_case.items():
+        dflt = next(r["label"] for r in defaults if (r["kind"], r["batch"], r["ctx"]) == key)
+        top = " | ".join(f"{'*' if lab == dflt else ''}{lab} {ms:.4f} {ratio:.3f}"
+                         for ms, ratio, lab, _ in ranked[:5])
+        lines.append(f"  {key[0]} B={key[1]} x {key[2]}: {top}")
+    knobs = {
+        "fused_merge": lambda c: c["config"]["fused_merge"] and c["config"]["num_splits"] > 1,
+        "range_stages": lambda c: c["config"]["range_stages"] > 0,
+        "lazy_rescale": lambda c: c["config"]["lazy_rescale"],
+        "double-buffered decode": lambda c: c["kind"] == "decode" and
+        (c["config"]["tile_n"], c["config"]["num_warps"], c["config"]["num_stages"])
+        in DEEP_DECODE_TILES,
+        "head chunks": lambda c: c["config"]["heads_per_program"] < c["group"],
+    }
+    lines.append("knobs: best ratio to SDPA with / without, per case (mean of layouts):")
+    for knob, has in knobs.items():
+        parts = []
+        for key, ranked in by_case.items():
+            on = [x for x in ranked if has(x[3])]
+            off = [x for x in ranked if not has(x[3])]
+            if on and off:
+                parts.append(f"{key[0]} B={key[1]}: {on[0][1]:.3f} [{on[0][2]}] / {off[0][1]:.3f}")
+        if parts:
+            lines.append(f"  {knob}: " + "; ".join(parts))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import importlib
 import math
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -164,6 +165,128 @@ def test_default_config_runs_splits(device: str) -> None:
                            num_sms=1 if device == "cpu" else
                            torch.cuda.get_device_properties(0).multi_processor_count, varlen=False)
     assert cfg.num_splits > 1
+    case.check()
+
+
+# -- round-4 candidates of the GPU sweep (bench/gpu_kernels_sweep.py): selectable, pinned here ----
+
+def _merge_counters_zero() -> bool:
+    return all(int(c.abs().sum()) == 0 for c in A._MERGE_COUNTERS.values())
+
+
+@pytest.mark.parametrize("opts", [{}, {"sliding_window": 21, "softcap": 3.0}],
+                         ids=["causal", "window21-softcap"])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_fused_merge(device: str, mode: str, opts: dict[str, Any]) -> None:
+    """Splits merged in the kernel by the last split of each group to finish: the reference's
+    result, the second kernel's result up to float rounding, and every ticket counter back at 0
+    (the next launch, here with another split count, starts from clean counters)."""
+    q_lens = None if mode == "decode" else (9, 33, 2, 20)
+    case = Case(device, q_lens=q_lens, layout="NHD", seed=7, **LONG)
+    for splits in (2, 5):
+        cfg = AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=splits,
+                              fused_merge=True)
+        case.check(config=cfg, **opts)
+        assert _merge_counters_zero()
+        fused = case.run(config=cfg, **opts)
+        second = case.run(config=attrs.evolve(cfg, fused_merge=False), **opts)
+        assert torch.allclose(fused.float(), second.float(), atol=1e-2, rtol=0)
+        assert torch.equal(fused, case.run(config=cfg, **opts))  # deterministic merge order
+
+
+def test_fused_merge_empty_splits_and_head_chunks(device: str) -> None:
+    """More splits than a short sequence has tiles (empty splits still take their ticket), GQA
+    head chunks, and a fused merge without splits (nothing to merge: the plain kernel)."""
+    case = Case(device, seq_lens=(70, 3, 17), head_size=16, block_size=4, hq=8, hkv=2, seed=5)
+    need = case.block_table.shape[1]
+    table = torch.randint(-5, 1 << 20, (3, 4 * need), dtype=torch.int32).to(device)
+    table[:, :need] = case.block_table
+    case.block_table = table
+    for heads, splits in ((4, 5), (2, 3), (1, 2), (2, 1)):
+        case.check(config=AttentionConfig(block_q=1, heads_per_program=heads, tile_n=16,
+                                          num_splits=splits, fused_merge=True))
+        assert _merge_counters_zero()
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_range_stages_change_no_bit(device: str, mode: str) -> None:
+    """tl.range pipelining of the key loop: the same arithmetic, bit for bit."""
+    q_lens = None if mode == "decode" else (9, 33, 2, 20)
+    case = Case(device, q_lens=q_lens, layout="HND", seed=2, **LONG)
+    cfg = AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=2)
+    base = case.run(config=cfg, sliding_window=21)
+    for r in (2, 4):
+        assert torch.equal(case.run(config=attrs.evolve(cfg, range_stages=r),
+                                    sliding_window=21), base)
+    case.check(config=attrs.evolve(cfg, range_stages=3, fused_merge=True))
+
+
+# the sweep's prefill candidates scaled down: rows = block_q x heads_per_program of a group of 4
+# (one head of 8 queries, 2 heads of 4, 4 heads of 2), key tiles of 16 and 32 (one, two pages).
+PREFILL_VARIANTS = [(8, 1, 16, 2), (8, 1, 32, 3), (4, 2, 32, 2), (4, 2, 16, 0), (2, 4, 16, 2),
+                    (16, 1, 16, 0)]
+
+
+@pytest.mark.parametrize(("block_q", "heads", "tile_n", "range_stages"), PREFILL_VARIANTS)
+def test_prefill_tile_variants(device: str, block_q: int, heads: int, tile_n: int,
+                               range_stages: int) -> None:
+    """Chunked and full prefill over every rows / heads / key-tile split of the sweep's prefill
+    candidates (diagonal tiles narrower and wider than the query tile)."""
+    case = Case(device, hq=8, hkv=2, head_size=32, block_size=4, seq_lens=(70, 33, 17, 48),
+                q_lens=(70, 9, 17, 20), seed=block_q + heads)
+    cfg = AttentionConfig(block_q=block_q, heads_per_program=heads, tile_n=tile_n,
+                          range_stages=range_stages)
+    case.check(config=cfg)
+    case.check(config=cfg, sliding_window=13)
+
+
+@pytest.mark.parametrize("q_scale", [1.0, 12.0])
+@pytest.mark.parametrize(("dtype", "mode"), [("float32", "prefill"), ("bfloat16", "prefill"),
+                                             ("bfloat16", "decode")])
+def test_lazy_rescale(device: str, dtype: str, mode: str, q_scale: float) -> None:
+    """Unmasked tiles keep a stale row max while no row's max grew by more than 8 (base 2): the
+    reference's result, with small scores (the max settles: stale path) and large ones (maxima
+    jump by more than 8: rescaled), with splits and a window (masked tiles after lazy ones)."""
+    q_lens = None if mode == "decode" else (70, 9, 17, 20)
+    case = Case(device, q_lens=q_lens, dtype=dtype, hq=4, hkv=2, head_size=32, block_size=4,
+                seq_lens=(70, 33, 17, 48), seed=int(q_scale))
+    case.q.mul_(q_scale)
+    for cfg in (AttentionConfig(block_q=8, heads_per_program=1, tile_n=16, lazy_rescale=True),
+                AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=3,
+                                lazy_rescale=True)):
+        case.check(config=cfg)
+        case.check(config=cfg, sliding_window=29)
+        case.check(config=cfg, softcap=5.0)  # softcapped scores: the eager path
+
+
+def test_config_override(device: str) -> None:
+    """_set_config_override: a dict of fields applied to the default, or a function of the default
+    and the shapes; None restores the default. Results equal passing ``config=`` explicitly."""
+    case = Case(device, seq_lens=(1100, 5), head_size=16, block_size=32, hq=2, hkv=1)
+    forced = AttentionConfig(block_q=1, heads_per_program=1, tile_n=32, num_splits=3,
+                             fused_merge=True)
+    seen = []
+
+    def pick(default: AttentionConfig, **shapes: Any) -> AttentionConfig:
+        seen.append((default, shapes))
+        return forced
+    try:
+        A._set_config_override(pick)
+        got = case.run()
+        assert seen and seen[0][1]["num_seqs"] == 2 and seen[0][1]["varlen"] is False
+        assert torch.equal(got, case.run(config=forced))
+        A._set_config_override({"fused_merge": True, "range_stages": 2})
+        default = seen[0][0]
+        assert default.num_splits > 1
+        assert torch.equal(case.run(), case.run(config=attrs.evolve(default, fused_merge=True,
+                                                                    range_stages=2)))
+        with pytest.raises(TypeError):
+            A._set_config_override({"no_such_field": 1})
+        with pytest.raises(FkvError, match="override"):
+            A._set_config_override(3)
+    finally:
+        A._set_config_override(None)
+    assert A._CONFIG_OVERRIDE is None
     case.check()
 
 
@@ -459,11 +582,39 @@ def test_prefill_config() -> None:
     assert (cfg.tile_n, cfg.num_warps, cfg.num_stages) == (64, 8, 4)        # 256 rows: 8 warps
     mid = attention_config(num_seqs=4, num_q_tokens=4 * 20, max_context=4096, varlen=True, **H200)
     assert (mid.block_q * mid.heads_per_program, mid.num_warps) == (128, 4)  # 128 rows: 4 warps
+    assert not cfg.lazy_rescale and not cfg.range_stages  # until the round-4 sweep measures them
+
+
+def test_default_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_FUSED_MERGE and _LAZY_RESCALE turn the knobs on where they apply (split launches; tiles
+    of more than 16 rows)."""
+    monkeypatch.setattr(A, "_FUSED_MERGE", True)
+    monkeypatch.setattr(A, "_LAZY_RESCALE", True)
+    A.attention_config.cache_clear()
+    try:
+        small = attention_config(num_seqs=16, num_q_tokens=16, max_context=4096, varlen=False,
+                                 **H200)
+        big = attention_config(num_seqs=64, num_q_tokens=64, max_context=8192, varlen=False,
+                               **H200)
+        pre = attention_config(num_seqs=4, num_q_tokens=4 * 4096, max_context=4096, varlen=True,
+                               **H200)
+        assert small.num_splits > 1 and small.fused_merge and not small.lazy_rescale
+        assert big.num_splits == 1 and not big.fused_merge
+        assert pre.lazy_rescale and not pre.fused_merge
+    finally:
+        A.attention_config.cache_clear()
 
 
 def test_config_validation() -> None:
     with pytest.raises(FkvError, match=r"'tile_n' must be a power of two >= 16 \(got 48\)"):
         AttentionConfig(block_q=1, heads_per_program=1, tile_n=48)
+    with pytest.raises(ValueError):
+        AttentionConfig(block_q=1, heads_per_program=1, tile_n=16, range_stages=-1)
+    with pytest.raises(TypeError):
+        AttentionConfig(block_q=1, heads_per_program=1, tile_n=16, fused_merge=1)
+    cfg = attention_config(num_seqs=16, num_q_tokens=16, max_context=4096, varlen=False,
+                           num_q_heads=32, num_kv_heads=8, head_size=128, itemsize=2, num_sms=132)
+    assert (cfg.fused_merge, cfg.range_stages) == (False, 0)  # defaults unchanged until measured
     case = Case("cpu")
     with pytest.raises(FkvError, match=r"'config' must be an AttentionConfig or None"):
         paged_attention(*case.args(), config={"tile_n": 16})
@@ -630,6 +781,36 @@ def test_gpu_default_configs(layout: str, mode: str) -> None:
                 seq_lens=(1500, 700, 2100), q_lens=q_lens)
     case.check()
     case.check(sliding_window=256, softcap=30.0)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_merge_in_a_cuda_graph() -> None:
+    """A fused merge captured after its counters exist on the capture stream replays correctly
+    (counters reset by the kernel between replays); captured on a fresh stream it falls back to
+    the second kernel (no allocation during capture) and is correct too."""
+    case = Case("cuda", hq=32, hkv=8, head_size=128, block_size=16, seq_lens=(900, 40, 2000))
+    cfg = AttentionConfig(block_q=1, heads_per_program=4, tile_n=64, num_splits=4, fused_merge=True)
+    want = case.expected().cpu()
+    for warm in (True, False):
+        A._MERGE_COUNTERS.clear()
+        out = torch.empty_like(case.q)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            if warm:
+                paged_attention(*case.args(), out=out, config=cfg)
+            else:
+                paged_attention(*case.args(), out=out, config=attrs.evolve(cfg, num_splits=1))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            paged_attention(*case.args(), out=out, config=cfg)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.allclose(out.double().cpu(), want, atol=2e-2, rtol=2e-2)
+        assert _merge_counters_zero()
 
 
 @pytest.mark.gpu

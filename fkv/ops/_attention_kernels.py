@@ -12,7 +12,17 @@ stride constexprs of the spec and every layout compiles its own variant once.
 
 Scores live in the base-2 domain (``log2(e)`` folded into the scale). Tiles entirely visible to
 every row skip the causal/window mask; the rest are masked. With several splits each program
-writes a normalized partial output and its base-2 log-sum-exp; ``_reduce_splits_kernel`` merges.
+writes a normalized partial output and its base-2 log-sum-exp; ``_reduce_splits_kernel`` merges,
+or (``FUSED_MERGE``) the last split of each (query tile, head group) to finish merges them in the
+same launch: every split takes a ticket from a per-group counter after its partial stores, the one
+that draws the last ticket reads all partials back (in split order: the result does not depend on
+which program merged) and resets the counter to 0 for the next launch.
+``RANGE_STAGES > 0`` pipelines the unmasked key loop with ``tl.range(num_stages=RANGE_STAGES)``
+instead of the launch's ``num_stages`` (the masked loops keep the launch's); the arithmetic is
+unchanged. ``LAZY_RESCALE`` (unmasked tiles, scores without softcap): the running row max is
+raised, and the accumulator rescaled, only when some row's max grew by more than 8 (base 2) since
+the last raise; otherwise p = exp2(s - stale max) <= 2**8, exact in fp32 sums and as precise in
+bf16 (FlashAttention-4's conditional rescaling, decided for the whole tile).
 """
 
 from __future__ import annotations
@@ -29,46 +39,53 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend_tile(
-    acc, l_i, m_i, q, q_pos, start, hi,
-    cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window, score_mult,
-    softcap_mult, BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr, HEAD_SIZE: tl.constexpr,
-    HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    FMA_SCORES: tl.constexpr,
-):
-    """One key tile [start, start + TILE_N): online-softmax update of (acc, l_i, m_i)."""
+def _tile_rows(start, hi, bt_row_ptr, head_off, stride_block, num_blocks,
+               BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr, TILE_N: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Keys [start, start + TILE_N): their positions and row offsets in the cache (K of the
+    program's KV head; V is ``stride_kv`` further)."""
     t = start + tl.arange(0, TILE_N)
-    d = tl.arange(0, HEAD_PAD)
     if MASKED:
-        t_ok = t < hi
-        blk = tl.load(bt_row_ptr + t // BLOCK_SIZE, mask=t_ok, other=0)
+        blk = tl.load(bt_row_ptr + t // BLOCK_SIZE, mask=t < hi, other=0)
     else:
         blk = tl.load(bt_row_ptr + t // BLOCK_SIZE)
     # Memory safety without validation: an id outside [0, num_blocks) reads block 0 instead.
     blk = tl.where((blk >= 0) & (blk < num_blocks), blk, 0)
-    row = blk.to(tl.int64) * stride_block + (t % BLOCK_SIZE) * STRIDE_TOKEN + head_off
-    k_ptrs = cache_ptr + row[:, None] + d[None, :]
+    return t, blk.to(tl.int64) * stride_block + (t % BLOCK_SIZE) * STRIDE_TOKEN + head_off
+
+
+@triton.jit
+def _load_rows(ptr, row, t, hi, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+               MASKED: tl.constexpr):
+    """The [TILE_N, HEAD_PAD] tile at ``row`` offsets (zeros past ``hi`` or the head size)."""
+    d = tl.arange(0, HEAD_PAD)
+    ptrs = ptr + row[:, None] + d[None, :]
     if MASKED:
-        kv_mask = t_ok[:, None] & (d[None, :] < HEAD_SIZE)
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0)
+        x = tl.load(ptrs, mask=(t < hi)[:, None] & (d[None, :] < HEAD_SIZE), other=0.0)
     elif HEAD_PAD != HEAD_SIZE:
-        d_mask = (d < HEAD_SIZE)[None, :]
-        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
-        v = tl.load(k_ptrs + stride_kv, mask=d_mask, other=0.0)
+        x = tl.load(ptrs, mask=(d < HEAD_SIZE)[None, :], other=0.0)
     else:
-        k = tl.load(k_ptrs)
-        v = tl.load(k_ptrs + stride_kv)
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _qk(q, k, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     k = k.to(q.dtype)
     if DOT_F32:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
     else:
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if MASKED:
-        visible = (t[None, :] <= q_pos[:, None]) & t_ok[None, :]
-        if USE_WINDOW:
-            visible = visible & (t[None, :] > q_pos[:, None] - window)
+    return qk
+
+
+@triton.jit
+def _softmax_pv(acc, l_i, m_i, qk, visible, v, score_mult, softcap_mult, MASKED: tl.constexpr,
+                USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+                FMA_SCORES: tl.constexpr, LAZY: tl.constexpr):
+    """Online-softmax update of (acc, l_i, m_i) by the raw scores ``qk`` of one key tile and its
+    values ``v`` (in the query dtype); ``visible`` masks scores when MASKED. LAZY (unmasked,
+    FMA scores, no softcap): the kernel docstring's lazy rescaling."""
     if USE_SOFTCAP or not FMA_SCORES:
         if USE_SOFTCAP:
             s = softcap_mult * _tanh(qk * score_mult)
@@ -78,6 +95,18 @@ def _attend_tile(
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        acc = acc * alpha[:, None]
+    elif LAZY:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * score_mult)
+        if tl.max(m_new - m_i, 0) > 8.0:
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+        else:
+            m_new = m_i
+        p = tl.exp2(qk * score_mult - m_new[:, None])
     else:
         # score_mult > 0: the row max of qk * score_mult is score_mult * the row max of qk, and
         # qk * score_mult - m is one FMA per element.
@@ -85,17 +114,73 @@ def _attend_tile(
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * score_mult)
         p = tl.exp2(qk * score_mult - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        acc = acc * alpha[:, None]
+    l_i = l_i + tl.sum(p, 1)
     # P is rounded to the input dtype like FlashAttention does (bf16/fp16 tensor-core dot).
-    p = p.to(q.dtype)
-    v = v.to(q.dtype)
+    p = p.to(v.dtype)
     if DOT_F32:
         acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc, input_precision=PRECISION)
     else:
         acc = tl.dot(p, v, acc, input_precision=PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, q_pos, start, hi,
+    cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window, score_mult,
+    softcap_mult, BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    FMA_SCORES: tl.constexpr, LAZY: tl.constexpr = False,
+):
+    """One key tile [start, start + TILE_N): online-softmax update of (acc, l_i, m_i)."""
+    t, row = _tile_rows(start, hi, bt_row_ptr, head_off, stride_block, num_blocks, BLOCK_SIZE,
+                        STRIDE_TOKEN, TILE_N, MASKED)
+    k = _load_rows(cache_ptr, row, t, hi, HEAD_SIZE, HEAD_PAD, MASKED)
+    v = _load_rows(cache_ptr + stride_kv, row, t, hi, HEAD_SIZE, HEAD_PAD, MASKED)
+    qk = _qk(q, k, DOT_F32, PRECISION)
+    visible = qk  # unused unless MASKED
+    if MASKED:
+        visible = (t[None, :] <= q_pos[:, None]) & (t < hi)[None, :]
+        if USE_WINDOW:
+            visible = visible & (t[None, :] > q_pos[:, None] - window)
+    return _softmax_pv(acc, l_i, m_i, qk, visible, v.to(q.dtype), score_mult, softcap_mult,
+                       MASKED, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, LAZY)
+
+
+@triton.jit
+def _merge_if_last(part_out_ptr, part_lse_ptr, ctr_ptr, out_ptr, group, base, o_offs, row_ok,
+                   io_mask, d, num_splits, BLOCK_M: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                   HEAD_PAD: tl.constexpr):
+    """After this program stored its partials: take a ticket; the last split of ``group`` merges
+    the ``num_splits`` partials of its rows (``base``: their first partial index) into ``out``."""
+    # Every thread's partial stores happen before the ticket (the barrier orders them within the
+    # program, the acq_rel atomic publishes them to the GPU and acquires the other splits').
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ctr_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if ticket == num_splits - 1:
+        tl.store(ctr_ptr + group, 0)  # every split has taken its ticket: reset for the next launch
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for s in range(0, num_splits):
+            lse = tl.load(part_lse_ptr + base + s, mask=row_ok, other=float("-inf"),
+                          cache_modifier=".cg")
+            m = tl.maximum(m, lse)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+        w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for s in range(0, num_splits):
+            lse = tl.load(part_lse_ptr + base + s, mask=row_ok, other=float("-inf"),
+                          cache_modifier=".cg")
+            w = tl.exp2(lse - m)
+            o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_SIZE + d[None, :], mask=io_mask,
+                        other=0.0, cache_modifier=".cg")
+            acc += o * w[:, None]
+            w_sum += w
+        res = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+        tl.store(out_ptr + o_offs, res.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles", "num_q_tokens", "num_blocks",
@@ -104,7 +189,7 @@ def _paged_attention_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     scale, softcap, window, num_seqs, num_tiles, num_q_heads, num_q_tokens, num_blocks,
-    max_context, num_splits,
+    max_context, num_splits, ctr_ptr,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_bt, stride_block, stride_kv, stride_head,
     # spec constexprs (fkv.ops._spec.cache_constexprs) and the token stride of the layout
@@ -116,7 +201,8 @@ def _paged_attention_kernel(
     HEAD_CHUNKS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     VARLEN: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, FMA_SCORES: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, FMA_SCORES: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    RANGE_STAGES: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
     # Axis 0 enumerates (query tile, KV head x head chunk); HEADS_FIRST: the heads of one tile are
     # consecutive programs (they read neighbouring bytes of the same pages at the same time).
@@ -219,12 +305,20 @@ def _paged_attention_kernel(
             stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN,
             HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION,
             FMA_SCORES)
-    for start in range(u_lo, u_hi, TILE_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
-            stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN,
-            HEAD_SIZE, HEAD_PAD, TILE_N, False, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION,
-            FMA_SCORES)
+    if RANGE_STAGES > 0:
+        for start in tl.range(u_lo, u_hi, TILE_N, num_stages=RANGE_STAGES):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off,
+                stride_block, stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE,
+                STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, False, USE_WINDOW, USE_SOFTCAP,
+                DOT_F32, PRECISION, FMA_SCORES, LAZY_RESCALE)
+    else:
+        for start in range(u_lo, u_hi, TILE_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off,
+                stride_block, stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE,
+                STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, False, USE_WINDOW, USE_SOFTCAP,
+                DOT_F32, PRECISION, FMA_SCORES, LAZY_RESCALE)
     for start in range(u_hi, kv_hi, TILE_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
@@ -236,14 +330,18 @@ def _paged_attention_kernel(
     o = acc / l_safe[:, None]
     if CACHE_FP8:
         o = o * tl.load(v_scale_ptr)
+    o_offs = tok[:, None] * stride_ot + hq[:, None] * stride_oh + d[None, :] * stride_od
     if SPLIT:
-        part = (tok * num_q_heads + hq) * num_splits + split
+        base = (tok * num_q_heads + hq) * num_splits
+        part = base + split
         tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + d[None, :], o, mask=io_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # -inf: no visible key
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        if FUSED_MERGE:
+            _merge_if_last(part_out_ptr, part_lse_ptr, ctr_ptr, out_ptr, pid, base, o_offs, row_ok,
+                           io_mask, d, num_splits, BLOCK_M, HEAD_SIZE, HEAD_PAD)
     else:
-        o_ptrs = out_ptr + tok[:, None] * stride_ot + hq[:, None] * stride_oh + d[None, :] * stride_od
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+        tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit

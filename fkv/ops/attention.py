@@ -62,6 +62,11 @@ _DECODE_RESIDENT = {(64, 2, 3): (4, 4), (128, 4, 2): (2, 2)}
 _CONTEXT_STEPS = 8
 #: scores as one FMA per element: p = exp2(qk * scale - m), the row max taken on raw qk.
 _FMA_SCORES = True
+#: default of AttentionConfig.fused_merge for split launches, and of lazy_rescale for tiles of
+#: more than 16 rows: off until the issue-14 round-4 H200 sweep (bench/gpu_kernels_sweep.py)
+#: measures them (attention_config is cached: clear it after changing these).
+_FUSED_MERGE = False
+_LAZY_RESCALE = False
 #: grid order: the KV heads of one (query tile, split) are consecutive programs, so they stream
 #: neighbouring bytes of the same pages together (NHD interleaves heads within a token row).
 _HEADS_FIRST = True
@@ -101,6 +106,22 @@ class AttentionConfig:
     - ``tile_n``: keys per inner-loop iteration (several pages).
     - ``num_splits``: key segments per (query tile, KV head), reduced afterwards (flash-decoding).
     - ``num_warps``, ``num_stages``: Triton launch options.
+    - ``fused_merge``: with several splits, the last split of each (query tile, head group) to
+      finish merges them in the same launch (a ticket counter per group in a per-device, per-stream
+      workspace that the kernel resets) instead of a second kernel; off: ``_reduce_splits_kernel``.
+      Falls back to the second kernel while a CUDA graph is being captured and the workspace is
+      too small (it cannot grow during capture). Concurrent calls on one stream are ordered, so
+      they never share counters; a graph replayed on another stream concurrently with calls on
+      its capture stream could, so keep the default (off) for that.
+    - ``range_stages``: > 0 pipelines the unmasked key loop with ``tl.range(num_stages=...)``
+      instead of the launch's ``num_stages`` (which then applies to the masked loops only). Same
+      arithmetic either way. (Equal to ``num_stages`` it compiles to the same code: the launch
+      option already pipelines the block-table ids of these loops.)
+    - ``lazy_rescale``: unmasked key tiles (scores without softcap) raise the running row max,
+      and rescale the accumulator, only when some row's max grew by more than 8 (base 2) since
+      the last raise (FlashAttention-4's conditional rescaling, one decision per tile): fewer
+      multiplies per tile once the maxima settle, one block-wide max more. Not bit-identical to
+      the default (P is at most 2**8 instead of 1); as accurate.
     """
 
     block_q: int = attrs.field(validator=attrs.validators.ge(1))
@@ -109,6 +130,9 @@ class AttentionConfig:
     num_splits: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     num_warps: int = attrs.field(default=4, validator=attrs.validators.in_((1, 2, 4, 8, 16)))
     num_stages: int = attrs.field(default=2, validator=attrs.validators.ge(1))
+    fused_merge: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    range_stages: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    lazy_rescale: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         if self.tile_n & (self.tile_n - 1):
@@ -169,7 +193,9 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
         splits = max(1, min(-(-(_PROGRAMS_PER_SM * num_sms) // programs), most))
     splits = -(-max_context // _split_len(max_context, splits, tile_n))
     return AttentionConfig(block_q=block_q, heads_per_program=heads, tile_n=tile_n,
-                           num_splits=splits, num_warps=warps, num_stages=stages)
+                           num_splits=splits, num_warps=warps, num_stages=stages,
+                           fused_merge=_FUSED_MERGE and splits > 1,
+                           lazy_rescale=_LAZY_RESCALE and rows > 16)
 
 
 def model_context(max_context: int) -> int:
@@ -232,6 +258,58 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # CPU (Triton interpreter): small grids
+
+
+#: a forced default (see _set_config_override): None, a dict of AttentionConfig fields applied to
+#: the default, or a function (default, **shapes) -> AttentionConfig.
+_CONFIG_OVERRIDE: Any = None
+
+
+def _set_config_override(override: Any) -> None:
+    """Change the default configuration of every later call that passes no ``config``: a dict of
+    :class:`AttentionConfig` fields to apply to :func:`attention_config`'s choice (for example
+    ``{"fused_merge": True}``), a function ``(default, **shapes) -> AttentionConfig`` (the shapes
+    are :func:`attention_config`'s keyword arguments), or None for the default. The GPU sweep's and
+    the benches' knob: candidates run through the whole launcher before they become defaults."""
+    global _CONFIG_OVERRIDE
+    if override is not None and not (isinstance(override, dict) or callable(override)):
+        raise field_error("override", override,
+                          "a dict of AttentionConfig fields, a function or None")
+    if isinstance(override, dict):
+        attrs.evolve(AttentionConfig(block_q=1, heads_per_program=1, tile_n=16), **override)
+    _CONFIG_OVERRIDE = override
+
+
+def _overridden(default: AttentionConfig, shapes: dict[str, Any]) -> AttentionConfig:
+    override = _CONFIG_OVERRIDE
+    if override is None:
+        return default
+    if isinstance(override, dict):
+        return attrs.evolve(default, **override)
+    cfg = override(default, **shapes)
+    if not isinstance(cfg, AttentionConfig):
+        raise field_error("config override result", cfg, "an AttentionConfig")
+    return cfg
+
+
+#: ticket counters of fused split merges, per (device, stream): zero between launches (the kernel
+#: resets each counter it uses), grown by reallocation outside CUDA graph capture.
+_MERGE_COUNTERS: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """At least ``n`` zeroed int32 counters for a fused merge on ``device``'s current stream, or
+    None when they would have to be allocated during CUDA graph capture."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (str(device), stream)
+    buf = _MERGE_COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        size = max(n, 2 * buf.numel() if buf is not None else 1024)
+        buf = torch.zeros(size, dtype=torch.int32, device=device)
+        _MERGE_COUNTERS[key] = buf
+    return buf
 
 
 class Problem(NamedTuple):
@@ -492,10 +570,13 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
     if prob.num_q_tokens == 0 or prob.num_seqs == 0:
         return out
     if config is None:
-        config = attention_config(
+        shapes = dict(
             num_seqs=prob.num_seqs, num_q_tokens=prob.num_q_tokens, num_q_heads=prob.num_q_heads,
             num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, max_context=prob.max_context,
             itemsize=q.element_size(), num_sms=_num_sms(device), varlen=prob.varlen)
+        config = attention_config(**shapes)
+        if _CONFIG_OVERRIDE is not None:
+            config = _overridden(config, shapes)
     _launch(q, cache, spec, block_table, seq_lens, query_start_loc, prob, config,
             prob.window, prob.softcap, k_scale, v_scale, out)
     return out
@@ -527,6 +608,8 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
         part_out = part_lse = out  # unused
     dummy = seq_lens
     grid = (num_tiles * spec.num_kv_heads * chunks, num_splits)
+    counters = _merge_counters(q.device, grid[0]) if split and config.fused_merge else None
+    fused = counters is not None
     _paged_attention_kernel[grid](
         q, cache, block_table, seq_lens,
         query_start_loc if query_start_loc is not None else dummy,
@@ -534,6 +617,7 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
         out, part_out, part_lse,
         prob.scale, float(softcap or 1.0), int(sliding_window or 0), prob.num_seqs, num_tiles,
         prob.num_q_heads, prob.num_q_tokens, spec.num_blocks, prob.max_context, num_splits,
+        counters if fused else dummy,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         block_table.stride(0), strides["stride_block"], strides["stride_kv"], strides["stride_head"],
         **cache_constexprs(spec),
@@ -543,10 +627,11 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
         VARLEN=prob.varlen, SPLIT=split, USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None, DOT_F32=_interpreted(q.device) and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else None, HEADS_FIRST=_HEADS_FIRST,
-        FMA_SCORES=_FMA_SCORES,
+        FMA_SCORES=_FMA_SCORES, FUSED_MERGE=fused, RANGE_STAGES=config.range_stages,
+        LAZY_RESCALE=config.lazy_rescale,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if split:
+    if split and not fused:
         _reduce_splits_kernel[(prob.num_q_tokens, prob.num_q_heads)](
             part_out, part_lse, out, prob.num_q_heads, num_splits,
             out.stride(0), out.stride(1), out.stride(2),
