@@ -101,6 +101,21 @@ def verify(caches: list[torch.Tensor], spec: fkv.KVCacheSpec, engine: EngineDesc
     return None
 
 
+
+_CYCLES: list[float] = []
+
+
+def _cycles_per_second() -> float:
+    """GPU clock cycles per second of ``torch.cuda._sleep`` (measured once)."""
+    if not _CYCLES:
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        torch.cuda._sleep(50_000_000)
+        torch.cuda.synchronize()
+        _CYCLES.append(50_000_000 / (time.perf_counter() - t))
+    return _CYCLES[0]
+
 class Worker:
     def __init__(self, out: Any) -> None:
         self.out = out
@@ -163,14 +178,16 @@ class Worker:
         is called, and the layer's final bytes are written after it on the same stream."""
         server = self.servers[cmd["name"]]
         event = None
-        if cmd.get("delay_write"):
+        if cmd.get("delay_write") or cmd.get("delay_seconds"):
             caches, spec, engine = self.caches[cmd["name"]]
             layer = cmd["layers_ready"] - 1
             saved = caches[layer].clone()
             caches[layer].fill_(float("nan"))
             torch.cuda.synchronize()
+            if cmd.get("delay_seconds"):  # one kernel that spins that long
+                torch.cuda._sleep(int(cmd["delay_seconds"] * _cycles_per_second()))
             busy = torch.randn(4096, 4096, device=caches[layer].device)
-            for _ in range(cmd["delay_write"]):
+            for _ in range(cmd.get("delay_write") or 0):
                 busy = busy @ busy / 64.0   # seconds of work queued before the real bytes
             caches[layer].copy_(saved)
             event = torch.cuda.Event()

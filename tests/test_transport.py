@@ -899,7 +899,7 @@ def test_ipc_streaming_never_queues_work_behind_a_peer_event(cluster: Any) -> No
                        num_tokens=14, stream=True, timeout=1.0)
         t0 = time.monotonic()
         pair.P[0].call("publish", name=pair.name, request_id="s1", layers_ready=1,
-                       delay_write=1500)   # seconds of matmuls before layer 0's final bytes
+                       delay_seconds=2.5)   # a kernel spins that long before layer 0's bytes
         result = pair.D[0].call("read_wait", name=pair.name)
         assert result["result_ok"] is False and result["path"] == "ipc", result
         assert "the writes of layer 0 on prefill engine" in result["error"], result["error"]

@@ -72,6 +72,8 @@ class Case:
     sizes: list[int] = field(default_factory=list)
     first_read_ms: float = 0.0  # the first read after connect (the correctness check), slowest rank
     stream_tail_ms: float = 0.0  # streamed: last layer published -> every decode rank's read done
+    stream_news_ms: float = 0.0  # ... -> the last layer's news reached every decode rank
+    stream_landed_ms: float = 0.0  # ... -> the last layer landed on every decode rank
     layer_ms: float = 0.0        # one layer's share of the same request's non-streamed read
     # results
     plan_strategy: str = ""
@@ -338,19 +340,39 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
             runs_by_size[n] = runs
             stats_by_size[n] = {k: list(v) for k, v in stats.items()}
         stream_ends: list[list[float]] = []
+        stream_news: list[list[float]] = []    # when the last layer's news reached this rank
+        stream_landed: list[list[float]] = []  # when the last layer landed
         if cfg.get("stream"):
+            from fkv.connector.transport._stream import Watch
+
+            news: list[float] = []
+            beyond = Watch.beyond
+
+            def timed_beyond(self: Any, *a: Any, **kw: Any) -> int:
+                got = beyond(self, *a, **kw)
+                news.append(time.perf_counter())
+                return got
+
+            Watch.beyond = timed_beyond  # type: ignore[method-assign]
             for n in case["sizes"]:
                 local, remote = _stream_blocks(cfg, n)
-                ends = []
+                ends, heard, landed = [], [], []
                 for rep in range(cfg["stream_reps"]):
                     sbarrier.wait()
+                    news.clear()
+                    t0 = time.perf_counter()
                     r = client.read(f"st-{n}-{rep}", local, remote, timeout=120.0, stream=True)
                     ends.append(time.perf_counter())
                     if not r.ok:
                         raise RuntimeError(f"streamed read failed: {r.error}")
+                    heard.append(news[-1] if news else ends[-1])
+                    landed.append(t0 + r.layer_seconds[-1])
                 stream_ends.append(ends)
+                stream_news.append(heard)
+                stream_landed.append(landed)
         _send(conn, strategy=client.plan.strategy, runs=runs_by_size, ttfb=ttfb,
-              stats=stats_by_size, first_read=first, stream_ends=stream_ends)
+              stats=stats_by_size, first_read=first, stream_ends=stream_ends,
+              stream_news=stream_news, stream_landed=stream_landed)
         client.close()
     except Exception as e:
         barrier.abort()
@@ -424,9 +446,15 @@ def _run_case(cfg: dict[str, Any], case: Case) -> list[Case]:
             c.first_read_ms = 1e3 * max(o["first_read"] for o in outs)
             if cfg.get("stream"):
                 k = case.sizes.index(n)
-                tails = [max(o["stream_ends"][k][i] for o in outs) - bye["stream_lasts"][k][i]
-                         for i in range(cfg["stream_reps"])]
-                c.stream_tail_ms = 1e3 * statistics.median(tails)
+                reps = range(cfg["stream_reps"])
+
+                def after_last(key: str, k: int = k, reps: range = reps) -> float:
+                    return 1e3 * statistics.median(max(o[key][k][i] for o in outs)
+                                                   - bye["stream_lasts"][k][i] for i in reps)
+
+                c.stream_tail_ms = after_last("stream_ends")
+                c.stream_news_ms = after_last("stream_news")
+                c.stream_landed_ms = after_last("stream_landed")
                 c.layer_ms = c.ms / cfg["layers"]
             results.append(c)
         return results
@@ -657,7 +685,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row.gbps:7.2f} GB/s (repeat {row.repeat_gbps:.2f}), "
                      f"{row.ms:.3f} ms/read, first read {row.first_read_ms:.1f} ms"
                      + (f"; streamed tail {row.stream_tail_ms:.3f} ms (one layer "
-                        f"{row.layer_ms:.3f} ms)" if cfg["stream"] and not row.error else "")),
+                        f"{row.layer_ms:.3f} ms; news {row.stream_news_ms:.3f}, landed "
+                        f"{row.stream_landed_ms:.3f})" if cfg["stream"] and not row.error
+                        else "")),
                   flush=True)
             if row.profile:
                 print("      ms/call: " + ", ".join(f"{k} {v[0]:.3f}"
@@ -697,6 +727,8 @@ def main(argv: list[str] | None = None) -> int:
                     "descriptors_count": c.descriptors_per_request,
                     "read_share_pct": 100 * c.read_share, "pack_share_pct": 100 * c.pack_share,
                     **({"stream_tail_ms": c.stream_tail_ms, "layer_ms": c.layer_ms,
+                        "stream_news_ms": c.stream_news_ms,
+                        "stream_landed_ms": c.stream_landed_ms,
                         "tail_over_layer_x": c.stream_tail_ms / c.layer_ms if c.layer_ms else None,
                         "nonstreamed_over_tail_x": c.ms / c.stream_tail_ms
                         if c.stream_tail_ms else None} if cfg["stream"] else {})},

@@ -56,7 +56,10 @@ _PROGRAM_OVERHEAD_KEYS = 48
 #: 9 splits 0.356 ms, 8 splits 0.256); (128, 4, 2) fits about 2 per SM (B=8 x 32768: 4 splits =
 #: 256 programs 0.257 ms, 8 = 512 0.292; B=16 x 4096: 2 splits 0.0815, 4 splits 0.0925). Tiles
 #: not listed: the fit of round 1 ((64, 4, 3): 3 without, 4 with splits).
-_DECODE_RESIDENT = {(64, 2, 3): (4, 4), (128, 4, 2): (2, 2)}
+#: Round 4 (bench/results/kernels-sweep-20261201T052909Z.json): (128, 4, 5) double-buffers K/V
+#: (3 buffers of 64 KiB): one program per SM; B=16 x 4096 unsplit 0.0789 ms (0.954x SDPA) vs 2
+#: splits 0.0891, B=8 x 32768 2 splits 0.2549 (0.990x) vs 4 splits 0.2628.
+_DECODE_RESIDENT = {(64, 2, 3): (4, 4), (128, 4, 2): (2, 2), (128, 4, 5): (1, 1)}
 #: the split model sees the block table's capacity rounded down to 1/_CONTEXT_STEPS of its power
 #: of two (model_context): spare columns change no split count.
 _CONTEXT_STEPS = 8
@@ -78,16 +81,16 @@ _HEADS_FIRST = True
 #: - decode, grids of >= num_sms programs without splits: 64 keys on 2 warps, 3 stages (B=64 x
 #:   8192, no split: 0.486 / 0.486 vs 0.495 / 0.497 for (64, 4, 3) with 2 splits; B=256 x 2048:
 #:   0.485 / 0.486 vs 0.519 / 0.519).
-#: - decode, smaller grids (the 4th entry): 128 keys on 4 warps, 2 stages, splits filling about 2
-#:   programs per SM (B=16 x 4096, 2 splits: 0.0816 / 0.0815 vs 0.0826 / 0.0824 for (64, 2, 3)
-#:   with 4 and 0.084 for (64, 4, 3) with 4; B=8 x 32768, 4 splits: 0.257 / 0.257, (64, 2, 3) with
-#:   8 splits 0.256 / 0.257).
-#: - prefill B=4 x 4096 causal: 256 rows (64 queries x 4 heads) x 64 keys on 8 warps, 4 stages:
-#:   1.479 / 1.480 vs 3 stages 1.492 / 1.499 and 128 rows on 4 warps, 3 stages 1.546 / 1.537
-#:   (round 1: 2 stages lose 20 %). 128-row tiles (mid) keep (64, 4, 3).
+#: - decode, smaller grids (the 4th entry): 128 keys on 4 warps, 5 stages (the block-table ids
+#:   take two, so K/V are double-buffered; one program per SM), splits filling one wave (round
+#:   4: B=16 x 4096 unsplit 0.0789 / 0.0784 vs 0.0817 / 0.0824 for round 2's (128, 4, 2) with 2
+#:   splits; B=8 x 32768, 2 splits: 0.2549 / 0.2546 vs 0.2577 / 0.2573).
+#: - prefill B=4 x 4096 causal: 256 rows (64 queries x 4 heads) x 64 keys on 8 warps, 5 stages
+#:   (round 4: 1.368 / 1.370 vs 4 stages 1.481 / 1.474; 128-row tiles of one head or 32 queries
+#:   and a lazy rescale lost 5-30 %). 128-row tiles (mid) keep (64, 4, 3).
 #: ``bench/gpu_kernels_sweep.py`` times alternatives on the GPU.
 _TUNING = {
-    (128, False): (256, (64, 2, 3), (64, 4, 3), (64, 8, 4), (128, 4, 2)),
+    (128, False): (256, (64, 2, 3), (64, 4, 3), (64, 8, 5), (128, 4, 5)),
     (256, False): (64, (32, 4, 2), (32, 8, 2), (32, 8, 2)),
     (1024, False): (16, (16, 8, 1), (16, 8, 1), (16, 8, 1)),
     (128, True): (32, (32, 8, 2), (16, 8, 2), (16, 8, 2)),
@@ -161,7 +164,7 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     >>> c = attention_config(num_seqs=8, num_q_tokens=8, num_q_heads=32, num_kv_heads=8,
     ...                      head_size=128, max_context=32768, itemsize=2, num_sms=132, varlen=False)
     >>> c.block_q, c.heads_per_program, c.num_splits, c.tile_n, c.num_warps
-    (1, 4, 4, 128, 4)
+    (1, 4, 2, 128, 4)
     """
     group = num_q_heads // num_kv_heads
     head_pad = _pow2(max(head_size, 16))

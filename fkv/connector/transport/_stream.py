@@ -94,11 +94,8 @@ class Watch:
     def _collect(self, rank: int, deadline: float) -> None:
         token, request_id = self._out[rank]
         reply = self.dealers[rank].wait(token, deadline)
-        if reply is None:
-            if time.monotonic() < deadline:
-                return
-            raise TransferFailed(f"prefill rank {rank} of engine {self.engine_id!r} did not "
-                                 f"answer the layer status before the read's timeout")
+        if reply is None:  # the deadline: the caller says which layer never came
+            return
         del self._out[rank]
         if not isinstance(reply, _side.Layers):
             raise TransferFailed(f"prefill rank {rank} of engine {self.engine_id!r} refused "
