@@ -593,7 +593,7 @@ def test_default_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(A, "_LAZY_RESCALE", True)
     A.attention_config.cache_clear()
     try:
-        small = attention_config(num_seqs=16, num_q_tokens=16, max_context=4096, varlen=False,
+        small = attention_config(num_seqs=8, num_q_tokens=8, max_context=32768, varlen=False,
                                  **H200)
         big = attention_config(num_seqs=64, num_q_tokens=64, max_context=8192, varlen=False,
                                **H200)
