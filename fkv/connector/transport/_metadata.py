@@ -300,7 +300,8 @@ class _Walk:
 
 def check_ucx_address(raw: bytes) -> None:
     """FkvError unless ``raw`` is a UCP worker address (v1 or v2) that UCX parses exactly to its
-    last byte, with every MD index and lane inside UCX's tables.
+    last byte, with every MD index inside UCX's tables. Not walked when this process
+    runs UCX in unified mode (``UCX_UNIFIED_MODE=y``: addresses without lengths).
 
     >>> check_ucx_address(bytes([0x20]) + bytes(8) + bytes([0xFF]))  # v1, uuid, no transport
     >>> check_ucx_address(bytes([0xFF]))
@@ -308,6 +309,8 @@ def check_ucx_address(raw: bytes) -> None:
       ...
     fkv.errors.FkvError: peer NIXL agent metadata refused (nothing was added): the peer's UCX worker address (1 bytes) has version 15 in its first byte (UCX knows 0 and 1); it is not NIXL agent metadata of the format this fkv knows (nixl 1.5): check that the peer runs the same fkv and NIXL versions
     """
+    if os.environ.get("UCX_UNIFIED_MODE", "n").lower() in ("y", "yes", "on", "1", "true"):
+        return  # unified mode packs no lengths (both sides' resources alike): the probe judges it
     w = _Walk(raw, "UCX worker address")
     head = w.byte("header")
     version = head & 0x0F
