@@ -254,10 +254,14 @@ def parse_agent_metadata(blob: Any) -> AgentMetadata:
 # ``ucp_address_unpack``) and each descriptor's remote key (``ucp_ep_rkey_unpack``, which NIXL
 # calls with no length) by following the length bytes and flags inside them, never checking
 # the end of the buffer. A corrupted length or flag sends UCX past the bytes NIXL holds, into
-# whatever the heap of *that* process holds next: the verdict of the probe child (another heap)
-# then says nothing about the decode process, which crashed in libucp on such blobs. So fkv walks
-# both exactly as UCX does, and refuses any that do not end exactly at their last byte or that
-# carry an index UCX uses unchecked (memory type, MD index, lane). Formats: UCX 1.2x
+# whatever the heap of *that* process holds next; and UCX indexes tables with some bytes
+# unchecked: the remote key's memory type picks ``worker->mem_type_ep[]`` when it prices a
+# protocol for the key, during ``add_remote_agent``; a corrupted one reads a word past that array,
+# NULL in one process and a wild pointer in another. The verdict of the probe child (another
+# process) then says nothing about the decode process: such a blob passed it and killed the
+# decode worker (SIGSEGV in libucp). So fkv walks both fields exactly as UCX does, and refuses
+# any that does not end exactly at its last byte or that carries an index UCX uses unchecked
+# (memory type, MD index). Formats: UCX 1.2x
 # ``src/ucp/wireup/address.c`` (address v1, UCX's default ``UCX_ADDRESS_VERSION=v1``, and v2;
 # not unified mode) and ``src/ucp/core/ucp_rkey.c`` (``ucp_rkey_pack_memh``).
 
