@@ -376,11 +376,23 @@ class Worker:
 
     def cmd_precheck(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Check NIXL metadata blobs (hex) in one batch: the verdicts are cached by hash, so the
-        connects that follow find them without a probe child each."""
+        connects that follow find them without a probe child each. ``like``: a connected
+        client's name; the probe then prepares what that client's connects prepare on a peer of
+        the same regions (the cache key a connect looks up), else the blobs' own descriptors."""
         from fkv.connector.transport import _metadata as M
 
         blobs = [bytes.fromhex(b) for b in cmd["blobs"]]
-        verdicts = M.check_each(blobs, timeout=cmd.get("timeout", 120.0))
+        preps = None
+        if cmd.get("like"):  # the descriptors a connect of client ``like`` prepares on rank 0
+            from fkv.connector.transport._agent import granule_table
+            from fkv.connector.transport._link import _PROBE_ROWS
+
+            link = self.clients[cmd["like"]]._state.link
+            peer = link.peers[0]
+            table = granule_table(peer.regions, link.granule, device_id=peer.device_id,
+                                  limit=_PROBE_ROWS)
+            preps = [(link.mem_types[0], table)] * len(blobs)
+        verdicts = M.check_each(blobs, timeout=cmd.get("timeout", 120.0), preps=preps)
         return {"accepted": sum(isinstance(v, M.AgentMetadata) for v in verdicts),
                 "timeouts": sum(isinstance(v, M.MetadataProbeTimeout) for v in verdicts)}
 

@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import subprocess
 import sys
 import time
@@ -171,20 +172,68 @@ def test_valid_blob_passes_and_is_cached(peer):
           f"{cached_s * 1e6:.0f} us")
 
 
-def test_ucx_address_version_0xff_is_refused(peer):
+def test_ucx_address_version_0xff_is_refused(peer, monkeypatch):
     """The first byte of the UCX worker address carries its version: 0xff makes UCX assert and
-    abort the process that adds it. The probe's child dies instead; FkvError here."""
+    abort the process that adds it. The walk of the address refuses it (FkvError, no child);
+    handed to the probe past that walk, it kills the probe's child, not us."""
     start, _ = M.parse_agent_metadata(peer).conn_spans[0]
     bad = bytearray(peer)
     bad[start] = 0xFF
-    with pytest.raises(FkvError, match=r"refused \(nothing was added\): it kills the process "
-                                       r"that adds it \(killed by signal 6.*addr_version"):
-        M.check_agent_metadata(bytes(bad), timeout=60)
-    # a refusal is cached too: the second check spawns nothing
     t0 = time.perf_counter()
-    with pytest.raises(FkvError, match="kills the process"):
+    with pytest.raises(FkvError, match=r"refused \(nothing was added\): the peer's UCX worker "
+                                       r"address \(\d+ bytes\) has version 15"):
         M.check_agent_metadata(bytes(bad), timeout=60)
-    assert time.perf_counter() - t0 < 0.01
+    assert time.perf_counter() - t0 < 0.01  # no probe child
+    monkeypatch.setattr(M, "check_ucx_address", lambda raw: None)
+    (why,) = M.probe_agent_metadata([bytes(bad)], timeout=60)
+    assert re.match(r"it kills the process that adds it \(killed by signal 6.*addr_version", why)
+
+
+def ucx_rkeys(blob):
+    """Offsets of the UCX remote keys of the blob's descriptors (after address, length, device)."""
+    return [blob.index(a.to_bytes(8, "little") + n.to_bytes(8, "little")) + 24
+            for a, n, _ in M.parse_agent_metadata(blob).sections[0].descs]
+
+
+def with_byte(blob, at, value):
+    b = bytearray(blob)
+    b[at] = value
+    return bytes(b)
+
+
+def test_ucx_fields_are_walked_to_their_last_byte(peer, monkeypatch):
+    """UCX parses the worker address and the remote keys by their own length bytes and flags,
+    never checking the end: a blob that sends it past the end (or that carries an index UCX uses
+    unchecked) is refused by the structural parse, naming the field, before any child. Among
+    them the remote keys with memory type 0x9f, 109 and 115, which passed the parse and the probe
+    before and then killed the decode process (SIGSEGV in add_remote_agent)."""
+    start, n = M.parse_agent_metadata(peer).conn_spans[0]
+    assert peer[start + n - 1] == 0x80  # UCX's default address v1 ends with an empty last device
+    rkey = ucx_rkeys(peer)[0]
+    assert peer[rkey:rkey + 11] == bytes.fromhex("0100000000000000" "00" "00" "ff")  # DRAM here
+    cases = {
+        "memory type 0x9f": (with_byte(peer, rkey + 8, 0x9F), r"remote key .* memory type 159"),
+        "memory type 109": (with_byte(peer, rkey + 8, 109), r"remote key .* memory type 109"),
+        "memory type 115": (with_byte(peer, rkey + 8, 115), r"remote key .* memory type 115"),
+        "MD map past the key": (with_byte(peer, rkey + 7, 0x80),
+                                r"remote key .* ends inside its remote key of MD 63"),
+        "MD key longer than the key": (with_byte(peer, rkey + 9, 5),
+                                       r"remote key .* ends inside its remote key of MD 0"),
+        "system device without distances": (with_byte(peer, rkey + 10, 0),
+                                            r"remote key .* ends inside its distance list"),
+        "last device not last": (with_byte(peer, start + n - 1, 0x00),
+                                 r"UCX worker address .* ends inside its MD index"),
+        "debug-info flag on": (with_byte(peer, start, peer[start] | 0x10),
+                               r"UCX worker address \(\d+ bytes\) "),  # where: its bytes
+    }
+    for what, (blob, match) in cases.items():
+        t0 = time.perf_counter()
+        with pytest.raises(FkvError, match=match):
+            M.check_agent_metadata(blob, timeout=60)
+        assert time.perf_counter() - t0 < 0.01, what
+    # UCX's unified mode packs addresses without lengths: not walked (the probe judges them)
+    monkeypatch.setenv("UCX_UNIFIED_MODE", "y")
+    M.check_ucx_address(bytes([0xFF]))
 
 
 def test_non_utf8_agent_name_is_refused_before_nixl_sees_it(peer):
@@ -265,7 +314,7 @@ def test_1000_mutations_never_kill_and_accepted_ones_work(peer):
             outcome = "refused, structure"
         outcomes[outcome] += 1
         by_kind[kind, outcome] += 1
-    assert "kills the process" in str(verdicts[-1])           # the 0xff case
+    assert "has version 15" in str(verdicts[-1])              # the 0xff case: the address walk
     assert sum(outcomes.values()) == len(cases)
     assert outcomes["accepted"] > 0 and outcomes["refused, structure"] > 500
 

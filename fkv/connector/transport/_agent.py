@@ -151,13 +151,14 @@ class Agent:
         return bytes(self._agent.get_agent_metadata())
 
     # -- peers ---------------------------------------------------------------------------------
-    def add_remote(self, metadata: bytes, *, timeout: float = 10.0) -> str:
+    def add_remote(self, metadata: bytes, *, timeout: float = 10.0, prep: Any = None) -> str:
         """Load a peer's agent metadata once it passed ``_metadata.check_agent_metadata`` (a
         structural check and a probe in a child process: a corrupt blob costs an FkvError, never
-        this process); nothing stays added when anything fails."""
+        this process); nothing stays added when anything fails. ``prep``: what the caller will
+        prepare on the peer (``_metadata.check_each``'s ``preps``; the cached verdict)."""
         from fkv.connector.transport._metadata import add_remote_checked
 
-        name = add_remote_checked(self._agent, metadata, timeout=timeout)
+        name = add_remote_checked(self._agent, metadata, timeout=timeout, prep=prep)
         self._remotes.add(name)
         return name
 

@@ -95,11 +95,12 @@ class Link:
         agent = local.agent
         try:
             self.granule = self._probe_granule()
-            self._check_peers(deadline)
+            preps = self._check_peers(deadline)
             for rank in (*plan.remote_ranks, *plan.notify_only_ranks):
                 local.tainted = True
                 self.names[rank] = agent.add_remote(peers[rank].agent_metadata,
-                                                    timeout=max(0.5, deadline - time.monotonic()))
+                                                    timeout=max(0.5, deadline - time.monotonic()),
+                                                    prep=preps[rank])
             if staging_bytes:
                 import torch
 
@@ -111,9 +112,10 @@ class Link:
             self.close()
             raise
 
-    def _check_peers(self, deadline: float) -> None:
+    def _check_peers(self, deadline: float) -> dict[int, Any]:
         """Every peer's NIXL metadata passes the structural check and the probe (one child
-        process for all), and registers every region the peer's wire message announced."""
+        process for all), and registers every region the peer's wire message announced; returns
+        what the probe prepared per rank (``add_remote`` finds the same verdict by it)."""
         from fkv.connector.transport._metadata import check_each
 
         ranks = (*self.plan.remote_ranks, *self.plan.notify_only_ranks)
@@ -135,6 +137,7 @@ class Link:
                                    f"region {i} at 0x{base:x} (+{nbytes} B, "
                                    f"{self.mem_types[rank]}) that its NIXL metadata does not "
                                    f"register; refusing to read from it")
+        return dict(zip(ranks, preps, strict=True))
 
     # -- descriptors -------------------------------------------------------------------------------
     def _probe_granule(self) -> int:

@@ -8,13 +8,20 @@ validating call (``check_remote_metadata`` only asks whether an agent is already
 checks a blob in two steps before its own agent sees it:
 
 1. :func:`parse_agent_metadata`, a structural parse of NIXL's serialization (``nixlSerDes``,
-   below) with a bound on every length and count: truncations, insertions and most flips outside
-   the opaque UCX fields give :class:`~fkv.errors.FkvError` here, in microseconds; the agent name
-   must be UTF-8.
+   below) with a bound on every length and count: truncations, insertions and most flips give
+   :class:`~fkv.errors.FkvError` here, in microseconds; the agent name must be UTF-8. It walks the
+   two UCX fields inside as UCX itself parses them (:func:`check_ucx_address`,
+   :func:`check_ucx_rkey`): UCX follows their internal lengths without checking the end of the
+   buffer and indexes its tables with some of their bytes unchecked, so such a blob would make
+   UCX read past it into the heap of the process that loads it; what it finds there differs
+   between processes, and a probe child (step 2) surviving it says nothing about ours. Seen: a
+   remote key whose memory-type byte was corrupted passed the probe and then killed the decode
+   process (SIGSEGV in ``add_remote_agent``).
 2. :func:`probe_agent_metadata`, ``add_remote_agent`` of the blob in a short-lived child process
    (``sys.executable -c``, the blob on stdin, a fresh NIXL agent with the UCX backend, killed at
-   the timeout): a child that dies, fails or hangs means refuse. The opaque UCX worker address and
-   remote keys can only be judged this way. The child *connects* to the peer, as our agent would.
+   the timeout): a child that dies, fails or hangs means refuse. The *values* inside the UCX
+   fields (transport addresses, keys) can only be judged this way. The child *connects* to the
+   peer and prepares descriptors on it, as our agent would.
 
 :func:`check_agent_metadata` runs both and caches verdicts by the blob's SHA-256 (a reconnect to
 the same peer re-checks nothing); :func:`add_remote_checked` checks, adds, verifies the name NIXL
@@ -38,9 +45,11 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import math
 import os
 import re
 import selectors
+import struct
 import subprocess
 import sys
 import tempfile
@@ -205,7 +214,10 @@ def parse_agent_metadata(blob: Any) -> AgentMetadata:
     backends, spans = [], []
     for _ in range(r.count(b"Conns", _MAX_BACKENDS)):
         backend = r.text(b"t", _MAX_BACKEND_NAME, "backend name")
-        n = len(r.field(b"c", 1, _MAX_CONN_INFO))
+        conn = r.field(b"c", 1, _MAX_CONN_INFO)
+        n = len(conn)
+        if backend == "UCX":
+            check_ucx_address(conn)
         backends.append((backend, n))
         spans.append((r.pos - 1 - n, n))
     if r.field(b"", 10, 10) != b"MemSection":
@@ -227,11 +239,174 @@ def parse_agent_metadata(blob: Any) -> AgentMetadata:
             if length == 0 or addr + length > (1 << 64):
                 raise _refuse(f"a descriptor of {backend!r} is [{addr:#x}, +{length}), not a "
                               f"non-empty range of the address space")
+            if backend == "UCX":
+                check_ucx_rkey(raw[24:], _MEM_TYPES[code])
             descs.append((addr, length, dev))
         sections.append(Section(backend, _MEM_TYPES[code], tuple(descs)))
     if r.pos != len(blob):
         raise _refuse(f"{len(blob) - r.pos} unexpected bytes follow the metadata at byte {r.pos}")
     return AgentMetadata(name, tuple(backends), tuple(sections), tuple(spans))
+
+
+# -- 1b. the UCX fields: bounded walks of what UCX parses without a length --------------------
+#
+# UCX parses the connection info (a packed UCP worker address: ``ucp_ep_create`` ->
+# ``ucp_address_unpack``) and each descriptor's remote key (``ucp_ep_rkey_unpack``, which NIXL
+# calls with no length) by following the length bytes and flags inside them, never checking
+# the end of the buffer. A corrupted length or flag sends UCX past the bytes NIXL holds, into
+# whatever the heap of *that* process holds next; and UCX indexes tables with some bytes
+# unchecked: the remote key's memory type picks ``worker->mem_type_ep[]`` when it prices a
+# protocol for the key, during ``add_remote_agent``; a corrupted one reads a word past that array,
+# NULL in one process and a wild pointer in another. The verdict of the probe child (another
+# process) then says nothing about the decode process: such a blob passed it and killed the
+# decode worker (SIGSEGV in libucp). So fkv walks both fields exactly as UCX does, and refuses
+# any that does not end exactly at its last byte or that carries an index UCX uses unchecked
+# (memory type, MD index). Formats: UCX 1.2x
+# ``src/ucp/wireup/address.c`` (address v1, UCX's default ``UCX_ADDRESS_VERSION=v1``, and v2;
+# not unified mode) and ``src/ucp/core/ucp_rkey.c`` (``ucp_rkey_pack_memh``).
+
+_UCX_MAX_MDS = 64          # UCP_MAX_MDS: an md_map is a u64
+_UCX_MAX_RESOURCES = 128   # UCP_MAX_RESOURCES: most transport addresses in a worker address
+_UCX_MAX_LANES = 64        # UCP_MAX_LANES: most endpoint addresses of one transport
+_UCX_MEMORY_TYPES = 10     # UCS_MEMORY_TYPE_LAST (host, cuda, cuda_managed, rocm, ...)
+_UCX_SYS_UNKNOWN = 0xFF    # UCS_SYS_DEVICE_ID_UNKNOWN, also the end of a distance list
+
+
+class _Walk:
+    """A cursor over one UCX field that refuses to step past its end."""
+
+    def __init__(self, raw: bytes, what: str) -> None:
+        self.raw, self.pos, self.what = raw, 0, what
+
+    def refuse(self, why: str) -> FkvError:
+        return _refuse(f"the peer's {self.what} ({len(self.raw)} bytes) {why}")
+
+    def take(self, n: int, field: str) -> bytes:
+        if self.pos + n > len(self.raw):
+            raise self.refuse(f"ends inside its {field} (byte {self.pos}, {n} bytes needed)")
+        self.pos += n
+        return self.raw[self.pos - n:self.pos]
+
+    def byte(self, field: str) -> int:
+        return self.take(1, field)[0]
+
+    def extended(self, first: int, mask: int, v2: bool, field: str) -> int:
+        """A value packed in ``first & mask``; in address v2 ``mask`` itself means "the next
+        byte holds it" (``ucp_address_unpack_byte_extended``)."""
+        value = first & mask
+        return self.byte(field) if v2 and value == mask else value
+
+    def end(self) -> None:
+        if self.pos != len(self.raw):
+            raise self.refuse(f"ends at byte {self.pos} by its own lengths; "
+                              f"{len(self.raw) - self.pos} bytes are left over")
+
+
+def check_ucx_address(raw: bytes) -> None:
+    """FkvError unless ``raw`` is a UCP worker address (v1 or v2) that UCX parses exactly to its
+    last byte, with every MD index inside UCX's tables. Not walked when this process
+    runs UCX in unified mode (``UCX_UNIFIED_MODE=y``: addresses without lengths).
+
+    >>> check_ucx_address(bytes([0x20]) + bytes(8) + bytes([0xFF]))  # v1, uuid, no transport
+    >>> check_ucx_address(bytes([0xFF]))
+    Traceback (most recent call last):
+      ...
+    fkv.errors.FkvError: peer NIXL agent metadata refused (nothing was added): the peer's UCX worker address (1 bytes) has version 15 in its first byte (UCX knows 0 and 1); it is not NIXL agent metadata of the format this fkv knows (nixl 1.5): check that the peer runs the same fkv and NIXL versions
+    """
+    if os.environ.get("UCX_UNIFIED_MODE", "n").lower() in ("y", "yes", "on", "1", "true"):
+        return  # unified mode packs no lengths (both sides' resources alike): the probe judges it
+    w = _Walk(raw, "UCX worker address")
+    head = w.byte("header")
+    version = head & 0x0F
+    if version not in (0, 1):
+        raise w.refuse(f"has version {version} in its first byte (UCX knows 0 and 1)")
+    v2 = version == 1
+    flags = w.byte("flags") if v2 else head >> 4
+    if flags & ~0x0F:
+        raise w.refuse(f"has unknown header flags {flags:#x}")
+    if not v2 or flags & 0x02:           # the worker's uuid (always there in v1)
+        w.take(8, "worker uuid")
+    if flags & 0x04:                     # client id
+        w.take(8, "client id")
+    if flags & 0x01:                     # debug info: the worker's name
+        w.take(w.byte("worker name length"), "worker name")
+    if w.raw[w.pos:w.pos + 1] == b"\xff":  # no transport at all
+        w.pos += 1
+        return w.end()
+    addresses = devices = 0
+    last_device = False
+    while not last_device:
+        devices += 1
+        if devices > _UCX_MAX_RESOURCES:
+            raise w.refuse(f"lists more than {_UCX_MAX_RESOURCES} devices")
+        md = w.byte("MD index")
+        empty = bool(md & 0x80)
+        md_index = w.extended(md, 0x7F, v2, "MD index")
+        dev = w.byte("device address length")
+        last_device = bool(dev & 0x80)
+        length = w.extended(dev, 0x1F, v2, "device address length")
+        if dev & 0x40 and w.byte("device path count") == 0:
+            raise w.refuse("gives a device 0 paths")
+        if dev & 0x20:
+            w.byte("system device")
+        if not empty and md_index >= _UCX_MAX_MDS:
+            raise w.refuse(f"names MD {md_index} (UCX has at most {_UCX_MAX_MDS})")
+        w.take(length, "device address")
+        last_iface = empty
+        while not last_iface:
+            addresses += 1
+            if addresses > _UCX_MAX_RESOURCES:
+                raise w.refuse(f"lists more than {_UCX_MAX_RESOURCES} transport addresses")
+            w.take(2, "transport name checksum")
+            if v2:
+                w.take(8, "interface attributes")
+            else:  # overhead, bandwidth, latency overhead (float32), priority and flags
+                attrs = struct.unpack("<3f", w.take(12, "interface attributes"))
+                w.take(4, "interface flags")
+                if not all(math.isfinite(x) for x in attrs) or attrs[1] == 0:
+                    raise w.refuse(f"announces interface attributes {attrs} (finite numbers "
+                                   f"and a bandwidth other than 0 expected)")
+            iface = w.byte("interface address length")
+            last_iface = bool(iface & 0x80)
+            more_eps = bool(iface & 0x40)
+            w.take(w.extended(iface, 0x3F, v2, "interface address length"),
+                   "interface address")
+            eps = 0
+            while more_eps:
+                eps += 1
+                if eps > _UCX_MAX_LANES:
+                    raise w.refuse(f"lists more than {_UCX_MAX_LANES} endpoint addresses")
+                w.take(w.byte("endpoint address length"), "endpoint address")
+                more_eps = not w.byte("lane index") & 0x80
+    w.end()
+
+
+def check_ucx_rkey(raw: bytes, mem_type: str) -> None:
+    """FkvError unless ``raw`` is a packed UCP remote key that UCX parses exactly to its last
+    byte, of a memory type UCX knows and that matches the section's (host memory for DRAM).
+
+    >>> check_ucx_rkey(bytes.fromhex("0100000000000000" "00" "00" "ff"), "DRAM")  # md 0, host
+    >>> check_ucx_rkey(bytes.fromhex("0100000000000000" "00" "04" "ff"), "DRAM")
+    Traceback (most recent call last):
+      ...
+    fkv.errors.FkvError: peer NIXL agent metadata refused (nothing was added): the peer's UCX remote key of a DRAM descriptor (11 bytes) ends inside its remote key of MD 0 (byte 10, 4 bytes needed); it is not NIXL agent metadata of the format this fkv knows (nixl 1.5): check that the peer runs the same fkv and NIXL versions
+    """
+    w = _Walk(raw, f"UCX remote key of a {mem_type} descriptor")
+    md_map = int.from_bytes(w.take(8, "MD map"), "little")
+    kind = w.byte("memory type")
+    if kind >= _UCX_MEMORY_TYPES or (kind == 0) != (mem_type == "DRAM"):
+        raise w.refuse(f"says UCX memory type {kind} (a {mem_type} descriptor: "
+                       f"{'0, host' if mem_type == 'DRAM' else f'1..{_UCX_MEMORY_TYPES - 1}'})")
+    for md in range(_UCX_MAX_MDS):
+        if md_map >> md & 1:
+            w.take(w.byte(f"key size of MD {md}"), f"remote key of MD {md}")
+    if md_map:
+        # the memory's system device; a known one is followed by distances (system device,
+        # latency, bandwidth), which UCX reads up to an 0xff terminator, whatever the length
+        if w.byte("system device") != _UCX_SYS_UNKNOWN:
+            while w.byte("distance list (no 0xff terminator)") != _UCX_SYS_UNKNOWN:
+                w.take(2, "distance")
+    w.end()
 
 
 # -- 2. the probe ------------------------------------------------------------------------------
@@ -559,15 +734,19 @@ _PROBE_FIX = ("the peer sent it; NIXL would have been handed bytes it cannot tak
               "peer's fkv and NIXL versions and that it is the engine you meant to reach")
 
 
-def add_remote_checked(agent: Any, blob: Any, *, timeout: float) -> str:
+def add_remote_checked(agent: Any, blob: Any, *, timeout: float, prep: Any = None) -> str:
     """Check ``blob`` (:func:`check_agent_metadata`), add it to ``agent`` (a ``nixl_agent``) and
     return the remote agent's name; if NIXL refuses it or names it otherwise than the blob did,
-    the agent is removed again and FkvError raised: nothing is left added.
+    the agent is removed again and FkvError raised: nothing is left added. ``prep``: the
+    ``(mem_type, Nx3 table)`` the caller will prepare on the peer, as given to
+    :func:`check_each` (the same verdict, from the cache when that checked it already).
 
     >>> add_remote_checked(my_nixl_agent, peer_blob, timeout=10)  # doctest: +SKIP
     'fkv-prefill-1234-ab12cd34'
     """
-    meta = check_agent_metadata(blob, timeout=timeout)
+    (meta,) = check_each([blob], timeout=timeout, preps=None if prep is None else [prep])
+    if isinstance(meta, FkvError):
+        raise meta
     if agent.check_remote_metadata(meta.name):
         raise FkvError(f"the peer's agent {meta.name!r} is already added to this agent; nothing "
                        f"was added: remove it first (a reconnect removes the old connection's "
