@@ -1,12 +1,13 @@
 """Benchmark ``fkv.ops.paged_attention`` (H200 targets; docs/benchmarks.md), results to bench/results/.
 
-Decode: B=64 x ctx 8192, B=256 x 2048, B=8 x 32768 (Hq 32, Hkv 8, D 128, bf16, N=16), NHD and
-HND, against torch SDPA on dense contiguous K/V of the same size in the same run (the fastest of
+Decode: B=64 x ctx 8192, B=256 x 2048, B=8 x 32768, B=16 x 4096 (Hq 32, Hkv 8, D 128, bf16,
+N=16), NHD and HND, against torch SDPA on dense contiguous K/V of the same size in the same run (the fastest of
 the default dispatch and each fused backend that runs GQA: flash, cuDNN, efficient), and a read
 ceiling (a ``sum`` over 2 GiB) in the same run. Bytes = the K+V read once (q and the output are
-< 0.1 % and not counted), so GB/s compares directly with the dense baseline; target >= 0.85x the
+< 0.1 % and not counted), so GB/s compares directly with the dense baseline; target >= 0.92x the
 dense GB/s. Prefill: B=4 x 4096 new tokens (no context), against SDPA dense causal; target
-paged time <= 1.5x the dense time. Block tables are random permutations of the cache's blocks.
+paged time <= 1.2x the dense time. Block tables are random permutations of the cache's blocks
+with one padding column of stale ids (as engines allocate them).
 
 Before timing, each case is checked: the kernel against ``fkv.ops.reference.paged_attention`` and
 against SDPA over the same K/V gathered into dense tensors. Timings are
@@ -36,8 +37,8 @@ from fkv.bench._common import read_ceiling_gbps, time_ms
 
 __all__ = ["main"]
 
-DECODE_TARGET = 0.85   # x dense SDPA GB/s
-PREFILL_TARGET = 1.5   # paged time / dense causal SDPA time
+DECODE_TARGET = 0.92   # x dense SDPA GB/s (issue 14)
+PREFILL_TARGET = 1.2   # paged time / dense causal SDPA time (issue 14)
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Shape:
     num_kv_heads: int = 8
     head_size: int = 128
     block_size: int = 16
-    decode: tuple[tuple[int, int], ...] = ((64, 8192), (256, 2048), (8, 32768))
+    decode: tuple[tuple[int, int], ...] = ((64, 8192), (256, 2048), (8, 32768), (16, 4096))
     prefill: tuple[int, int] = (4, 4096)
 
 
@@ -94,7 +95,10 @@ class Problem:
         self.cache.normal_()
         g = torch.Generator().manual_seed(seed)
         perm = torch.randperm(self.spec.num_blocks, generator=g)
-        self.block_table = perm.reshape(batch, blocks_per_seq).to(torch.int32).to(device)
+        table = perm.reshape(batch, blocks_per_seq)
+        # one padding column of stale ids, as engines allocate block tables (never read)
+        spare = torch.randint(0, self.spec.num_blocks, (batch, 1), generator=g)
+        self.block_table = torch.cat([table, spare], 1).to(torch.int32).to(device)
         self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
         self.q = torch.randn(batch * q_len, shape.num_q_heads, shape.head_size, device=device,
                              dtype=torch.bfloat16)

@@ -185,7 +185,7 @@ KERNEL_ROWS: dict[str, tuple[Row, ...]] = {
     "attention": tuple(
         Row("paged_attention", f"decode B={b} ctx {t}, NHD / HND", "attention",
             _ids(f"decode B={b} x {t} {{}}", "NHD", "HND"), _decode, ">= 0.92x dense SDPA")
-        for b, t in ((64, 8192), (256, 2048), (8, 32768))) + (
+        for b, t in ((64, 8192), (256, 2048), (8, 32768), (16, 4096))) + (
         Row("paged_attention", "prefill B=4 x 4096 causal, NHD / HND", "attention",
             _ids("prefill B=4 x 4096 {}", "NHD", "HND"), _prefill, "<= 1.2x SDPA's time"),),
     "plan": (
