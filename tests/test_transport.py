@@ -774,6 +774,63 @@ STREAM = {
 }
 
 
+def _streamed_read(pair: Any, local: list[int], remote: list[int], tokens: int | None) -> list[Any]:
+    """Read ``r1`` streamed: the decode ranks start before anything is held, the prefill ranks
+    hold it with no layer written, then publish the first layer and, later, the rest."""
+    for d in pair.D:
+        d.call("read_async", name=pair.name, request_id="r1", local=local, remote=remote,
+               num_tokens=tokens, stream=True, timeout=60.0)
+    for p in pair.P:
+        p.call("hold", name=pair.name, request_id="r1", blocks=remote, layers_ready=0)
+    layers = pair.pspec["num_layers"]
+    for n in (1, layers):
+        time.sleep(0.1)
+        for p in pair.P:
+            p.call("publish", name=pair.name, request_id="r1", layers_ready=n)
+    return [d.call("read_wait", name=pair.name) for d in pair.D]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("ptp,dtp", [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)])
+def test_matrix_streamed(cluster: Any, ptp: int, dtp: int, variant: str) -> None:
+    """Every pairing of the matrix, streamed: the bytes equal the non-streamed read's reference,
+    on the path the plan chose, and the request is released once every reader read."""
+    pover, dover, connect_kw, strategy = VARIANTS[variant]
+    if strategy is None:
+        strategy = "direct" if ptp == dtp else "staging"
+    pspec, dspec = spec_dict(tp=ptp, **pover), spec_dict(tp=dtp, **dover)
+    pair = Pair(cluster, ptp, dtp, pspec, dspec, connect_kw=connect_kw)
+    try:
+        tokens = 4 * 4 - 2
+        local, remote = request_blocks(pspec, dspec, tokens)
+        results = _streamed_read(pair, local, remote, tokens)
+        assert [r["result_ok"] for r in results] == [True] * dtp, results
+        assert {r["path"] for r in results} == {strategy}
+        assert all(len(r["layer_seconds"]) == pspec["num_layers"] for r in results)
+        assert pair.verify_all(local, remote, tokens) == [None] * dtp
+        assert pair.wait_released("r1") == ["notified"] * ptp
+    finally:
+        pair.stop()
+
+
+@pytest.mark.parametrize("case", list(BACKENDS))
+def test_backends_streamed(cluster: Any, case: str) -> None:
+    """MLA (replicated reads, notify-only ranks), flash_attn/flashinfer, cross-layer caches (the
+    plan's paths read those once every layer is published), fp8, chunked staging: streamed."""
+    ptp, dtp, heads, pover, dover, *connect_kw = BACKENDS[case]
+    pspec = spec_dict(tp=ptp, heads=heads, **pover)
+    dspec = spec_dict(tp=dtp, heads=heads, **dover)
+    pair = Pair(cluster, ptp, dtp, pspec, dspec, heads=heads, connect_kw=(connect_kw or [{}])[0])
+    try:
+        local, remote = request_blocks(pspec, dspec, 11)
+        results = _streamed_read(pair, local, remote, None)
+        assert [r["result_ok"] for r in results] == [True] * dtp, results
+        assert pair.verify_all(local, remote) == [None] * dtp
+        assert pair.wait_released("r1") == ["notified"] * ptp
+    finally:
+        pair.stop()
+
+
 @pytest.mark.parametrize("case", list(STREAM))
 def test_streaming_layers_land_as_published(cluster: Any, case: str) -> None:
     """The read starts before the first publish; layers are published with gaps; each layer lands
