@@ -43,6 +43,7 @@ from test_transport import (  # noqa: E402
     engine_dict,
     request_blocks,
     spec_dict,
+    worker_procs,
 )
 
 from fkv.connector.transport import _metadata as M  # noqa: E402
@@ -66,17 +67,7 @@ TALLY: dict[str, Any] = {"mutations": collections.Counter(), "refused": collecti
 
 @pytest.fixture(scope="module")
 def procs(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    logdir = tmp_path_factory.mktemp("hostile")
-    out = {"P": [Proc(f"hP{r}", logdir) for r in range(2)],
-           "D": [Proc(f"hD{r}", logdir) for r in range(2)]}
-    try:
-        for p in out["P"] + out["D"]:
-            p.call("ping", wait=120)
-        out["logdir"] = logdir
-        yield out
-    finally:
-        for p in out["P"] + out["D"]:
-            p.close()
+    yield from worker_procs(tmp_path_factory.mktemp("hostile"), "h", 2, 2)
 
 
 def rss(proc: Proc) -> int:

@@ -127,11 +127,11 @@ def wait_stopped(pid: int, timeout: float = 10.0) -> None:
     raise AssertionError(f"process {pid} did not stop within {timeout} s")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    logdir = tmp_path_factory.mktemp("transport")
-    procs = {"P": [Proc(f"P{r}", logdir) for r in range(2)],
-             "D": [Proc(f"D{r}", logdir) for r in range(4)]}
+def worker_procs(logdir: Path, prefix: str, prefill: int, decode: int) -> Any:
+    """Started worker processes ``{"P": [...], "D": [...], "logdir": ...}`` (a generator for
+    module fixtures: the processes close after the module)."""
+    procs = {"P": [Proc(f"{prefix}P{r}", logdir) for r in range(prefill)],
+             "D": [Proc(f"{prefix}D{r}", logdir) for r in range(decode)]}
     try:
         for p in procs["P"] + procs["D"]:
             p.call("ping", wait=120)
@@ -142,7 +142,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
             p.close()
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    yield from worker_procs(tmp_path_factory.mktemp("transport"), "", 2, 4)
+
+
 # -- configurations -------------------------------------------------------------------------------
+
+def ask_pack(dealer: Any, token: int, **kw: Any) -> Any:
+    """Send a raw ``Pack`` (blocks 1 and 2, heads 0-8, 8 tokens unless ``kw`` says otherwise)
+    and return the prefill rank's reply."""
+    from fkv.connector.transport import _side
+
+    fields = {"block_ids": [1, 2], "heads": (0, 8), "num_tokens": 8, "timeout": 30.0, **kw}
+    dealer.send(_side.Pack(token=token, **fields))
+    reply = dealer.wait(token, time.monotonic() + 10)
+    assert reply is not None, "the prefill rank stopped answering"
+    return reply
+
 
 def spec_dict(*, tp: int, heads: int = HEADS, **kw: Any) -> dict[str, Any]:
     d = {"backend": "triton", "layout": "HND", "num_blocks": 12, "block_size": 4,
@@ -1022,12 +1039,7 @@ def test_pack_requests_are_checked_before_anything_is_written(cluster: Any) -> N
     dealer = _side.Dealer(None, address)
 
     def ask(token: int, **kw: Any) -> Any:
-        fields = {"request_id": "r", "block_ids": [1, 2], "heads": (0, 8), "num_tokens": 8,
-                  "timeout": 30.0, **kw}
-        dealer.send(_side.Pack(token=token, **fields))
-        reply = dealer.wait(token, time.monotonic() + 10)
-        assert reply is not None, "the prefill rank stopped answering"
-        return reply
+        return ask_pack(dealer, token, **{"request_id": "r", **kw})
 
     try:
         assert before["pack_bytes"] == 36 * 1024 and before["held"] == 0
@@ -1075,13 +1087,7 @@ def test_streaming_packs_only_published_layers(cluster: Any) -> None:
     tokens = iter(range(1, 1000))
 
     def ask(**kw: Any) -> Any:
-        token = next(tokens)
-        fields = {"request_id": "s1", "block_ids": [1, 2], "heads": (0, 8), "num_tokens": 8,
-                  "timeout": 30.0, **kw}
-        dealer.send(_side.Pack(token=token, **fields))
-        reply = dealer.wait(token, time.monotonic() + 10)
-        assert reply is not None, "the prefill rank stopped answering"
-        return reply
+        return ask_pack(dealer, next(tokens), **{"request_id": "s1", **kw})
 
     def state() -> dict[str, Any]:
         got = P.call("pack_state", name=name)

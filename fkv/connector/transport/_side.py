@@ -379,6 +379,7 @@ class SideServer:
     def __init__(self, ctx: Any, host: str, port: int, *, curve: Any = None) -> None:
         self._auth = None
         self._router = self._frames = None
+        self._waker: Any = None  # the ZMQ loop's wake-up (FrameServer has its own)
         if curve is None:
             from fkv.connector.transport._sidelimits import FrameServer
 
@@ -390,6 +391,9 @@ class SideServer:
 
         from fkv.connector.transport._sidelimits import harden_server
 
+        from fkv.connector.transport._sidelimits import Waker
+
+        self._waker = Waker()
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -401,24 +405,16 @@ class SideServer:
             raise FkvError(f"'host/port' must be an address to bind (got {host}:{port}): "
                            f"{e}") from None
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        import socket
-
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
-        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        self._poller.register(self._waker.sock.fileno(), zmq.POLLIN)
 
     def wake(self) -> None:
         """End the current (or next) :meth:`poll` at once; safe from any thread."""
         if self._frames is not None:
             self._frames.wake()
-            return
-        try:
-            self._wake_w.send(b"w")
-        except OSError:
-            pass  # a wake-up is pending already (or the server is closed)
+        elif self._waker is not None:
+            self._waker.wake()
 
     def poll(self, timeout: float) -> list[tuple[Any, bytes | None]]:
         """Requests that arrived within ``timeout`` s: ``(envelope, payload)``; a ZMQ message
@@ -430,12 +426,8 @@ class SideServer:
 
         out: list[tuple[Any, bytes | None]] = []
         ready = dict(self._poller.poll(max(0, int(timeout * 1000))))
-        if self._wake_r.fileno() in ready:
-            try:
-                while self._wake_r.recv(4096):
-                    pass
-            except OSError:
-                pass
+        if self._waker.sock.fileno() in ready:
+            self._waker.drain()
         if self._router not in ready:
             return out
         for _ in range(64):
@@ -471,8 +463,9 @@ class SideServer:
         if self._router is not None:
             self._router.close(0)
             self._router = None
-            for sock in (self._wake_r, self._wake_w):
-                sock.close()
+        if self._waker is not None:
+            self._waker.close()
+            self._waker = None
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

@@ -157,6 +157,38 @@ class _Conn:
 _WAKE = object()  # the selector key data of the wake-up socket
 
 
+class Waker:
+    """A socket pair that ends a serving loop's wait from another thread: :meth:`wake` writes a
+    byte (safe from any thread; a wake-up already pending is enough), the loop watches
+    :attr:`fd` for reading and calls :meth:`drain` when it fires."""
+
+    def __init__(self) -> None:
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+
+    @property
+    def sock(self) -> socket.socket:
+        return self._r
+
+    def wake(self) -> None:
+        try:
+            self._w.send(b"w")
+        except OSError:  # a wake-up is pending already (or the pair is closed)
+            return
+
+    def drain(self) -> None:
+        try:
+            while self._r.recv(4096):
+                continue
+        except OSError:  # nothing more to read
+            return
+
+    def close(self) -> None:
+        self._r.close()
+        self._w.close()
+
+
 class FrameServer:
     """A bounded request/reply server on plain TCP (see the module docstring); no threads.
 
@@ -201,11 +233,8 @@ class FrameServer:
         self.address = f"tcp://{'[' + host + ']' if family == socket.AF_INET6 else host}:{bound[1]}"
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listen, selectors.EVENT_READ, None)
-        # wake(): another thread ends a poll at once (a byte on this socket pair)
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._waker = Waker()  # wake(): another thread ends a poll at once
+        self._sel.register(self._waker.sock, selectors.EVENT_READ, _WAKE)
         self._conns: dict[int, _Conn] = {}
         self._next = 1
         self._reserved = 0
@@ -222,7 +251,7 @@ class FrameServer:
                 self._accept()
                 continue
             if key.data is _WAKE:
-                self._drain_wake()
+                self._waker.drain()
                 continue
             cid = key.data
             if events & selectors.EVENT_WRITE:
@@ -234,17 +263,7 @@ class FrameServer:
 
     def wake(self) -> None:
         """End the current (or next) :meth:`poll` at once; safe from any thread."""
-        try:
-            self._wake_w.send(b"w")
-        except (BlockingIOError, InterruptedError, OSError):
-            pass  # a wake-up is pending already (or the server is closed)
-
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, InterruptedError, OSError):
-            pass
+        self._waker.wake()
 
     def reply(self, conn: int, payload: bytes) -> bool:
         """Send ``payload`` as the answer to ``conn``'s request (False: it is gone)."""
@@ -285,8 +304,7 @@ class FrameServer:
         except (KeyError, ValueError):
             pass
         self._listen.close()
-        for sock in (self._wake_r, self._wake_w):
-            sock.close()
+        self._waker.close()
         self._sel.close()
 
     def __enter__(self) -> FrameServer:
