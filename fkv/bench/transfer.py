@@ -663,10 +663,16 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = _copy_ceiling(cfg)
     links = _link_ceilings(cfg, sorted({n for c in cases for n in c.sizes}), page)
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "FKV_NIXL_", "NIXL_"))}
+    from fkv.connector.transport._agent import progress_mode
+
+    progress = {role: "{}({} us)".format(*mode) if mode[0] == "poll" else mode[0]
+                for role, mode in (("prefill", progress_mode(None, "1")),
+                                   ("decode", progress_mode(None, "0" if args.device == "cpu"
+                                                            else "1")))}
     print(f"fkv bench transfer: {args.device}, {blocks} blocks x {cfg['layers']} layer(s), "
           f"requests of {cfg['request_blocks']} blocks ({request_bytes / 2**20:.0f} MiB per P "
           f"page set), same-run copy ceiling {ceiling:.0f} GB/s (read + written); env "
-          f"{env or '{}'}", flush=True)
+          f"{env or '{}'}; NIXL progress threads {progress}", flush=True)
     done: list[Case] = []
     for case in cases:
         try:
@@ -736,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra={"rank_gbps": c.rank_gbps, "profile_ms_per_call": c.profile,
                        "plan_strategy": c.plan_strategy, "nccl_note": link.get("nccl_note", "")})
     run.extra["env_transport"] = env
+    run.extra["nixl_progress"] = progress
     results.save(run, args)
     if getattr(args, "plot", None):
         from fkv.bench import plots

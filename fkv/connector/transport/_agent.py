@@ -34,6 +34,71 @@ __all__ = ["Agent", "TransferFailed", "UndecodableNotifications", "granule_table
 
 
 
+#: ``FKV_NIXL_PROGRESS_DELAY_US`` default: the longest a progress thread sleeps between looks.
+PROGRESS_DELAY_US = 1000
+
+
+def progress_mode(progress_thread: bool | str | None = None, default: str = "1"
+                  ) -> tuple[str, int]:
+    """``(mode, delay_us)`` of an agent's UCX progress thread: ``"poll"`` (sleeps on the
+    workers' event descriptors, wakes at least every ``delay_us``), ``"spin"`` (NIXL's Python
+    default: no delay, a core busy-polling) or ``"off"``. ``progress_thread``: True / False /
+    ``"spin"``; None: the environment (``FKV_NIXL_PROGRESS_THREAD``: 1, 0 or spin), else
+    ``default``. ``FKV_NIXL_PROGRESS_DELAY_US``: the delay (default 1000).
+
+    >>> progress_mode(True), progress_mode(False), progress_mode("spin")
+    (('poll', 1000), ('off', 1000), ('spin', 0))
+    """
+    raw = os.environ.get("FKV_NIXL_PROGRESS_THREAD", default) if progress_thread is None \
+        else progress_thread
+    value = str(raw).strip().lower()
+    if raw is True or value in ("1", "true", "on", "poll"):
+        mode = "poll"
+    elif raw is False or value in ("0", "false", "off"):
+        mode = "off"
+    elif value == "spin":
+        mode = "spin"
+    else:
+        raise FkvError(f"FKV_NIXL_PROGRESS_THREAD={raw!r}: expected 1 (a thread that sleeps on "
+                       f"UCX's events), spin (a busy-polling thread) or 0 (none)")
+    text = os.environ.get("FKV_NIXL_PROGRESS_DELAY_US", "") or str(PROGRESS_DELAY_US)
+    try:
+        delay_us = int(text)
+    except ValueError:
+        delay_us = -1
+    if not 1 <= delay_us <= 10_000_000:
+        raise FkvError(f"FKV_NIXL_PROGRESS_DELAY_US={text!r}: expected an int of microseconds "
+                       f"in [1, 10000000]")
+    return mode, (0 if mode == "spin" else delay_us)
+
+
+def _make_agent(nixl: Any, name: str, mode: str, delay_us: int, telemetry: bool,
+                num_threads: int) -> Any:
+    """A ``nixl_agent`` with the UCX backend and the progress thread ``mode`` asks for. NIXL's
+    Python wrapper always starts its progress thread with no delay (a busy loop), so for
+    ``"poll"`` the wrapper is made without backends and gets a native agent of the same name
+    whose configuration says the delay, then its UCX backend."""
+    conf = nixl.nixl_agent_config(enable_prog_thread=mode != "off", backends=[],
+                                  capture_telemetry=telemetry, num_threads=num_threads)
+    agent = nixl.nixl_agent(name, conf)
+    if mode == "poll":
+        import importlib
+
+        from fkv.connector.transport._metadata import _backend_package
+
+        bindings = importlib.import_module(_backend_package() + "._bindings")
+        cfg = bindings.nixlAgentConfig()
+        cfg.useProgThread = True
+        cfg.useListenThread = False
+        cfg.pthrDelay = delay_us
+        cfg.captureTelemetry = telemetry
+        agent.agent = bindings.nixlAgent(name, cfg)  # the wrapper's own (no backends) is freed
+    init = {"num_threads": str(num_threads)} if num_threads > 0 else {}
+    if "UCX" in agent.get_plugin_list():
+        agent.create_backend("UCX", init)
+    return agent
+
+
 def granule_table(regions: Any, granule: int, *, device_id: int,
                   limit: int | None = None) -> np.ndarray:
     """``Nx3`` uint64 ``(address, granule, device_id)`` rows cutting each ``(base, nbytes)`` region
@@ -84,29 +149,33 @@ class Xfer:
 class Agent:
     """One NIXL agent (UCX backend) owned by one fkv server or client; call from one thread.
 
-    ``progress_thread`` keeps UCX progressing while Python is busy (NIXL's default; environment
-    ``FKV_NIXL_PROGRESS_THREAD=0`` turns it off when not passed); ``num_threads`` (environment
-    ``FKV_NIXL_NUM_THREADS``) asks the UCX backend for that many worker threads (0: its default).
-    ``telemetry`` turns on NIXL's per-transfer telemetry (descriptor counts after merging).
-    UCX itself reads ``UCX_*`` variables (``UCX_TLS``, ``UCX_NET_DEVICES``) when the agent is made.
+    ``progress_thread`` keeps UCX progressing while Python is busy (environment
+    ``FKV_NIXL_PROGRESS_THREAD``, else ``default_progress``: ``1`` a thread that sleeps in ``poll()`` on the UCX
+    workers' event descriptors and wakes at least every ``FKV_NIXL_PROGRESS_DELAY_US``
+    microseconds (default 1000; UCX misses a wake-up now and then, so the thread also looks on
+    its own); ``spin``: NIXL's Python default, the same thread with no delay, which busy-polls a
+    whole core per agent; ``0``: no thread, UCX progresses only when fkv polls). ``num_threads``
+    (environment ``FKV_NIXL_NUM_THREADS``) asks the UCX backend for that many worker threads (0:
+    its default). ``telemetry`` turns on NIXL's per-transfer telemetry (descriptor counts after
+    merging). UCX itself reads ``UCX_*`` variables (``UCX_TLS``, ``UCX_NET_DEVICES``) when the
+    agent is made.
     """
 
-    def __init__(self, role: str, *, progress_thread: bool | None = None,
-                 num_threads: int | None = None, telemetry: bool = False) -> None:
+    def __init__(self, role: str, *, progress_thread: bool | str | None = None,
+                 num_threads: int | None = None, telemetry: bool = False,
+                 default_progress: str = "1") -> None:
         nixl = load_nixl()
         # unguessable: a notification's sender is bound to a reader by this name
         self.name = f"fkv-{role}-{os.getpid()}-{uuid.uuid4().hex}"
-        if progress_thread is None:
-            progress_thread = os.environ.get("FKV_NIXL_PROGRESS_THREAD", "1") != "0"
+        mode, delay_us = progress_mode(progress_thread, default_progress)
         if num_threads is None:
             num_threads = int(os.environ.get("FKV_NIXL_NUM_THREADS", "0") or 0)
-        conf = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
-                                      capture_telemetry=telemetry, num_threads=num_threads)
         try:
-            self._agent = nixl.nixl_agent(self.name, conf)
+            self._agent = _make_agent(nixl, self.name, mode, delay_us, telemetry, num_threads)
         except Exception as e:
             raise TransferFailed(f"could not create a NIXL agent with the UCX backend: "
                                  f"{type(e).__name__}: {e}") from e
+        self.progress = mode if mode != "poll" else f"poll({delay_us} us)"
         if "UCX" not in self._agent.backends:
             raise TransferFailed(f"NIXL has no UCX backend here (plugins: "
                                  f"{self._agent.get_plugin_list()}); fkv transfers need UCX")
@@ -280,10 +349,18 @@ class Agent:
         return [(str(name), bytes(m)) for name, msgs in batch.items() for m in msgs]
 
     def notify(self, remote: str, message: bytes) -> None:
+        """Send a notification. Without a progress thread, UCX is progressed once right after
+        (NIXL does not track the send; one that could not leave at once goes on the next
+        progress: this one, or the next transfer's polling)."""
         try:
             self._agent.send_notif(remote, message)
         except Exception as e:
             raise TransferFailed(f"could not notify {remote!r}: {type(e).__name__}: {e}") from e
+        if self.progress == "off":
+            try:  # a decode rank expects no notifications: whatever came in is dropped
+                self._agent.get_new_notifs()
+            except Exception:  # undecodable ones included; the send itself succeeded
+                return
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:

@@ -69,6 +69,9 @@ class Client:
         self._views = layer_views(spec, caches)
         regions, self._mem_type, self._device_id, self._device = cache_regions(spec, caches)
         self._regions = regions
+        # DRAM caches: this thread's own polling moves the bytes (shared memory, cma), a UCX
+        # progress thread beside it only competes for the worker (measured: bench/NOTES.md)
+        self._progress = "0" if self._mem_type == "DRAM" else "1"
         if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
             raise field_error("staging_bytes", staging_bytes, "a non-negative int")
         if isinstance(pack_threshold, bool) or not isinstance(pack_threshold, int) \
@@ -88,7 +91,7 @@ class Client:
         self._state: Connection | None = None
         self.address = remote_address
         try:
-            self._agent = Agent("decode", telemetry=telemetry)
+            self._agent = Agent("decode", telemetry=telemetry, default_progress=self._progress)
             self._agent.register(regions, self._mem_type, self._device_id)
             self._connect(remote_address, timeout)
         except BaseException:
@@ -348,7 +351,8 @@ class Client:
         old, self._agent = self._agent, None
         if old is not None:
             old.close()
-        self._agent = Agent("decode", telemetry=self._telemetry)
+        self._agent = Agent("decode", telemetry=self._telemetry,
+                            default_progress=self._progress)
         self._agent.register(self._regions, self._mem_type, self._device_id)
 
     def _disconnect(self) -> None:

@@ -56,6 +56,10 @@ class Local:
     tainted: bool = False  # a peer's metadata was loaded into the agent for this connection
 
 
+#: Bytes of the READ that finishes connecting to a rank this decode rank only notifies.
+_WIRE_UP_BYTES = 64
+
+
 def wait_reads(agent: Any, xfers: list[Xfer], ranks: list[int], engine_id: str,
                deadline: float, spin: float = 0.0) -> None:
     """Poll posted READs (``ranks[i]`` is ``xfers[i]``'s prefill rank) until DONE; raise
@@ -108,9 +112,38 @@ class Link:
                 self._staging_reg = agent.register([(self.staging.data_ptr(), staging_bytes)],
                                                    local.mem_type, local.device_id)
             self._prep(self.granule)
+            if agent.progress == "off" and plan.notify_only_ranks:
+                self._wire_up(plan.notify_only_ranks, deadline)
         except BaseException:
             self.close()
             raise
+
+    def _wire_up(self, ranks: Any, deadline: float) -> None:
+        """Finish connecting to ranks this decode rank only notifies. An agent with no progress
+        thread moves UCX only while it polls its own READs, and a notification to a peer it never
+        read from waits in UCX for a connection that never completes; one small READ from each
+        such rank (into a private buffer) completes it now, or fails the connect naming it."""
+        import torch
+
+        agent, local = self.local.agent, self.local
+        scratch = torch.empty(_WIRE_UP_BYTES, dtype=torch.uint8, device=local.device)
+        reg = agent.register([(scratch.data_ptr(), _WIRE_UP_BYTES)], local.mem_type,
+                             local.device_id)
+        try:
+            for rank in ranks:
+                peer = self.peers[rank]
+                base, nbytes = peer.regions[0]
+                size = min(_WIRE_UP_BYTES, nbytes)
+                mine = np.array([[scratch.data_ptr(), size, local.device_id]], dtype=np.uint64)
+                theirs = np.array([[base, size, peer.device_id]], dtype=np.uint64)
+                xfer = agent.read_descs(mine, local.mem_type, theirs, self.mem_types[rank],
+                                        self.names[rank], size)
+                try:
+                    wait_reads(agent, [xfer], [rank], self.engine_id, deadline)
+                finally:
+                    agent.release(xfer)
+        finally:
+            agent.deregister(reg, keep=scratch)
 
     def _check_peers(self, deadline: float) -> dict[int, Any]:
         """Every peer's NIXL metadata passes the structural check and the probe (one child

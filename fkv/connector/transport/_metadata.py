@@ -418,14 +418,14 @@ class MetadataProbeTimeout(FkvError):
     verdicts: tuple[str | None, ...] = ()
 
 
-# The child: its own NIXL agent (UCX backend, progress thread on, as the real agent runs); per
-# blob, on stdin: u64 length, the blob, u64 length, the agent name our parse read from it, u64
-# length, the peer's registered descriptors (it loads the blob, prepares descriptor lists on
-# them as a decode rank would, then removes it). One line per blob on a private copy of stdout
-# ("T" before, "A" or "E msg" after); anything NIXL or UCX print goes to stderr. After a
-# refusal it removes what NIXL kept of the agent (NIXL keeps the connection info of a blob whose
-# memory section failed) and stops: the next blob gets a fresh child, so no verdict depends on
-# what an earlier blob left behind.
+# The child: its own NIXL agent (UCX backend, a progress thread sleeping on UCX events, as a GPU
+# decode agent runs); per blob, on stdin: u64 length, the blob, u64 length, the agent name our
+# parse read from it, u64 length, the peer's registered descriptors (it loads the blob, prepares
+# descriptor lists on them as a decode rank would, then removes it). One line per blob on a private
+# copy of stdout ("T" before, "A" or "E msg" after); anything NIXL or UCX print goes to stderr.
+# After a refusal it removes what NIXL kept of the agent (NIXL keeps the connection info of a blob
+# whose memory section failed) and stops: the next blob gets a fresh child, so no verdict depends
+# on what an earlier blob left behind.
 _CHILD = r"""
 import os, sys, importlib, uuid, time
 out = os.fdopen(os.dup(1), "w", buffering=1)
@@ -433,7 +433,8 @@ os.dup2(2, 1)
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 B = importlib.import_module(sys.argv[1] + "._bindings")
 cfg = B.nixlAgentConfig()
-cfg.useProgThread = True   # as the real agent runs: its progress thread touches the peer too
+cfg.useProgThread = True   # as a GPU decode agent runs: its progress thread touches the peer too
+cfg.pthrDelay = 1000       # ... sleeping on UCX's events (fkv's agents; 0 would busy-poll a core)
 cfg.useListenThread = False
 agent = B.nixlAgent("fkv-probe-" + uuid.uuid4().hex, cfg)
 agent.createBackend("UCX", {})
