@@ -82,8 +82,9 @@ SMOKE = dict(num_blocks=64, block_size=16, heads=2, head_size=32,
 # 2 warps 2.45 / 2.79, 4 warps 2.76 / 2.75; T=16 4 warps 2.20 / 2.20 vs 2.28 / 2.27; fp8 8 warps
 # won every T (T=256 2.87 / 2.85 vs 2.93 / 2.91 on 4); 2-token tiles and "kv" lost everywhere
 # (0.1-0.9 us), dropped.
-DECODE_TILINGS = [(1, 8, 2), (1, 8, 4), (1, 8, 8)]
-SMALL_T_TILINGS = [(1, 8, 2), (1, 8, 4), (1, 8, 8)]  # T = 1, 16
+DECODE_TILINGS = [(1, 8, 2), (1, 8, 4), (1, 8, 8), (2, 8, 4), (2, 8, 8), (1, 8, 4, "kv"),
+                  (1, 8, 8, "kv"), (1, 8, 16, "kv"), (2, 8, 8, "kv")]
+SMALL_T_TILINGS = [(1, 8, 2), (1, 8, 4), (1, 8, 8), (1, 8, 4, "kv"), (1, 8, 8, "kv")]  # T = 1, 16
 # prefill (None: the default; bf16 (16, 8, 8), fp8 (4, 8, 4)), per cache dtype. Round 2 GB/s NHD /
 # HND: bf16 8192 tokens (16, 8, 8) 3017 / 2778, (8, 8, 8) 3035 / 2933, (4, 8, 2) 2960 / 2996;
 # 65536 all within 1 % (3578-3662). fp8 (4, 8, 4) 2537 / 2525 and 3323 / 3309 vs the old (8, 8, 4)

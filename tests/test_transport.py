@@ -969,11 +969,13 @@ def test_ipc_streaming_never_queues_work_behind_a_peer_event(cluster: Any) -> No
     try:
         local, remote = request_blocks(pspec, pspec, 14)
         pair.P[0].call("hold", name=pair.name, request_id="s1", blocks=remote, layers_ready=0)
-        pair.D[0].call("read_async", name=pair.name, request_id="s1", local=local, remote=remote,
-                       num_tokens=14, stream=True, timeout=1.0)
         t0 = time.monotonic()
+        # published first (the read must not time out before it hears of layer 0: the worker's
+        # setup of the slow write takes a while on a loaded GPU), written 2.5 s later
         pair.P[0].call("publish", name=pair.name, request_id="s1", layers_ready=1,
                        delay_seconds=2.5)   # a kernel spins that long before layer 0's bytes
+        pair.D[0].call("read_async", name=pair.name, request_id="s1", local=local, remote=remote,
+                       num_tokens=14, stream=True, timeout=1.0)
         result = pair.D[0].call("read_wait", name=pair.name)
         assert result["result_ok"] is False and result["path"] == "ipc", result
         assert "the writes of layer 0 on prefill engine" in result["error"], result["error"]
