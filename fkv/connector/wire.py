@@ -35,7 +35,7 @@ from fkv.layout import KVCacheSpec
 __all__ = [
     "IPC_HANDLE_BYTES", "MAX_AGENT_METADATA_BYTES", "MAX_MESSAGE_BYTES", "MAX_PUBLISH_EVENTS",
     "MAX_REGIONS",
-    "WIRE_VERSION", "IpcInfo", "Peer", "decode_untrusted", "encode",
+    "WIRE_VERSION", "BoardInfo", "IpcInfo", "Peer", "decode_untrusted", "encode",
 ]
 
 #: Version of the message layout below (bumped on any incompatible change).
@@ -101,6 +101,12 @@ class _Ipc(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                       msgspec.Meta(max_length=MAX_PUBLISH_EVENTS)] = []
 
 
+class _Board(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    name: Annotated[str, msgspec.Meta(pattern="^fkv-board-[0-9a-f]{32}$")]
+    salt: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+
+
 class _Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     version: int
     engine: _Engine
@@ -109,6 +115,7 @@ class _Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     device_id: _int(0, 1 << 16)  # type: ignore[valid-type]
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)]
     ipc: _Ipc | None = None
+    board: _Board | None = None
 
 
 class _Envelope(msgspec.Struct, frozen=True):
@@ -138,6 +145,16 @@ class IpcInfo:
     events: tuple[bytes, ...] = ()
 
 
+@attrs.frozen
+class BoardInfo:
+    """Where a same-host reader finds the rank's publish board (``_board``): the host identity,
+    the shared-memory file's name and the salt of its slot hash."""
+
+    host: str
+    name: str
+    salt: bytes
+
+
 @attrs.frozen(repr=False)
 class Peer:
     """One remote rank as its bytes said: engine, cache spec, registered regions
@@ -150,6 +167,7 @@ class Peer:
     device_id: int = 0
     agent_metadata: bytes = b""
     ipc: IpcInfo | None = None
+    board: BoardInfo | None = None
 
     def __repr__(self) -> str:
         regions = ", ".join(f"(0x{b:x}, {n})" for b, n in self.regions[:4])
@@ -188,7 +206,8 @@ def _check_regions(spec: KVCacheSpec, regions: Any) -> tuple[tuple[int, int], ..
 
 
 def encode(engine: EngineDesc, spec: KVCacheSpec, regions: Any, *, device_id: int = 0,
-           agent_metadata: bytes = b"", ipc: IpcInfo | None = None) -> bytes:
+           agent_metadata: bytes = b"", ipc: IpcInfo | None = None,
+           board: BoardInfo | None = None) -> bytes:
     """msgpack bytes describing one rank; ``regions = [(base_address, nbytes), ...]``.
 
     Raises FkvError on anything :func:`decode_untrusted` would refuse (so a message we send always
@@ -210,6 +229,8 @@ def encode(engine: EngineDesc, spec: KVCacheSpec, regions: Any, *, device_id: in
         raise FkvError(f"'agent_metadata' must be bytes (got {type(agent_metadata).__name__})")
     if ipc is not None and not isinstance(ipc, IpcInfo):
         raise FkvError(f"'ipc' must be an IpcInfo or None (got {type(ipc).__name__})")
+    if board is not None and not isinstance(board, BoardInfo):
+        raise FkvError(f"'board' must be a BoardInfo or None (got {type(board).__name__})")
     message = _Message(
         version=WIRE_VERSION,
         engine=_Engine(engine_id=engine.engine_id, tp_size=engine.tp_size, tp_rank=engine.tp_rank,
@@ -223,7 +244,9 @@ def encode(engine: EngineDesc, spec: KVCacheSpec, regions: Any, *, device_id: in
         device_id=device_id, agent_metadata=bytes(agent_metadata),
         ipc=None if ipc is None else _Ipc(host=ipc.host, device_uuid=ipc.device_uuid,
                                           handles=list(ipc.handles), offsets=list(ipc.offsets),
-                                          pid=ipc.pid, events=list(ipc.events)))
+                                          pid=ipc.pid, events=list(ipc.events)),
+        board=None if board is None else _Board(host=board.host, name=board.name,
+                                                salt=bytes(board.salt)))
     data = _ENCODER.encode(message)
     try:  # the limits live in one place: the decoder's types
         decode_untrusted(data)
@@ -279,10 +302,16 @@ def _decode(data: Any) -> Peer:
                            cross_layer=s.cross_layer)
         regions = _check_regions(spec, [tuple(r) for r in msg.regions])
         ipc = None if msg.ipc is None else _check_ipc(spec, msg.ipc)
+        board = None
+        if msg.board is not None:
+            if not (msg.board.host.isascii() and msg.board.host.isprintable()):
+                raise FkvError(f"'board.host' must be printable ASCII (got "
+                               f"{msg.board.host[:64]!r})")
+            board = BoardInfo(host=msg.board.host, name=msg.board.name, salt=msg.board.salt)
     except FkvError as err:
         raise FkvWireError(f"peer message refused: {err}") from None
     return Peer(engine=engine, spec=spec, regions=regions, device_id=msg.device_id,
-                agent_metadata=msg.agent_metadata, ipc=ipc)
+                agent_metadata=msg.agent_metadata, ipc=ipc, board=board)
 
 
 def _check_ipc(spec: KVCacheSpec, ipc: _Ipc) -> IpcInfo:

@@ -19,6 +19,7 @@ the plan's own strategy; ``"nixl"`` is ``"auto"`` without ``ipc`` (NIXL paths on
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -174,8 +175,16 @@ class Connection:
         if self._watch is None:
             from fkv.connector.transport._stream import Watch
 
+            from fkv.connector.transport._board import open_board
+
+            boards = {}
+            if os.environ.get("FKV_PUBLISH_BOARD", "1") != "0":
+                for rank in self.plan.remote_ranks:
+                    board = open_board(self.peers[rank].board)
+                    if board is not None:
+                        boards[rank] = board
             self._watch = Watch(self.local.zctx, self._entries, self.plan.remote_ranks,
-                                self.engine_id, curve=self.local.curve)
+                                self.engine_id, curve=self.local.curve, boards=boards)
         return self._watch
 
     def close(self) -> None:

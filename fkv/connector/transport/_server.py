@@ -111,6 +111,8 @@ class Server:
         # the writes on the host
         self._ipc_events: list[Any] = []
         self._ipc_stream: Any = None
+        # same-host readers read each streaming request's layer counts here without asking
+        self._board: Any = None
         self._stop = threading.Event()
         self._sock: Any = None
         self._ranks: dict[int, _side.RankEntry] = {}
@@ -145,8 +147,9 @@ class Server:
                     ipc = attrs.evolve(ipc, events=self._publish_events(device))
             else:
                 self.ipc_reason = "the caches are not on CUDA"
+            board = self._make_board()
             wire = encode(engine, spec, regions, device_id=device_id,
-                          agent_metadata=self._agent.metadata(), ipc=ipc)
+                          agent_metadata=self._agent.metadata(), ipc=ipc, board=board)
             own = self._bind(host, port)
             packer = self._packer
             entry = _side.RankEntry(peer=wire, mem_type=mem_type, address=own,
@@ -194,6 +197,7 @@ class Server:
                              lease=float(lease), layers_ready=layers_ready)
             if layers_ready is not None:
                 self._published.setdefault(request_id, layers_ready)
+            self._board_set(request_id)
         self._wake()
 
     def publish(self, request_id: str, layers_ready: int, *, event: Any = None) -> None:
@@ -222,8 +226,10 @@ class Server:
             if event is None or event.query():
                 self._events.pop(request_id, None)
                 self._table.publish(request_id, layers_ready, now)
+                self._board_set(request_id)
             else:
                 self._events.setdefault(request_id, []).append((layers_ready, event))
+                self._board_set(request_id)
                 if self._waiter is None:
                     self._waiter = _EventWaiter(self._event_done)
                 self._waiter.put(event)
@@ -302,6 +308,7 @@ class Server:
                     layers = events.pop(0)[0]
                     if request_id in self._table.pending():
                         self._table.publish(request_id, layers, now)
+                        self._board_set(request_id)
                 if not events:
                     del self._events[request_id]
 
@@ -376,7 +383,33 @@ class Server:
                                       curve=self._curve)
         return self._sock.address
 
+    def _make_board(self) -> Any:
+        """The publish board (``_board``), or None where ``/dev/shm`` cannot hold one (readers
+        then only ask through the side channel)."""
+        from fkv.connector.transport._board import Board
+        from fkv.connector.transport._ipc import host_identity
+        from fkv.connector.wire import BoardInfo
+
+        try:
+            self._board = Board()
+        except OSError as e:
+            self.errors.append(f"no publish board ({e}): same-host readers ask for every layer")
+            return None
+        return BoardInfo(host=host_identity(), name=self._board.name, salt=self._board.salt)
+
+    def _board_set(self, request_id: str) -> None:
+        """Write a request's counts into the board, as a Status would answer them (under the
+        lock): layers published (ipc readers wait for the publish events themselves) and layers
+        whose writes finished."""
+        if self._board is None or request_id not in self._table.pending():
+            return
+        written = self._table.layers_ready(request_id)
+        published = self._published.get(request_id, written) if self._ipc_events else written
+        self._board.set(request_id, published, written)
+
     def _shutdown(self) -> None:
+        if getattr(self, "_board", None) is not None:
+            self._board.close()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -642,6 +675,8 @@ class Server:
         with self._lock:
             self._published.pop(release.request_id, None)
             self._events.pop(release.request_id, None)
+            if self._board is not None:
+                self._board.clear(release.request_id)
         if self._on_release is not None:
             try:  # one failing callback must not lose the others (nor stop the loop)
                 self._on_release(release.request_id, release.block_ids, release.reason)

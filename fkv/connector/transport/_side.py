@@ -321,15 +321,37 @@ class Dealer:
                 if now < busy_until:
                     continue
                 return None
-            try:
-                reply = decode_reply(data)
-            except SideChannelError:
-                continue  # not ours to answer; keep waiting for the real reply
-            if isinstance(reply, Error | Packed | Layers):
-                if reply.token == token:
-                    return reply
-                if len(self._replies) < 64:  # a reply to another pending token (bounded)
-                    self._replies.append(reply)
+            reply = self._take(data, token)
+            if reply is not None:
+                return reply
+
+    def ready(self, token: int) -> Error | Packed | Layers | None:
+        """The reply to ``token`` if it has arrived, without waiting (None: not yet)."""
+        for i, reply in enumerate(self._replies):
+            if reply.token == token:
+                return self._replies.pop(i)
+        for _ in range(64):  # a peer that never stops sending cannot keep us here
+            data = self._recv(0.0)
+            if data is None:
+                return None
+            reply = self._take(data, token)
+            if reply is not None:
+                return reply
+        return None
+
+    def _take(self, data: bytes, token: int) -> Error | Packed | Layers | None:
+        """A reply frame: returned when it answers ``token``, kept when it answers another
+        pending token (at most 64 kept), dropped when it answers nothing we asked."""
+        try:
+            reply = decode_reply(data)
+        except SideChannelError:
+            return None  # not ours to answer; keep waiting for the real reply
+        if isinstance(reply, Error | Packed | Layers):
+            if reply.token == token:
+                return reply
+            if len(self._replies) < 64:  # a reply to another pending token (bounded)
+                self._replies.append(reply)
+        return None
 
     def _recv(self, timeout: float) -> bytes | None:
         """The next reply frame within ``timeout`` seconds (None: nothing arrived)."""

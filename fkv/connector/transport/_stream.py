@@ -26,15 +26,22 @@ _tokens = itertools.count(1)
 
 #: Seconds a long poll asks a prefill rank to wait for news (it answers at once when it has some).
 LONG_POLL = 0.25
+#: With publish boards (same host): seconds a wait reads the boards without sleeping, then how
+#: long each nap on the side channel lasts between reads (a long-poll reply ends a nap at once).
+BOARD_SPIN = 0.005
+BOARD_NAP = 0.0002
 
 
 class Watch:
     """Status requests to the prefill ranks one decode rank reads (one DEALER socket each)."""
 
     def __init__(self, zctx: Any, entries: list[Any], ranks: tuple[int, ...], engine_id: str,
-                 curve: Any = None) -> None:
+                 curve: Any = None, boards: dict[int, Any] | None = None) -> None:
         self.engine_id = engine_id
         self.dealers: dict[int, _side.Dealer] = {}
+        #: rank -> the rank's publish board (``_board.BoardView``), for the ranks on this host
+        self.boards: dict[int, Any] = dict(boards or {})
+        self.board_news = 0   # waits the boards ended (for tests and the bench)
         self._out: dict[int, tuple[int, str]] = {}   # rank -> (token, request) of its long poll
         self._request = ""                            # the request _known counts layers of
         self._known: dict[int, int] = {}              # rank -> layers it said are published
@@ -80,6 +87,8 @@ class Watch:
         smallest count then), or until ``deadline`` (the smallest count known, maybe
         ``<= after``). Long polls, re-asked when a rank's wait ends without news."""
         try:
+            if self.boards:
+                return self._beyond_boards(request_id, after, deadline, recorded)
             while True:
                 self.ask(request_id, after, recorded)
                 for rank in list(self._out):
@@ -91,9 +100,40 @@ class Watch:
             raise TransferFailed(f"layer status from prefill engine {self.engine_id!r}: {e}") \
                 from e
 
-    def _collect(self, rank: int, deadline: float) -> None:
+    def _beyond_boards(self, request_id: str, after: int, deadline: float,
+                       recorded: bool) -> int:
+        """``beyond`` reading the boards of the same-host ranks between non-blocking looks at
+        the long polls (still out on every rank: the answer of a rank without a board, or of a
+        slot another request took): busy for ``BOARD_SPIN`` s, then in naps of ``BOARD_NAP`` s
+        on a long poll's socket."""
+        spin_until = time.monotonic() + BOARD_SPIN
+        while True:
+            self.ask(request_id, after, recorded)
+            for rank in list(self._out):
+                self._collect(rank, None)
+            heard = False
+            for rank, board in self.boards.items():
+                n = board.layers(request_id, recorded)
+                if n is not None and n > self._known.get(rank, 0):
+                    self._known[rank] = n
+                    heard = True
+            least = min(self._known.get(rank, 0) for rank in self.dealers)
+            now = time.monotonic()
+            if least > after:
+                self.board_news += heard
+                return least
+            if now >= deadline:
+                return least
+            if now >= spin_until and self._out:
+                rank = next(iter(self._out))
+                self._collect(rank, min(deadline, now + BOARD_NAP))
+
+    def _collect(self, rank: int, deadline: float | None) -> None:
+        """Take rank's long-poll reply: waiting until ``deadline``, or (None) only if it is
+        there already."""
         token, request_id = self._out[rank]
-        reply = self.dealers[rank].wait(token, deadline)
+        dealer = self.dealers[rank]
+        reply = dealer.ready(token) if deadline is None else dealer.wait(token, deadline)
         if reply is None:  # the deadline: the caller says which layer never came
             return
         del self._out[rank]
@@ -105,6 +145,9 @@ class Watch:
             self._known[rank] = max(n, self._known.get(rank, 0))
 
     def close(self) -> None:
+        for board in self.boards.values():
+            board.close()
+        self.boards.clear()
         for dealer in self.dealers.values():
             dealer.close()
         self.dealers.clear()

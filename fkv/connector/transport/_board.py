@@ -1,0 +1,167 @@
+"""The publish board: how many layers of each streaming request a prefill rank has published,
+in a small shared-memory file that same-host decode ranks read without asking.
+
+A streaming read learns of each published layer through the side channel's long poll: the
+prefill's server thread has to wake up, take the GIL from a main thread that is busy computing
+the next layer, and answer; the decode's thread has to wake up too. On one host the count can be
+read directly instead: :meth:`Server.publish` writes it into the board in the caller's own thread
+(one 8-byte store), and the decode rank polls it while it waits. The long poll stays the path
+that always works (other hosts, another user, no ``/dev/shm``, a slot two requests share); the
+board is only ever a faster way to the same answer.
+
+The board is ``SLOTS`` slots of two 64-bit words, a request's slot chosen by a keyed hash of its
+id (the key is the board's own random salt). Each word is ``tag << 16 | layers``: the request's
+48-bit tag and a layer count (the first word: layers published, the second: layers whose writes
+finished). One aligned 8-byte store writes a word, so a reader sees a whole word of one request
+or of another, never a mix, and takes a count only under its own request's tag. A released
+request's words are cleared, so a request id used again starts from nothing.
+
+The decode side reads with ``pread`` on a read-only descriptor, not through a mapping: a peer
+that truncates its file gives short reads (counted as "no news"), never a fault in our process.
+The name is checked against ``fkv-board-<32 hex>`` before anything is opened, the file must be
+a regular file of exactly the board's size, and the counts read are bounded by the caller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+from typing import Any
+
+import numpy as np
+
+from fkv.errors import FkvError
+
+__all__ = ["Board", "BoardView", "SLOTS"]
+
+#: Slots per board (two 8-byte words each: a 64 KiB file).
+SLOTS = 4096
+_BYTES = SLOTS * 16
+_DIR = "/dev/shm"
+_NAME = re.compile(r"fkv-board-[0-9a-f]{32}")
+_MAX_LAYERS = (1 << 16) - 1
+
+
+def _slot(salt: bytes, request_id: str) -> tuple[int, int]:
+    """``(slot, tag)`` of a request: a keyed hash, 48 bits of tag (never 0: 0 is an empty word)
+    and the slot from the other 16."""
+    digest = int.from_bytes(hashlib.blake2b(request_id.encode("utf-8", "surrogatepass"),
+                                            key=salt, digest_size=8).digest(), "little")
+    tag = digest & ((1 << 48) - 1) or 1
+    return (digest >> 48) % SLOTS, tag
+
+
+class Board:
+    """The prefill rank's board (created in ``/dev/shm``, readable by this user only, removed
+    at :meth:`close`). Call under the server's lock."""
+
+    def __init__(self) -> None:
+        self.salt = os.urandom(16)
+        self.name = f"fkv-board-{os.urandom(16).hex()}"
+        self.path = os.path.join(_DIR, self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, _BYTES)
+            import mmap
+
+            self._map = mmap.mmap(fd, _BYTES)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        self._words = np.frombuffer(self._map, dtype=np.uint64)
+
+    def set(self, request_id: str, published: int, written: int) -> None:
+        """Write a request's counts (layers published, layers whose writes finished)."""
+        if self._words is None or max(published, written) > _MAX_LAYERS:
+            return
+        slot, tag = _slot(self.salt, request_id)
+        self._words[2 * slot] = np.uint64(tag << 16 | published)
+        self._words[2 * slot + 1] = np.uint64(tag << 16 | written)
+
+    def clear(self, request_id: str) -> None:
+        """Forget a released request (unless its slot now holds another's)."""
+        if self._words is None:
+            return
+        slot, tag = _slot(self.salt, request_id)
+        if int(self._words[2 * slot]) >> 16 == tag:
+            self._words[2 * slot] = np.uint64(0)
+            self._words[2 * slot + 1] = np.uint64(0)
+
+    def close(self) -> None:
+        if self._words is None:
+            return
+        self._words = None
+        try:
+            self._map.close()
+        except BufferError:  # a view still alive somewhere: the unmap waits for the process
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class BoardView:
+    """A decode rank's read-only view of one prefill rank's board (see the module docstring)."""
+
+    def __init__(self, name: str, salt: bytes) -> None:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise FkvError(f"publish board name {str(name)[:64]!r}: expected "
+                           f"'fkv-board-' and 32 hex digits")
+        if not isinstance(salt, bytes) or len(salt) != 16:
+            raise FkvError("publish board salt: expected 16 bytes")
+        self.name, self.salt = name, salt
+        path = os.path.join(_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            raise FkvError(f"publish board {name}: cannot open it ({e.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != _BYTES:
+                raise FkvError(f"publish board {name}: expected a regular file of {_BYTES} bytes "
+                               f"(got mode 0o{st.st_mode:o}, {st.st_size} bytes)")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd: int | None = fd
+
+    def layers(self, request_id: str, published: bool) -> int | None:
+        """The count the board holds for ``request_id`` (``published``: layers announced, else
+        layers written), or None: no word of this request there (not held, cleared, a slot
+        another request took, a short read)."""
+        fd = self._fd
+        if fd is None:
+            return None
+        slot, tag = _slot(self.salt, request_id)
+        try:
+            raw = os.pread(fd, 8, 16 * slot + (0 if published else 8))
+        except OSError:
+            return None
+        if len(raw) != 8:
+            return None
+        word = int.from_bytes(raw, "little")
+        return word & 0xFFFF if word >> 16 == tag else None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def open_board(info: Any) -> BoardView | None:
+    """A view of a peer's board when it is on this host and readable here, else None."""
+    if info is None:
+        return None
+    from fkv.connector.transport._ipc import host_identity
+
+    if info.host != host_identity():
+        return None
+    try:
+        return BoardView(info.name, info.salt)
+    except FkvError:
+        return None

@@ -1,0 +1,224 @@
+"""The publish board: a prefill rank's streaming layer counts in ``/dev/shm``, read by same-host
+decode ranks without asking (``fkv.connector.transport._board``). Counts under the request's own
+tag only, cleared on release; a hostile board file (wrong name, size, kind, truncated later, on
+another host) costs a fallback to the long poll, never a fault; streaming reads take their news
+from it. CPU, real NIXL."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import fkv
+from fkv.connector import EngineDesc, connect, serve
+from fkv.connector.transport import _board
+from fkv.connector.transport._board import Board, BoardView, open_board
+from fkv.connector.wire import BoardInfo, decode_untrusted, encode
+from fkv.errors import FkvError, FkvWireError
+
+pytestmark = pytest.mark.transport
+
+SPEC = fkv.KVCacheSpec(layout="HND", num_blocks=8, block_size=4, num_kv_heads=2, head_size=8,
+                       num_layers=3)
+
+
+def engine(name: str) -> EngineDesc:
+    return EngineDesc(engine_id=name, tp_size=1, tp_rank=0, total_num_kv_heads=2)
+
+
+@pytest.fixture
+def board() -> Board:
+    b = Board()
+    yield b
+    b.close()
+
+
+def test_counts_are_read_under_the_requests_own_tag_and_cleared(board: Board) -> None:
+    view = BoardView(board.name, board.salt)
+    try:
+        assert view.layers("r1", True) is None  # nothing written yet
+        board.set("r1", 5, 3)
+        assert (view.layers("r1", True), view.layers("r1", False)) == (5, 3)
+        assert view.layers("r2", True) is None
+        board.clear("r2")  # another request's clear leaves r1 alone
+        assert view.layers("r1", True) == 5
+        board.clear("r1")
+        assert view.layers("r1", True) is None and view.layers("r1", False) is None
+        # a reader with another salt finds nothing (its tags differ)
+        board.set("r1", 2, 2)
+        other = BoardView(board.name, bytes(16))
+        assert other.layers("r1", True) is None
+        other.close()
+    finally:
+        view.close()
+
+
+def test_a_slot_taken_by_another_request_reads_as_no_news(board: Board) -> None:
+    # find two request ids that share a slot under this salt
+    seen: dict[int, str] = {}
+    for i in range(20000):
+        rid = f"req-{i}"
+        slot, _ = _board._slot(board.salt, rid)
+        if slot in seen:
+            first, second = seen[slot], rid
+            break
+        seen[slot] = rid
+    else:  # pragma: no cover - 20000 ids over 4096 slots always collide
+        pytest.fail("no two ids shared a slot")
+    view = BoardView(board.name, board.salt)
+    try:
+        board.set(first, 7, 7)
+        board.set(second, 1, 0)
+        assert view.layers(first, True) is None       # never the other request's count
+        assert (view.layers(second, True), view.layers(second, False)) == (1, 0)
+        board.clear(first)                              # not its slot any more: kept
+        assert view.layers(second, True) == 1
+    finally:
+        view.close()
+
+
+def test_the_file_is_private_and_removed_at_close() -> None:
+    b = Board()
+    path = b.path
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.path.getsize(path) == _board.SLOTS * 16
+    b.close()
+    assert not os.path.exists(path)
+    b.close()  # idempotent
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "fkv-board-xyz", "fkv-board-" + "0" * 31,
+                                  "fkv-board-" + "A" * 32, "", "fkv-board-" + "0" * 32 + "/x"])
+def test_bad_board_names_are_refused_before_anything_is_opened(name: str) -> None:
+    with pytest.raises(FkvError, match="publish board name .*: expected 'fkv-board-' and 32 hex"):
+        BoardView(name, bytes(16))
+
+
+def test_wrong_salt_missing_file_wrong_size_kind_or_link_are_refused(tmp_path: object) -> None:
+    with pytest.raises(FkvError, match="publish board salt: expected 16 bytes"):
+        BoardView("fkv-board-" + "0" * 32, b"short")
+    with pytest.raises(FkvError, match=r"publish board fkv-board-0{32}: cannot open it"):
+        BoardView("fkv-board-" + "0" * 32, bytes(16))
+    name = "fkv-board-" + os.urandom(16).hex()
+    path = os.path.join("/dev/shm", name)
+    try:
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)
+        with pytest.raises(FkvError, match=r"expected a regular file of 65536 bytes .* 100 bytes"):
+            BoardView(name, bytes(16))
+        os.unlink(path)
+        os.mkfifo(path)
+        with pytest.raises(FkvError, match="expected a regular file"):
+            BoardView(name, bytes(16))  # opened non-blocking: a FIFO never hangs the open
+        os.unlink(path)
+        real = Board()
+        os.symlink(real.path, path)
+        with pytest.raises(FkvError, match="cannot open it"):
+            BoardView(name, real.salt)  # links are not followed
+        real.close()
+    finally:
+        if os.path.lexists(path):
+            os.unlink(path)
+
+
+def test_a_board_truncated_after_opening_reads_as_no_news(board: Board) -> None:
+    view = BoardView(board.name, board.salt)
+    try:
+        board.set("r1", 2, 2)
+        assert view.layers("r1", True) == 2
+        os.truncate(board.path, 0)  # a peer shrinking its file: short reads, never a fault
+        assert view.layers("r1", True) is None
+    finally:
+        view.close()
+
+
+def test_a_board_on_another_host_is_not_opened(board: Board) -> None:
+    from fkv.connector.transport._ipc import host_identity
+
+    assert open_board(None) is None
+    assert open_board(BoardInfo(host="elsewhere/boot/1", name=board.name, salt=board.salt)) is None
+    view = open_board(BoardInfo(host=host_identity(), name=board.name, salt=board.salt))
+    assert view is not None
+    view.close()
+
+
+def test_the_wire_carries_the_board_and_refuses_bad_fields() -> None:
+    caches = fkv.allocate(SPEC)
+    regions = [(t.data_ptr(), SPEC.region_bytes) for t in caches]
+    info = BoardInfo(host="h/b/1", name="fkv-board-" + "ab" * 16, salt=bytes(range(16)))
+    peer = decode_untrusted(encode(engine("p"), SPEC, regions, board=info))
+    assert peer.board == info
+    assert decode_untrusted(encode(engine("p"), SPEC, regions)).board is None
+    for bad, why in [(BoardInfo(host="h", name="fkv-board-12", salt=bytes(16)), "name"),
+                     (BoardInfo(host="h", name=info.name, salt=b"x" * 15), "salt"),
+                     (BoardInfo(host="h\x00", name=info.name, salt=bytes(16)), "board.host")]:
+        with pytest.raises(FkvError, match=why):
+            encode(engine("p"), SPEC, regions, board=bad)
+    # what a peer sends is checked the same way on the way in
+    import msgspec
+
+    from fkv.connector import wire
+
+    good = msgspec.msgpack.decode(encode(engine("p"), SPEC, regions, board=info))
+    good["board"]["name"] = "../../etc/passwd"
+    with pytest.raises(FkvWireError, match="board"):
+        wire.decode_untrusted(msgspec.msgpack.encode(good))
+
+
+def test_the_server_writes_holds_and_publishes_and_clears_releases() -> None:
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
+        b = server._board
+        view = BoardView(b.name, b.salt)
+        try:
+            assert view.layers("s1", True) is None
+            server.hold("s1", [1, 2], layers_ready=0)
+            assert (view.layers("s1", True), view.layers("s1", False)) == (0, 0)
+            server.publish("s1", 2)
+            assert (view.layers("s1", True), view.layers("s1", False)) == (2, 2)
+            server.hold("whole", [3])
+            assert view.layers("whole", False) == SPEC.num_layers
+            server.hold("short", [4], lease=0.05)
+            deadline = time.monotonic() + 5
+            while "short" in server.pending() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert view.layers("short", False) is None  # the lease ran out: cleared
+        finally:
+            view.close()
+        path = b.path
+    assert not os.path.exists(path)  # removed with the server
+
+
+@pytest.mark.parametrize("use_board", [True, False])
+def test_a_streaming_read_takes_its_news_from_the_board(monkeypatch: pytest.MonkeyPatch,
+                                                        use_board: bool) -> None:
+    monkeypatch.setenv("FKV_PUBLISH_BOARD", "1" if use_board else "0")
+    caches = fkv.allocate(SPEC)
+    for i, layer in enumerate(caches):
+        layer.copy_(torch.arange(layer.numel()).view(layer.shape) % 251 + 1000 * i)
+    with serve(engine("p"), SPEC, caches) as server:
+        local = fkv.allocate(SPEC)
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            server.hold("s1", [3, 5], layers_ready=0)
+            out: dict[str, object] = {}
+            reader = threading.Thread(target=lambda: out.update(
+                r=client.read("s1", [1, 2], [3, 5], timeout=20, stream=True)))
+            reader.start()
+            published = []
+            for n in range(1, SPEC.num_layers + 1):
+                time.sleep(0.05)
+                published.append(time.perf_counter())
+                server.publish("s1", n)
+            reader.join(30)
+            result = out["r"]
+            assert result.ok, result.error
+            for mine, theirs in zip(local, caches, strict=True):
+                assert torch.equal(mine[1:3], theirs[[3, 5]])
+            watch = client._state.watch()
+            assert bool(watch.boards) is use_board
+            # the board ended waits (the long poll may still win one on a loaded machine)
+            assert (watch.board_news >= 1) if use_board else watch.board_news == 0, \
+                watch.board_news
