@@ -663,12 +663,12 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = _copy_ceiling(cfg)
     links = _link_ceilings(cfg, sorted({n for c in cases for n in c.sizes}), page)
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "FKV_NIXL_", "NIXL_"))}
-    from fkv.connector.transport._agent import progress_mode
+    from fkv.connector.transport._agent import default_progress, progress_mode
 
+    decode_default = default_progress("DRAM" if args.device == "cpu" else "VRAM")
     progress = {role: "{}({} us)".format(*mode) if mode[0] == "poll" else mode[0]
                 for role, mode in (("prefill", progress_mode(None, "1")),
-                                   ("decode", progress_mode(None, "0" if args.device == "cpu"
-                                                            else "1")))}
+                                   ("decode", progress_mode(None, decode_default)))}
     print(f"fkv bench transfer: {args.device}, {blocks} blocks x {cfg['layers']} layer(s), "
           f"requests of {cfg['request_blocks']} blocks ({request_bytes / 2**20:.0f} MiB per P "
           f"page set), same-run copy ceiling {ceiling:.0f} GB/s (read + written); env "

@@ -28,7 +28,8 @@ import numpy as np
 from fkv.connector.transport._base import TransferFailed, load_nixl, tensor_memory
 from fkv.errors import FkvError
 
-__all__ = ["Agent", "TransferFailed", "UndecodableNotifications", "granule_table", "load_nixl",
+__all__ = ["Agent", "TransferFailed", "UndecodableNotifications", "default_progress",
+           "granule_table", "load_nixl",
            "row_indices", "tensor_memory"]
 
 
@@ -70,6 +71,14 @@ def progress_mode(progress_thread: bool | str | None = None, default: str = "1"
         raise FkvError(f"FKV_NIXL_PROGRESS_DELAY_US={text!r}: expected an int of microseconds "
                        f"in [1, 10000000]")
     return mode, (0 if mode == "spin" else delay_us)
+
+
+def default_progress(mem_type: str) -> str:
+    """The progress-thread setting a decode rank's agent gets when the environment says none:
+    none for DRAM caches (the reading thread's own polling moves the bytes over shared memory;
+    a UCX thread beside it only competes for the worker: bench/NOTES.md), the sleeping thread
+    otherwise (one-sided RDMA and cuda_ipc complete with an event)."""
+    return "0" if mem_type == "DRAM" else "1"
 
 
 def _make_agent(nixl: Any, name: str, mode: str, delay_us: int, telemetry: bool,
@@ -150,10 +159,10 @@ class Agent:
     """One NIXL agent (UCX backend) owned by one fkv server or client; call from one thread.
 
     ``progress_thread`` keeps UCX progressing while Python is busy (environment
-    ``FKV_NIXL_PROGRESS_THREAD``, else ``default_progress``: ``1`` a thread that sleeps in ``poll()`` on the UCX
-    workers' event descriptors and wakes at least every ``FKV_NIXL_PROGRESS_DELAY_US``
-    microseconds (default 1000; UCX misses a wake-up now and then, so the thread also looks on
-    its own); ``spin``: NIXL's Python default, the same thread with no delay, which busy-polls a
+    ``FKV_NIXL_PROGRESS_THREAD``, else ``default_progress``: ``1`` a thread that sleeps in
+    ``poll()`` on the UCX workers' event descriptors and wakes at least every
+    ``FKV_NIXL_PROGRESS_DELAY_US`` microseconds (default 1000; UCX misses a wake-up now and
+    then, so the thread also looks on its own); ``spin``: NIXL's Python default, the same thread with no delay, which busy-polls a
     whole core per agent; ``0``: no thread, UCX progresses only when fkv polls). ``num_threads``
     (environment ``FKV_NIXL_NUM_THREADS``) asks the UCX backend for that many worker threads (0:
     its default). ``telemetry`` turns on NIXL's per-transfer telemetry (descriptor counts after

@@ -129,6 +129,7 @@ class BoardView:
             os.close(fd)
             raise
         self._fd: int | None = fd
+        self._last: tuple[str, int, int] = ("", 0, 0)  # request id, slot, tag (a wait polls one)
 
     def layers(self, request_id: str, published: bool) -> int | None:
         """The count the board holds for ``request_id`` (``published``: layers announced, else
@@ -137,7 +138,10 @@ class BoardView:
         fd = self._fd
         if fd is None:
             return None
-        slot, tag = _slot(self.salt, request_id)
+        rid, slot, tag = self._last
+        if rid != request_id or not rid:  # hashed once per request, not once per look
+            slot, tag = _slot(self.salt, request_id)
+            self._last = (request_id, slot, tag)
         try:
             raw = os.pread(fd, 8, 16 * slot + (0 if published else 8))
         except OSError:

@@ -20,7 +20,7 @@ from typing import Any
 from fkv.connector.handshake import EngineDesc, check_remote_ranks, handshake
 from fkv.connector.plan import TransferPlan, check_block_ids, request_tokens
 from fkv.connector.transport import _side
-from fkv.connector.transport._agent import Agent
+from fkv.connector.transport._agent import Agent, default_progress
 from fkv.connector.transport._base import (
     DEFAULT_PACK_THRESHOLD,
     DEFAULT_STAGING_BYTES,
@@ -69,9 +69,7 @@ class Client:
         self._views = layer_views(spec, caches)
         regions, self._mem_type, self._device_id, self._device = cache_regions(spec, caches)
         self._regions = regions
-        # DRAM caches: this thread's own polling moves the bytes (shared memory, cma), a UCX
-        # progress thread beside it only competes for the worker (measured: bench/NOTES.md)
-        self._progress = "0" if self._mem_type == "DRAM" else "1"
+        self._progress = default_progress(self._mem_type)
         if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
             raise field_error("staging_bytes", staging_bytes, "a non-negative int")
         if isinstance(pack_threshold, bool) or not isinstance(pack_threshold, int) \

@@ -173,9 +173,8 @@ class Connection:
     def watch(self) -> Any:
         """The layer-status watch of streaming reads (made on first use)."""
         if self._watch is None:
-            from fkv.connector.transport._stream import Watch
-
             from fkv.connector.transport._board import open_board
+            from fkv.connector.transport._stream import Watch
 
             boards = {}
             if os.environ.get("FKV_PUBLISH_BOARD", "1") != "0":
