@@ -500,7 +500,7 @@ def test_each_chosen_tiling_is_bit_exact(device: str, tokens: int, layout: str, 
         slots = padded_slots(spec, run_tokens, run_tokens + 3, device, seed=tokens)
         out, ref = run_both(spec, device, key, value, slots, layer=0, **scales)
         (prep,) = write_mod._PREPARED.values()
-        assert list(prep.by_tiling) == [(tiling, False)]
+        assert list(prep.by_tiling) == [(tiling, False, False)]
     finally:
         write_mod._set_tiling_override(None)
     assert_same_bytes(out, ref)
@@ -522,9 +522,42 @@ def test_fused_kv_programs_are_bit_exact(device: str, layout: str, dtype: str,
         out, ref = run_both(spec, device, key, value, slots, layer=0, **scales)
         assert_same_bytes(out, ref)
         (prep,) = write_mod._PREPARED.values()
-        site, block_t, head_tiles, halves = prep.by_class[write_mod.token_class(tokens)]
+        site, block_t, head_tiles, halves = prep.by_class[(write_mod.token_class(tokens), False)]
         assert halves == (1 if fused else 2)
-    assert sorted(f for _, f in prep.by_tiling) == [False, True]
+    assert sorted(f for _, f, _ in prep.by_tiling) == [False, True]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_pdl_writes_the_same_bytes(device: str, layout: str, dtype: str,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pdl=True`` writes exactly the reference's bytes for every tiling class; it gets a site
+    of its own on a GPU that has PDL (sm_90+) and is ignored elsewhere (the CPU interpreter)."""
+    monkeypatch.setattr(write_mod, "_PREPARED", {})
+    spec = make_spec("triton", layout, dtype=dtype, heads=8, head_size=128, block_size=16,
+                     num_blocks=24, num_layers=1)
+    for tokens in (1, 16, 40, 256) if device == "cuda" else (1, 16, 40):
+        key, value, scales = inputs(spec, tokens + 2, device, seed=tokens)
+        slots = padded_slots(spec, tokens, tokens + 2, device, seed=tokens)
+        out, ref = poisoned(spec, device), poisoned(spec, device)
+        write_kv(key, value, out[0], slots, spec, pdl=True, **scales)
+        reference.write_kv(key, value, ref[0], slots, spec, **scales)
+        assert_same_bytes(out, ref)
+    (prep,) = write_mod._PREPARED.values()
+    capable = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    assert prep.pdl_capable is capable
+    assert {pdl for _, _, pdl in prep.by_tiling} == {capable}
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, 0.0])
+def test_pdl_must_be_a_bool(bad: Any) -> None:
+    spec = make_spec("triton", "NHD")
+    caches = poisoned(spec, "cpu")
+    untouched = [c.clone() for c in caches]
+    key, value, _ = inputs(spec, 3, "cpu")
+    with pytest.raises(FkvError, match=rf"'pdl' must be True or False \(got {bad!r}\)"):
+        write_kv(key, value, caches[0], torch.arange(3), spec, pdl=bad)
+    assert_same_bytes(caches, untouched)
 
 
 def test_one_site_per_tiling_chosen_from_t(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -544,8 +577,8 @@ def test_one_site_per_tiling_chosen_from_t(device: str, monkeypatch: pytest.Monk
         write_kv(key, value, cache, padded_slots(spec, tokens, tokens, device, tokens), spec)
     (prep,) = write_mod._PREPARED.values()
     want = {write_tiling(spec, t) for t in counts}
-    assert {t for t, _ in prep.by_tiling} == want and len(want) == 2
-    assert sorted(prep.by_class) == [32, 256, 1024]
+    assert {t for t, _, _ in prep.by_tiling} == want and len(want) == 2
+    assert sorted(prep.by_class) == [(32, False), (256, False), (1024, False)]
     blocks = [launch["BLOCK_T"] for launch in recorder.launches]
     assert blocks == [2, 2, 2, 2, 2, 4] == [write_tiling(spec, t).block_t for t in counts]
     keys = triton_cache_keys(kernel, recorder.launches)
@@ -838,6 +871,42 @@ def test_decode_is_cuda_graph_capturable(layout: str) -> None:
     torch.cuda.synchronize()
     reference.write_kv(key, value, before, slots, spec, validate=False)
     assert_same_bytes([cache], [before])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_pdl_calls_keep_stream_order(layout: str) -> None:
+    """Back-to-back ``pdl=True`` writes of the same slots (each may launch while the one before
+    still runs): in a CUDA graph of 64 calls alternating two inputs, the slots hold the last
+    call's bytes; and a write whose key comes from a long plain kernel just before it sees that
+    kernel's result."""
+    spec = make_spec("triton", layout, heads=8, head_size=128, block_size=16, num_blocks=64,
+                     num_layers=1)
+    cache = poisoned(spec, "cuda")[0]
+    slots = torch.randperm(spec.num_blocks * spec.block_size, device="cuda")[:256]
+    sets = [inputs(spec, 256, "cuda", seed=s)[:2] for s in (1, 2)]
+    write_kv(*sets[0], cache, slots, spec, validate=False, pdl=True)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(64):
+            write_kv(*sets[i % 2], cache, slots, spec, validate=False, pdl=True)
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        want = cache.clone()
+        reference.write_kv(*sets[1], want, slots, spec, validate=False)
+        assert_same_bytes([cache], [want])
+    # a producer that takes milliseconds: the write must wait for it
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.empty(256, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        torch.mul(torch.matmul(a, a)[:256, :1024].reshape(256, 8, 128), 1e-3, out=key)
+        value.copy_(key).neg_()
+        write_kv(key, value, cache, slots, spec, validate=False, pdl=True)
+        torch.cuda.synchronize()
+        want = cache.clone()
+        reference.write_kv(key, value, want, slots, spec, validate=False)
+        assert_same_bytes([cache], [want])
 
 
 def test_checks_still_run_when_the_signature_was_seen_before() -> None:

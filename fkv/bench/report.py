@@ -85,13 +85,20 @@ def _write_prefill(target: float | None) -> Cells:
     return cells
 
 
-def _write_decode(metric: str, base_metric: str, limit: float) -> Cells:
+def _write_decode(metric: str, base_metric: str, limit: float, digits: str = ".1f") -> Cells:
     def cells(cases: list[Case], f: ResultFile) -> tuple[str, str, str, bool | None]:
         us = _m(cases, metric)
         base = _m(cases, base_metric)
         shown = f"torch {_slash(base, '.1f')} us" if any(b is not None for b in base) else ""
-        return f"{_slash(us, '.1f')} us per call", shown, "", _all(us, lambda v: v <= limit)
+        return f"{_slash(us, digits)} us per call", shown, "", _all(us, lambda v: v <= limit)
     return cells
+
+
+def _after_plain(cases: list[Case], f: ResultFile) -> tuple[str, str, str, bool | None]:
+    off, on = _m(cases, "after_plain_us"), _m(cases, "after_plain_pdl_us")
+    plain = _m(cases, "plain_kernel_us")
+    return (f"{_slash(off, '.2f')} us / with PDL {_slash(on, '.2f')} us", "",
+            f"the plain kernel alone {_slash(plain, '.2f')} us", None)
 
 
 def _convert_pairs(cases: list[Case], f: ResultFile) -> tuple[str, str, str, bool | None]:
@@ -166,6 +173,21 @@ KERNEL_ROWS: dict[str, tuple[Row, ...]] = {
         Row("write_kv", "decode 256 tokens, per call in a CUDA graph, NHD / HND", "write",
             _ids("decode 256 {} bfloat16", "NHD", "HND"),
             _write_decode("graph_per_call_us", "baseline_graph_per_call_us", 2.2), "<= 2.2 us"),
+        Row("write_kv", "decode 256 tokens, per call in a CUDA graph, `pdl=True`, NHD / HND",
+            "write", _ids("decode 256 {} bfloat16", "NHD", "HND"),
+            _write_decode("graph_per_call_pdl_us", "baseline_graph_per_call_us", 2.2, ".2f"),
+            "<= 2.2 us"),
+        Row("write_kv", "fp8 e4m3 cache, decode 256 tokens, per call in a CUDA graph, NHD / HND",
+            "write", _ids("decode 256 {} float8_e4m3fn", "NHD", "HND"),
+            _write_decode("graph_per_call_us", "baseline_graph_per_call_us", 2.5, ".2f"),
+            "<= 2.5 us"),
+        Row("write_kv", "fp8 e4m3 cache, the same with `pdl=True`, NHD / HND",
+            "write", _ids("decode 256 {} float8_e4m3fn", "NHD", "HND"),
+            _write_decode("graph_per_call_pdl_us", "baseline_graph_per_call_us", 2.5, ".2f"),
+            "<= 2.5 us"),
+        Row("write_kv", "decode 256 tokens (bf16) after a plain 1 MiB kernel in the graph, its "
+            "share of the pair, NHD / HND", "write", _ids("decode 256 {} bfloat16", "NHD", "HND"),
+            _after_plain),
         Row("write_kv", "decode 256 tokens, eager (host included), NHD / HND", "write",
             _ids("decode 256 {} bfloat16", "NHD", "HND"),
             _write_decode("eager_us", "baseline_eager_us", 8.0), "<= 8 us"),
