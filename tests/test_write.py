@@ -878,8 +878,8 @@ def test_decode_is_cuda_graph_capturable(layout: str) -> None:
 def test_pdl_calls_keep_stream_order(layout: str) -> None:
     """Back-to-back ``pdl=True`` writes of the same slots (each may launch while the one before
     still runs): in a CUDA graph of 64 calls alternating two inputs, the slots hold the last
-    call's bytes; and a write whose key comes from a long plain kernel just before it sees that
-    kernel's result."""
+    call's bytes; and a write right after a kernel that lets it launch early (PDL trigger first)
+    and writes the key only later still reads that kernel's key."""
     spec = make_spec("triton", layout, heads=8, head_size=128, block_size=16, num_blocks=64,
                      num_layers=1)
     cache = poisoned(spec, "cuda")[0]
@@ -896,17 +896,38 @@ def test_pdl_calls_keep_stream_order(layout: str) -> None:
         want = cache.clone()
         reference.write_kv(*sets[1], want, slots, spec, validate=False)
         assert_same_bytes([cache], [want])
-    # a producer that takes milliseconds: the write must wait for it
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    key, value = (torch.empty(256, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        torch.mul(torch.matmul(a, a)[:256, :1024].reshape(256, 8, 128), 1e-3, out=key)
-        value.copy_(key).neg_()
+    # a producer that lets its dependents launch at once, then takes ~0.1 ms before it writes
+    # the key: the write must still read the key it wrote (it waits in gdc_wait)
+    key, value = (torch.zeros(256, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    src = torch.randn(256 * 8 * 128, device="cuda", dtype=torch.bfloat16)
+    for i in range(3):
+        key.zero_()
+        _slow_producer()[(256 * 8 * 128 // 1024,)](key, src, 100000 + i, BLOCK=1024)
         write_kv(key, value, cache, slots, spec, validate=False, pdl=True)
         torch.cuda.synchronize()
+        assert torch.equal(key.flatten(), src)
         want = cache.clone()
         reference.write_kv(key, value, want, slots, spec, validate=False)
         assert_same_bytes([cache], [want])
+
+
+def _slow_producer():
+    """A Triton kernel that triggers its dependents' launch first, spins ``spins`` steps, then
+    copies ``src`` into ``out`` (GPU tests of ``pdl=True``)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def slow_copy(out_ptr, src_ptr, spins, BLOCK: tl.constexpr):
+        tl.extra.cuda.gdc_launch_dependents()
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for _ in range(spins):
+            acc = acc * 0.5 + 1.0
+        x = tl.load(src_ptr + offs)
+        tl.store(out_ptr + offs, tl.where(acc > 0.0, x, 0.0).to(x.dtype))
+
+    return slow_copy
 
 
 def test_checks_still_run_when_the_signature_was_seen_before() -> None:
