@@ -85,3 +85,24 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             metrics={**counts, "duration_s": time.perf_counter() - _RUN.get("start", 0.0)})
     path = results.write(run, results_dir=folder)
     terminalreporter.write_line(f"fkv: test-run summary written to {path}")
+
+
+@pytest.fixture(scope="session")
+def slow_copy():
+    """A Triton kernel ``slow_copy[(n // BLOCK,)](out, src, spins, BLOCK=...)`` that lets its
+    dependents launch first (the PDL trigger), spins ``spins`` steps, then copies ``src`` into
+    ``out``: a producer that ``pdl=True`` kernels after it must wait for (GPU tests)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def slow_copy(out_ptr, src_ptr, spins, BLOCK: tl.constexpr):
+        tl.extra.cuda.gdc_launch_dependents()
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for _ in range(spins):
+            acc = acc * 0.5 + 1.0
+        x = tl.load(src_ptr + offs)
+        tl.store(out_ptr + offs, tl.where(acc > 0.0, x, 0.0).to(x.dtype))
+
+    return slow_copy

@@ -221,6 +221,54 @@ def test_range_stages_change_no_bit(device: str, mode: str) -> None:
     case.check(config=attrs.evolve(cfg, range_stages=3, fused_merge=True))
 
 
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_pdl_changes_no_bit(device: str, mode: str, layout: str) -> None:
+    """``pdl=True`` (programmatic dependent launch on sm_90+, ignored elsewhere): the same bits,
+    split or not, fused merge or not."""
+    q_lens = None if mode == "decode" else (9, 33, 2, 20)
+    case = Case(device, q_lens=q_lens, layout=layout, seed=4, **LONG)
+    for cfg in (AttentionConfig(block_q=4, heads_per_program=2, tile_n=16),
+                AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=3),
+                AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=3,
+                                fused_merge=True)):
+        base = case.run(config=cfg, sliding_window=21)
+        assert torch.equal(case.run(config=cfg, sliding_window=21, pdl=True), base)
+    assert torch.equal(case.run(pdl=True), case.run())  # the default config too
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_pdl_must_be_a_bool(bad: Any) -> None:
+    case = Case("cpu")
+    with pytest.raises(FkvError, match=rf"'pdl' must be True or False \(got {bad!r}\)"):
+        case.run(pdl=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
+def test_pdl_waits_for_the_kernel_before_it(splits: int, slow_copy: Any) -> None:
+    """A producer that lets its dependents launch at once and writes the queries ~0.1 ms later:
+    ``paged_attention(pdl=True)`` right after it reads the producer's queries (in a CUDA graph
+    too)."""
+    case = Case("cuda", hq=8, hkv=2, head_size=128, block_size=16, seq_lens=(300, 1000, 17, 64),
+                seed=5)
+    cfg = AttentionConfig(block_q=1, heads_per_program=4, tile_n=64, num_splits=splits)
+    src = case.q.clone().flatten()
+    want = case.run(config=cfg)
+    out = torch.empty_like(case.q)
+    paged_attention(*case.args(), out=out, config=cfg, pdl=True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        slow_copy[(src.numel() // 1024,)](case.q, src, 100000, BLOCK=1024)
+        paged_attention(*case.args(), out=out, config=cfg, pdl=True)
+    for _ in range(3):
+        case.q.zero_()
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 # the sweep's prefill candidates scaled down: rows = block_q x heads_per_program of a group of 4
 # (one head of 8 queries, 2 heads of 4, 4 heads of 2), key tiles of 16 and 32 (one, two pages).
 PREFILL_VARIANTS = [(8, 1, 16, 2), (8, 1, 32, 3), (4, 2, 32, 2), (4, 2, 16, 0), (2, 4, 16, 2),

@@ -875,7 +875,7 @@ def test_decode_is_cuda_graph_capturable(layout: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_pdl_calls_keep_stream_order(layout: str) -> None:
+def test_pdl_calls_keep_stream_order(layout: str, slow_copy: Any) -> None:
     """Back-to-back ``pdl=True`` writes of the same slots (each may launch while the one before
     still runs): in a CUDA graph of 64 calls alternating two inputs, the slots hold the last
     call's bytes; and a write right after a kernel that lets it launch early (PDL trigger first)
@@ -902,7 +902,7 @@ def test_pdl_calls_keep_stream_order(layout: str) -> None:
     src = torch.randn(256 * 8 * 128, device="cuda", dtype=torch.bfloat16)
     for i in range(3):
         key.zero_()
-        _slow_producer()[(256 * 8 * 128 // 1024,)](key, src, 100000 + i, BLOCK=1024)
+        slow_copy[(256 * 8 * 128 // 1024,)](key, src, 100000 + i, BLOCK=1024)
         write_kv(key, value, cache, slots, spec, validate=False, pdl=True)
         torch.cuda.synchronize()
         assert torch.equal(key.flatten(), src)
@@ -910,24 +910,6 @@ def test_pdl_calls_keep_stream_order(layout: str) -> None:
         reference.write_kv(key, value, want, slots, spec, validate=False)
         assert_same_bytes([cache], [want])
 
-
-def _slow_producer():
-    """A Triton kernel that triggers its dependents' launch first, spins ``spins`` steps, then
-    copies ``src`` into ``out`` (GPU tests of ``pdl=True``)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def slow_copy(out_ptr, src_ptr, spins, BLOCK: tl.constexpr):
-        tl.extra.cuda.gdc_launch_dependents()
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for _ in range(spins):
-            acc = acc * 0.5 + 1.0
-        x = tl.load(src_ptr + offs)
-        tl.store(out_ptr + offs, tl.where(acc > 0.0, x, 0.0).to(x.dtype))
-
-    return slow_copy
 
 
 def test_checks_still_run_when_the_signature_was_seen_before() -> None:

@@ -202,8 +202,11 @@ def _paged_attention_kernel(
     VARLEN: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr, FMA_SCORES: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    RANGE_STAGES: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    RANGE_STAGES: tl.constexpr, LAZY_RESCALE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched with PDL: nothing is read before the kernel before this one has finished
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Axis 0 enumerates (query tile, KV head x head chunk); HEADS_FIRST: the heads of one tile are
     # consecutive programs (they read neighbouring bytes of the same pages at the same time).
     pid = tl.program_id(0)

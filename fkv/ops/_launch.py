@@ -48,7 +48,7 @@ import triton
 
 from fkv.errors import FkvError
 
-__all__ = ["ENABLED", "KernelLauncher", "LaunchSite"]
+__all__ = ["ENABLED", "KernelLauncher", "LaunchSite", "pdl_capable"]
 
 #: Master switch of the direct-launch path (``FKV_FAST_LAUNCH=0`` turns it off at import).
 ENABLED: bool = os.environ.get("FKV_FAST_LAUNCH", "1").strip().lower() not in ("0", "false",
@@ -207,3 +207,13 @@ class LaunchSite:
             self.variants = None  # not the CompiledKernel this module knows: normal from now on
             return
         self.variants[key] = entry  # type: ignore[index]
+
+
+def pdl_capable(device: Any) -> bool:
+    """Whether compiled Triton kernels on ``device`` can be launched with programmatic dependent
+    launch (CUDA, compute capability 9.0 or newer)."""
+    if getattr(device, "type", None) != "cuda":
+        return False
+    import torch
+
+    return torch.cuda.get_device_capability(device)[0] >= 9

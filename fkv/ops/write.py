@@ -30,7 +30,7 @@ import triton.language as tl
 
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
-from fkv.ops._launch import KernelLauncher, LaunchSite
+from fkv.ops._launch import KernelLauncher, LaunchSite, pdl_capable
 from fkv.ops._spec import cache_constexprs, cache_strides, join_kv_views
 from fkv.ops.reference._write import check_slots, check_token_counts, check_write_inputs
 
@@ -450,13 +450,8 @@ def _prepare(key: Any, value: Any, cache: Any, slot_mapping: Any, spec: Any, k_s
 
 
 def _pdl_capable(device: Any) -> bool:
-    """Whether kernels on ``device`` can be launched with programmatic dependent launch (compiled
-    kernels on sm_90 or newer)."""
-    if device.type != "cuda" or not _LAUNCHER.compiles:
-        return False
-    import torch
-
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether this kernel on ``device`` can use programmatic dependent launch (compiled, sm_90+)."""
+    return _LAUNCHER.compiles and pdl_capable(device)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
