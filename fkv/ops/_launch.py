@@ -39,6 +39,7 @@ keeps being used).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -214,6 +215,16 @@ def pdl_capable(device: Any) -> bool:
     launch (CUDA, compute capability 9.0 or newer)."""
     if getattr(device, "type", None) != "cuda":
         return False
+    index = device.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    return _capability_major(index) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
     import torch
 
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return torch.cuda.get_device_capability(index)[0]

@@ -378,8 +378,8 @@ class _Prepared:
         self.cpu_slots = cpu_slots  # validate by default: reading slots costs no sync on CPU
         # (token class, PDL) -> (site, block_t, head_tiles, programs on grid axis 1); (tiling, K
         # and V fused, PDL) -> the same
-        self.by_class: dict[int, tuple[LaunchSite, int, int, int]] = {}
-        self.by_tiling: dict[tuple[WriteTiling, bool], tuple[LaunchSite, int, int, int]] = {}
+        self.by_class: dict[tuple[int, bool], tuple[LaunchSite, int, int, int]] = {}
+        self.by_tiling: dict[tuple[WriteTiling, bool, bool], tuple[LaunchSite, int, int, int]] = {}
         self.site: LaunchSite | None = None  # the last site launched (bench/tests look at it)
 
     def launch_for(self, num_tokens: int, pdl: bool = False) -> tuple[LaunchSite, int, int, int]:
@@ -501,6 +501,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
 
     (Runs on CUDA tensors, or on CPU with ``TRITON_INTERPRET=1`` set before triton is imported.)
     """
+    if pdl is not False and pdl is not True:
+        raise field_error("pdl", pdl, "True or False")
     if type(cache) is tuple or type(cache) is list:
         cache = join_kv_views(cache, spec)
     try:
@@ -528,8 +530,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
         value, v_scale = key, k_scale
     if not prep.quantize:
         k_scale = v_scale = key
-    if pdl is not False and pdl is not True:
-        raise field_error("pdl", pdl, "True or False")
     site, block_t, head_tiles, halves = prep.launch_for(num_tokens, pdl)
     site(((num_tokens + block_t - 1) // block_t, halves, head_tiles),
          (key, value, cache, slot_mapping, k_scale, v_scale, num_tokens))
