@@ -90,6 +90,8 @@ class Case:
     # median ms per call of each timed stage (prefill: its last calls, the timed requests'; decode:
     # the timed requests), and calls per request
     profile: dict[str, list[float]] = field(default_factory=dict)
+    # packed reads: where each pack's round trip went (``_pack_hops``), ms
+    pack_hops: dict[str, Any] = field(default_factory=dict)
     pct_of_copy: float = 0.0
     repeat_gbps: float = 0.0
     vs_peer_copy: float = 0.0   # GB/s over the same-run peer copy of the request's payload
@@ -153,6 +155,104 @@ def _timers(targets: list[tuple[Any, str]]) -> dict[str, list[float]]:
 
         setattr(owner, attr, timed)
     return stats
+
+
+def _trace_packs_decode() -> list[list[Any]]:
+    """Log every pack request of this decode process: ``[request id, token, first block id, sent,
+    reply seen, reply kind]`` (``time.monotonic()``, one clock for every process of a host). A
+    reply is seen when the read asks for it (the first chunk's as it arrives)."""
+    from fkv.connector.transport import _packed_path
+
+    log: list[list[Any]] = []
+    sent: dict[int, tuple[float, str, int]] = {}
+    send_one, take = _packed_path.PackedPath._send_one, _packed_path._Dealer.take
+
+    def traced_send(self: Any, request_id: str, read: Any, chunk: Any, deadline: float) -> int:
+        t = time.monotonic()
+        token = send_one(self, request_id, read, chunk, deadline)
+        sent[token] = (t, request_id, int(chunk.remote[0]))
+        return token
+
+    def traced_take(self: Any, token: int, deadline: float, spin: float = 0.0) -> Any:
+        reply = take(self, token, deadline, spin)
+        if reply is not None and token in sent:
+            t, request_id, first = sent.pop(token)
+            log.append([request_id, token, first, t, time.monotonic(), type(reply).__name__])
+        return reply
+
+    _packed_path.PackedPath._send_one = traced_send  # type: ignore[method-assign]
+    _packed_path._Dealer.take = traced_take  # type: ignore[method-assign]
+    return log
+
+
+def _trace_packs_prefill() -> list[list[Any]]:
+    """Log every pack this prefill process answered: ``[request id, token, first block id,
+    taken up, handled, reply sent]`` (``time.monotonic()``): taken up when the server thread
+    started on it, handled once gathered (launched, on CUDA), sent after its gather finished."""
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._server import Server
+
+    log: list[list[Any]] = []
+    handled: dict[int, list[Any]] = {}
+    reply_fn, send_fn = Server._reply, Server._send_replies
+
+    def traced_reply(self: Any, envelope: Any, payload: bytes | None) -> Any:
+        t = time.monotonic()
+        got = reply_fn(self, envelope, payload)
+        if isinstance(got[1], _side.Packed):
+            msg = _side.decode_request(payload)
+            handled[id(got[1])] = [msg.request_id, msg.token, int(msg.block_ids[0]), t,
+                                   time.monotonic()]
+        return got
+
+    def traced_send(self: Any, out: list[Any], t0: float) -> float:
+        packs = [r for _, r in out if isinstance(r, _side.Packed)]
+        done = send_fn(self, out, t0)
+        now = time.monotonic()
+        for r in packs:
+            rec = handled.pop(id(r), None)
+            if rec is not None:
+                log.append([*rec, now])
+        return done
+
+    Server._reply = traced_reply  # type: ignore[method-assign]
+    Server._send_replies = traced_send  # type: ignore[method-assign]
+    return log
+
+
+def _pack_hops(decode: list[list[list[Any]]], prefill: list[list[Any]]) -> dict[str, Any]:
+    """Median ms of each hop of the packs both sides logged (decode logs: one per rank): ``out``
+    (sent -> the prefill's server thread takes it up), ``handle`` (-> gather launched), ``gather``
+    (-> its reply sent: the gather's event), ``back`` (-> the decode rank sees the reply), and
+    ``round_trip``; ``first`` the same for each read's first pack per rank (whose reply the
+    decode waits for at once), ``retries`` the busy answers."""
+    on_p = {(r[0], r[1], r[2]): r for r in prefill}
+    hops: dict[str, list[float]] = {k: [] for k in ("out", "handle", "gather", "back",
+                                                     "round_trip")}
+    first: dict[str, list[float]] = {k: [] for k in hops}
+    retries = 0
+    for log in decode:
+        seen: set[str] = set()
+        for request_id, token, block, sent, back, kind in log:
+            if kind != "Packed":
+                retries += kind == "Error"
+                continue
+            p = on_p.get((request_id, token, block))
+            if p is None:
+                continue
+            row = {"out": p[3] - sent, "handle": p[4] - p[3], "gather": p[5] - p[4],
+                   "back": back - p[5], "round_trip": back - sent}
+            for k, v in row.items():
+                hops[k].append(v)
+                if request_id not in seen:
+                    first[k].append(v)
+            seen.add(request_id)
+
+    def med(d: dict[str, list[float]]) -> dict[str, float]:
+        return {k: 1e3 * statistics.median(v) for k, v in d.items() if v}
+
+    n = len(hops["out"])
+    return {"all": med(hops), "first": med(first), "packs": n, "retries": retries} if n else {}
 
 
 def _send(conn: Any, **msg: Any) -> None:
@@ -246,12 +346,13 @@ def _prefill_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any],
 
         stats = _timers([(Server, "_answer_all"), (Packer, "pack"), (Packer, "_gather"),
                          (Packer, "sync")])
+        packs = _trace_packs_prefill()
         with serve(_engine("bench-p", 1, 0), spec, caches, lease=600.0) as server:
             _send(conn, address=server.address)
             lasts = _prefill_stream(server, conn, cfg, dev, sbarrier) if cfg.get("stream") else []
             _recv(conn)  # stop
             _send(conn, pending=len(server.pending()), errors=list(server.errors)[-3:], stats=stats,
-                  stream_lasts=lasts)
+                  stream_lasts=lasts, packs=packs)
     except Exception as e:
         _send(conn, error=f"{type(e).__name__}: {e}")
 
@@ -284,6 +385,7 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         stats = _timers([(PackedPath, "_ask"), (Agent, "read_descs"), (Agent, "read"),
                          (Agent, "wait"), (PackedPath, "_scatter"), (PlanPath, "_run_staging"),
                          (Agent, "notify"), (IpcPath, "read")])
+        packs = _trace_packs_decode()
         client = connect(_engine("bench-d", tp, rank), spec, caches, remote_address=address,
                          timeout=60.0, strategy=case["strategy"])
         rng = np.random.default_rng(rank + 1)
@@ -324,9 +426,11 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         # throughput: all ranks at once, rotating block sets, each request size in turn
         runs_by_size: dict[int, list[Any]] = {}
         stats_by_size: dict[int, Any] = {}
+        packs_by_size: dict[int, Any] = {}
         for n in case["sizes"]:
             for seconds in stats.values():
                 seconds.clear()
+            packs.clear()
             runs = []
             for i in range(cfg["warmup"] + cfg["reps"]):
                 local, remote = blocks(i + 1, n)
@@ -339,6 +443,8 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
                                  r.pack_seconds, r.strategy))
             runs_by_size[n] = runs
             stats_by_size[n] = {k: list(v) for k, v in stats.items()}
+            packs_by_size[n] = [p for p in packs if p[0].startswith(f"rep-{n}-")
+                                and int(p[0].rsplit("-", 1)[1]) >= cfg["warmup"]]
         stream_ends: list[list[float]] = []
         stream_news: list[list[float]] = []    # when the last layer's news reached this rank
         stream_landed: list[list[float]] = []  # when the last layer landed
@@ -371,7 +477,7 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
                 stream_news.append(heard)
                 stream_landed.append(landed)
         _send(conn, strategy=client.plan.strategy, runs=runs_by_size, ttfb=ttfb,
-              stats=stats_by_size, first_read=first, stream_ends=stream_ends,
+              stats=stats_by_size, packs=packs_by_size, first_read=first, stream_ends=stream_ends,
               stream_news=stream_news, stream_landed=stream_landed)
         client.close()
     except Exception as e:
@@ -444,6 +550,7 @@ def _run_case(cfg: dict[str, Any], case: Case) -> list[Case]:
             _summarize(c, cfg, [{**o, "runs": o["runs"][str(n)], "stats": o["stats"][str(n)]}
                                 for o in outs], bye, dtp)
             c.first_read_ms = 1e3 * max(o["first_read"] for o in outs)
+            c.pack_hops = _pack_hops([o["packs"][str(n)] for o in outs], bye.get("packs", []))
             if cfg.get("stream"):
                 k = case.sizes.index(n)
                 reps = range(cfg["stream_reps"])
@@ -698,6 +805,11 @@ def main(argv: list[str] | None = None) -> int:
             if row.profile:
                 print("      ms/call: " + ", ".join(f"{k} {v[0]:.3f}"
                                                    for k, v in row.profile.items()), flush=True)
+            if row.pack_hops:
+                print(f"      pack hops, ms (first pack of a read | all {row.pack_hops['packs']}; "
+                      f"{row.pack_hops['retries']} busy answers): "
+                      + ", ".join(f"{k} {row.pack_hops['first'].get(k, 0):.3f} | {v:.3f}"
+                                  for k, v in row.pack_hops["all"].items()), flush=True)
         done += rows
     cases = done
     run = results.Run("transfer", config={**cfg, "sizes": sorted({c.request_blocks
@@ -740,6 +852,7 @@ def main(argv: list[str] | None = None) -> int:
                         if c.stream_tail_ms else None} if cfg["stream"] else {})},
                 error=c.error,
                 extra={"rank_gbps": c.rank_gbps, "profile_ms_per_call": c.profile,
+                       **({"pack_hops_ms": c.pack_hops} if c.pack_hops else {}),
                        "plan_strategy": c.plan_strategy, "nccl_note": link.get("nccl_note", "")})
     run.extra["env_transport"] = env
     run.extra["nixl_progress"] = progress
