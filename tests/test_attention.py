@@ -237,6 +237,54 @@ def test_pdl_changes_no_bit(device: str, mode: str, layout: str) -> None:
     assert torch.equal(case.run(pdl=True), case.run())  # the default config too
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize(("dtype", "opts"), [("bfloat16", {}), ("bfloat16", {"sliding_window": 21}),
+                                             ("bfloat16", {"softcap": 5.0}), ("fp8", {}),
+                                             ("float32", {})])
+def test_row_halves_change_no_bit(device: str, layout: str, dtype: str, opts: dict[str, Any]) -> None:
+    """``row_halves``: the reference's values for every tile; the same bits as one tile for 16-bit
+    queries (masked and unmasked key tiles, GQA rows, window, softcap, fp8) in the interpreter
+    and, on the GPU, for the 256-row prefill tile (both halves and the whole then run the same
+    warpgroup MMA per 64 rows; smaller GPU tiles may change MMA instruction, hence rounding).
+    Ignored for split launches and tiles of < 32 rows."""
+    case = Case(device, q_lens=(9, 33, 2, 20), layout=layout, dtype=dtype, seed=6, **LONG)
+    for cfg, exact_on_gpu in (
+            (AttentionConfig(block_q=8, heads_per_program=2, tile_n=16), True),   # 16 rows: off
+            (AttentionConfig(block_q=16, heads_per_program=2, tile_n=16), False),  # halves of 16
+            (AttentionConfig(block_q=32, heads_per_program=2, tile_n=32), False),  # halves of 32
+            (AttentionConfig(block_q=16, heads_per_program=2, tile_n=16, num_splits=3), True),
+            (AttentionConfig(block_q=128, heads_per_program=2, tile_n=64, num_warps=8,
+                             num_stages=5), True)):                                # halves of 128
+        base = case.run(config=cfg, **opts)
+        halves = attrs.evolve(cfg, row_halves=True)
+        got = case.run(config=halves, **opts)
+        if dtype == "float32" or (device == "cuda" and not exact_on_gpu):
+            torch.testing.assert_close(got, base, rtol=TOL[case.q.dtype], atol=TOL[case.q.dtype])
+        else:
+            assert torch.equal(got, base), cfg
+        case.check(config=halves, **opts)
+
+
+def test_row_halves_config() -> None:
+    """The H200 prefill tile runs in halves; decode tiles, split prefill launches, 32-bit and large
+    heads do not; the knob refuses the loop variants it does not run."""
+    pre = attention_config(num_seqs=4, num_q_tokens=4 * 4096, max_context=4096, varlen=True,
+                           **H200)
+    assert pre.row_halves and pre.num_splits == 1
+    small = attention_config(num_seqs=4, num_q_tokens=4 * 300, max_context=4096, varlen=True,
+                             **H200)
+    assert small.num_splits > 1 and not small.row_halves
+    dec = attention_config(num_seqs=64, num_q_tokens=64, max_context=8192, varlen=False, **H200)
+    assert not dec.row_halves
+    f32 = attention_config(num_seqs=4, num_q_tokens=4 * 4096, max_context=4096, varlen=True,
+                           **{**H200, "itemsize": 4})
+    assert not f32.row_halves
+    for bad in ({"lazy_rescale": True}, {"range_stages": 3}):
+        with pytest.raises(FkvError, match=r"'row_halves' runs the plain key loop: it takes "
+                                           r"neither 'lazy_rescale' nor 'range_stages'"):
+            AttentionConfig(block_q=64, heads_per_program=4, tile_n=64, row_halves=True, **bad)
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, None])
 def test_pdl_must_be_a_bool(bad: Any) -> None:
     case = Case("cpu")

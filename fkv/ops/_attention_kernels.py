@@ -23,6 +23,12 @@ unchanged. ``LAZY_RESCALE`` (unmasked tiles, scores without softcap): the runnin
 raised, and the accumulator rescaled, only when some row's max grew by more than 8 (base 2) since
 the last raise; otherwise p = exp2(s - stale max) <= 2**8, exact in fp32 sums and as precise in
 bf16 (FlashAttention-4's conditional rescaling, decided for the whole tile).
+``ROW_HALVES`` (no splits): the program's rows are two halves of ``BLOCK_M // 2`` with their own
+accumulators; each unmasked key tile is loaded once and both halves' QK^T are issued before
+either softmax, so one half's softmax runs while the other half's MMAs do (the warpgroup MMAs are
+asynchronous). Every row sees the same operations in the same order as with one tile; the bytes
+are identical when each half's dots take the whole tile's MMA instructions (16-bit, 256 rows on
+8 warps: a warpgroup MMA per 64 rows either way), within rounding otherwise.
 """
 
 from __future__ import annotations
@@ -152,6 +158,56 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_tile2(
+    acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, start, hi,
+    cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window, score_mult,
+    softcap_mult, BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    FMA_SCORES: tl.constexpr,
+):
+    """One key tile for two row halves (``ROW_HALVES``): K/V loaded once, both QK^T issued
+    before either softmax; each half updates its (acc, l, m) exactly as ``_attend_tile``."""
+    t, row = _tile_rows(start, hi, bt_row_ptr, head_off, stride_block, num_blocks, BLOCK_SIZE,
+                        STRIDE_TOKEN, TILE_N, MASKED)
+    k = _load_rows(cache_ptr, row, t, hi, HEAD_SIZE, HEAD_PAD, MASKED)
+    v = _load_rows(cache_ptr + stride_kv, row, t, hi, HEAD_SIZE, HEAD_PAD, MASKED).to(q_a.dtype)
+    qk_a = _qk(q_a, k, DOT_F32, PRECISION)
+    qk_b = _qk(q_b, k, DOT_F32, PRECISION)
+    vis_a = qk_a  # unused unless MASKED
+    vis_b = qk_b
+    if MASKED:
+        vis_a = (t[None, :] <= q_pos_a[:, None]) & (t < hi)[None, :]
+        vis_b = (t[None, :] <= q_pos_b[:, None]) & (t < hi)[None, :]
+        if USE_WINDOW:
+            vis_a = vis_a & (t[None, :] > q_pos_a[:, None] - window)
+            vis_b = vis_b & (t[None, :] > q_pos_b[:, None] - window)
+    acc_a, l_a, m_a = _softmax_pv(acc_a, l_a, m_a, qk_a, vis_a, v, score_mult, softcap_mult,
+                                  MASKED, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, False)
+    acc_b, l_b, m_b = _softmax_pv(acc_b, l_b, m_b, qk_b, vis_b, v, score_mult, softcap_mult,
+                                  MASKED, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, False)
+    return acc_a, l_a, m_a, acc_b, l_b, m_b
+
+
+@triton.jit
+def _rows(r, chunk, kv_head, q_start, q_tile, q_len, seq_len, num_q_tokens, d,
+          HEADS_PER_PROG: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
+          VARLEN: tl.constexpr, HEAD_SIZE: tl.constexpr):
+    """Rows ``r`` of a program (query token x head pairs): their query head, token, validity,
+    position in the sequence and load/store mask."""
+    qi = r // HEADS_PER_PROG
+    hh = chunk * HEADS_PER_PROG + r % HEADS_PER_PROG
+    hq = kv_head * GROUP + hh
+    tok = (q_start + q_tile + qi).to(tl.int64)
+    row_ok = (r < BLOCK_Q * HEADS_PER_PROG) & (q_tile + qi < q_len) & (hh < GROUP)
+    if VARLEN:
+        row_ok = row_ok & (tok >= 0) & (tok < num_q_tokens)
+    q_pos = seq_len - q_len + q_tile + qi
+    io_mask = row_ok[:, None] & (d[None, :] < HEAD_SIZE)
+    return hq, tok, row_ok, q_pos, io_mask
+
+
+@triton.jit
 def _merge_if_last(part_out_ptr, part_lse_ptr, ctr_ptr, out_ptr, group, base, o_offs, row_ok,
                    io_mask, d, num_splits, BLOCK_M: tl.constexpr, HEAD_SIZE: tl.constexpr,
                    HEAD_PAD: tl.constexpr):
@@ -203,6 +259,7 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr, FMA_SCORES: tl.constexpr, FUSED_MERGE: tl.constexpr,
     RANGE_STAGES: tl.constexpr, LAZY_RESCALE: tl.constexpr, PDL: tl.constexpr = False,
+    ROW_HALVES: tl.constexpr = False,
 ):
     if PDL:  # launched with PDL: nothing is read before the kernel before this one has finished
         tl.extra.cuda.gdc_wait()
@@ -246,19 +303,7 @@ def _paged_attention_kernel(
     # outside [0, num_q_tokens) are masked (their results are unspecified, nothing else is touched).
     seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + seq).to(tl.int32), 0), max_context)
 
-    r = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_PAD)
-    qi = r // HEADS_PER_PROG
-    hh = chunk * HEADS_PER_PROG + r % HEADS_PER_PROG
-    hq = kv_head * GROUP + hh
-    tok = (q_start + q_tile + qi).to(tl.int64)
-    row_ok = (r < BLOCK_Q * HEADS_PER_PROG) & (q_tile + qi < q_len) & (hh < GROUP)
-    if VARLEN:
-        row_ok = row_ok & (tok >= 0) & (tok < num_q_tokens)
-    q_pos = seq_len - q_len + q_tile + qi
-    io_mask = row_ok[:, None] & (d[None, :] < HEAD_SIZE)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + hq[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=io_mask, other=0.0)
 
     # s = q.k * scale * k_scale; softcap: s = c * tanh(s / c); then in base 2: s * log2(e).
     score_mult = scale
@@ -298,53 +343,109 @@ def _paged_attention_kernel(
 
     head_off = kv_head.to(tl.int64) * stride_head
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # Finite row-max start: a fully masked row gives exp2(-inf - m) = 0, never NaN.
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    for start in range(a_lo, a_hi, TILE_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
-            stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN,
-            HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION,
-            FMA_SCORES)
-    if RANGE_STAGES > 0:
-        for start in tl.range(u_lo, u_hi, TILE_N, num_stages=RANGE_STAGES):
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off,
-                stride_block, stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE,
-                STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, False, USE_WINDOW, USE_SOFTCAP,
-                DOT_F32, PRECISION, FMA_SCORES, LAZY_RESCALE)
-    else:
+    if ROW_HALVES:
+        # Two row halves (no splits), each key tile loaded once for both.
+        tl.static_assert(not SPLIT, "ROW_HALVES needs num_splits == 1")
+        HALF: tl.constexpr = BLOCK_M // 2
+        r_a = tl.arange(0, HALF)
+        hq_a, tok_a, ok_a, q_pos_a, io_a = _rows(
+            r_a, chunk, kv_head, q_start, q_tile, q_len, seq_len, num_q_tokens, d, HEADS_PER_PROG,
+            GROUP, BLOCK_Q, VARLEN, HEAD_SIZE)
+        hq_b, tok_b, ok_b, q_pos_b, io_b = _rows(
+            r_a + HALF, chunk, kv_head, q_start, q_tile, q_len, seq_len, num_q_tokens, d,
+            HEADS_PER_PROG, GROUP, BLOCK_Q, VARLEN, HEAD_SIZE)
+        q_a = tl.load(q_ptr + tok_a[:, None] * stride_qt + hq_a[:, None] * stride_qh
+                      + d[None, :] * stride_qd, mask=io_a, other=0.0)
+        q_b = tl.load(q_ptr + tok_b[:, None] * stride_qt + hq_b[:, None] * stride_qh
+                      + d[None, :] * stride_qd, mask=io_b, other=0.0)
+        acc_a = tl.zeros([HALF, HEAD_PAD], dtype=tl.float32)
+        acc_b = tl.zeros([HALF, HEAD_PAD], dtype=tl.float32)
+        l_a = tl.zeros([HALF], dtype=tl.float32)
+        l_b = tl.zeros([HALF], dtype=tl.float32)
+        m_a = tl.full([HALF], -1.0e30, dtype=tl.float32)
+        m_b = tl.full([HALF], -1.0e30, dtype=tl.float32)
+        for start in range(a_lo, a_hi, TILE_N):
+            acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_tile2(
+                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, start, kv_hi,
+                cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window,
+                score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N,
+                True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
         for start in range(u_lo, u_hi, TILE_N):
+            acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_tile2(
+                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, start, kv_hi,
+                cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window,
+                score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N,
+                False, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+        for start in range(u_hi, kv_hi, TILE_N):
+            acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_tile2(
+                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, start, kv_hi,
+                cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window,
+                score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N,
+                True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+        o_a = acc_a / tl.where(l_a == 0.0, 1.0, l_a)[:, None]
+        o_b = acc_b / tl.where(l_b == 0.0, 1.0, l_b)[:, None]
+        if CACHE_FP8:
+            o_a = o_a * tl.load(v_scale_ptr)
+            o_b = o_b * tl.load(v_scale_ptr)
+        d_off = d[None, :] * stride_od
+        tl.store(out_ptr + tok_a[:, None] * stride_ot + hq_a[:, None] * stride_oh + d_off,
+                 o_a.to(out_ptr.dtype.element_ty), mask=io_a)
+        tl.store(out_ptr + tok_b[:, None] * stride_ot + hq_b[:, None] * stride_oh + d_off,
+                 o_b.to(out_ptr.dtype.element_ty), mask=io_b)
+    else:
+        r = tl.arange(0, BLOCK_M)
+        hq, tok, row_ok, q_pos, io_mask = _rows(
+            r, chunk, kv_head, q_start, q_tile, q_len, seq_len, num_q_tokens, d, HEADS_PER_PROG,
+            GROUP, BLOCK_Q, VARLEN, HEAD_SIZE)
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + hq[:, None] * stride_qh
+                    + d[None, :] * stride_qd, mask=io_mask, other=0.0)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        # Finite row-max start: a fully masked row gives exp2(-inf - m) = 0, never NaN.
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        for start in range(a_lo, a_hi, TILE_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off,
-                stride_block, stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE,
-                STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, False, USE_WINDOW, USE_SOFTCAP,
-                DOT_F32, PRECISION, FMA_SCORES, LAZY_RESCALE)
-    for start in range(u_hi, kv_hi, TILE_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off, stride_block,
-            stride_kv, num_blocks, window, score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN,
-            HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION,
-            FMA_SCORES)
+                stride_block, stride_kv, num_blocks, window, score_mult, softcap_mult,
+                BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW,
+                USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+        if RANGE_STAGES > 0:
+            for start in tl.range(u_lo, u_hi, TILE_N, num_stages=RANGE_STAGES):
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off,
+                    stride_block, stride_kv, num_blocks, window, score_mult, softcap_mult,
+                    BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, False, USE_WINDOW,
+                    USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, LAZY_RESCALE)
+        else:
+            for start in range(u_lo, u_hi, TILE_N):
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off,
+                    stride_block, stride_kv, num_blocks, window, score_mult, softcap_mult,
+                    BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, False, USE_WINDOW,
+                    USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, LAZY_RESCALE)
+        for start in range(u_hi, kv_hi, TILE_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off,
+                stride_block, stride_kv, num_blocks, window, score_mult, softcap_mult,
+                BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW,
+                USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    if CACHE_FP8:
-        o = o * tl.load(v_scale_ptr)
-    o_offs = tok[:, None] * stride_ot + hq[:, None] * stride_oh + d[None, :] * stride_od
-    if SPLIT:
-        base = (tok * num_q_heads + hq) * num_splits
-        part = base + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + d[None, :], o, mask=io_mask)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # -inf: no visible key
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
-        if FUSED_MERGE:
-            _merge_if_last(part_out_ptr, part_lse_ptr, ctr_ptr, out_ptr, pid, base, o_offs, row_ok,
-                           io_mask, d, num_splits, BLOCK_M, HEAD_SIZE, HEAD_PAD)
-    else:
-        tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        if CACHE_FP8:
+            o = o * tl.load(v_scale_ptr)
+        o_offs = tok[:, None] * stride_ot + hq[:, None] * stride_oh + d[None, :] * stride_od
+        if SPLIT:
+            base = (tok * num_q_heads + hq) * num_splits
+            part = base + split
+            tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + d[None, :], o, mask=io_mask)
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # -inf: no visible key
+            tl.store(part_lse_ptr + part, lse, mask=row_ok)
+            if FUSED_MERGE:
+                _merge_if_last(part_out_ptr, part_lse_ptr, ctr_ptr, out_ptr, pid, base, o_offs,
+                               row_ok, io_mask, d, num_splits, BLOCK_M, HEAD_SIZE, HEAD_PAD)
+        else:
+            tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit

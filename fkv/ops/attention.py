@@ -71,6 +71,10 @@ _FMA_SCORES = True
 #: measures them (attention_config is cached: clear it after changing these).
 _FUSED_MERGE = False
 _LAZY_RESCALE = False
+#: default of AttentionConfig.row_halves for full 16-bit tiles of head size <= 128 without splits
+#: (the prefill tile): H200, B=4 x 4096 causal, 1.276 / 1.293 ms against 1.370 / 1.365 ms
+#: (bench/results/raw/prefill-halves-exp-20261201T2104.json).
+_ROW_HALVES = True
 #: grid order: the KV heads of one (query tile, split) are consecutive programs, so they stream
 #: neighbouring bytes of the same pages together (NHD interleaves heads within a token row).
 _HEADS_FIRST = True
@@ -126,6 +130,14 @@ class AttentionConfig:
       the last raise (FlashAttention-4's conditional rescaling, one decision per tile): fewer
       multiplies per tile once the maxima settle, one block-wide max more. Not bit-identical to
       the default (P is at most 2**8 instead of 1); as accurate.
+    - ``row_halves``: a program's rows run as two halves with their own accumulators, and each
+      unmasked key tile issues both halves' QK^T before either softmax, so one half's softmax
+      overlaps the other's tensor-core work. The same values as without: the same bytes for
+      16-bit queries where the halves run the whole tile's MMA instructions (the 256-row prefill
+      tile on Hopper, measured; the CPU interpreter), otherwise within rounding (a smaller tile's
+      halves may take another MMA shape, fp32 dot products another summation order). Applies to
+      tiles of at least 32 rows (query tokens x heads, rounded up to a power of two) launched
+      without splits (others ignore it); not with ``lazy_rescale`` or ``range_stages``.
     """
 
     block_q: int = attrs.field(validator=attrs.validators.ge(1))
@@ -137,10 +149,14 @@ class AttentionConfig:
     fused_merge: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     range_stages: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     lazy_rescale: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    row_halves: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         if self.tile_n & (self.tile_n - 1):
             raise field_error("tile_n", self.tile_n, "a power of two >= 16")
+        if self.row_halves and (self.lazy_rescale or self.range_stages):
+            raise FkvError("AttentionConfig: 'row_halves' runs the plain key loop: it takes "
+                           "neither 'lazy_rescale' nor 'range_stages'; turn those off")
 
 
 def _pow2(n: int) -> int:
@@ -196,10 +212,12 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     else:
         splits = max(1, min(-(-(_PROGRAMS_PER_SM * num_sms) // programs), most))
     splits = -(-max_context // _split_len(max_context, splits, tile_n))
+    full = 2 * rows > rows_cap
+    halves = _ROW_HALVES and full and splits == 1 and size == (128, False) and not _LAZY_RESCALE
     return AttentionConfig(block_q=block_q, heads_per_program=heads, tile_n=tile_n,
                            num_splits=splits, num_warps=warps, num_stages=stages,
                            fused_merge=_FUSED_MERGE and splits > 1,
-                           lazy_rescale=_LAZY_RESCALE and rows > 16)
+                           lazy_rescale=_LAZY_RESCALE and rows > 16, row_halves=halves)
 
 
 def model_context(max_context: int) -> int:
@@ -621,6 +639,7 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
     else:
         part_out = part_lse = out  # unused
     dummy = seq_lens
+    block_m = _pow2(max(16, block_q * heads))  # rows per program (a power of two >= 16)
     grid = (num_tiles * spec.num_kv_heads * chunks, num_splits)
     counters = _merge_counters(q.device, grid[0]) if split and config.fused_merge else None
     fused = counters is not None
@@ -637,12 +656,13 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
         **cache_constexprs(spec),
         STRIDE_TOKEN=strides["stride_token"],
         HEAD_PAD=head_pad, GROUP=prob.group, HEADS_PER_PROG=heads, HEAD_CHUNKS=chunks,
-        BLOCK_Q=block_q, BLOCK_M=_pow2(max(16, block_q * heads)), TILE_N=tile_n,
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         VARLEN=prob.varlen, SPLIT=split, USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None, DOT_F32=_interpreted(q.device) and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else None, HEADS_FIRST=_HEADS_FIRST,
         FMA_SCORES=_FMA_SCORES, FUSED_MERGE=fused, RANGE_STAGES=config.range_stages,
         LAZY_RESCALE=config.lazy_rescale, PDL=pdl,
+        ROW_HALVES=config.row_halves and not split and block_m >= 32,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
