@@ -72,8 +72,8 @@ _FMA_SCORES = True
 _FUSED_MERGE = False
 _LAZY_RESCALE = False
 #: default of AttentionConfig.row_halves for full 16-bit tiles of head size <= 128 without splits
-#: (the prefill tile): H200, B=4 x 4096 causal, 1.276 / 1.293 ms against 1.370 / 1.365 ms
-#: (bench/results/raw/prefill-halves-exp-20261201T2104.json).
+#: (the prefill tile): H200, B=4 x 4096 causal, 1.253 / 1.262 ms against 1.374 / 1.371 ms
+#: without (same run; bench/results/raw/prefill-halves2-masked-exp-20261201T2124.json).
 _ROW_HALVES = True
 #: grid order: the KV heads of one (query tile, split) are consecutive programs, so they stream
 #: neighbouring bytes of the same pages together (NHD interleaves heads within a token row).
@@ -92,7 +92,10 @@ _HEADS_FIRST = True
 #:   splits; B=8 x 32768, 2 splits: 0.2549 / 0.2546 vs 0.2577 / 0.2573).
 #: - prefill B=4 x 4096 causal: 256 rows (64 queries x 4 heads) x 64 keys on 8 warps, 5 stages
 #:   (round 4: 1.368 / 1.370 vs 4 stages 1.481 / 1.474; 128-row tiles of one head or 32 queries
-#:   and a lazy rescale lost 5-30 %). 128-row tiles (mid) keep (64, 4, 3).
+#:   and a lazy rescale lost 5-30 %). 128-row tiles (mid) keep (64, 4, 3). With row halves
+#:   (_ROW_HALVES, 2026-12-01 evening): 1.247-1.263 ms; 3, 4 and 6 stages 1.29 / 1.29 / 1.25,
+#:   128-row tiles with halves 1.37 (4 warps) and 2.55 (8 warps), heads-last grid 1.29
+#:   (bench/results/raw/prefill-halves3-exp-20261201T2127.json).
 #: ``bench/gpu_kernels_sweep.py`` times alternatives on the GPU.
 _TUNING = {
     (128, False): (256, (64, 2, 3), (64, 4, 3), (64, 8, 5), (128, 4, 5)),
