@@ -116,11 +116,14 @@ def _engine(name: str, tp: int, rank: int) -> Any:
                       model="bench")
 
 
-def _device(cfg: dict[str, Any], which: str) -> Any:
+def _device(cfg: dict[str, Any], which: str, rank: int = 0) -> Any:
+    """The device of the prefill rank (``p_gpu``) or of decode rank ``rank`` (``d_gpus``, rank
+    by rank, round robin; ``d_gpu`` when not given)."""
     import torch
 
     if cfg["device"] == "cuda":
-        dev = torch.device("cuda", cfg[which])
+        gpus = (cfg.get("d_gpus") or [cfg["d_gpu"]]) if which == "d_gpu" else [cfg[which]]
+        dev = torch.device("cuda", gpus[rank % len(gpus)])
         torch.cuda.set_device(dev)
         return dev
     return torch.device("cpu")
@@ -368,7 +371,7 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
 
     os.environ.update({"UCX_TLS": case["ucx_tls"]} if case["ucx_tls"] else {})
     try:
-        dev = _device(cfg, "d_gpu")
+        dev = _device(cfg, "d_gpu", rank)
         tp = case["decode_tp"]
         spec = _spec(cfg, tp, case["decode_layout"])
         caches = fkv.allocate(spec, dev)
@@ -727,6 +730,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the caches live (default: cuda when available)")
     p.add_argument("--p-gpu", type=int, default=0, help="CUDA device of the prefill rank")
     p.add_argument("--d-gpu", type=int, default=0, help="CUDA device of the decode ranks")
+    p.add_argument("--d-gpus", default="",
+                   help="comma list of CUDA devices, one per decode rank in turn (e.g. 1,0: "
+                        "decode rank 0 on GPU 1, rank 1 on GPU 0); overrides --d-gpu")
     p.add_argument("--blocks", type=int, default=None, help="blocks per cache (default 4096)")
     p.add_argument("--request-blocks", type=int, default=None,
                    help="blocks per request (default: half the cache)")
@@ -758,7 +764,9 @@ def main(argv: list[str] | None = None) -> int:
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     blocks = args.blocks or (1024 if args.quick else 4096)
-    cfg = {"device": args.device, "p_gpu": args.p_gpu, "d_gpu": args.d_gpu, "blocks": blocks,
+    d_gpus = [int(g) for g in args.d_gpus.split(",") if g.strip()] if args.d_gpus else []
+    cfg = {"device": args.device, "p_gpu": args.p_gpu,
+           "d_gpu": d_gpus[0] if d_gpus else args.d_gpu, "d_gpus": d_gpus, "blocks": blocks,
            "request_blocks": args.request_blocks or blocks // 2, "layers": args.layers,
            "reps": args.reps or (6 if args.quick else 20), "warmup": 2,
            "ttfb_reps": 5 if args.quick else 20, "stream": args.stream,
@@ -818,7 +826,8 @@ def main(argv: list[str] | None = None) -> int:
     run.ceiling("copy_gbps", ceiling)
     if 0 in links:
         run.ceiling("peer_copy_gbps", links[0]["peer_copy_gbps"])
-    where = (f"cuda:{cfg['p_gpu']}->cuda:{cfg['d_gpu']}" if args.device == "cuda" else "cpu")
+    where = (f"cuda:{cfg['p_gpu']}->cuda:{','.join(map(str, cfg['d_gpus'] or [cfg['d_gpu']]))}"
+             if args.device == "cuda" else "cpu")
     for c in cases:
         link = links.get(c.request_blocks, {})
         streamed = (f", streamed over {cfg['compute_ms']:g} ms/layer of "

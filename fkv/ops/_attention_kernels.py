@@ -190,6 +190,25 @@ def _attend_tile2(
 
 
 @triton.jit
+def _attend_range2(
+    acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, lo, hi_tiles, hi,
+    cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window, score_mult,
+    softcap_mult, BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    FMA_SCORES: tl.constexpr,
+):
+    """The key tiles starting in [lo, hi_tiles) for both row halves (``_attend_tile2`` each)."""
+    for start in range(lo, hi_tiles, TILE_N):
+        acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_tile2(
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, start, hi, cache_ptr,
+            bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window, score_mult,
+            softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, MASKED,
+            USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+    return acc_a, l_a, m_a, acc_b, l_b, m_b
+
+
+@triton.jit
 def _rows(r, chunk, kv_head, q_start, q_tile, q_len, seq_len, num_q_tokens, d,
           HEADS_PER_PROG: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
           VARLEN: tl.constexpr, HEAD_SIZE: tl.constexpr):
@@ -364,24 +383,21 @@ def _paged_attention_kernel(
         l_b = tl.zeros([HALF], dtype=tl.float32)
         m_a = tl.full([HALF], -1.0e30, dtype=tl.float32)
         m_b = tl.full([HALF], -1.0e30, dtype=tl.float32)
-        for start in range(a_lo, a_hi, TILE_N):
-            acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_tile2(
-                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, start, kv_hi,
-                cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window,
-                score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N,
-                True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
-        for start in range(u_lo, u_hi, TILE_N):
-            acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_tile2(
-                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, start, kv_hi,
-                cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window,
-                score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N,
-                False, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
-        for start in range(u_hi, kv_hi, TILE_N):
-            acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_tile2(
-                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, start, kv_hi,
-                cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window,
-                score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N,
-                True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+        acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_range2(
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, a_lo, a_hi, kv_hi,
+            cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window,
+            score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N,
+            True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+        acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_range2(
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, u_lo, u_hi, kv_hi,
+            cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window,
+            score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N,
+            False, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+        acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_range2(
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, u_hi, kv_hi, kv_hi,
+            cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window,
+            score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N,
+            True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
         o_a = acc_a / tl.where(l_a == 0.0, 1.0, l_a)[:, None]
         o_b = acc_b / tl.where(l_b == 0.0, 1.0, l_b)[:, None]
         if CACHE_FP8:
