@@ -506,6 +506,33 @@ def test_each_chosen_tiling_is_bit_exact(device: str, tokens: int, layout: str, 
     assert_same_bytes(out, ref)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_many_warps_on_a_small_tile_stay_exact(device: str, layout: str, dtype: str, fused: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forced 16-warp tiling of one token (1 x 8 x 128): bf16 launches it as given, an fp8 cache
+    on 8 warps (4 elements per thread: with 2, Triton 3.6's fp8 conversion wrote wrong bytes on
+    the H200); the bytes equal the reference either way."""
+    monkeypatch.setattr(write_mod, "_PREPARED", {})
+    monkeypatch.setattr(write_mod, "_FUSE_KV_TOKENS", 1 << 30 if fused else 0)
+    tiling = write_mod.WriteTiling(1, 8, 128, 16)
+    fp8 = dtype != "bfloat16"
+    assert write_mod.launch_warps(tiling, fp8) == (8 if fp8 else 16)
+    assert write_mod.launch_warps(write_mod.WriteTiling(1, 1, 16, 4), fp8) == (1 if fp8 else 4)
+    spec = make_spec("triton", layout, dtype=dtype, heads=8, head_size=128, block_size=16,
+                     num_blocks=4, num_layers=1)
+    write_mod._set_tiling_override(tiling)
+    try:
+        for tokens in (1, 16):
+            key, value, scales = inputs(spec, tokens + 2, device, seed=tokens)
+            slots = padded_slots(spec, tokens, tokens + 2, device, seed=tokens)
+            out, ref = run_both(spec, device, key, value, slots, layer=0, **scales)
+            assert_same_bytes(out, ref)
+    finally:
+        write_mod._set_tiling_override(None)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_fused_kv_programs_are_bit_exact(device: str, layout: str, dtype: str,

@@ -79,6 +79,12 @@ _TILING_OVERRIDE: Any = None
 _FP8 = {"float8_e4m3fn": (448.0, 3, -6), "float8_e5m2": (57344.0, 2, -14)}
 # Cache modifier of the cache stores ("" = default write-back; ".cs" = streaming): a bench knob.
 _STORE_MODIFIER = ""
+# fp8 caches: at least this many elements per thread. With fewer, Triton 3.6's fp32 -> fp8
+# conversion writes wrong bytes on sm_90: a 1 x 8 x 128 tile on 16 warps (2 elements per thread)
+# differed from the reference in half its bytes, fused or not, both layouts, T = 1, 16, 256; 8
+# warps (4 per thread) and every bf16 tiling were exact
+# (bench/results/raw/write-warps-check-20261201T2150.json). The launch caps num_warps to keep it.
+_MIN_FP8_ELEMENTS_PER_THREAD = 4
 # Token classes up to this many tokens write K and V in one program (grid axis 1 of one program,
 # the slot load and address math shared) instead of one program per half; 0 = never. A bench knob
 # until the H200 sweep says (bench/gpu_kernels_sweep.py, candidates "fused").
@@ -394,7 +400,7 @@ class _Prepared:
                 site = _LAUNCHER.site({**self.fixed, "BLOCK_T": tiling.block_t,
                                        "HEAD_TILE": tiling.head_tile, "D_PAD": tiling.d_pad,
                                        "FUSE_KV": fuse, "PDL": pdl},
-                                      {"num_warps": tiling.num_warps,
+                                      {"num_warps": launch_warps(tiling, self.quantize),
                                        **({"launch_pdl": True} if pdl else {})})
                 entry = (site, tiling.block_t, triton.cdiv(self.num_heads, tiling.head_tile),
                          1 if fuse else self.kv_halves)
@@ -402,6 +408,19 @@ class _Prepared:
             self.by_class[(cls, pdl)] = entry
         self.site = entry[0]
         return entry
+
+
+def launch_warps(tiling: WriteTiling, quantize: bool) -> int:
+    """The ``num_warps`` a tiling launches with: its own, except that a quantizing (fp8) launch
+    keeps at least ``_MIN_FP8_ELEMENTS_PER_THREAD`` elements per thread (module comment).
+
+    >>> launch_warps(WriteTiling(1, 8, 128, 16), True), launch_warps(WriteTiling(1, 8, 128, 16), False)
+    (8, 16)
+    """
+    if not quantize:
+        return tiling.num_warps
+    elements = tiling.block_t * tiling.head_tile * tiling.d_pad
+    return max(1, min(tiling.num_warps, elements // (32 * _MIN_FP8_ELEMENTS_PER_THREAD)))
 
 
 _PREPARED: dict[tuple, _Prepared] = {}
