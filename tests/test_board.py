@@ -85,7 +85,7 @@ def test_the_file_is_private_and_removed_at_close() -> None:
     b = Board()
     path = b.path
     assert os.stat(path).st_mode & 0o777 == 0o600
-    assert os.path.getsize(path) == _board.SLOTS * 16
+    assert os.path.getsize(path) == _board.SLOTS * 16 + 64  # the slots, then the sequence
     b.close()
     assert not os.path.exists(path)
     b.close()  # idempotent
@@ -108,7 +108,7 @@ def test_wrong_salt_missing_file_wrong_size_kind_or_link_are_refused(tmp_path: o
     try:
         with open(path, "wb") as f:
             f.write(b"\0" * 100)
-        with pytest.raises(FkvError, match=r"expected a regular file of 65536 bytes .* 100 bytes"):
+        with pytest.raises(FkvError, match=r"expected a regular file of 65600 bytes .* 100 bytes"):
             BoardView(name, bytes(16))
         os.unlink(path)
         os.mkfifo(path)
@@ -134,6 +134,70 @@ def test_a_board_truncated_after_opening_reads_as_no_news(board: Board) -> None:
         assert view.layers("r1", True) is None
     finally:
         view.close()
+
+
+def test_a_wait_sleeps_until_a_count_is_written(board: Board) -> None:
+    """``BoardView.wait`` sleeps on the board's sequence (a futex): a ``set`` from another thread
+    ends it at once, a sequence already passed returns at once, and a board truncated by its
+    peer makes the view stop waiting (``EFAULT``), never fault."""
+    view = BoardView(board.name, board.salt)
+    try:
+        assert view.can_wait and view.sequence() == 0
+        seq = view.sequence()
+        timer = threading.Timer(0.2, board.set, ("r1", 1, 1))
+        t0 = time.monotonic()
+        timer.start()
+        assert view.wait(seq, 10.0)
+        woke = time.monotonic() - t0
+        timer.join()
+        assert 0.15 < woke < 5.0, woke                    # woken by the set, not the timeout
+        assert view.sequence() == 1 and view.layers("r1", True) == 1
+        t0 = time.monotonic()
+        assert view.wait(seq, 10.0) and time.monotonic() - t0 < 1.0  # already moved on
+        t0 = time.monotonic()
+        assert view.wait(1, 0.05) and time.monotonic() - t0 >= 0.04  # nothing new: the timeout
+        os.truncate(board.path, 0)
+        assert view.sequence() is None
+        assert not view.wait(1, 1.0) and not view.can_wait
+    finally:
+        view.close()
+
+
+def test_a_streaming_read_sleeps_on_the_board_between_layers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streaming read waiting for slow layers sleeps on the board's futex (it spins only
+    ``BOARD_SPIN_FUTEX`` s per wait) and still lands every layer's bytes."""
+    from fkv.connector.transport import _stream
+
+    monkeypatch.setenv("FKV_PUBLISH_BOARD", "1")
+    sleeps: list[float] = []
+    real_wait = BoardView.wait
+
+    def counted(self: BoardView, sequence: int, seconds: float) -> bool:
+        sleeps.append(seconds)
+        return real_wait(self, sequence, seconds)
+
+    monkeypatch.setattr(BoardView, "wait", counted)
+    caches = fkv.allocate(SPEC)
+    for i, layer in enumerate(caches):
+        layer.copy_(torch.arange(layer.numel()).view(layer.shape) % 241 + 1000 * i)
+    with serve(engine("p"), SPEC, caches) as server:
+        local = fkv.allocate(SPEC)
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            server.hold("s1", [3, 5], layers_ready=0)
+            out: dict[str, object] = {}
+            reader = threading.Thread(target=lambda: out.update(
+                r=client.read("s1", [1, 2], [3, 5], timeout=20, stream=True)))
+            reader.start()
+            for n in range(1, SPEC.num_layers + 1):
+                time.sleep(0.1)
+                server.publish("s1", n)
+            reader.join(30)
+            result = out["r"]
+            assert result.ok, result.error
+            for mine, theirs in zip(local, caches, strict=True):
+                assert torch.equal(mine[1:3], theirs[[3, 5]])
+    assert sleeps and max(sleeps) <= _stream.BOARD_SLEEP
 
 
 def test_a_board_on_another_host_is_not_opened(board: Board) -> None:

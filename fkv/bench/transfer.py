@@ -74,6 +74,7 @@ class Case:
     stream_tail_ms: float = 0.0  # streamed: last layer published -> every decode rank's read done
     stream_news_ms: float = 0.0  # ... -> the last layer's news reached every decode rank
     stream_landed_ms: float = 0.0  # ... -> the last layer landed on every decode rank
+    stream_cpu_ms: float = 0.0   # CPU time of a decode rank's process during one streamed read
     layer_ms: float = 0.0        # one layer's share of the same request's non-streamed read
     # results
     plan_strategy: str = ""
@@ -451,6 +452,7 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         stream_ends: list[list[float]] = []
         stream_news: list[list[float]] = []    # when the last layer's news reached this rank
         stream_landed: list[list[float]] = []  # when the last layer landed
+        stream_cpu: list[list[float]] = []     # the process's CPU seconds during each read
         if cfg.get("stream"):
             from fkv.connector.transport._stream import Watch
 
@@ -465,13 +467,15 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
             Watch.beyond = timed_beyond  # type: ignore[method-assign]
             for n in case["sizes"]:
                 local, remote = _stream_blocks(cfg, n)
-                ends, heard, landed = [], [], []
+                ends, heard, landed, cpu = [], [], [], []
                 for rep in range(cfg["stream_reps"]):
                     sbarrier.wait()
                     news.clear()
                     t0 = time.perf_counter()
+                    c0 = time.process_time()
                     r = client.read(f"st-{n}-{rep}", local, remote, timeout=120.0, stream=True)
                     ends.append(time.perf_counter())
+                    cpu.append(time.process_time() - c0)
                     if not r.ok:
                         raise RuntimeError(f"streamed read failed: {r.error}")
                     heard.append(news[-1] if news else ends[-1])
@@ -479,9 +483,10 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
                 stream_ends.append(ends)
                 stream_news.append(heard)
                 stream_landed.append(landed)
+                stream_cpu.append(cpu)
         _send(conn, strategy=client.plan.strategy, runs=runs_by_size, ttfb=ttfb,
               stats=stats_by_size, packs=packs_by_size, first_read=first, stream_ends=stream_ends,
-              stream_news=stream_news, stream_landed=stream_landed)
+              stream_news=stream_news, stream_landed=stream_landed, stream_cpu=stream_cpu)
         client.close()
     except Exception as e:
         barrier.abort()
@@ -565,6 +570,7 @@ def _run_case(cfg: dict[str, Any], case: Case) -> list[Case]:
                 c.stream_tail_ms = after_last("stream_ends")
                 c.stream_news_ms = after_last("stream_news")
                 c.stream_landed_ms = after_last("stream_landed")
+                c.stream_cpu_ms = 1e3 * max(statistics.median(o["stream_cpu"][k]) for o in outs)
                 c.layer_ms = c.ms / cfg["layers"]
             results.append(c)
         return results
@@ -807,7 +813,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row.ms:.3f} ms/read, first read {row.first_read_ms:.1f} ms"
                      + (f"; streamed tail {row.stream_tail_ms:.3f} ms (one layer "
                         f"{row.layer_ms:.3f} ms; news {row.stream_news_ms:.3f}, landed "
-                        f"{row.stream_landed_ms:.3f})" if cfg["stream"] and not row.error
+                        f"{row.stream_landed_ms:.3f}; decode CPU {row.stream_cpu_ms:.1f} ms per "
+                        f"read)" if cfg["stream"] and not row.error
                         else "")),
                   flush=True)
             if row.profile:
@@ -856,6 +863,7 @@ def main(argv: list[str] | None = None) -> int:
                     **({"stream_tail_ms": c.stream_tail_ms, "layer_ms": c.layer_ms,
                         "stream_news_ms": c.stream_news_ms,
                         "stream_landed_ms": c.stream_landed_ms,
+                        "stream_cpu_ms": c.stream_cpu_ms,
                         "tail_over_layer_x": c.stream_tail_ms / c.layer_ms if c.layer_ms else None,
                         "nonstreamed_over_tail_x": c.ms / c.stream_tail_ms
                         if c.stream_tail_ms else None} if cfg["stream"] else {})},

@@ -20,14 +20,30 @@ The decode side reads with ``pread`` on a read-only descriptor, not through a ma
 that truncates its file gives short reads (counted as "no news"), never a fault in our process.
 The name is checked against ``fkv-board-<32 hex>`` before anything is opened, the file must be
 a regular file of exactly the board's size, and the counts read are bounded by the caller.
+
+Waiting without polling (Linux): after the slots, the board holds a 32-bit *sequence* that every
+``set`` increments before it wakes the futex on that word (``FUTEX_WAKE``, one system call). A
+decode rank with nothing new reads the sequence (``pread``), then the counts, and sleeps in
+``FUTEX_WAIT`` on the sequence's address for as long as it still holds the value it read: a
+publish after the read ends the sleep at once, one before it shows in the counts, so no news is
+lost. The decode side maps the file read-only (``mmap`` through libc) only to give the kernel
+that address; Python never reads the mapping, and the kernel's own access to a page the peer has
+truncated away fails with ``EFAULT`` (then the view stops using the futex) instead of raising a
+fault. A peer can wake us spuriously; a wait then costs one more look at the counts.
+``FKV_BOARD_FUTEX=0`` turns the futex off (waits nap on the side channel's sockets instead).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
+import mmap
 import os
+import platform
 import re
 import stat
+import sys
 from typing import Any
 
 import numpy as np
@@ -36,12 +52,59 @@ from fkv.errors import FkvError
 
 __all__ = ["Board", "BoardView", "SLOTS"]
 
-#: Slots per board (two 8-byte words each: a 64 KiB file).
+#: Slots per board (two 8-byte words each: 64 KiB), then the 32-bit sequence and padding.
 SLOTS = 4096
-_BYTES = SLOTS * 16
+_SEQ = SLOTS * 16
+_BYTES = _SEQ + 64
 _DIR = "/dev/shm"
 _NAME = re.compile(r"fkv-board-[0-9a-f]{32}")
 _MAX_LAYERS = (1 << 16) - 1
+
+
+# -- futexes (Linux; anything else leaves the board without them) ---------------------------------
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine()) if sys.platform == "linux" \
+    else None
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE_FLAG): the waker is another process
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _libc() -> Any:
+    if _SYS_FUTEX is None:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
+def _futex_wake(address: int) -> None:
+    if _LIBC is not None:
+        _LIBC.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE),
+                      ctypes.c_int(0x7FFFFFFF), None, None, ctypes.c_int(0))
+
+
+def _futex_wait(address: int, expected: int, seconds: float) -> bool:
+    """Sleep while the 32-bit word at ``address`` holds ``expected``, at most ``seconds`` (the
+    GIL is released meanwhile). False when the futex cannot be used at all (EFAULT: the page is
+    gone; ENOSYS, EINVAL, EPERM): the caller stops using it."""
+    seconds = max(0.0, seconds)
+    ts = _Timespec(int(seconds), int((seconds - int(seconds)) * 1e9))
+    r = _LIBC.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address),
+                      ctypes.c_int(_FUTEX_WAIT), ctypes.c_uint(expected & 0xFFFFFFFF),
+                      ctypes.byref(ts), None, ctypes.c_int(0))
+    return r == 0 or ctypes.get_errno() in (errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT)
 
 
 def _slot(salt: bytes, request_id: str) -> tuple[int, int]:
@@ -72,15 +135,22 @@ class Board:
             os.unlink(self.path)
             raise
         os.close(fd)
-        self._words = np.frombuffer(self._map, dtype=np.uint64)
+        self._words = np.frombuffer(self._map, dtype=np.uint64, count=2 * SLOTS)
+        self._seq = np.frombuffer(self._map, dtype=np.uint32, count=1, offset=_SEQ)
+        anchor = ctypes.c_char.from_buffer(self._map)  # its address only; released at once
+        self._seq_address = ctypes.addressof(anchor) + _SEQ
+        del anchor
 
     def set(self, request_id: str, published: int, written: int) -> None:
-        """Write a request's counts (layers published, layers whose writes finished)."""
+        """Write a request's counts (layers published, layers whose writes finished), then
+        advance the sequence and wake its waiters."""
         if self._words is None or max(published, written) > _MAX_LAYERS:
             return
         slot, tag = _slot(self.salt, request_id)
         self._words[2 * slot] = np.uint64(tag << 16 | published)
         self._words[2 * slot + 1] = np.uint64(tag << 16 | written)
+        self._seq[0] += np.uint32(1)
+        _futex_wake(self._seq_address)
 
     def clear(self, request_id: str) -> None:
         """Forget a released request (unless its slot now holds another's)."""
@@ -95,6 +165,7 @@ class Board:
         if self._words is None:
             return
         self._words = None
+        self._seq = None  # waiters end their waits by their own timeouts
         try:
             self._map.close()
         except BufferError:  # a view still alive somewhere: the unmap waits for the process
@@ -130,6 +201,43 @@ class BoardView:
             raise
         self._fd: int | None = fd
         self._last: tuple[str, int, int] = ("", 0, 0)  # request id, slot, tag (a wait polls one)
+        #: the file mapped read-only for FUTEX_WAIT's address (0: no futex here)
+        self._address = 0
+        if _LIBC is not None and os.environ.get("FKV_BOARD_FUTEX", "1") != "0":
+            address = _LIBC.mmap(None, _BYTES, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if address not in (None, ctypes.c_void_p(-1).value):
+                self._address = address
+
+    @property
+    def can_wait(self) -> bool:
+        """Whether :meth:`wait` sleeps on a futex (else the caller naps some other way)."""
+        return bool(self._address) and self._fd is not None
+
+    def sequence(self) -> int | None:
+        """The board's sequence (advanced by every count written), or None (a short read)."""
+        if self._fd is None:
+            return None
+        try:
+            raw = os.pread(self._fd, 4, _SEQ)
+        except OSError:
+            return None
+        return int.from_bytes(raw, "little") if len(raw) == 4 else None
+
+    def wait(self, sequence: int, seconds: float) -> bool:
+        """Sleep until the board's sequence is no longer ``sequence`` (a count was written), at
+        most ``seconds``; at once if it already moved on. False when this view cannot wait (no
+        futex, or the peer's page is gone: the view stops trying)."""
+        if not self.can_wait:
+            return False
+        if _futex_wait(self._address + _SEQ, sequence, seconds):
+            return True
+        self._unmap()
+        return False
+
+    def _unmap(self) -> None:
+        if self._address:
+            _LIBC.munmap(ctypes.c_void_p(self._address), _BYTES)
+            self._address = 0
 
     def layers(self, request_id: str, published: bool) -> int | None:
         """The count the board holds for ``request_id`` (``published``: layers announced, else
@@ -152,6 +260,7 @@ class BoardView:
         return word & 0xFFFF if word >> 16 == tag else None
 
     def close(self) -> None:
+        self._unmap()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

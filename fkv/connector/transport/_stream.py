@@ -30,6 +30,11 @@ LONG_POLL = 0.25
 #: long each nap on the side channel lasts between reads (a long-poll reply ends a nap at once).
 BOARD_SPIN = 0.005
 BOARD_NAP = 0.0002
+#: When every rank still awaited has a board with a futex (Linux): seconds of reading before the
+#: first sleep, and the longest sleep on a board's sequence (a publish ends it at once; the long
+#: polls of ranks are looked at between sleeps).
+BOARD_SPIN_FUTEX = 0.0005
+BOARD_SLEEP = 0.002
 
 
 class Watch:
@@ -104,10 +109,16 @@ class Watch:
                        recorded: bool) -> int:
         """``beyond`` reading the boards of the same-host ranks between non-blocking looks at
         the long polls (still out on every rank: the answer of a rank without a board, or of a
-        slot another request took): busy for ``BOARD_SPIN`` s, then in naps of ``BOARD_NAP`` s
-        on a long poll's socket."""
-        spin_until = time.monotonic() + BOARD_SPIN
+        slot another request took). When every rank still awaited has a board that can wait
+        (a futex on its sequence, ``_board``): busy for ``BOARD_SPIN_FUTEX`` s, then asleep on
+        the sequence of one such board until it moves (at most ``BOARD_SLEEP`` s at a time);
+        otherwise busy for ``BOARD_SPIN`` s, then in naps of ``BOARD_NAP`` s on a long poll's
+        socket."""
+        started = time.monotonic()
         while True:
+            # the sequences before the counts: a count written after this read moves them
+            seqs = {rank: board.sequence() for rank, board in self.boards.items()
+                    if board.can_wait}
             self.ask(request_id, after, recorded)
             for rank in list(self._out):
                 self._collect(rank, None)
@@ -124,7 +135,13 @@ class Watch:
                 return least
             if now >= deadline:
                 return least
-            if now >= spin_until and self._out:
+            awaited = [rank for rank in self.dealers if self._known.get(rank, 0) <= after]
+            sleeper = awaited[0] if all(seqs.get(r) is not None for r in awaited) else None
+            if sleeper is not None:
+                if now >= started + BOARD_SPIN_FUTEX and not self.boards[sleeper].wait(
+                        seqs[sleeper], min(deadline - now, BOARD_SLEEP)):
+                    started = now - BOARD_SPIN  # that board cannot wait: nap on the sockets
+            elif now >= started + BOARD_SPIN and self._out:
                 rank = next(iter(self._out))
                 self._collect(rank, min(deadline, now + BOARD_NAP))
 
