@@ -106,14 +106,17 @@ _CYCLES: list[float] = []
 
 
 def _cycles_per_second() -> float:
-    """GPU clock cycles per second of ``torch.cuda._sleep`` (measured once)."""
+    """GPU clock cycles per second of ``torch.cuda._sleep``, at least: measured once after the
+    clock has ramped up, and never below 2 GHz. A sleep of ``s * _cycles_per_second()`` cycles
+    then lasts at least ``s`` seconds (an idle H200 measured at its 345 MHz resting clock made a
+    2.5 s delay last under 0.5 s once the clock rose)."""
     if not _CYCLES:
-        torch.cuda._sleep(1000)
+        torch.cuda._sleep(400_000_000)  # 0.2 s at 2 GHz: the clock leaves its resting state
         torch.cuda.synchronize()
         t = time.perf_counter()
-        torch.cuda._sleep(50_000_000)
+        torch.cuda._sleep(200_000_000)
         torch.cuda.synchronize()
-        _CYCLES.append(50_000_000 / (time.perf_counter() - t))
+        _CYCLES.append(max(2.0e9, 200_000_000 / (time.perf_counter() - t)))
     return _CYCLES[0]
 
 class Worker:
