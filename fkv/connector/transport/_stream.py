@@ -113,7 +113,8 @@ class Watch:
         (a futex on its sequence, ``_board``): busy for ``BOARD_SPIN_FUTEX`` s, then asleep on
         the sequence of one such board until it moves (at most ``BOARD_SLEEP`` s at a time);
         otherwise busy for ``BOARD_SPIN`` s, then in naps of ``BOARD_NAP`` s on a long poll's
-        socket."""
+        socket. (A rank whose board slot another request took answers only by its long poll,
+        which a board sleep then hears within ``BOARD_SLEEP`` s.)"""
         started = time.monotonic()
         while True:
             # the sequences before the counts: a count written after this read moves them
