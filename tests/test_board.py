@@ -163,6 +163,33 @@ def test_a_wait_sleeps_until_a_count_is_written(board: Board) -> None:
         view.close()
 
 
+def _streamed_read(pause: float) -> tuple[bool, int]:
+    """A streaming read of request s1 (blocks 3, 5 -> 1, 2) started before the first publish,
+    one layer published every ``pause`` s; checks every layer's bytes. Returns whether the
+    client read a board and how many waits the board ended."""
+    caches = fkv.allocate(SPEC)
+    for i, layer in enumerate(caches):
+        layer.copy_(torch.arange(layer.numel()).view(layer.shape) % 251 + 1000 * i)
+    with serve(engine("p"), SPEC, caches) as server:
+        local = fkv.allocate(SPEC)
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            server.hold("s1", [3, 5], layers_ready=0)
+            out: dict[str, object] = {}
+            reader = threading.Thread(target=lambda: out.update(
+                r=client.read("s1", [1, 2], [3, 5], timeout=20, stream=True)))
+            reader.start()
+            for n in range(1, SPEC.num_layers + 1):
+                time.sleep(pause)
+                server.publish("s1", n)
+            reader.join(30)
+            result = out["r"]
+            assert result.ok, result.error
+            for mine, theirs in zip(local, caches, strict=True):
+                assert torch.equal(mine[1:3], theirs[[3, 5]])
+            watch = client._state.watch()
+            return bool(watch.boards), watch.board_news
+
+
 def test_a_streaming_read_sleeps_on_the_board_between_layers(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A streaming read waiting for slow layers sleeps on the board's futex (it spins only
@@ -178,25 +205,7 @@ def test_a_streaming_read_sleeps_on_the_board_between_layers(
         return real_wait(self, sequence, seconds)
 
     monkeypatch.setattr(BoardView, "wait", counted)
-    caches = fkv.allocate(SPEC)
-    for i, layer in enumerate(caches):
-        layer.copy_(torch.arange(layer.numel()).view(layer.shape) % 241 + 1000 * i)
-    with serve(engine("p"), SPEC, caches) as server:
-        local = fkv.allocate(SPEC)
-        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
-            server.hold("s1", [3, 5], layers_ready=0)
-            out: dict[str, object] = {}
-            reader = threading.Thread(target=lambda: out.update(
-                r=client.read("s1", [1, 2], [3, 5], timeout=20, stream=True)))
-            reader.start()
-            for n in range(1, SPEC.num_layers + 1):
-                time.sleep(0.1)
-                server.publish("s1", n)
-            reader.join(30)
-            result = out["r"]
-            assert result.ok, result.error
-            for mine, theirs in zip(local, caches, strict=True):
-                assert torch.equal(mine[1:3], theirs[[3, 5]])
+    _streamed_read(pause=0.1)
     assert sleeps and max(sleeps) <= _stream.BOARD_SLEEP
 
 
@@ -260,29 +269,7 @@ def test_the_server_writes_holds_and_publishes_and_clears_releases() -> None:
 def test_a_streaming_read_takes_its_news_from_the_board(monkeypatch: pytest.MonkeyPatch,
                                                         use_board: bool) -> None:
     monkeypatch.setenv("FKV_PUBLISH_BOARD", "1" if use_board else "0")
-    caches = fkv.allocate(SPEC)
-    for i, layer in enumerate(caches):
-        layer.copy_(torch.arange(layer.numel()).view(layer.shape) % 251 + 1000 * i)
-    with serve(engine("p"), SPEC, caches) as server:
-        local = fkv.allocate(SPEC)
-        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
-            server.hold("s1", [3, 5], layers_ready=0)
-            out: dict[str, object] = {}
-            reader = threading.Thread(target=lambda: out.update(
-                r=client.read("s1", [1, 2], [3, 5], timeout=20, stream=True)))
-            reader.start()
-            published = []
-            for n in range(1, SPEC.num_layers + 1):
-                time.sleep(0.05)
-                published.append(time.perf_counter())
-                server.publish("s1", n)
-            reader.join(30)
-            result = out["r"]
-            assert result.ok, result.error
-            for mine, theirs in zip(local, caches, strict=True):
-                assert torch.equal(mine[1:3], theirs[[3, 5]])
-            watch = client._state.watch()
-            assert bool(watch.boards) is use_board
-            # the board ended waits (the long poll may still win one on a loaded machine)
-            assert (watch.board_news >= 1) if use_board else watch.board_news == 0, \
-                watch.board_news
+    boards, news = _streamed_read(pause=0.05)
+    assert boards is use_board
+    # the board ended waits (the long poll may still win one on a loaded machine)
+    assert (news >= 1) if use_board else news == 0, news
