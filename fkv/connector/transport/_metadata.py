@@ -470,14 +470,14 @@ while True:
                                                          []))
         time.sleep(0.002)
     except Exception as e:
-        try:
+        try:  # best effort: the failure itself is what this probe reports
             agent.invalidateRemoteMD(name)
         except Exception:
             pass
         time.sleep(0.002)
         out.write(f"E {type(e).__name__}: {str(e)[:200]!r}\n")
         break
-    try:
+    try:  # best effort: the probe accepted the metadata whether or not NIXL forgets it cleanly
         agent.invalidateRemoteMD(got)
     except Exception:
         pass

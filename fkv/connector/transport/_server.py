@@ -231,7 +231,7 @@ class Server:
                 self._events.setdefault(request_id, []).append((layers_ready, event))
                 self._board_set(request_id)
                 if self._waiter is None:
-                    self._waiter = _EventWaiter(self._event_done)
+                    self._waiter = _EventWaiter(self._event_done, self.errors)
                 self._waiter.put(event)
                 return
         self._wake()
@@ -690,8 +690,9 @@ class _EventWaiter:
     (``event.synchronize()`` releases the GIL) and calls ``done`` after each: the layers become
     visible to the long polls as soon as their writes finished, with no polling in between."""
 
-    def __init__(self, done: Callable[[], None]) -> None:
+    def __init__(self, done: Callable[[], None], errors: collections.deque[str]) -> None:
         self._done = done
+        self._errors = errors  # the server's ``errors``
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="fkv-publish-events", daemon=True)
         self._thread.start()
@@ -714,5 +715,5 @@ class _EventWaiter:
                 pass
             try:
                 self._done()
-            except Exception:
-                pass
+            except Exception as e:  # keep waiting for the next events; the error stays visible
+                self._errors.append(f"publish event waiter: {type(e).__name__}: {e}")
