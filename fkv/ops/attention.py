@@ -71,10 +71,15 @@ _FMA_SCORES = True
 #: measures them (attention_config is cached: clear it after changing these).
 _FUSED_MERGE = False
 _LAZY_RESCALE = False
-#: default of AttentionConfig.row_halves for full 16-bit tiles of head size <= 128 without splits
-#: (the prefill tile): H200, B=4 x 4096 causal, 1.253 / 1.262 ms against 1.374 / 1.371 ms
-#: without (same run; bench/results/raw/prefill-halves2-masked-exp-20261201T2124.json).
+#: default of AttentionConfig.row_halves for 16-bit tiles of head size <= 128 and at least
+#: _HALVES_MIN_ROWS rows (rounded up to a power of two) without splits. H200: the 256-row prefill
+#: tile, B=4 x 4096 causal, 1.253 / 1.262 ms against 1.374 / 1.371 ms without (same run;
+#: bench/results/raw/prefill-halves2-masked-exp-20261201T2124.json); the 128-row mid tile
+#: (chunked prefill, 32 queries x 4 heads; 64 x 4096) 0.385 / 0.385 ms against 0.461 / 0.464 ms,
+#: the same bytes; 64-row tiles (16 queries) lose: 0.463 / 0.457 against 0.290 / 0.287 ms
+#: (bench/results/raw/mid-halves-exp-20261201T2300.json).
 _ROW_HALVES = True
+_HALVES_MIN_ROWS = 128
 #: grid order: the KV heads of one (query tile, split) are consecutive programs, so they stream
 #: neighbouring bytes of the same pages together (NHD interleaves heads within a token row).
 _HEADS_FIRST = True
@@ -215,8 +220,8 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     else:
         splits = max(1, min(-(-(_PROGRAMS_PER_SM * num_sms) // programs), most))
     splits = -(-max_context // _split_len(max_context, splits, tile_n))
-    full = 2 * rows > rows_cap
-    halves = _ROW_HALVES and full and splits == 1 and size == (128, False) and not _LAZY_RESCALE
+    halves = (_ROW_HALVES and _pow2(rows) >= _HALVES_MIN_ROWS and splits == 1
+              and size == (128, False) and not _LAZY_RESCALE)
     return AttentionConfig(block_q=block_q, heads_per_program=heads, tile_n=tile_n,
                            num_splits=splits, num_warps=warps, num_stages=stages,
                            fused_merge=_FUSED_MERGE and splits > 1,
