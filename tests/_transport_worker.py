@@ -119,6 +119,17 @@ def _cycles_per_second() -> float:
         _CYCLES.append(max(2.0e9, 200_000_000 / (time.perf_counter() - t)))
     return _CYCLES[0]
 
+
+def _gpu_sleep(seconds: float) -> None:
+    """Queue kernels on the current stream that spin for at least ``seconds``: in pieces of at
+    most 2**30 cycles (one ``_sleep`` of 5e9 cycles, 2.5 s at 2 GHz, ended within a 1 s read
+    timeout on the H200: as if its count wrapped at 32 bits)."""
+    cycles = int(seconds * _cycles_per_second())
+    while cycles > 0:
+        torch.cuda._sleep(min(cycles, 1 << 30))
+        cycles -= 1 << 30
+
+
 class Worker:
     def __init__(self, out: Any) -> None:
         self.out = out
@@ -188,7 +199,7 @@ class Worker:
             caches[layer].fill_(float("nan"))
             torch.cuda.synchronize()
             if cmd.get("delay_seconds"):  # one kernel that spins that long
-                torch.cuda._sleep(int(cmd["delay_seconds"] * _cycles_per_second()))
+                _gpu_sleep(cmd["delay_seconds"])
             busy = torch.randn(4096, 4096, device=caches[layer].device)
             for _ in range(cmd.get("delay_write") or 0):
                 busy = busy @ busy / 64.0   # seconds of work queued before the real bytes
