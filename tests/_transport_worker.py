@@ -14,6 +14,7 @@ and ``verify`` compares what landed against the same global KV, bit for bit.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -101,33 +102,27 @@ def verify(caches: list[torch.Tensor], spec: fkv.KVCacheSpec, engine: EngineDesc
     return None
 
 
+_MATMUL_SECONDS: list[float] = []
 
-_CYCLES: list[float] = []
 
-
-def _cycles_per_second() -> float:
-    """GPU clock cycles per second of ``torch.cuda._sleep``, at least: measured once after the
-    clock has ramped up, and never below 2 GHz. A sleep of ``s * _cycles_per_second()`` cycles
-    then lasts at least ``s`` seconds (an idle H200 measured at its 345 MHz resting clock made a
-    2.5 s delay last under 0.5 s once the clock rose)."""
-    if not _CYCLES:
-        torch.cuda._sleep(400_000_000)  # 0.2 s at 2 GHz: the clock leaves its resting state
+def _gpu_busy(seconds: float) -> None:
+    """Queue at least ``seconds`` of GPU work on the current stream and return at once: fp32
+    8192 x 8192 matmuls, as many as the time of one (measured once, after a warm-up) says.
+    (``torch.cuda._sleep`` did not delay anything on the H200 image: a write queued behind 5 s of
+    it had finished when the publish call returned.)"""
+    a = torch.randn(8192, 8192, device=torch.cuda.current_device())
+    out = torch.empty_like(a)
+    if not _MATMUL_SECONDS:
+        for _ in range(3):
+            torch.mm(a, a, out=out)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        torch.cuda._sleep(200_000_000)
+        for _ in range(4):
+            torch.mm(a, a, out=out)
         torch.cuda.synchronize()
-        _CYCLES.append(max(2.0e9, 200_000_000 / (time.perf_counter() - t)))
-    return _CYCLES[0]
-
-
-def _gpu_sleep(seconds: float) -> None:
-    """Queue kernels on the current stream that spin for at least ``seconds``: in pieces of at
-    most 2**30 cycles (one ``_sleep`` of 5e9 cycles, 2.5 s at 2 GHz, ended within a 1 s read
-    timeout on the H200: as if its count wrapped at 32 bits)."""
-    cycles = int(seconds * _cycles_per_second())
-    while cycles > 0:
-        torch.cuda._sleep(min(cycles, 1 << 30))
-        cycles -= 1 << 30
+        _MATMUL_SECONDS.append((time.perf_counter() - t) / 4)
+    for _ in range(max(1, math.ceil(seconds / _MATMUL_SECONDS[0]))):
+        torch.mm(a, a, out=out)
 
 
 class Worker:
@@ -138,6 +133,7 @@ class Worker:
         self.caches: dict[str, tuple[list[torch.Tensor], fkv.KVCacheSpec, EngineDesc]] = {}
         self.pending_reads: dict[str, Any] = {}
         self.rogues: dict[str, list[Any]] = {}  # NIXL agents of hostile tests, per name
+        self.write_done: dict[str, list[float]] = {}  # cmd_publish's delayed writes, per name
 
     def reply(self, **fields: Any) -> None:
         self.out.write(json.dumps(fields) + "\n")
@@ -198,17 +194,29 @@ class Worker:
             saved = caches[layer].clone()
             caches[layer].fill_(float("nan"))
             torch.cuda.synchronize()
-            if cmd.get("delay_seconds"):  # one kernel that spins that long
-                _gpu_sleep(cmd["delay_seconds"])
+            if cmd.get("delay_seconds"):  # that long of GPU work first
+                _gpu_busy(cmd["delay_seconds"])
             busy = torch.randn(4096, 4096, device=caches[layer].device)
             for _ in range(cmd.get("delay_write") or 0):
                 busy = busy @ busy / 64.0   # seconds of work queued before the real bytes
             caches[layer].copy_(saved)
             event = torch.cuda.Event()
             event.record()
+            done: list[float] = []  # when the delayed write ended (cmd_write_done)
+            self.write_done[cmd["name"]] = done
+            threading.Thread(target=lambda: (event.synchronize(),
+                                             done.append(time.perf_counter())),
+                             daemon=True).start()
         t = time.perf_counter()
         server.publish(cmd["request_id"], cmd["layers_ready"], event=event)
-        return {"published_at": t}
+        return {"published_at": t, "returned_at": time.perf_counter()}
+
+    def cmd_write_done(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """When the last delayed write of ``cmd_publish`` ended (``perf_counter``; waits)."""
+        done = self.write_done[cmd["name"]]
+        while not done:
+            time.sleep(0.001)
+        return {"at": done[0]}
 
     def cmd_pending(self, cmd: dict[str, Any]) -> dict[str, Any]:
         server = self.servers[cmd["name"]]

@@ -244,17 +244,15 @@ def test_pdl_changes_no_bit(device: str, mode: str, layout: str) -> None:
 def test_row_halves_change_no_bit(device: str, layout: str, dtype: str, opts: dict[str, Any]) -> None:
     """``row_halves``: the reference's values for every tile; the same bits as one tile for 16-bit
     queries (masked and unmasked key tiles, GQA rows, window, softcap, fp8) in the interpreter
-    and, on the GPU, for the 256-row prefill tile on 8 warps and the 128-row mid tile on 4 (both
-    halves and the whole then run the same warpgroup MMA per 64 rows; smaller GPU tiles may
-    change MMA instruction, hence rounding).
+    and, on the GPU, for the 256-row prefill tile (both halves and the whole then run the same
+    warpgroup MMA per 64 rows). Smaller GPU tiles may round differently: the 128-row mid tile on
+    4 warps gave the same bytes on the bench's shape but not on this one (H200).
     Ignored for split launches and tiles of < 32 rows."""
     case = Case(device, q_lens=(9, 33, 2, 20), layout=layout, dtype=dtype, seed=6, **LONG)
     for cfg, exact_on_gpu in (
             (AttentionConfig(block_q=8, heads_per_program=2, tile_n=16), True),   # 16 rows: off
             (AttentionConfig(block_q=16, heads_per_program=2, tile_n=16), False),  # halves of 16
             (AttentionConfig(block_q=32, heads_per_program=2, tile_n=32), False),  # halves of 32
-            (AttentionConfig(block_q=64, heads_per_program=2, tile_n=64, num_warps=4,
-                             num_stages=3), True),                                 # halves of 64
             (AttentionConfig(block_q=16, heads_per_program=2, tile_n=16, num_splits=3), True),
             (AttentionConfig(block_q=128, heads_per_program=2, tile_n=64, num_warps=8,
                              num_stages=5), True)):                                # halves of 128
@@ -278,8 +276,8 @@ def test_row_halves_config() -> None:
                              **H200)
     assert small.num_splits > 1 and not small.row_halves
     mid = attention_config(num_seqs=64, num_q_tokens=64 * 32, max_context=4096, varlen=True,
-                           **H200)   # chunked prefill: 32 queries x 4 heads = 128 rows
-    assert (mid.block_q, mid.heads_per_program, mid.num_splits, mid.row_halves) == (32, 4, 1, True)
+                           **H200)   # chunked prefill, 32 queries x 4 heads = 128 rows: whole
+    assert (mid.block_q, mid.heads_per_program, mid.num_splits, mid.row_halves) == (32, 4, 1, False)
     narrow = attention_config(num_seqs=64, num_q_tokens=64 * 16, max_context=4096, varlen=True,
                               **H200)  # 64 rows: halves of 32 lose on the H200
     assert (narrow.block_q, narrow.num_splits, narrow.row_halves) == (16, 1, False)

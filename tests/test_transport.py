@@ -969,20 +969,27 @@ def test_ipc_streaming_never_queues_work_behind_a_peer_event(cluster: Any) -> No
     try:
         local, remote = request_blocks(pspec, pspec, 14)
         pair.P[0].call("hold", name=pair.name, request_id="s1", blocks=remote, layers_ready=0)
-        t0 = time.monotonic()
-        # published first (the read must not time out before it hears of layer 0: the worker's
-        # setup of the slow write takes a while on a loaded GPU), written 2.5 s later
-        pair.P[0].call("publish", name=pair.name, request_id="s1", layers_ready=1,
-                       delay_seconds=2.5)   # a kernel spins that long before layer 0's bytes
+        # published first (the read must not time out before it hears of layer 0), written
+        # 5 s later: far beyond the read's 1 s even when the read starts late on a busy machine
+        pub = pair.P[0].call("publish", name=pair.name, request_id="s1", layers_ready=1,
+                             delay_seconds=5.0)   # GPU work that long before layer 0's bytes
         pair.D[0].call("read_async", name=pair.name, request_id="s1", local=local, remote=remote,
                        num_tokens=14, stream=True, timeout=1.0)
         result = pair.D[0].call("read_wait", name=pair.name)
-        assert result["result_ok"] is False and result["path"] == "ipc", result
-        assert "the writes of layer 0 on prefill engine" in result["error"], result["error"]
-        assert "did not finish before the read's timeout" in result["error"]
-        pair.P[0].call("checksum", name=pair.name)  # waits for the prefill's GPU work
-        assert time.monotonic() - t0 > 1.5, "the delayed write ended before the read's timeout"
-        assert pair.D[0].call("untouched", name=pair.name)["untouched"] is True
+        written = pair.P[0].call("write_done", name=pair.name)["at"]
+        untouched = pair.D[0].call("untouched", name=pair.name)["untouched"]
+        # one clock (perf_counter is system-wide): seconds after publish returned
+        start = result["started_at"] - pub["returned_at"]
+        seen = (f"after publish returned: the read started at {start:.2f} s, ended at "
+                f"{start + result['read_seconds']:.2f} s, the write ended at "
+                f"{written - pub['returned_at']:.2f} s; decode blocks untouched: {untouched}; "
+                f"{result}")
+        assert written > result["started_at"] + result["read_seconds"], \
+            f"the delayed write ended before the read's timeout: {seen}"
+        assert result["result_ok"] is False and result["path"] == "ipc", seen
+        assert "the writes of layer 0 on prefill engine" in result["error"], seen
+        assert "did not finish before the read's timeout" in result["error"], seen
+        assert untouched is True, seen
     finally:
         pair.stop()
 

@@ -9,7 +9,8 @@ row halves, records registers, spills and shared memory of each compiled variant
 run's default and cuDNN SDPA.
 
     python bench/experiments/prefill_occupancy.py   # GPU; CPU runs a tiny shape, no timing
-The JSON goes to ``$OUT`` (or /tmp) as ``prefill-occupancy-exp.json``.
+    python bench/experiments/prefill_occupancy.py --wide   # 16 warps, 512 rows, 32-key tiles
+The JSON goes to ``$OUT`` (or /tmp) as ``prefill-occupancy-exp.json`` (``prefill-wide-exp.json``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
 
 import attrs
 import torch
@@ -32,8 +34,12 @@ def main() -> None:
     dev = "cuda" if cuda else "cpu"
     C = AttentionConfig
     configs = {"default": None}
-    for bq, warps, stages, tile in ((32, 4, 2, 64), (32, 4, 1, 64), (32, 4, 2, 32),
-                                    (32, 4, 3, 32), (64, 8, 2, 64), (64, 8, 3, 64)):
+    grid = ((32, 4, 2, 64), (32, 4, 1, 64), (32, 4, 2, 32), (32, 4, 3, 32), (64, 8, 2, 64),
+            (64, 8, 3, 64))
+    if "--wide" in sys.argv:  # more warps per tile, smaller key tiles (second GPU round)
+        grid = ((64, 16, 5, 64), (64, 16, 3, 64), (128, 16, 3, 64), (64, 8, 5, 32),
+                (64, 8, 4, 32))
+    for bq, warps, stages, tile in grid:
         base = C(block_q=bq, heads_per_program=4, tile_n=tile, num_warps=warps,
                  num_stages=stages)
         configs[f"bq{bq} w{warps} s{stages} n{tile}"] = base
@@ -69,7 +75,8 @@ def main() -> None:
             rows.append({"layout": layout, "variant": "sdpa cudnn", "ms": ms})
             print(rows[-1], flush=True)
         del p
-    out = pathlib.Path(os.environ.get("OUT", "/tmp")) / "prefill-occupancy-exp.json"
+    name = "prefill-wide-exp.json" if "--wide" in sys.argv else "prefill-occupancy-exp.json"
+    out = pathlib.Path(os.environ.get("OUT", "/tmp")) / name
     out.write_text(json.dumps({"experiment": "prefill: two programs per SM",
                                "device": torch.cuda.get_device_name() if cuda else "cpu",
                                "torch": torch.__version__, "triton": triton.__version__,
