@@ -289,14 +289,18 @@ class Worker:
                                          num_tokens=r.get("num_tokens"),
                                          stream=r.get("stream", False))
         ended = time.perf_counter()  # the read's own clock started ``seconds`` before its return
-        packed = self.clients[name]._state.packed
+        state = self.clients[name]._state
+        packed = state.packed
+        plan_path = getattr(state, "plan_path", None)
         return {"result_ok": result.ok, "bytes": result.bytes, "descriptors": result.descriptors,
                 "error": result.error, "read_seconds": result.seconds, "path": result.strategy,
                 "started_at": ended - result.seconds, "layer_seconds": list(result.layer_seconds),
                 "pack_seconds": result.pack_seconds, "transfer_seconds": result.transfer_seconds,
                 # a packed read's chunks, pipeline depth, most chunks in flight at once, ...
                 "packed": dict(packed.last) if packed is not None and
-                result.strategy == "packed" else None}
+                result.strategy == "packed" else None,
+                # direct/staging: layer ranges read from READs computed while awaiting the layer
+                "prepared_reads": getattr(plan_path, "prepared_reads", None)}
 
     def cmd_read_async(self, cmd: dict[str, Any]) -> None:
         """Start a read in a thread (``read_wait`` collects it): the worker keeps answering."""

@@ -890,6 +890,8 @@ def test_streaming_layers_land_as_published(cluster: Any, case: str) -> None:
             assert all(t >= p for t, p in zip(landed, publish_of_layer, strict=True)), (landed,
                                                                                       published)
             assert landed[0] < landed[1] < landed[2] == landed[3], landed  # 3 ranges, in order
+            if path in ("direct", "staging"):  # the single layers awaited: READs computed ahead
+                assert r["prepared_reads"] == 2, r
         if path == "packed":  # one READ per prefill rank read per chunk of each of the 3 ranges
             reads = [len(c["remote_ranks"]) for c in pair.connected]
             chunks = (2, 2, 4) if case.endswith("chunks") else (1, 1, 1)

@@ -256,9 +256,14 @@ class Client:
         while len(landed) < total:
             done = len(landed)
             got = f"layers 0..{done - 1} landed" if done else "no layer landed"
+            after = done if layered else total - 1
+            ahead = None  # the READs of layer `done`, computed while it is awaited
             try:
-                ready = watch.beyond(request_id, done if layered else total - 1, deadline,
-                                     recorded)
+                ready = watch.beyond(request_id, after, deadline, recorded, wait=False)
+                if ready <= after:
+                    if rows is not None:
+                        ahead = path.layer_reads(rows, done)
+                    ready = watch.beyond(request_id, after, deadline, recorded)
             except TransferFailed as e:
                 raise TransferFailed(f"streaming request {request_id!r}: {got} of {total}; {e}; "
                                      f"nothing is reported as done") from e
@@ -282,7 +287,7 @@ class Client:
                           layers=(done, ready), after_events=True)
             elif rows is not None:
                 path.read(request_id, local, remote, tokens, deadline, tally, rows,
-                          layers=(done, ready))
+                          layers=(done, ready), prepared=ahead)
             elif layered:
                 path.read(request_id, local, remote, tokens, deadline, tally, layers=(done, ready))
             else:

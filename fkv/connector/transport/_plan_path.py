@@ -13,13 +13,14 @@ import math
 import time
 from typing import Any
 
+import attrs
 import numpy as np
 
 from fkv.connector.transport._base import Tally, TransferFailed, kernels, on_device, split_chunks
 from fkv.connector.transport._link import Link, wait_reads
 from fkv.errors import FkvError
 
-__all__ = ["PlanPath", "staging_blocks"]
+__all__ = ["LayerReads", "PlanPath", "staging_blocks"]
 
 
 def staging_blocks(plan: Any, local_spec: Any, remote_spec: Any, staging_bytes_max: int) -> int:
@@ -40,6 +41,18 @@ def staging_blocks(plan: Any, local_spec: Any, remote_spec: Any, staging_bytes_m
     return min(blocks, max(remote_spec.num_blocks, step // remote_spec.block_size))
 
 
+@attrs.frozen
+class LayerReads:
+    """One remote layer's READs of a request, ready to create: per prefill rank ``(rank, local
+    descriptor indices, remote descriptor indices, bytes)``, for the descriptor ``granule`` they
+    were computed with; ``rows``: plan rows (descriptors before NIXL merges them)."""
+
+    layer: int
+    granule: int
+    rows: int
+    reads: tuple[tuple[int, np.ndarray, np.ndarray, int], ...]
+
+
 class PlanPath:
     """The plan's direct or staging reads over a :class:`Link` (``name`` is the plan's
     strategy)."""
@@ -53,6 +66,8 @@ class PlanPath:
         #: READs that outlived their read's deadline: NIXL may still land their bytes (in the
         #: staging buffer or the local blocks), so no read of this path starts before they end
         self.quarantine: list[Any] = []
+        #: layer ranges read from READs computed ahead (layer_reads), since the connection began
+        self.prepared_reads = 0
 
     def describe(self) -> str:
         return f"{self.name}: the plan's rows, one READ per prefill rank"
@@ -74,40 +89,67 @@ class PlanPath:
 
     def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
              deadline: float, tally: Tally, rows: np.ndarray | None = None,
-             layers: tuple[int, int] | None = None) -> None:
+             layers: tuple[int, int] | None = None, prepared: LayerReads | None = None) -> None:
         """Read the request (``layers=(a, b)``: only those remote layers, and the READs carry no
-        notification: the caller notifies once every layer landed)."""
+        notification: the caller notifies once every layer landed). ``prepared``: the READs of
+        exactly ``layers``, from :meth:`layer_reads` (a one-chunk request)."""
         if layers is not None and not self.layered():
             raise FkvError("PlanPath.read: a layer range needs per-layer prefill caches")
         chunks = self.chunks(local, remote, tokens)
         for k, (lc, rc, n_tok) in enumerate(chunks):
             self._chunk(request_id, lc, rc, n_tok, False, deadline, tally,
-                        rows if len(chunks) == 1 else None, layers)
+                        rows if len(chunks) == 1 else None, layers,
+                        prepared if len(chunks) == 1 else None)
+
+    def layer_reads(self, rows: np.ndarray, layer: int) -> LayerReads:
+        """The READs of one remote layer of a one-chunk request, from its plan ``rows``: what a
+        streaming read computes while it waits for that layer, so that once the layer is
+        published only the READs are created and posted. Valid until the next read of another
+        request (the descriptor granule may change then)."""
+        link = self.link
+        rows = rows[rows[:, 1] == layer]
+        link.ensure_granule(rows)
+        reads = []
+        for rank in link.plan.remote_ranks:
+            mine = rows[rows[:, 0] == rank]
+            local_idx, remote_idx = link.indices(mine)
+            reads.append((rank, local_idx, remote_idx, int(mine[:, 5].sum())))
+        return LayerReads(layer, link.granule, int(rows.shape[0]), tuple(reads))
 
     def _chunk(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
                last: bool, deadline: float, tally: Tally, rows: np.ndarray | None,
-               layers: tuple[int, int] | None = None) -> None:
+               layers: tuple[int, int] | None = None,
+               prepared: LayerReads | None = None) -> None:
         link = self.link
         agent, plan = link.local.agent, link.plan
-        if rows is None:
-            rows = plan.segments(local, remote, num_tokens=tokens)
-        if layers is not None:
-            rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
+        if prepared is not None and (layers != (prepared.layer, prepared.layer + 1)
+                                     or prepared.granule != link.granule):
+            prepared = None  # another range, or the descriptors were prepared again since
         self._drain_quarantine(deadline)
-        link.ensure_granule(rows)
-        tally.descriptors += int(rows.shape[0])
+        if prepared is None:
+            if rows is None:
+                rows = plan.segments(local, remote, num_tokens=tokens)
+            if layers is not None:
+                rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
+            link.ensure_granule(rows)
+            reads = []
+            for rank in plan.remote_ranks:
+                mine = rows[rows[:, 0] == rank]
+                reads.append((rank, *link.indices(mine), int(mine[:, 5].sum())))
+            tally.descriptors += int(rows.shape[0])
+        else:
+            reads = list(prepared.reads)
+            tally.descriptors += prepared.rows
+            self.prepared_reads += 1
         xfers: list[Any] = []
         ranks: list[int] = []
         t0 = time.perf_counter()
         try:
-            for rank in plan.remote_ranks:
-                mine = rows[rows[:, 0] == rank]
-                local_idx, remote_idx = link.indices(mine)
+            for rank, local_idx, remote_idx, nbytes in reads:
                 notif = link.notif(request_id) if last else b""
                 try:
                     xfers.append(agent.read(link.local_dlist, local_idx, link.remote_dlists[rank],
-                                            remote_idx, link.names[rank], int(mine[:, 5].sum()),
-                                            notif))
+                                            remote_idx, link.names[rank], nbytes, notif))
                 except TransferFailed as e:
                     raise TransferFailed(f"prefill rank {rank} of engine {link.engine_id!r}: {e}; "
                                          f"the prefill process may have died: reconnect once it "

@@ -87,19 +87,22 @@ class Watch:
                 from e
 
     def beyond(self, request_id: str, after: int, deadline: float,
-               recorded: bool = False) -> int:
+               recorded: bool = False, wait: bool = True) -> int:
         """Block until every rank published more than ``after`` layers of ``request_id`` (the
         smallest count then), or until ``deadline`` (the smallest count known, maybe
-        ``<= after``). Long polls, re-asked when a rank's wait ends without news."""
+        ``<= after``). Long polls, re-asked when a rank's wait ends without news. ``wait=False``:
+        only what is known now (the boards, replies already in; polls are still asked)."""
+        if not wait:
+            deadline = time.monotonic()
         try:
             if self.boards:
                 return self._beyond_boards(request_id, after, deadline, recorded)
             while True:
                 self.ask(request_id, after, recorded)
                 for rank in list(self._out):
-                    self._collect(rank, deadline)
+                    self._collect(rank, deadline if wait else None)
                 least = min(self._known.get(rank, 0) for rank in self.dealers)
-                if least > after or time.monotonic() >= deadline:
+                if least > after or not wait or time.monotonic() >= deadline:
                     return least
         except SideChannelError as e:
             raise TransferFailed(f"layer status from prefill engine {self.engine_id!r}: {e}") \

@@ -1,0 +1,178 @@
+"""Experiment: where a streamed read's tail goes on the CPU (DRAM, NIXL between two processes).
+
+One prefill process (P TP=1) and one decode rank in this process (D TP=1), HND 8 x 128 bf16,
+1024-block caches of 8 layers. Each request is held with 7 layers published; 30 ms later the
+prefill publishes the last one while the decode's streamed read waits for it. The tail is
+publish -> read returned; ``spans`` says, per step of the decode (the path's read, the READ's
+creation and post, its wait, the notification), where it started and how long it took after the
+last layer's news reached the decode. "one layer" is a non-streamed read of the same size / 8.
+
+Variants: ``ahead`` (the default: the awaited layer's READs are computed during the wait,
+``PlanPath.layer_reads``) and ``at news`` (that step patched out: the READs are computed once the
+layer's news arrived, as before).
+
+    python bench/experiments/stream_tail_cpu.py        # JSON to $OUT (or /tmp)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import statistics
+import threading
+import time
+
+HEADS = 8
+LAYERS = 8
+BLOCKS = 1024
+
+
+def _spec(layout: str = "HND"):
+    import fkv
+
+    return fkv.KVCacheSpec(layout=layout, num_blocks=BLOCKS, block_size=16, num_kv_heads=HEADS,
+                           head_size=128, dtype="bfloat16", num_layers=LAYERS)
+
+
+def _engine(name: str):
+    from fkv.connector import EngineDesc
+
+    return EngineDesc(engine_id=name, tp_size=1, tp_rank=0, total_num_kv_heads=HEADS, model="m")
+
+
+def _prefill(conn) -> None:
+    import fkv
+    from fkv.connector import serve
+
+    spec = _spec()
+    with serve(_engine("P"), spec, fkv.allocate(spec, "cpu"), lease=600.0) as server:
+        conn.send(server.address)
+        while (msg := conn.recv()) is not None:
+            if msg[0] == "hold":
+                server.hold(msg[1], msg[2], layers_ready=msg[3])
+                conn.send(True)
+            else:
+                time.sleep(0.03)  # the last layer's compute
+                t = time.perf_counter()
+                server.publish(msg[1], msg[2])
+                conn.send(t)
+
+
+def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
+    import numpy as np
+
+    from fkv.connector.transport import _agent, _link, _plan_path
+    from fkv.connector.transport._stream import Watch
+
+    rng = np.random.default_rng(n)
+    heard: list[float] = []
+    spans: dict[str, list] = collections.defaultdict(list)
+    saved = []
+
+    def wrap(owner, name, label):
+        f = getattr(owner, name)
+        saved.append((owner, name, f))
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            out = f(*a, **kw)
+            spans[label].append((t, time.perf_counter()))
+            if label == "news":
+                heard.append(time.perf_counter())
+            return out
+        setattr(owner, name, timed)
+
+    wrap(Watch, "beyond", "news")
+    wrap(_plan_path.PlanPath, "read", "path read")
+    wrap(_agent.Agent, "read", "READ create + post")
+    wrap(_plan_path, "wait_reads", "READ wait")
+    wrap(_link.Link, "notify", "notify")
+    tails, news, steps = [], [], collections.defaultdict(list)
+    try:
+        for i in range(reps + 5):
+            local = rng.permutation(BLOCKS)[:n].tolist()
+            remote = rng.permutation(BLOCKS)[:n].tolist()
+            rid = f"{tag}-{n}-{i}"
+            conn.send(("hold", rid, remote, LAYERS - 1))
+            conn.recv()
+            box: dict = {}
+
+            def run(rid=rid, local=local, remote=remote, box=box):
+                box["r"] = client.read(rid, local, remote, stream=True)
+                box["end"] = time.perf_counter()
+
+            th = threading.Thread(target=run)
+            th.start()
+            conn.send(("pub", rid, LAYERS))
+            published = conn.recv()
+            th.join()
+            assert box["r"].ok, box["r"].error
+            if i >= 5:
+                tails.append(1e3 * (box["end"] - published))
+                news.append(1e3 * (heard[-1] - published))
+                for label, v in spans.items():
+                    after = [(a, b) for a, b in v if a >= heard[-1]]
+                    if label != "news" and after:
+                        steps[label].append((1e3 * (after[0][0] - heard[-1]),
+                                             1e3 * sum(b - a for a, b in after)))
+            spans.clear()
+    finally:
+        for owner, name, f in saved:
+            setattr(owner, name, f)
+    one = []
+    for i in range(reps):
+        local = rng.permutation(BLOCKS)[:n].tolist()
+        remote = rng.permutation(BLOCKS)[:n].tolist()
+        rid = f"{tag}-{n}-whole-{i}"
+        conn.send(("hold", rid, remote, None))
+        conn.recv()
+        t = time.perf_counter()
+        assert client.read(rid, local, remote).ok
+        one.append(1e3 * (time.perf_counter() - t) / LAYERS)
+    med = statistics.median
+    return {"variant": tag, "blocks": n, "reps": reps, "tail_ms": med(tails),
+            "tail_p10_p90_ms": statistics.quantiles(tails, n=10)[::8],
+            "news_ms": med(news), "one_layer_ms": med(one), "tail_over_layer_x": med(tails) / med(one),
+            "after_news_ms": {k: {"starts": med(x[0] for x in v), "takes": med(x[1] for x in v)}
+                              for k, v in steps.items()}}
+
+
+def main() -> None:
+    import fkv
+    from fkv.connector import connect
+    from fkv.connector.transport import _plan_path
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=_prefill, args=(b,), daemon=True)
+    proc.start()
+    address = a.recv()
+    spec = _spec()
+    client = connect(_engine("D"), spec, fkv.allocate(spec, "cpu"), remote_address=address)
+    rows = []
+    strategy = client.plan.strategy
+    ahead = _plan_path.PlanPath.layer_reads
+    try:
+        for n in (16, 256):
+            for tag in ("ahead", "at news", "ahead", "at news"):
+                _plan_path.PlanPath.layer_reads = ahead if tag == "ahead" else (
+                    lambda self, rows, layer: None)
+                rows.append(_measure(client, a, n, 30, tag))
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()
+                       if k != "after_news_ms"}, flush=True)
+    finally:
+        _plan_path.PlanPath.layer_reads = ahead
+        a.send(None)
+        client.close()
+    out = pathlib.Path(os.environ.get("OUT", "/tmp")) / "stream-tail-cpu-exp.json"
+    out.write_text(json.dumps({"experiment": "streamed read tail on the CPU: READs computed ahead",
+                               "strategy": strategy,
+                               "cpus": os.cpu_count(), "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
