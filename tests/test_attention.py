@@ -266,9 +266,27 @@ def test_row_halves_change_no_bit(device: str, layout: str, dtype: str, opts: di
         case.check(config=halves, **opts)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize(("group", "q_len"), [(2, 32), (4, 16), (4, 32)])
+def test_small_head_mid_tiles(device: str, layout: str, group: int, q_len: int) -> None:
+    """Head size 32, the default mid tiles of chunked prefill (64 and 128 rows, no split): the
+    values of the reference. On the GPU this is also the compile check: Triton 3.6's ptxas
+    crashed (SIGSEGV) on these tiles with 3 stages, which the default then took."""
+    cfg = attention_config(num_seqs=64, num_q_tokens=64 * q_len, num_q_heads=8 * group,
+                           num_kv_heads=8, head_size=32, max_context=4096, itemsize=2,
+                           num_sms=132, varlen=True)
+    assert (cfg.block_q, cfg.heads_per_program, cfg.tile_n, cfg.num_splits, cfg.num_warps,
+            cfg.num_stages) == (q_len, group, 64, 1, 4, 2)
+    case = Case(device, hq=2 * group, hkv=2, head_size=32, layout=layout, block_size=4,
+                seq_lens=(q_len + 45, q_len + 6), q_lens=(q_len, q_len - 5), seed=11)
+    for opts in ({}, {"softcap": 4.0}, {"sliding_window": 19}):
+        case.check(config=cfg, **opts)
+
+
 def test_row_halves_config() -> None:
-    """The H200 prefill tile and the 128-row mid tile run in halves; 64-row tiles, decode tiles,
-    split prefill launches, 32-bit and large heads do not; the knob refuses the loop variants it does not run."""
+    """The H200 prefill tile runs in halves; mid tiles (128 and 64 rows), decode tiles, split
+    prefill launches, 32-bit and large heads do not; the knob refuses the loop variants it does
+    not run."""
     pre = attention_config(num_seqs=4, num_q_tokens=4 * 4096, max_context=4096, varlen=True,
                            **H200)
     assert pre.row_halves and pre.num_splits == 1

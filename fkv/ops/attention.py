@@ -106,6 +106,11 @@ _HEADS_FIRST = True
 #:   (bench/results/raw/prefill-halves3-exp-20261201T2127.json).
 #: ``bench/gpu_kernels_sweep.py`` times alternatives on the GPU.
 _TUNING = {
+    # head_pad <= 32: as <= 128 but mid tiles take 2 stages. Triton 3.6's ptxas crashes
+    # (SIGSEGV) on (64, 4, 3) mid tiles of 64 or 128 rows at head size 32 (16-bit cache, no window
+    # nor softcap), found by compiling every default configuration of a grid of shapes for sm_90a
+    # (bench/experiments/compile_defaults.py; bench/results/raw/compile-defaults-exp-*.json).
+    (32, False): (256, (64, 2, 3), (64, 4, 2), (64, 8, 5), (128, 4, 5)),
     (128, False): (256, (64, 2, 3), (64, 4, 3), (64, 8, 5), (128, 4, 5)),
     (256, False): (64, (32, 4, 2), (32, 8, 2), (32, 8, 2)),
     (1024, False): (16, (16, 8, 1), (16, 8, 1), (16, 8, 1)),
@@ -224,7 +229,7 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
         splits = max(1, min(-(-(_PROGRAMS_PER_SM * num_sms) // programs), most))
     splits = -(-max_context // _split_len(max_context, splits, tile_n))
     halves = (_ROW_HALVES and _pow2(rows) >= _HALVES_MIN_ROWS and splits == 1
-              and size == (128, False) and not _LAZY_RESCALE)
+              and size in ((32, False), (128, False)) and not _LAZY_RESCALE)
     return AttentionConfig(block_q=block_q, heads_per_program=heads, tile_n=tile_n,
                            num_splits=splits, num_warps=warps, num_stages=stages,
                            fused_merge=_FUSED_MERGE and splits > 1,
