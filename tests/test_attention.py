@@ -267,6 +267,28 @@ def test_row_halves_change_no_bit(device: str, layout: str, dtype: str, opts: di
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize(("dtype", "opts"), [("bfloat16", {}), ("bfloat16", {"softcap": 4.0}),
+                                             ("bfloat16", {"sliding_window": 19}), ("fp8", {})])
+def test_mid_tile_halves_default(device: str, layout: str, dtype: str, opts: dict[str, Any]) -> None:
+    """The default 128-row mid tile of chunked prefill (32 queries x 4 heads of 64, no split)
+    runs in halves: the reference's values, and the whole tile's (bit for bit in the
+    interpreter; within rounding on the GPU, where 64-row halves may round otherwise)."""
+    cfg = attention_config(num_seqs=64, num_q_tokens=64 * 32, num_q_heads=32, num_kv_heads=8,
+                           head_size=64, max_context=4096, itemsize=2, num_sms=132, varlen=True)
+    assert (cfg.block_q, cfg.heads_per_program, cfg.num_splits, cfg.num_warps, cfg.row_halves) \
+        == (32, 4, 1, 4, True)
+    case = Case(device, hq=8, hkv=2, head_size=64, layout=layout, dtype=dtype, block_size=4,
+                seq_lens=(77, 40), q_lens=(32, 27), seed=12)
+    got = case.run(config=cfg, **opts)
+    whole = case.run(config=attrs.evolve(cfg, row_halves=False), **opts)
+    if device == "cuda":
+        torch.testing.assert_close(got, whole, rtol=TOL[case.q.dtype], atol=TOL[case.q.dtype])
+    else:
+        assert torch.equal(got, whole)
+    case.check(config=cfg, **opts)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize(("group", "q_len"), [(2, 32), (4, 16), (4, 32)])
 def test_small_head_mid_tiles(device: str, layout: str, group: int, q_len: int) -> None:
     """Head size 32, the default mid tiles of chunked prefill (64 and 128 rows, no split): the
@@ -284,9 +306,9 @@ def test_small_head_mid_tiles(device: str, layout: str, group: int, q_len: int) 
 
 
 def test_row_halves_config() -> None:
-    """The H200 prefill tile runs in halves; mid tiles (128 and 64 rows), decode tiles, split
-    prefill launches, 32-bit and large heads do not; the knob refuses the loop variants it does
-    not run."""
+    """The H200 prefill tile and the 128-row mid tile run in halves (the mid tile not for heads
+    of <= 32); 64-row tiles, decode tiles, split prefill launches, 32-bit and large heads do not;
+    the knob refuses the loop variants it does not run."""
     pre = attention_config(num_seqs=4, num_q_tokens=4 * 4096, max_context=4096, varlen=True,
                            **H200)
     assert pre.row_halves and pre.num_splits == 1
@@ -294,8 +316,11 @@ def test_row_halves_config() -> None:
                              **H200)
     assert small.num_splits > 1 and not small.row_halves
     mid = attention_config(num_seqs=64, num_q_tokens=64 * 32, max_context=4096, varlen=True,
-                           **H200)   # chunked prefill, 32 queries x 4 heads = 128 rows: whole
-    assert (mid.block_q, mid.heads_per_program, mid.num_splits, mid.row_halves) == (32, 4, 1, False)
+                           **H200)   # chunked prefill, 32 queries x 4 heads = 128 rows
+    assert (mid.block_q, mid.heads_per_program, mid.num_splits, mid.row_halves) == (32, 4, 1, True)
+    small = attention_config(num_seqs=64, num_q_tokens=64 * 32, max_context=4096, varlen=True,
+                             **{**H200, "head_size": 32})  # head size <= 32: 256-row tiles only
+    assert (small.block_q, small.num_splits, small.row_halves) == (32, 1, False)
     narrow = attention_config(num_seqs=64, num_q_tokens=64 * 16, max_context=4096, varlen=True,
                               **H200)  # 64 rows: halves of 32 lose on the H200
     assert (narrow.block_q, narrow.num_splits, narrow.row_halves) == (16, 1, False)

@@ -71,18 +71,18 @@ _FMA_SCORES = True
 #: measures them (attention_config is cached: clear it after changing these).
 _FUSED_MERGE = False
 _LAZY_RESCALE = False
-#: default of AttentionConfig.row_halves for 16-bit tiles of head size <= 128 and at least
-#: _HALVES_MIN_ROWS rows (rounded up to a power of two) without splits: the 256-row prefill tile.
-#: H200, B=4 x 4096 causal: 1.253 / 1.262 ms against 1.374 / 1.371 ms without (same run;
-#: bench/results/raw/prefill-halves2-masked-exp-20261201T2124.json). The 128-row mid tile on 4
-#: warps (chunked prefill, 32 queries x 4 heads; 64 x 4096, head size 128) ran 0.385 / 0.385 ms
-#: against 0.461 / 0.464 ms (bench/results/raw/mid-halves-exp-20261201T2300.json), but Triton
-#: 3.6's ptxas crashed (SIGSEGV) on a 128-row tile of head size 32 in bf16 without a window
-#: (block_q 64 x 2 heads, 64 keys, 4 warps, 3 stages, with halves or its whole-tile twin: the run
-#: does not say which; a case of test_row_halves_change_no_bit, removed): not a default until
-#: that is understood. 64-row tiles lose (0.463 / 0.457 against 0.290 / 0.287 ms).
+#: default of AttentionConfig.row_halves: 16-bit tiles without splits of at least
+#: _HALVES_MIN_ROWS[tuning key] rows (query tokens x heads, rounded up to a power of two). H200:
+#: the 256-row prefill tile, B=4 x 4096 causal, 1.253 / 1.262 ms against 1.374 / 1.371 ms without
+#: (same run; bench/results/raw/prefill-halves2-masked-exp-20261201T2124.json); the 128-row mid
+#: tile on 4 warps (chunked prefill, 32 queries x 4 heads of 128; 64 x 4096) 0.385 / 0.385 ms
+#: against 0.461 / 0.464 ms, the same bytes there (bench/results/raw/mid-halves-exp-20261201T2300
+#: .json); 64-row tiles lose (0.463 / 0.457 against 0.290 / 0.287 ms). Head sizes <= 32 keep
+#: halves to the 256-row tile (their mid tile is unmeasured; with 3 stages Triton 3.6's ptxas
+#: crashed on it, whole or in halves). Every default was compiled for sm_90a with Triton 3.6
+#: (bench/experiments/compile_defaults.py).
 _ROW_HALVES = True
-_HALVES_MIN_ROWS = 256
+_HALVES_MIN_ROWS = {(32, False): 256, (128, False): 128}
 #: grid order: the KV heads of one (query tile, split) are consecutive programs, so they stream
 #: neighbouring bytes of the same pages together (NHD interleaves heads within a token row).
 _HEADS_FIRST = True
@@ -228,8 +228,8 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     else:
         splits = max(1, min(-(-(_PROGRAMS_PER_SM * num_sms) // programs), most))
     splits = -(-max_context // _split_len(max_context, splits, tile_n))
-    halves = (_ROW_HALVES and _pow2(rows) >= _HALVES_MIN_ROWS and splits == 1
-              and size in ((32, False), (128, False)) and not _LAZY_RESCALE)
+    halves = (_ROW_HALVES and splits == 1 and not _LAZY_RESCALE
+              and _pow2(rows) >= _HALVES_MIN_ROWS.get(size, 1 << 30))
     return AttentionConfig(block_q=block_q, heads_per_program=heads, tile_n=tile_n,
                            num_splits=splits, num_warps=warps, num_stages=stages,
                            fused_merge=_FUSED_MERGE and splits > 1,
