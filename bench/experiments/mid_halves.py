@@ -14,13 +14,12 @@ The JSON goes to ``$OUT`` (or /tmp) as ``mid-halves-exp.json``.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
 
 import attrs
 import torch
 import triton
+
+import _record  # bench/experiments/_record.py (the script's own folder is on sys.path)
 
 
 def main() -> None:
@@ -56,17 +55,12 @@ def main() -> None:
                         row["ms"] = triton.testing.do_bench(lambda: p.kernel(cfg), rep=200,
                                                             return_mode="median")
                 except Exception as e:  # noqa: BLE001 - an experiment: record and go on
-                    row["error"] = f"{type(e).__name__}: {e}"[:400]
+                    row["error"] = _record.error(e)
                 rows.append(row)
-                print({k: v for k, v in row.items() if k != "config"}, "splits", cfg.num_splits, "block_q", cfg.block_q, flush=True)
+                print({k: v for k, v in row.items() if k != "config"}, "splits", cfg.num_splits,
+                      "block_q", cfg.block_q, flush=True)
             del p
-    out = pathlib.Path(os.environ.get("OUT", "/tmp")) / "mid-halves-exp.json"
-    out.write_text(json.dumps({"experiment": "row halves on mid tiles",
-                               "device": torch.cuda.get_device_name() if cuda else "cpu",
-                               "torch": torch.__version__, "triton": triton.__version__,
-                               "rows": rows}, indent=1))
-    print(f"wrote {out}")
-
+    _record.write("mid-halves-exp.json", "row halves on mid tiles", rows)
 
 if __name__ == "__main__":
     main()

@@ -18,13 +18,14 @@ The JSON goes to ``$OUT`` (or /tmp) as ``prefill-lag-b-exp.json``.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import pathlib
 
 import attrs
 import torch
 import triton
+
+import _record  # bench/experiments/_record.py (the script's own folder is on sys.path)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -144,31 +145,18 @@ def main() -> None:
                 if cuda:
                     row["ms"] = triton.testing.do_bench(lambda: p.kernel(cfg), rep=300,
                                                         return_mode="median")
-                    for entry in kern.device_caches.values():
-                        for ck in entry[0].values():
-                            row.update(n_regs=ck.n_regs, n_spills=ck.n_spills,
-                                       shared=ck.metadata.shared)
+                    row.update(_record.compiled(kern))
             except Exception as e:  # noqa: BLE001 - an experiment: record and go on
-                row = {"layout": layout, "variant": name, "error": f"{type(e).__name__}: {e}"[:400]}
+                row = {"layout": layout, "variant": name, "error": _record.error(e)}
             finally:
                 K._paged_attention_kernel = default
             rows.append(row)
             print(row, flush=True)
         if cuda:
-            from torch.nn.attention import SDPBackend
-
-            ms = triton.testing.do_bench(lambda: p.sdpa(SDPBackend.CUDNN_ATTENTION), rep=300,
-                                         return_mode="median")
-            rows.append({"layout": layout, "variant": "sdpa cudnn", "ms": ms})
-            print(rows[-1], flush=True)
+            rows.append(_record.cudnn_row(p, layout, 300))
         del p
-    out = pathlib.Path(os.environ.get("OUT", "/tmp")) / "prefill-lag-b-exp.json"
-    out.write_text(json.dumps({"experiment": "prefill attention: half b one key tile behind",
-                               "device": torch.cuda.get_device_name() if cuda else "cpu",
-                               "torch": torch.__version__, "triton": triton.__version__,
-                               "rows": rows}, indent=1))
-    print(f"wrote {out}")
-
+    _record.write("prefill-lag-b-exp.json", "prefill attention: half b one key tile behind",
+                  rows)
 
 if __name__ == "__main__":
     main()

@@ -15,14 +15,13 @@ The JSON goes to ``$OUT`` (or /tmp) as ``prefill-occupancy-exp.json`` (``prefill
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
 import sys
 
 import attrs
 import torch
 import triton
+
+import _record  # bench/experiments/_record.py (the script's own folder is on sys.path)
 
 
 def main() -> None:
@@ -59,30 +58,16 @@ def main() -> None:
                 if cuda:
                     row["ms"] = triton.testing.do_bench(lambda: p.kernel(cfg), rep=200,
                                                         return_mode="median")
-                    for entry in K._paged_attention_kernel.device_caches.values():
-                        for ck in entry[0].values():
-                            row.update(n_regs=ck.n_regs, n_spills=ck.n_spills,
-                                       shared=ck.metadata.shared)
+                    row.update(_record.compiled(K._paged_attention_kernel))
             except Exception as e:  # noqa: BLE001 - an experiment: record and go on
-                row["error"] = f"{type(e).__name__}: {e}"[:400]
+                row["error"] = _record.error(e)
             rows.append(row)
             print(row, flush=True)
         if cuda:
-            from torch.nn.attention import SDPBackend
-
-            ms = triton.testing.do_bench(lambda: p.sdpa(SDPBackend.CUDNN_ATTENTION), rep=200,
-                                         return_mode="median")
-            rows.append({"layout": layout, "variant": "sdpa cudnn", "ms": ms})
-            print(rows[-1], flush=True)
+            rows.append(_record.cudnn_row(p, layout, 200))
         del p
     name = "prefill-wide-exp.json" if "--wide" in sys.argv else "prefill-occupancy-exp.json"
-    out = pathlib.Path(os.environ.get("OUT", "/tmp")) / name
-    out.write_text(json.dumps({"experiment": "prefill: two programs per SM",
-                               "device": torch.cuda.get_device_name() if cuda else "cpu",
-                               "torch": torch.__version__, "triton": triton.__version__,
-                               "rows": rows}, indent=1))
-    print(f"wrote {out}")
-
+    _record.write(name, "prefill: two programs per SM", rows)
 
 if __name__ == "__main__":
     main()
