@@ -7,9 +7,10 @@ batch and context sizes, bf16 / fp8 caches, NHD / HND, window and softcap), comp
 kernel specialization once with the Triton first on ``PYTHONPATH`` (its own ``ptxas``) and
 records the ones that fail. Run it with the device image's Triton, e.g.
 
-    pip download --no-deps triton==3.6.0 -d /tmp/t36whl
-    pip install --no-deps --target /tmp/t36 /tmp/t36whl/*.whl
-    PYTHONPATH=/tmp/t36:. python bench/experiments/compile_defaults.py     # JSON to $OUT or /tmp
+    T36=$(mktemp -d)
+    pip download --no-deps triton==3.6.0 -d $T36/whl
+    pip install --no-deps --target $T36/site $T36/whl/*.whl
+    PYTHONPATH=$T36/site:. python bench/experiments/compile_defaults.py   # JSON to $OUT or /tmp
     ... compile_defaults.py --head=32 --head=64                              # those head sizes only
 
 Ints are specialized as Triton does at a launch (divisible by 16 where the shapes make them so,
