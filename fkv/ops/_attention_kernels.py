@@ -26,9 +26,10 @@ bf16 (FlashAttention-4's conditional rescaling, decided for the whole tile).
 ``ROW_HALVES`` (no splits): the program's rows are two halves of ``BLOCK_M // 2`` with their own
 accumulators; each key tile is loaded once and both halves' QK^T are issued before either
 softmax. Triton 3.6 waits for each QK^T at once but keeps the (loop-carried) PV dots in flight, so
-half a's PV runs during half b's softmax (bench/NOTES.md reads it from the PTX). Every row sees the same operations in the same order as with one tile; the bytes
-are identical when each half's dots take the whole tile's MMA instructions (16-bit, 256 rows on
-8 warps: a warpgroup MMA per 64 rows either way), within rounding otherwise.
+half a's PV runs during half b's softmax (bench/NOTES.md reads it from the PTX). Every row sees
+the same operations in the same order as with one tile; the bytes are identical when each half's
+dots take the whole tile's MMA instructions (16-bit, 256 rows on 8 warps: a warpgroup MMA per 64
+rows either way), within rounding otherwise.
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ _TUNING = {
     # head_pad <= 32: as <= 128 but mid tiles take 2 stages. Triton 3.6's ptxas crashes
     # (SIGSEGV) on (64, 4, 3) mid tiles of 64 or 128 rows at head size 32 (16-bit cache, no window
     # nor softcap), found by compiling every default configuration of a grid of shapes for sm_90a
-    # (bench/experiments/compile_defaults.py; bench/results/raw/compile-defaults-exp-*.json).
+    # (bench/experiments/compile_defaults.py; bench/results/raw/compile-defaults-*: the failures
+    # before, every head-32 kernel compiling after).
     (32, False): (256, (64, 2, 3), (64, 4, 2), (64, 8, 5), (128, 4, 5)),
     (128, False): (256, (64, 2, 3), (64, 4, 3), (64, 8, 5), (128, 4, 5)),
     (256, False): (64, (32, 4, 2), (32, 8, 2), (32, 8, 2)),

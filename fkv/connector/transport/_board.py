@@ -172,7 +172,7 @@ class Board:
             pass
         try:
             os.unlink(self.path)
-        except FileNotFoundError:
+        except FileNotFoundError:  # removed already (by an earlier close or by hand)
             pass
 
 

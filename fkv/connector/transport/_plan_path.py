@@ -43,11 +43,12 @@ def staging_blocks(plan: Any, local_spec: Any, remote_spec: Any, staging_bytes_m
 
 @attrs.frozen
 class LayerReads:
-    """One remote layer's READs of a request, ready to create: per prefill rank ``(rank, local
-    descriptor indices, remote descriptor indices, bytes)``, for the descriptor ``granule`` they
-    were computed with; ``rows``: plan rows (descriptors before NIXL merges them)."""
+    """The READs of a request's remote ``layers`` (a range; None: every layer), ready to create:
+    per prefill rank ``(rank, local descriptor indices, remote descriptor indices, bytes)``, for
+    the descriptor ``granule`` they were computed with; ``rows``: plan rows (descriptors before
+    NIXL merges them)."""
 
-    layer: int
+    layers: tuple[int, int] | None
     granule: int
     rows: int
     reads: tuple[tuple[int, np.ndarray, np.ndarray, int], ...]
@@ -106,15 +107,18 @@ class PlanPath:
         streaming read computes while it waits for that layer, so that once the layer is
         published only the READs are created and posted. Valid until the next read of another
         request (the descriptor granule may change then)."""
+        return self._reads(rows, (layer, layer + 1))
+
+    def _reads(self, rows: np.ndarray, layers: tuple[int, int] | None) -> LayerReads:
         link = self.link
-        rows = rows[rows[:, 1] == layer]
+        if layers is not None:
+            rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
         link.ensure_granule(rows)
         reads = []
         for rank in link.plan.remote_ranks:
             mine = rows[rows[:, 0] == rank]
-            local_idx, remote_idx = link.indices(mine)
-            reads.append((rank, local_idx, remote_idx, int(mine[:, 5].sum())))
-        return LayerReads(layer, link.granule, int(rows.shape[0]), tuple(reads))
+            reads.append((rank, *link.indices(mine), int(mine[:, 5].sum())))
+        return LayerReads(layers, link.granule, int(rows.shape[0]), tuple(reads))
 
     def _chunk(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
                last: bool, deadline: float, tally: Tally, rows: np.ndarray | None,
@@ -122,30 +126,23 @@ class PlanPath:
                prepared: LayerReads | None = None) -> None:
         link = self.link
         agent, plan = link.local.agent, link.plan
-        if prepared is not None and (layers != (prepared.layer, prepared.layer + 1)
+        if prepared is not None and (prepared.layers != layers
                                      or prepared.granule != link.granule):
             prepared = None  # another range, or the descriptors were prepared again since
         self._drain_quarantine(deadline)
         if prepared is None:
             if rows is None:
                 rows = plan.segments(local, remote, num_tokens=tokens)
-            if layers is not None:
-                rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
-            link.ensure_granule(rows)
-            reads = []
-            for rank in plan.remote_ranks:
-                mine = rows[rows[:, 0] == rank]
-                reads.append((rank, *link.indices(mine), int(mine[:, 5].sum())))
-            tally.descriptors += int(rows.shape[0])
+            reads = self._reads(rows, layers)
         else:
-            reads = list(prepared.reads)
-            tally.descriptors += prepared.rows
+            reads = prepared
             self.prepared_reads += 1
+        tally.descriptors += reads.rows
         xfers: list[Any] = []
         ranks: list[int] = []
         t0 = time.perf_counter()
         try:
-            for rank, local_idx, remote_idx, nbytes in reads:
+            for rank, local_idx, remote_idx, nbytes in reads.reads:
                 notif = link.notif(request_id) if last else b""
                 try:
                     xfers.append(agent.read(link.local_dlist, local_idx, link.remote_dlists[rank],
