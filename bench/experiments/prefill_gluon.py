@@ -1,0 +1,463 @@
+"""Experiment: prefill attention in Gluon, with half b's QK^T left in flight during half a's softmax.
+
+The default prefill tile (256 rows as two 128-row halves, 64-key tiles, 8 warps) is Triton code;
+Triton 3.6 waits for each QK^T warpgroup MMA right after issuing it and keeps only the
+loop-carried PV MMAs in flight (bench/NOTES.md reads it from the PTX). Gluon states the waits:
+here a key tile issues both halves' QK^T, then waits with one MMA still outstanding
+(``warpgroup_mma_wait(1)``), so half b's QK^T runs on the tensor cores while half a's softmax
+runs on the ALUs, and half a's PV while half b's softmax does. K/V tiles are gathered page by page
+from the paged cache with ``cp.async`` into a ring of shared-memory slots, ``STAGES - 2`` tiles
+ahead; the block-table entries of a tile are read one iteration before its copies are issued.
+
+Scope (the case the 1.2x target is about): varlen prefill, 16-bit cache and queries, head size a
+power of two (64 or 128), no window, no softcap, no splits; every row is computed as the default
+computes it (same scores scale, same base-2 online softmax, P rounded to the input dtype).
+
+    PYTHONPATH=$T36/site:. python bench/experiments/prefill_gluon.py --compile   # sm_90a, no GPU
+    python bench/experiments/prefill_gluon.py          # GPU: bytes against the default, times
+The GPU JSON goes to ``$OUT`` (or /tmp) as ``prefill-gluon-exp.json``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _issue_kv(k_smem, v_smem, slot, blk, j, hi, cache_ptr, stride_kv, stride_block, head_off,
+              num_blocks, BLOCK_SIZE: gl.constexpr, STRIDE_TOKEN: gl.constexpr,
+              HEAD: gl.constexpr, TILE_N: gl.constexpr, LOAD: gl.constexpr):
+    """Copy key tile ``j`` (its block ids ``blk``, read earlier) into ring slot ``slot``."""
+    t = j * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LOAD))
+    blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)
+    row = blk.to(gl.int64) * stride_block + (t % BLOCK_SIZE) * STRIDE_TOKEN + head_off
+    d = gl.arange(0, HEAD, layout=gl.SliceLayout(0, LOAD))
+    ptrs = cache_ptr + gl.expand_dims(row, 1) + gl.expand_dims(d, 0)
+    ok = gl.expand_dims(t < hi, 1) & gl.expand_dims(d < HEAD, 0)
+    cp.async_copy_global_to_shared(k_smem.index(slot), ptrs, mask=ok)
+    cp.async_copy_global_to_shared(v_smem.index(slot), ptrs + stride_kv, mask=ok)
+    cp.commit_group()
+
+
+@gluon.jit
+def _block_ids(bt_row_ptr, j, hi, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr,
+               LOAD: gl.constexpr):
+    t = j * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LOAD))
+    return gl.load(bt_row_ptr + t // BLOCK_SIZE, mask=t < hi, other=0)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, acc, score_mult, pos0, t0, hi, MASKED: gl.constexpr,
+             TILE_N: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+             ROW0: gl.constexpr, HPP: gl.constexpr):
+    """Online-softmax step of one half (rows ROW0...): (P, rescaled acc, l, m), as the default
+    kernel does it. Masked tiles rebuild the rows' positions from ``pos0`` (the position of the
+    program's first query), so nothing row-sized stays live across the unmasked loop."""
+    if MASKED:
+        r = ROW0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, S_LAYOUT))
+        q_pos = pos0 + r // HPP
+        t = t0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        visible = (gl.expand_dims(t, 0) <= gl.expand_dims(q_pos, 1)) & gl.expand_dims(t < hi, 0)
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * score_mult)
+    p = gl.exp2(s * score_mult - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+    return p, acc, l_i, m_new
+
+
+@gluon.jit
+def _key_tile(j, q_a, q_b, k_smem, v_smem, acc_a, acc_b, m_a, l_a, m_b, l_b, blk,
+              pos0, hi, bt_row_ptr, cache_ptr, stride_kv, stride_block, head_off,
+              num_blocks, score_mult, BLOCK_SIZE: gl.constexpr, STRIDE_TOKEN: gl.constexpr,
+              HEAD: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
+              MASKED: gl.constexpr, LOAD: gl.constexpr, S_LAYOUT: gl.constexpr,
+              O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, HALF: gl.constexpr,
+              SERIAL_QK: gl.constexpr, HPP: gl.constexpr):
+    slot = j % STAGES
+    # Tile j's copies (this thread's) landed and are fenced for the MMAs' async proxy; the
+    # barrier makes every thread's visible and says every warp group finished tile j - 1's
+    # waits, so tile j - 2's PV MMAs are done everywhere and its slot can be refilled.
+    cp.wait_group(STAGES - 3)
+    fence_async_shared()
+    gl.thread_barrier()
+    _issue_kv(k_smem, v_smem, (j + STAGES - 2) % STAGES, blk, j + STAGES - 2, hi, cache_ptr,
+              stride_kv, stride_block, head_off, num_blocks, BLOCK_SIZE, STRIDE_TOKEN, HEAD,
+              TILE_N, LOAD)
+    blk = _block_ids(bt_row_ptr, j + STAGES - 1, hi, BLOCK_SIZE, TILE_N, LOAD)
+    k_t = k_smem.index(slot).permute((1, 0))
+    v = v_smem.index(slot)
+    zero = gl.zeros([HALF, TILE_N], gl.float32, layout=S_LAYOUT)
+    s_a = warpgroup_mma(q_a, k_t, zero, use_acc=False, is_async=True)
+    if SERIAL_QK:  # as Triton 3.6 compiles the default: each QK^T waited for once issued
+        s_a, acc_a, acc_b = warpgroup_mma_wait(0, deps=[s_a, acc_a, acc_b])
+        s_b = warpgroup_mma(q_b, k_t, zero, use_acc=False, is_async=True)
+        s_b = warpgroup_mma_wait(0, deps=[s_b])
+        s_b = warpgroup_mma_init(s_b)
+    else:
+        s_b = warpgroup_mma(q_b, k_t, zero, use_acc=False, is_async=True)
+        # In flight: the last PVs of both halves, then s_a, s_b. Leave s_b running.
+        s_a, acc_a, acc_b = warpgroup_mma_wait(1, deps=[s_a, acc_a, acc_b])
+    p_a, acc_a, l_a, m_a = _softmax(s_a, m_a, l_a, acc_a, score_mult, pos0, j * TILE_N, hi,
+                                    MASKED, TILE_N, S_LAYOUT, O_LAYOUT, 0, HPP)
+    p_a = gl.convert_layout(p_a.to(q_a.dtype), P_LAYOUT)
+    acc_a = warpgroup_mma(p_a, v, acc_a, is_async=True)
+    s_b = warpgroup_mma_wait(1, deps=[s_b])  # half a's PV keeps running
+    p_b, acc_b, l_b, m_b = _softmax(s_b, m_b, l_b, acc_b, score_mult, pos0, j * TILE_N, hi,
+                                    MASKED, TILE_N, S_LAYOUT, O_LAYOUT, HALF, HPP)
+    p_b = gl.convert_layout(p_b.to(q_a.dtype), P_LAYOUT)
+    acc_b = warpgroup_mma(p_b, v, acc_b, is_async=True)
+    return acc_a, acc_b, m_a, l_a, m_b, l_b, blk
+
+
+@gluon.jit
+def _key_tile_pipe(j, q_a, q_b, k_smem, v_smem, s_a, s_b, acc_a, acc_b, m_a, l_a, m_b, l_b,
+                   blk, pos0, hi, bt_row_ptr, cache_ptr, stride_kv, stride_block,
+                   head_off, num_blocks, score_mult, BLOCK_SIZE: gl.constexpr,
+                   STRIDE_TOKEN: gl.constexpr, HEAD: gl.constexpr, TILE_N: gl.constexpr,
+                   STAGES: gl.constexpr, MASKED: gl.constexpr, LOAD: gl.constexpr,
+                   S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
+                   HALF: gl.constexpr, HPP: gl.constexpr):
+    """Key tile j, each half's QK^T issued half a tile ahead: on entry S_a(j) and S_b(j) are in
+    flight (after PV_a(j-1) and PV_b(j-1) respectively); half a's softmax runs while PV_b(j-1) and
+    S_b(j) do, half b's while PV_a(j) and S_a(j+1) do. Tile j + 1's QK^T reads a slot that
+    holds zeros past the keys (the last tile's is computed and dropped)."""
+    v = v_smem.index(j % STAGES)
+    s_a, acc_a = warpgroup_mma_wait(2, deps=[s_a, acc_a])  # PV_b(j-1), S_b(j) may still run
+    p_a, acc_a, l_a, m_a = _softmax(s_a, m_a, l_a, acc_a, score_mult, pos0, j * TILE_N, hi,
+                                    MASKED, TILE_N, S_LAYOUT, O_LAYOUT, 0, HPP)
+    p_a = gl.convert_layout(p_a.to(q_a.dtype), P_LAYOUT)
+    acc_a = warpgroup_mma(p_a, v, acc_a, is_async=True)
+    # Tile j + 1 landed (every thread's, fenced for the async proxy); every warp group is past
+    # tile j's first wait, so tile j - 2's MMAs are done everywhere and its slot can be refilled.
+    cp.wait_group(STAGES - 4)
+    fence_async_shared()
+    gl.thread_barrier()
+    _issue_kv(k_smem, v_smem, (j + STAGES - 2) % STAGES, blk, j + STAGES - 2, hi, cache_ptr,
+              stride_kv, stride_block, head_off, num_blocks, BLOCK_SIZE, STRIDE_TOKEN, HEAD,
+              TILE_N, LOAD)
+    blk = _block_ids(bt_row_ptr, j + STAGES - 1, hi, BLOCK_SIZE, TILE_N, LOAD)
+    k_t = k_smem.index((j + 1) % STAGES).permute((1, 0))
+    zero = gl.zeros([HALF, TILE_N], gl.float32, layout=S_LAYOUT)
+    s_a = warpgroup_mma(q_a, k_t, zero, use_acc=False, is_async=True)
+    s_b, acc_b = warpgroup_mma_wait(2, deps=[s_b, acc_b])  # PV_a(j), S_a(j+1) may still run
+    p_b, acc_b, l_b, m_b = _softmax(s_b, m_b, l_b, acc_b, score_mult, pos0, j * TILE_N, hi,
+                                    MASKED, TILE_N, S_LAYOUT, O_LAYOUT, HALF, HPP)
+    p_b = gl.convert_layout(p_b.to(q_a.dtype), P_LAYOUT)
+    acc_b = warpgroup_mma(p_b, v, acc_b, is_async=True)
+    s_b = warpgroup_mma(q_b, k_t, zero, use_acc=False, is_async=True)
+    return s_a, s_b, acc_a, acc_b, m_a, l_a, m_b, l_b, blk
+
+
+@gluon.jit
+def _rows(r, chunk, kv_head, q_start, q_tile, q_len, seq_len, HPP: gl.constexpr,
+          GROUP: gl.constexpr, BLOCK_Q: gl.constexpr):
+    qi = r // HPP
+    hh = chunk * HPP + r % HPP
+    hq = kv_head * GROUP + hh
+    tok = (q_start + q_tile + qi).to(gl.int64)
+    ok = (r < BLOCK_Q * HPP) & (q_tile + qi < q_len) & (hh < GROUP)
+    return hq, tok, ok, seq_len - q_len + q_tile + qi
+
+
+@gluon.jit
+def _prefill_kernel(
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    score_mult, num_seqs, num_tiles, num_q_tokens, num_blocks, max_context,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_block, stride_kv, stride_head,
+    BLOCK_SIZE: gl.constexpr, STRIDE_TOKEN: gl.constexpr, NUM_HEADS: gl.constexpr,
+    HEAD: gl.constexpr, GROUP: gl.constexpr, HPP: gl.constexpr, HEAD_CHUNKS: gl.constexpr,
+    BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
+    PIPE: gl.constexpr = False, SERIAL_QK: gl.constexpr = False,
+):
+    NW: gl.constexpr = gl.num_warps()
+    HALF: gl.constexpr = BLOCK_Q * HPP // 2
+    TPW: gl.constexpr = HEAD // 8  # threads of a warp along one 16-byte-vector row
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW, TPW], [NW, 1], [1, 0])
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, TILE_N, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, HEAD, 16])
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD], gl.bfloat16)
+    KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HEAD], gl.bfloat16)
+
+    # Same program order as the default kernel: heads of one query tile are neighbours, the
+    # longest query tiles first.
+    pid = gl.program_id(0)
+    hc = pid % (NUM_HEADS * HEAD_CHUNKS)
+    tile = num_tiles - 1 - pid // (NUM_HEADS * HEAD_CHUNKS)
+    kv_head = hc // HEAD_CHUNKS
+    chunk = hc % HEAD_CHUNKS
+    lo = tile * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ok = gl.load(qsl_ptr + mid).to(gl.int32) // BLOCK_Q + mid <= tile
+        lo = gl.where(ok, mid, lo)
+        hi = gl.where(ok, hi, mid)
+    seq = lo
+    q_start = gl.load(qsl_ptr + seq).to(gl.int32)
+    q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
+    q_tile = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if q_tile < q_len:
+        seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + seq).to(gl.int32), 0),
+                             max_context)
+        first_pos = seq_len - q_len + q_tile
+        kv_hi = gl.minimum(first_pos + BLOCK_Q - 1, seq_len - 1) + 1
+        n_tiles = gl.cdiv(kv_hi, TILE_N)
+        n_open = gl.maximum(gl.minimum(first_pos + 1, kv_hi) // TILE_N, 0)
+        head_off = kv_head.to(gl.int64) * stride_head
+        bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bt
+
+        # Q of both halves into shared memory (the A operand of QK^T).
+        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, HALF, HEAD], Q_SMEM)
+        d_l = gl.arange(0, HEAD, layout=gl.SliceLayout(0, LOAD))
+        for h in gl.static_range(2):
+            r = h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, LOAD))
+            hq, tok, ok, _ = _rows(r, chunk, kv_head, q_start, q_tile, q_len, seq_len, HPP,
+                                   GROUP, BLOCK_Q)
+            ok = ok & (tok < num_q_tokens)
+            qv = gl.load(q_ptr + gl.expand_dims(tok * stride_qt + hq * stride_qh, 1)
+                         + gl.expand_dims(d_l, 0), mask=gl.expand_dims(ok, 1), other=0.0)
+            q_smem.index(h).store(qv)
+        k_smem = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [STAGES, TILE_N, HEAD],
+                                           KV_SMEM)
+        v_smem = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [STAGES, TILE_N, HEAD],
+                                           KV_SMEM)
+        for i in gl.static_range(STAGES - 2):
+            _issue_kv(k_smem, v_smem, i, _block_ids(bt_row_ptr, i, kv_hi, BLOCK_SIZE, TILE_N, LOAD),
+                      i, kv_hi, cache_ptr, stride_kv, stride_block, head_off, num_blocks,
+                      BLOCK_SIZE, STRIDE_TOKEN, HEAD, TILE_N, LOAD)
+        blk = _block_ids(bt_row_ptr, STAGES - 2, kv_hi, BLOCK_SIZE, TILE_N, LOAD)
+        fence_async_shared()
+
+        pos0 = first_pos  # position of the program's first query (row r: pos0 + r // HPP)
+        acc_a = warpgroup_mma_init(gl.zeros([HALF, HEAD], gl.float32, layout=O_LAYOUT))
+        acc_b = warpgroup_mma_init(gl.zeros([HALF, HEAD], gl.float32, layout=O_LAYOUT))
+        l_a = gl.zeros([HALF], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+        l_b = gl.zeros([HALF], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+        m_a = gl.full([HALF], -1.0e30, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+        m_b = gl.full([HALF], -1.0e30, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+        q_a = q_smem.index(0)
+        q_b = q_smem.index(1)
+        if PIPE:
+            # Tile 0's QK^T of half a waited for at once (nothing else is in flight yet), so
+            # that every tile's first wait leaves exactly PV_b(j-1) and S_b(j) running.
+            cp.wait_group(STAGES - 3)
+            fence_async_shared()
+            gl.thread_barrier()
+            k_t = k_smem.index(0).permute((1, 0))
+            zero = gl.zeros([HALF, TILE_N], gl.float32, layout=S_LAYOUT)
+            s_a = warpgroup_mma(q_a, k_t, zero, use_acc=False, is_async=True)
+            s_a = warpgroup_mma_wait(0, deps=[s_a])
+            s_a = warpgroup_mma_init(s_a)
+            s_b = warpgroup_mma(q_b, k_t, zero, use_acc=False, is_async=True)
+            for j in range(0, n_open):
+                s_a, s_b, acc_a, acc_b, m_a, l_a, m_b, l_b, blk = _key_tile_pipe(
+                    j, q_a, q_b, k_smem, v_smem, s_a, s_b, acc_a, acc_b, m_a, l_a, m_b, l_b,
+                    blk, pos0, kv_hi, bt_row_ptr, cache_ptr, stride_kv,
+                    stride_block, head_off, num_blocks, score_mult, BLOCK_SIZE, STRIDE_TOKEN,
+                    HEAD, TILE_N, STAGES, False, LOAD, S_LAYOUT, O_LAYOUT, P_LAYOUT, HALF, HPP)
+            for j in range(n_open, n_tiles):
+                s_a, s_b, acc_a, acc_b, m_a, l_a, m_b, l_b, blk = _key_tile_pipe(
+                    j, q_a, q_b, k_smem, v_smem, s_a, s_b, acc_a, acc_b, m_a, l_a, m_b, l_b,
+                    blk, pos0, kv_hi, bt_row_ptr, cache_ptr, stride_kv,
+                    stride_block, head_off, num_blocks, score_mult, BLOCK_SIZE, STRIDE_TOKEN,
+                    HEAD, TILE_N, STAGES, True, LOAD, S_LAYOUT, O_LAYOUT, P_LAYOUT, HALF, HPP)
+            s_a, s_b = warpgroup_mma_wait(0, deps=[s_a, s_b])
+        else:
+            for j in range(0, n_open):
+                acc_a, acc_b, m_a, l_a, m_b, l_b, blk = _key_tile(
+                    j, q_a, q_b, k_smem, v_smem, acc_a, acc_b, m_a, l_a, m_b, l_b, blk, pos0,
+                    kv_hi, bt_row_ptr, cache_ptr, stride_kv, stride_block, head_off,
+                    num_blocks, score_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD, TILE_N, STAGES, False,
+                    LOAD, S_LAYOUT, O_LAYOUT, P_LAYOUT, HALF, SERIAL_QK, HPP)
+            for j in range(n_open, n_tiles):
+                acc_a, acc_b, m_a, l_a, m_b, l_b, blk = _key_tile(
+                    j, q_a, q_b, k_smem, v_smem, acc_a, acc_b, m_a, l_a, m_b, l_b, blk, pos0,
+                    kv_hi, bt_row_ptr, cache_ptr, stride_kv, stride_block, head_off,
+                    num_blocks, score_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD, TILE_N, STAGES, True,
+                    LOAD, S_LAYOUT, O_LAYOUT, P_LAYOUT, HALF, SERIAL_QK, HPP)
+        acc_a, acc_b = warpgroup_mma_wait(0, deps=[acc_a, acc_b])
+        cp.wait_group(0)
+
+        r_o = gl.arange(0, HALF, layout=gl.SliceLayout(1, O_LAYOUT))
+        d_o = gl.arange(0, HEAD, layout=gl.SliceLayout(0, O_LAYOUT))
+        for h in gl.static_range(2):
+            if h == 0:
+                acc = acc_a
+                l_i = l_a
+            else:
+                acc = acc_b
+                l_i = l_b
+            hq, tok, ok, _ = _rows(r_o + h * HALF, chunk, kv_head, q_start, q_tile, q_len,
+                                   seq_len, HPP, GROUP, BLOCK_Q)
+            ok = ok & (tok < num_q_tokens)
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))
+            o = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
+            gl.store(out_ptr + gl.expand_dims(tok * stride_ot + hq * stride_oh, 1)
+                     + gl.expand_dims(d_o, 0), o.to(out_ptr.dtype.element_ty),
+                     mask=gl.expand_dims(ok, 1))
+
+
+def _args(problem, block_q=64, heads=4, tile_n=64, stages=4, mode=""):
+    """The launch of ``_prefill_kernel`` for a ``fkv.bench.attention.Problem``: (grid, args,
+    constexprs)."""
+    from fkv.ops._spec import cache_constexprs, cache_strides
+
+    spec, q = problem.spec, problem.q
+    group = q.shape[1] // spec.num_kv_heads
+    heads = min(heads, group)
+    chunks = -(-group // heads)
+    strides = cache_strides(spec)
+    batch = problem.batch
+    num_q_tokens = q.shape[0]
+    num_tiles = num_q_tokens // block_q + batch
+    max_context = problem.block_table.shape[1] * spec.block_size
+    scale = q.shape[2] ** -0.5
+    assert q.stride(2) == 1 and problem.out.stride(2) == 1
+    grid = (num_tiles * spec.num_kv_heads * chunks,)
+    args = (q, problem.cache, problem.block_table, problem.seq_lens, problem.query_start_loc,
+            problem.out, scale * 1.4426950408889634, batch, num_tiles, num_q_tokens,
+            spec.num_blocks, max_context, q.stride(0), q.stride(1), problem.out.stride(0),
+            problem.out.stride(1), problem.block_table.stride(0), strides["stride_block"],
+            strides["stride_kv"], strides["stride_head"])
+    consts = dict(BLOCK_SIZE=spec.block_size, STRIDE_TOKEN=strides["stride_token"],
+                  NUM_HEADS=spec.num_kv_heads, HEAD=spec.head_size, GROUP=group, HPP=heads,
+                  HEAD_CHUNKS=chunks, BLOCK_Q=block_q, TILE_N=tile_n, STAGES=stages,
+                  PIPE=mode == "pipe", SERIAL_QK=mode == "serial")
+    assert not cache_constexprs(spec)["CACHE_FP8"] and spec.head_size in (64, 128)
+    return grid, args, consts
+
+
+def compile_offline(stages=4, layout="NHD", mode=""):
+    """Compile for sm_90a with the Triton on the path (no GPU); registers, spills, shared."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    import fkv
+    from fkv.ops._spec import cache_strides
+
+    spec = fkv.KVCacheSpec(layout=layout, num_blocks=1024, block_size=16, num_kv_heads=8,
+                           head_size=128, dtype="bfloat16")
+    st = cache_strides(spec)
+    consts = dict(BLOCK_SIZE=16, STRIDE_TOKEN=st["stride_token"], NUM_HEADS=8, HEAD=128,
+                  GROUP=4, HPP=4, HEAD_CHUNKS=1, BLOCK_Q=64, TILE_N=64, STAGES=stages,
+                  PIPE=mode == "pipe", SERIAL_QK=mode == "serial")
+    ptrs = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "qsl_ptr": "*i32", "out_ptr": "*bf16"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(_prefill_kernel.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "score_mult":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride") and name != "stride_bt":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn=_prefill_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    return {"shared": ck.metadata.shared, "ptxas": _ptxas_info(ck.asm["ptx"])}
+
+
+def _ptxas_info(ptx: str) -> str:
+    """Registers and spills as ``ptxas -v`` of the Triton on the path reports them."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia import compiler as nv
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([nv.get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o",
+                              os.path.join(d, "k.o")], capture_output=True, text=True)
+    return " ".join(line.split("ptxas info    : ")[-1] for line in
+                    (res.stdout + res.stderr).splitlines() if "Used" in line or "spill" in line)
+
+
+def run(problem, stages=4, mode=""):
+    grid, args, consts = _args(problem, stages=stages, mode=mode)
+    _prefill_kernel[grid](*args, **consts, num_warps=8)
+    return problem.out
+
+
+#: (stages, mode) of the GPU run: "" (half b's QK^T in flight), "serial" (each QK^T waited for
+#: at once, as Triton compiles the default), "pipe" (each half's QK^T half a tile ahead)
+VARIANTS = ((3, ""), (3, "serial"), (4, ""), (4, "pipe"), (5, "pipe"))
+
+
+def main() -> None:
+    if "--compile" in sys.argv:
+        for stages, mode in VARIANTS:
+            for layout in ("NHD", "HND"):
+                try:
+                    print(stages, mode, layout, compile_offline(stages, layout, mode), flush=True)
+                except Exception as e:  # noqa: BLE001 - an experiment: say what failed
+                    print(stages, layout, f"{type(e).__name__}: {str(e)[:3000]}", flush=True)
+        return
+    import torch
+
+    import _record  # bench/experiments/_record.py
+
+    from fkv.bench.attention import Problem, Shape
+
+    rows = []
+    for layout in ("NHD", "HND"):
+        for batch, n, q_len in ((1, 256, 256), (2, 1000, 300), (3, 777, 777), (4, 4096, 4096)):
+            p = Problem(Shape(), layout, batch, n, q_len, "cuda")
+            ref = p.kernel().clone()
+            # SDPA's causal mask is top-left aligned: only comparable when q_len == seq_len
+            want = p.sdpa().transpose(1, 2).reshape(ref.shape) if q_len == n else ref
+            for stages, mode in VARIANTS:
+                row = {"layout": layout, "batch": batch, "seq": n, "q_len": q_len,
+                       "variant": f"gluon {mode + ' ' if mode else ''}s{stages}"}
+                try:
+                    p.out.zero_()
+                    _prefill_kernel.device_caches.clear()
+                    out = run(p, stages, mode).clone()
+                    row["max_diff_vs_default"] = (out.float() - ref.float()).abs().max().item()
+                    row["max_diff_vs_sdpa"] = (out.float() - want.float()).abs().max().item()
+                    row["default_vs_sdpa"] = (ref.float() - want.float()).abs().max().item()
+                    if batch == 4:
+                        row["ms"] = triton.testing.do_bench(lambda: run(p, stages, mode), rep=200,
+                                                            return_mode="median")
+                    try:
+                        row.update(_record.compiled(_prefill_kernel))
+                    except Exception as e:  # noqa: BLE001 - registers are a side note
+                        row["compiled_error"] = _record.error(e)
+                except Exception as e:  # noqa: BLE001 - an experiment: record and go on
+                    row["error"] = _record.error(e)
+                rows.append(row)
+                print(row, flush=True)
+            if batch == 4:
+                ms = triton.testing.do_bench(lambda: p.kernel(), rep=200, return_mode="median")
+                rows.append({"layout": layout, "variant": "default", "ms": ms})
+                print(rows[-1], flush=True)
+                rows.append(_record.cudnn_row(p, layout, 200))
+            del p
+            torch.cuda.empty_cache()
+    _record.write("prefill-gluon-exp.json", "prefill in Gluon: QK^T of half b in flight", rows)
+
+
+if __name__ == "__main__":
+    main()
