@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fkv
 from fkv import FkvError, KVCacheSpec, rearrange_pattern
@@ -286,6 +287,111 @@ def test_move_matches_reference_property(device, data):
     C.move(src, a, src_ids, dst[0], b, dst_ids, **kw)
     RC.move(src, a, src_ids, expected[0], b, dst_ids, **kw)
     assert all(_equal(x, y) for x, y in zip(dst, expected))
+
+
+class _AtenOps(TorchDispatchMode):
+    """The names of the aten ops run inside the block (views and detaches included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+#: What the CPU reference's data movement may ask of torch: reinterpreting and permuting views
+#: (and the detach behind ``Tensor.numpy``); no index/index_put/copy_, nothing parallel.
+_VIEW_OPS = {"aten.view.dtype", "aten.permute.default", "aten.detach.default"}
+
+
+def _canon(t: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
+    """The test's own canonical view: (B, two, N, H, C); mla (B, N, C)."""
+    axes = spec.logical_axes
+    return _bits(t).permute([axes.index(a) for a in ("B", "two", "N", "H", "C") if a in axes])
+
+
+def _token_copy(src, a, src_ids, dst, b, dst_ids, heads, n):
+    """Oracle: one token at a time with plain (int and slice) indexing, no index arrays."""
+    s, d = _canon(src, a), _canon(dst, b)
+    for i in range(n):
+        sb = i // a.block_size if src_ids is None else src_ids[i // a.block_size]
+        db = i // b.block_size if dst_ids is None else dst_ids[i // b.block_size]
+        ss, ds = i % a.block_size, i % b.block_size
+        if a.is_mla:
+            d[db, ds] = s[sb, ss]
+        else:
+            (sa, sz), (da, dz) = heads
+            d[db, :, ds, da:dz] = s[sb, :, ss, sa:sz]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_cpu_reference_moves_without_torch_indexing(monkeypatch, seed):
+    """On CPU the reference move/gather/scatter move data through numpy views: inside ``_run`` no
+    aten op but views runs (so no index/index_put parallel region of torch's intra-op pool, which
+    processes sharing a host's cores oversubscribe), under ``torch.set_num_threads(4)``; the bits
+    are those of a token-by-token plain-indexing oracle and of the torch path the GPU keeps
+    (random layouts, block sizes, heads, dtypes, partial blocks, id tensors of both widths)."""
+    rnd = random.Random(seed)
+    mla = seed % 4 == 3
+    dtype = rnd.choice(["bfloat16", "float8_e4m3fn", "float32"])
+    heads, head_size = 1 if mla else rnd.choice([1, 3, 4]), rnd.choice([4, 12])
+
+    def spec() -> KVCacheSpec:
+        return KVCacheSpec(backend="mla" if mla else rnd.choice(["triton", "flash_attn"]),
+                           layout=rnd.choice(["NHD", "HND"]), cross_layer=rnd.random() < 0.5,
+                           num_blocks=rnd.randint(3, 6), block_size=rnd.choice([1, 2, 4, 8]),
+                           num_kv_heads=heads, head_size=head_size, dtype=dtype,
+                           num_layers=2)
+
+    a, b = spec(), spec()
+    src_ids = rnd.choices(range(a.num_blocks), k=rnd.randint(1, 3))
+    n = rnd.randint(1, len(src_ids) * a.block_size)
+    need = -(-n // b.block_size)
+    b = b.evolve(num_blocks=max(b.num_blocks, need))
+    dst_ids = None if rnd.random() < 0.25 else rnd.sample(range(b.num_blocks), need)
+    h = rnd.randint(1, heads)
+    hs = ((sa := rnd.randint(0, heads - h)), sa + h), ((da := rnd.randint(0, heads - h)), da + h)
+    id_dtype = rnd.choice([torch.int32, torch.int64])
+    sid = torch.tensor(src_ids, dtype=id_dtype)
+    did = None if dst_ids is None else torch.tensor(dst_ids, dtype=id_dtype)
+    src = _cache(a, "cpu", seed=30 + seed)[1]
+    dst = _cache(b, "cpu", seed=40 + seed)
+    oracle, torch_path = _clone(dst, b), _clone(dst, b)
+    _token_copy(src, a, src_ids, oracle[0], b, dst_ids, hs, n)
+    kw = dict(src_heads=None if mla else hs[0], dst_heads=None if mla else hs[1])
+    RC._run_torch(RC._check_move(src, a, sid, torch_path[0], b, did, num_tokens=n, **kw))
+    assert all(_equal(x, y) for x, y in zip(torch_path, oracle))
+
+    seen: list[set[str]] = []
+    run = RC._run
+
+    def watched(m):
+        with _AtenOps() as ops:
+            run(m)
+        seen.append(ops.ops)
+
+    monkeypatch.setattr(RC, "_run", watched)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        RC.move(src, a, sid, dst[0], b, did, num_tokens=n, **kw)
+        assert all(_equal(x, y) for x, y in zip(dst, oracle))
+        staging = RC.gather(dst[0], b, dst_ids, num_tokens=n, heads=kw["dst_heads"])
+        back = _cache(a, "cpu", seed=50 + seed)
+        expected = _clone(back, a)
+        back_ids = rnd.sample(range(a.num_blocks), len(src_ids))
+        _token_copy(oracle[0], b, dst_ids, expected[1], a, back_ids, hs[::-1], n)
+        RC.scatter(staging, back[1], a, back_ids,
+                   num_tokens=n, block_size=b.block_size, heads=kw["src_heads"])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(_equal(x, y) for x, y in zip(back, expected))
+    assert len(seen) == 3 and all(ops and ops <= _VIEW_OPS for ops in seen), seen
+    with _AtenOps() as ops:  # the watch sees torch's indexing where it runs
+        RC._run_torch(RC._check_move(src, a, sid, torch_path[0], b, did, num_tokens=n, **kw))
+    assert {"aten.index.Tensor", "aten.index_put_.default"} <= ops.ops
 
 
 def test_block_id_checks_follow_in_place_changes(device):

@@ -4,6 +4,8 @@ Same signatures and the same input checks as the kernels (shared validation), bu
 is the obvious one: ``einops.rearrange`` between logical axes for whole-cache conversion, and
 advanced indexing token by token (``block_ids[i // N]``, slot ``i % N``) for everything else.
 Payloads move as same-width integers, so every copy is bit-exact (fp8 and NaN payloads included).
+On CPU that indexing runs on numpy views of the same memory (the transport's DRAM path moves with
+these references; see :func:`_run_numpy`), elsewhere on torch tensors.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import einops
+import numpy as np
 
 from fkv.layout import KVCacheSpec
 from fkv.ops.relayout import _check_convert, _check_gather, _check_move, _check_scatter, _Move
@@ -37,9 +40,16 @@ def _canonical(view: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
 
 
 def _run(m: _Move) -> None:
-    torch = require_torch()
     if m.num_tokens == 0:
         return
+    if m.src.device.type == "cpu" and m.dst.device.type == "cpu":
+        _run_numpy(m)
+    else:
+        _run_torch(m)
+
+
+def _run_torch(m: _Move) -> None:
+    torch = require_torch()
     device = m.src.device
     i = torch.arange(m.num_tokens, device=device)
 
@@ -56,6 +66,32 @@ def _run(m: _Move) -> None:
     sh = slice(m.src_head_start, m.src_head_start + m.num_heads)
     dh = slice(m.dst_head_start, m.dst_head_start + m.num_heads)
     # Advanced indices split by a slice put the token dim first: both sides are [T, 2, h, C].
+    dst[dst_block, :, dst_slot, dh] = src[src_block, :, src_slot, sh]
+
+
+def _run_numpy(m: _Move) -> None:
+    """:func:`_run_torch` on CPU tensors, through numpy views of the same memory.
+
+    torch's index/index_put run as parallel regions of its intra-op (OpenMP) pool; numpy's fancy
+    indexing is single-threaded, so processes that share a host's cores (a prefill and decodes
+    moving blocks through DRAM) do not oversubscribe them. Same indices, same bits.
+    """
+    i = np.arange(m.num_tokens)
+
+    def where(ids: Any, spec: KVCacheSpec) -> tuple[np.ndarray, np.ndarray]:
+        blocks = i // spec.block_size
+        block = blocks if ids is None else ids.numpy().astype(np.int64)[blocks]
+        return block, i % spec.block_size
+
+    src_block, src_slot = where(m.src_ids, m.src_spec)
+    dst_block, dst_slot = where(m.dst_ids, m.dst_spec)
+    src, dst = _canonical(m.src, m.src_spec).numpy(), _canonical(m.dst, m.dst_spec).numpy()
+    if m.src_spec.is_mla:
+        dst[dst_block, dst_slot] = src[src_block, src_slot]  # [T, C]
+        return
+    sh = slice(m.src_head_start, m.src_head_start + m.num_heads)
+    dh = slice(m.dst_head_start, m.dst_head_start + m.num_heads)
+    # As in torch, advanced indices split by a slice go first: both sides are [T, 2, h, C].
     dst[dst_block, :, dst_slot, dh] = src[src_block, :, src_slot, sh]
 
 
