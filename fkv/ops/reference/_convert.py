@@ -86,6 +86,7 @@ def _run_numpy(m: _Move) -> None:
     src_block, src_slot = where(m.src_ids, m.src_spec)
     dst_block, dst_slot = where(m.dst_ids, m.dst_spec)
     src, dst = _canonical(m.src, m.src_spec).numpy(), _canonical(m.dst, m.dst_spec).numpy()
+    src, dst = _channels_as_one(src, dst)
     if m.src_spec.is_mla:
         dst[dst_block, dst_slot] = src[src_block, src_slot]  # [T, C]
         return
@@ -93,6 +94,20 @@ def _run_numpy(m: _Move) -> None:
     dh = slice(m.dst_head_start, m.dst_head_start + m.num_heads)
     # As in torch, advanced indices split by a slice go first: both sides are [T, 2, h, C].
     dst[dst_block, :, dst_slot, dh] = src[src_block, :, src_slot, sh]
+
+
+def _channels_as_one(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both arrays with their channel axis (last, contiguous on both sides) as one opaque
+    element of its bytes, so fancy indexing copies a head's channels with one memcpy rather than
+    element by element (about twice as fast); unchanged where a side is not contiguous there."""
+    if src.strides[-1] != src.itemsize or dst.strides[-1] != dst.itemsize \
+            or src.shape[-1] != dst.shape[-1] or src.itemsize != dst.itemsize:
+        return src, dst
+    row = np.dtype((np.void, src.shape[-1] * src.itemsize))
+    try:
+        return src.view(row)[..., 0], dst.view(row)[..., 0]
+    except ValueError:  # a stride numpy cannot reinterpret: copy element by element
+        return src, dst
 
 
 def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
