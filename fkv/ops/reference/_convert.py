@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = ["convert", "gather", "move", "scatter"]
 
+#: Tokens per fancy-indexing copy of the CPU path.
+_CHUNK = 256
+
 #: Canonical order of one layer's axes (blocks, K/V, tokens, heads, channels); MLA lacks two and H.
 _CANONICAL = ("B", "two", "N", "H", "C")
 
@@ -86,28 +89,41 @@ def _run_numpy(m: _Move) -> None:
     src_block, src_slot = where(m.src_ids, m.src_spec)
     dst_block, dst_slot = where(m.dst_ids, m.dst_spec)
     src, dst = _canonical(m.src, m.src_spec).numpy(), _canonical(m.dst, m.dst_spec).numpy()
-    src, dst = _channels_as_one(src, dst)
     if m.src_spec.is_mla:
-        dst[dst_block, dst_slot] = src[src_block, src_slot]  # [T, C]
-        return
-    sh = slice(m.src_head_start, m.src_head_start + m.num_heads)
-    dh = slice(m.dst_head_start, m.dst_head_start + m.num_heads)
-    # As in torch, advanced indices split by a slice go first: both sides are [T, 2, h, C].
-    dst[dst_block, :, dst_slot, dh] = src[src_block, :, src_slot, sh]
+        dst, src = _trailing_as_one(dst, src, 1)
+    else:
+        src = src[:, :, :, m.src_head_start:m.src_head_start + m.num_heads]
+        dst = dst[:, :, :, m.dst_head_start:m.dst_head_start + m.num_heads]
+        # heads and channels as one element where both sides hold them contiguously (NHD), else
+        # the channels alone; the advanced indices then pick [T, 2, ...] on both sides.
+        dst, src = _trailing_as_one(dst, src, 2)
+        src, dst = src.swapaxes(1, 2), dst.swapaxes(1, 2)  # (B, N, 2, ...): MLA's index order
+    # in chunks of tokens: the gathered temporary stays in cache (a fresh 8 MiB one per call
+    # costs its page faults and a second pass through memory)
+    for a in range(0, m.num_tokens, _CHUNK):
+        z = slice(a, a + _CHUNK)
+        dst[dst_block[z], dst_slot[z]] = src[src_block[z], src_slot[z]]
 
 
-def _channels_as_one(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Both arrays with their channel axis (last, contiguous on both sides) as one opaque
-    element of its bytes, so fancy indexing copies a head's channels with one memcpy rather than
-    element by element (about twice as fast); unchanged where a side is not contiguous there."""
-    if src.strides[-1] != src.itemsize or dst.strides[-1] != dst.itemsize \
-            or src.shape[-1] != dst.shape[-1] or src.itemsize != dst.itemsize:
-        return src, dst
-    row = np.dtype((np.void, src.shape[-1] * src.itemsize))
-    try:
-        return src.view(row)[..., 0], dst.view(row)[..., 0]
-    except ValueError:  # a stride numpy cannot reinterpret: copy element by element
-        return src, dst
+def _trailing_as_one(a: np.ndarray, b: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
+    """``a`` and ``b`` (same shapes and item size) with up to ``most`` trailing axes, contiguous
+    in both, folded into one opaque element of their bytes: fancy indexing then copies them with
+    one memcpy per element instead of item by item (2-8x faster). Unchanged when even the last
+    axis is not contiguous in both."""
+    size, k = a.itemsize, 0
+    while k < most and all(x.strides[-1 - k] == size for x in (a, b)):
+        size *= a.shape[-1 - k]
+        k += 1
+    if k == 0 or a.shape[-k:] != b.shape[-k:] or a.itemsize != b.itemsize:
+        return a, b
+    row = np.dtype((np.void, size))
+
+    def fold(x: np.ndarray) -> np.ndarray:
+        flat = np.lib.stride_tricks.as_strided(  # the checked contiguous run as one axis
+            x, x.shape[:-k] + (size // x.itemsize,), x.strides[:-k] + (x.itemsize,))
+        return flat.view(row)[..., 0]
+
+    return fold(a), fold(b)
 
 
 def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
