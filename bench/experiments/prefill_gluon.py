@@ -28,6 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -313,6 +314,180 @@ def _prefill_kernel(
                      mask=gl.expand_dims(ok, 1))
 
 
+# -- warp-specialized: a producer warp group and two consumer warp groups of 128 rows each ---------------
+
+@gluon.jit
+def _ws_producer(k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_tiles, stride_kv,
+                 stride_block, head_off, num_blocks, BLOCK_SIZE: gl.constexpr,
+                 STRIDE_TOKEN: gl.constexpr, HEAD: gl.constexpr, TILE_N: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """One warp group: gathers key tile j's pages into ring slot j % STAGES once both consumers
+    released it; every thread's copies arrive on the slot's ``full`` barrier as they land."""
+    TPW: gl.constexpr = HEAD // 8
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW, TPW], [4, 1], [1, 0])
+    for j in range(0, n_tiles):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
+        blk = _block_ids(bt_row_ptr, j, kv_hi, BLOCK_SIZE, TILE_N, LOAD)
+        t = j * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LOAD))
+        blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)
+        row = blk.to(gl.int64) * stride_block + (t % BLOCK_SIZE) * STRIDE_TOKEN + head_off
+        d = gl.arange(0, HEAD, layout=gl.SliceLayout(0, LOAD))
+        ptrs = cache_ptr + gl.expand_dims(row, 1) + gl.expand_dims(d, 0)
+        ok = gl.expand_dims(t < kv_hi, 1) & gl.expand_dims(d < HEAD, 0)
+        cp.async_copy_global_to_shared(k_smem.index(slot), ptrs, mask=ok)
+        cp.async_copy_global_to_shared(v_smem.index(slot), ptrs + stride_kv, mask=ok)
+        cp.mbarrier_arrive(full.index(slot))
+        mbarrier.arrive(full.index(slot), count=1)
+
+
+@gluon.jit
+def _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i, score_mult, pos0, kv_hi,
+             MASKED: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
+             ROW0: gl.constexpr, HPP: gl.constexpr, S_LAYOUT: gl.constexpr,
+             O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr):
+    slot = j % STAGES
+    mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+    fence_async_shared()  # the copies were generic-proxy writes; the MMAs read by the async proxy
+    zero = gl.zeros([HALF, TILE_N], gl.float32, layout=S_LAYOUT)
+    s = warpgroup_mma(q_h, k_smem.index(slot).permute((1, 0)), zero, use_acc=False,
+                      is_async=True)
+    s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # PV(j - 1) is done too: release its slot
+    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
+    p, acc, l_i, m_i = _softmax(s, m_i, l_i, acc, score_mult, pos0, j * TILE_N, kv_hi, MASKED,
+                                TILE_N, S_LAYOUT, O_LAYOUT, ROW0, HPP)
+    p = gl.convert_layout(p.to(q_h.dtype), P_LAYOUT)
+    acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _ws_consumer(q_h, k_smem, v_smem, full, empty, out_ptr, score_mult, pos0, kv_hi, n_open,
+                 n_tiles, chunk, kv_head, q_start, q_tile, q_len, seq_len, num_q_tokens,
+                 stride_ot, stride_oh, ROW0: gl.constexpr, HALF: gl.constexpr,
+                 HEAD: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
+                 HPP: gl.constexpr, GROUP: gl.constexpr, BLOCK_Q: gl.constexpr):
+    """One warp group: rows [ROW0, ROW0 + HALF) of the program against every key tile."""
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, TILE_N, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD, 16])
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    acc = warpgroup_mma_init(gl.zeros([HALF, HEAD], gl.float32, layout=O_LAYOUT))
+    l_i = gl.zeros([HALF], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+    m_i = gl.full([HALF], -1.0e30, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+    for j in range(0, n_open):
+        acc, m_i, l_i = _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i, score_mult,
+                                 pos0, kv_hi, False, TILE_N, STAGES, HALF, ROW0, HPP, S_LAYOUT,
+                                 O_LAYOUT, P_LAYOUT)
+    for j in range(n_open, n_tiles):
+        acc, m_i, l_i = _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i, score_mult,
+                                 pos0, kv_hi, True, TILE_N, STAGES, HALF, ROW0, HPP, S_LAYOUT,
+                                 O_LAYOUT, P_LAYOUT)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    r = ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, O_LAYOUT))
+    d = gl.arange(0, HEAD, layout=gl.SliceLayout(0, O_LAYOUT))
+    hq, tok, ok, _ = _rows(r, chunk, kv_head, q_start, q_tile, q_len, seq_len, HPP, GROUP, BLOCK_Q)
+    ok = ok & (tok < num_q_tokens)
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))
+    o = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
+    gl.store(out_ptr + gl.expand_dims(tok * stride_ot + hq * stride_oh, 1) + gl.expand_dims(d, 0),
+             o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(ok, 1))
+
+
+@gluon.jit
+def _prefill_ws_kernel(
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    score_mult, num_seqs, num_tiles, num_q_tokens, num_blocks, max_context,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_block, stride_kv, stride_head,
+    BLOCK_SIZE: gl.constexpr, STRIDE_TOKEN: gl.constexpr, NUM_HEADS: gl.constexpr,
+    HEAD: gl.constexpr, GROUP: gl.constexpr, HPP: gl.constexpr, HEAD_CHUNKS: gl.constexpr,
+    BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """Launched with 4 warps: they set up and then run consumer 0; one worker warp group runs
+    consumer 1, another the producer."""
+    HALF: gl.constexpr = BLOCK_Q * HPP // 2
+    TPW: gl.constexpr = HEAD // 8
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW, TPW], [4, 1], [1, 0])
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD], gl.bfloat16)
+    KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HEAD], gl.bfloat16)
+    pid = gl.program_id(0)
+    hc = pid % (NUM_HEADS * HEAD_CHUNKS)
+    tile = num_tiles - 1 - pid // (NUM_HEADS * HEAD_CHUNKS)
+    kv_head = hc // HEAD_CHUNKS
+    chunk = hc % HEAD_CHUNKS
+    lo = tile * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ok = gl.load(qsl_ptr + mid).to(gl.int32) // BLOCK_Q + mid <= tile
+        lo = gl.where(ok, mid, lo)
+        hi = gl.where(ok, hi, mid)
+    seq = lo
+    q_start = gl.load(qsl_ptr + seq).to(gl.int32)
+    q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
+    q_tile = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if q_tile < q_len:
+        seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + seq).to(gl.int32), 0),
+                             max_context)
+        first_pos = seq_len - q_len + q_tile
+        kv_hi = gl.minimum(first_pos + BLOCK_Q - 1, seq_len - 1) + 1
+        n_tiles = gl.cdiv(kv_hi, TILE_N)
+        n_open = gl.maximum(gl.minimum(first_pos + 1, kv_hi) // TILE_N, 0)
+        head_off = kv_head.to(gl.int64) * stride_head
+        bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bt
+        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, HALF, HEAD], Q_SMEM)
+        d_l = gl.arange(0, HEAD, layout=gl.SliceLayout(0, LOAD))
+        for h in gl.static_range(2):
+            r = h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, LOAD))
+            hq, tok, ok, _ = _rows(r, chunk, kv_head, q_start, q_tile, q_len, seq_len, HPP,
+                                   GROUP, BLOCK_Q)
+            ok = ok & (tok < num_q_tokens)
+            qv = gl.load(q_ptr + gl.expand_dims(tok * stride_qt + hq * stride_qh, 1)
+                         + gl.expand_dims(d_l, 0), mask=gl.expand_dims(ok, 1), other=0.0)
+            q_smem.index(h).store(qv)
+        k_smem = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [STAGES, TILE_N, HEAD],
+                                           KV_SMEM)
+        v_smem = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [STAGES, TILE_N, HEAD],
+                                           KV_SMEM)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        fence_async_shared()
+        gl.thread_barrier()
+        gl.warp_specialize([
+            (_ws_consumer, (q_smem.index(0), k_smem, v_smem, full, empty, out_ptr, score_mult,
+                            first_pos, kv_hi, n_open, n_tiles, chunk, kv_head, q_start, q_tile,
+                            q_len, seq_len, num_q_tokens, stride_ot, stride_oh, 0, HALF, HEAD,
+                            TILE_N, STAGES, HPP, GROUP, BLOCK_Q)),
+            (_ws_consumer, (q_smem.index(1), k_smem, v_smem, full, empty, out_ptr, score_mult,
+                            first_pos, kv_hi, n_open, n_tiles, chunk, kv_head, q_start, q_tile,
+                            q_len, seq_len, num_q_tokens, stride_ot, stride_oh, HALF, HALF, HEAD,
+                            TILE_N, STAGES, HPP, GROUP, BLOCK_Q)),
+            (_ws_producer, (k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_tiles,
+                            stride_kv, stride_block, head_off, num_blocks, BLOCK_SIZE,
+                            STRIDE_TOKEN, HEAD, TILE_N, STAGES)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+#: registers of each consumer warp group and of the producer warp (``mode="ws"``)
+WS_REGS = (200, 56)
+
+
+def _mode_consts(mode):
+    if mode == "ws":
+        return dict(CONSUMER_REGS=WS_REGS[0], PRODUCER_REGS=WS_REGS[1])
+    return dict(PIPE=mode == "pipe", SERIAL_QK=mode == "serial")
+
+
+def _kernel(mode):
+    """(kernel, num_warps) of a mode."""
+    return (_prefill_ws_kernel, 4) if mode == "ws" else (_prefill_kernel, 8)
+
+
 def _args(problem, block_q=64, heads=4, tile_n=64, stages=4, mode=""):
     """The launch of ``_prefill_kernel`` for a ``fkv.bench.attention.Problem``: (grid, args,
     constexprs)."""
@@ -338,12 +513,12 @@ def _args(problem, block_q=64, heads=4, tile_n=64, stages=4, mode=""):
     consts = dict(BLOCK_SIZE=spec.block_size, STRIDE_TOKEN=strides["stride_token"],
                   NUM_HEADS=spec.num_kv_heads, HEAD=spec.head_size, GROUP=group, HPP=heads,
                   HEAD_CHUNKS=chunks, BLOCK_Q=block_q, TILE_N=tile_n, STAGES=stages,
-                  PIPE=mode == "pipe", SERIAL_QK=mode == "serial")
+                  **_mode_consts(mode))
     assert not cache_constexprs(spec)["CACHE_FP8"] and spec.head_size in (64, 128)
     return grid, args, consts
 
 
-def compile_offline(stages=4, layout="NHD", mode=""):
+def compile_offline(stages=4, layout="NHD", mode="", block_q=64, tile_n=64):
     """Compile for sm_90a with the Triton on the path (no GPU); registers, spills, shared."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -355,12 +530,13 @@ def compile_offline(stages=4, layout="NHD", mode=""):
                            head_size=128, dtype="bfloat16")
     st = cache_strides(spec)
     consts = dict(BLOCK_SIZE=16, STRIDE_TOKEN=st["stride_token"], NUM_HEADS=8, HEAD=128,
-                  GROUP=4, HPP=4, HEAD_CHUNKS=1, BLOCK_Q=64, TILE_N=64, STAGES=stages,
-                  PIPE=mode == "pipe", SERIAL_QK=mode == "serial")
+                  GROUP=4, HPP=4, HEAD_CHUNKS=1, BLOCK_Q=block_q, TILE_N=tile_n, STAGES=stages,
+                  **_mode_consts(mode))
+    kernel, warps = _kernel(mode)
     ptrs = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
             "qsl_ptr": "*i32", "out_ptr": "*bf16"}
     sig, attrs = {}, {}
-    for i, name in enumerate(_prefill_kernel.arg_names):
+    for i, name in enumerate(kernel.arg_names):
         if name in consts:
             sig[name] = "constexpr"
         elif name in ptrs:
@@ -372,8 +548,8 @@ def compile_offline(stages=4, layout="NHD", mode=""):
             sig[name] = "i32"
             if name.startswith("stride") and name != "stride_bt":
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = GluonASTSource(fn=_prefill_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     return {"shared": ck.metadata.shared, "ptxas": _ptxas_info(ck.asm["ptx"])}
 
 
@@ -395,23 +571,27 @@ def _ptxas_info(ptx: str) -> str:
                     (res.stdout + res.stderr).splitlines() if "Used" in line or "spill" in line)
 
 
-def run(problem, stages=4, mode=""):
-    grid, args, consts = _args(problem, stages=stages, mode=mode)
-    _prefill_kernel[grid](*args, **consts, num_warps=8)
+def run(problem, stages=4, mode="", block_q=64, tile_n=64):
+    grid, args, consts = _args(problem, block_q=block_q, tile_n=tile_n, stages=stages, mode=mode)
+    kernel, warps = _kernel(mode)
+    kernel[grid](*args, **consts, num_warps=warps)
     return problem.out
 
 
-#: (stages, mode) of the GPU run: "" (half b's QK^T in flight), "serial" (each QK^T waited for
-#: at once, as Triton compiles the default), "pipe" (each half's QK^T half a tile ahead)
-VARIANTS = ((3, ""), (3, "serial"), (4, ""), (4, "pipe"), (5, "pipe"))
+#: (stages, mode, block_q, tile_n) of the GPU run: "" (half b's QK^T in flight), "serial" (each
+#: QK^T waited for at once, as Triton compiles the default), "pipe" (each half's QK^T half a tile
+#: ahead), "ws" (a producer warp group and two consumer warp groups of block_q * 4 / 2 rows)
+VARIANTS = ((4, "ws", 32, 64), (5, "ws", 32, 64), (2, "ws", 32, 128), (3, "ws", 32, 128),
+            (3, "serial", 64, 64))
 
 
 def main() -> None:
     if "--compile" in sys.argv:
-        for stages, mode in VARIANTS:
+        for stages, mode, bq, tn in VARIANTS:
             for layout in ("NHD", "HND"):
                 try:
-                    print(stages, mode, layout, compile_offline(stages, layout, mode), flush=True)
+                    print(stages, mode, bq, tn, layout, compile_offline(stages, layout, mode, bq, tn),
+                          flush=True)
                 except Exception as e:  # noqa: BLE001 - an experiment: say what failed
                     print(stages, layout, f"{type(e).__name__}: {str(e)[:3000]}", flush=True)
         return
@@ -428,21 +608,21 @@ def main() -> None:
             ref = p.kernel().clone()
             # SDPA's causal mask is top-left aligned: only comparable when q_len == seq_len
             want = p.sdpa().transpose(1, 2).reshape(ref.shape) if q_len == n else ref
-            for stages, mode in VARIANTS:
+            for stages, mode, bq, tn in VARIANTS:
                 row = {"layout": layout, "batch": batch, "seq": n, "q_len": q_len,
-                       "variant": f"gluon {mode + ' ' if mode else ''}s{stages}"}
+                       "variant": f"gluon {mode + ' ' if mode else ''}s{stages} bq{bq} n{tn}"}
                 try:
                     p.out.zero_()
-                    _prefill_kernel.device_caches.clear()
-                    out = run(p, stages, mode).clone()
+                    _kernel(mode)[0].device_caches.clear()
+                    out = run(p, stages, mode, bq, tn).clone()
                     row["max_diff_vs_default"] = (out.float() - ref.float()).abs().max().item()
                     row["max_diff_vs_sdpa"] = (out.float() - want.float()).abs().max().item()
                     row["default_vs_sdpa"] = (ref.float() - want.float()).abs().max().item()
                     if batch == 4:
-                        row["ms"] = triton.testing.do_bench(lambda: run(p, stages, mode), rep=200,
+                        row["ms"] = triton.testing.do_bench(lambda: run(p, stages, mode, bq, tn), rep=200,
                                                             return_mode="median")
                     try:
-                        row.update(_record.compiled(_prefill_kernel))
+                        row.update(_record.compiled(_kernel(mode)[0]))
                     except Exception as e:  # noqa: BLE001 - registers are a side note
                         row["compiled_error"] = _record.error(e)
                 except Exception as e:  # noqa: BLE001 - an experiment: record and go on
