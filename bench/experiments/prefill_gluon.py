@@ -1,21 +1,27 @@
-"""Experiment: prefill attention in Gluon, with half b's QK^T left in flight during half a's softmax.
+"""Experiment: prefill attention in Gluon, where the waits of the warpgroup MMAs are stated.
 
 The default prefill tile (256 rows as two 128-row halves, 64-key tiles, 8 warps) is Triton code;
 Triton 3.6 waits for each QK^T warpgroup MMA right after issuing it and keeps only the
-loop-carried PV MMAs in flight (bench/NOTES.md reads it from the PTX). Gluon states the waits:
-here a key tile issues both halves' QK^T, then waits with one MMA still outstanding
-(``warpgroup_mma_wait(1)``), so half b's QK^T runs on the tensor cores while half a's softmax
-runs on the ALUs, and half a's PV while half b's softmax does. K/V tiles are gathered page by page
-from the paged cache with ``cp.async`` into a ring of shared-memory slots, ``STAGES - 2`` tiles
-ahead; the block-table entries of a tile are read one iteration before its copies are issued.
+loop-carried PV MMAs in flight (bench/NOTES.md reads it from the PTX). Gluon states the waits.
+Modes (``VARIANTS``):
 
-Scope (the case the 1.2x target is about): varlen prefill, 16-bit cache and queries, head size a
-power of two (64 or 128), no window, no softcap, no splits; every row is computed as the default
-computes it (same scores scale, same base-2 online softmax, P rounded to the input dtype).
+- ``""``: both halves' QK^T issued, then a wait with one MMA outstanding
+  (``warpgroup_mma_wait(1)``), so half b's QK^T runs while half a's softmax does;
+- ``"serial"``: each QK^T waited for at once, as Triton compiles the default;
+- ``"pipe"``: each half's QK^T issued half a tile ahead (FA3's intra-warpgroup pipelining);
+- ``"ws"``: warp-specialized, a producer warp group gathering K/V pages into a ring of
+  mbarrier-guarded slots and two consumer warp groups of half the rows each.
+
+K/V tiles are gathered page by page with ``cp.async`` into shared-memory slots; Q sits in shared
+memory as the A operand, P in registers. Scope (the case the 1.2x target is about): varlen
+prefill, 16-bit cache and queries, head size 64 or 128, no window, no softcap, no splits; every
+row is computed as the default computes it (same scores scale, same base-2 online softmax, P
+rounded to the input dtype).
 
     PYTHONPATH=$T36/site:. python bench/experiments/prefill_gluon.py --compile   # sm_90a, no GPU
     python bench/experiments/prefill_gluon.py          # GPU: bytes against the default, times
-The GPU JSON goes to ``$OUT`` (or /tmp) as ``prefill-gluon-exp.json``.
+``--compile`` prints shared memory and ``ptxas``'s registers and spills of each variant. The GPU
+JSON goes to ``$OUT`` (or /tmp) as ``prefill-gluon-exp.json``.
 """
 
 from __future__ import annotations
