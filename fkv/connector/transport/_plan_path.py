@@ -194,13 +194,17 @@ class PlanPath:
         dev = link.local.device
         move = kernels(dev).move
         views, ls = link.local.views, link.local.spec
+        minis: dict[tuple[Any, int], Any] = {}  # each staging mini-cache's layer views, once
         with on_device(dev):
             src_ids = torch.arange(remote.size, device=dev)
             dst_ids = torch.as_tensor(local, device=dev)
             for step in link.plan.staging_steps(local, remote, num_tokens=tokens):
                 if layers is not None and not layers[0] <= step.layer < layers[1]:
                     continue
-                src = wrap(link.staging, step.stage_spec, step.stage_offset)[step.layer]
+                key = (step.stage_spec, step.stage_offset)
+                if key not in minis:
+                    minis[key] = wrap(link.staging, step.stage_spec, step.stage_offset)
+                src = minis[key][step.layer]
                 move(src, step.stage_spec, src_ids, views[step.layer], ls, dst_ids,
                      src_heads=step.src_heads, dst_heads=step.dst_heads,
                      num_tokens=step.num_tokens)
