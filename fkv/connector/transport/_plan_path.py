@@ -69,6 +69,8 @@ class PlanPath:
         self.quarantine: list[Any] = []
         #: layer ranges read from READs computed ahead (layer_reads), since the connection began
         self.prepared_reads = 0
+        #: (plan, (local blocks, remote blocks, tokens), staging steps) of the last staging move
+        self._steps: tuple[Any, tuple[int, int, int], tuple[Any, ...]] | None = None
 
     def describe(self) -> str:
         return f"{self.name}: the plan's rows, one READ per prefill rank"
@@ -195,16 +197,23 @@ class PlanPath:
         move = kernels(dev).move
         views, ls = link.local.views, link.local.spec
         minis: dict[tuple[Any, int], Any] = {}  # each staging mini-cache's layer views, once
+        # the steps depend on the request's sizes only (a streamed read comes once per layer
+        # range; the ids were checked when the read began)
+        sizes = (local.size, remote.size, tokens)
+        memo = self._steps
+        if memo is None or memo[0] is not link.plan or memo[1] != sizes:
+            memo = (link.plan, sizes, link.plan.staging_steps(local, remote, num_tokens=tokens))
+            self._steps = memo
         with on_device(dev):
             src_ids = torch.arange(remote.size, device=dev)
             dst_ids = torch.as_tensor(local, device=dev)
-            for step in link.plan.staging_steps(local, remote, num_tokens=tokens):
+            for step in memo[2]:
                 if layers is not None and not layers[0] <= step.layer < layers[1]:
                     continue
-                key = (step.stage_spec, step.stage_offset)
-                if key not in minis:
-                    minis[key] = wrap(link.staging, step.stage_spec, step.stage_offset)
-                src = minis[key][step.layer]
+                where = (step.stage_spec, step.stage_offset)
+                if where not in minis:
+                    minis[where] = wrap(link.staging, step.stage_spec, step.stage_offset)
+                src = minis[where][step.layer]
                 move(src, step.stage_spec, src_ids, views[step.layer], ls, dst_ids,
                      src_heads=step.src_heads, dst_heads=step.dst_heads,
                      num_tokens=step.num_tokens)
