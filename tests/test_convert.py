@@ -326,14 +326,19 @@ def _token_copy(src, a, src_ids, dst, b, dst_ids, heads, n):
             d[db, :, ds, da:dz] = s[sb, :, ss, sa:sz]
 
 
+@pytest.mark.parametrize("whole_blocks", [False, True], ids=["any", "whole-blocks"])
 @pytest.mark.parametrize("seed", range(8))
-def test_cpu_reference_moves_without_torch_indexing(monkeypatch, seed):
+def test_cpu_reference_moves_without_torch_indexing(monkeypatch, seed, whole_blocks):
     """On CPU the reference move/gather/scatter move data through numpy views: inside ``_run`` no
     aten op but views runs (so no index/index_put parallel region of torch's intra-op pool, which
     processes sharing a host's cores oversubscribe), under ``torch.set_num_threads(4)``; the bits
     are those of a token-by-token plain-indexing oracle and of the torch path the GPU keeps
-    (random layouts, block sizes, heads, dtypes, partial blocks, id tensors of both widths)."""
+    (random layouts, block sizes, heads, dtypes, partial blocks, id tensors of both widths).
+    ``whole_blocks``: equal block sizes on both sides and every block moved as one slice (the
+    path large blocks take), the partial last block token by token."""
     rnd = random.Random(seed)
+    if whole_blocks:
+        monkeypatch.setattr(RC, "_BLOCK_BYTES", 0)
     mla = seed % 4 == 3
     dtype = rnd.choice(["bfloat16", "float8_e4m3fn", "float32"])
     heads, head_size = 1 if mla else rnd.choice([1, 3, 4]), rnd.choice([4, 12])
@@ -346,6 +351,8 @@ def test_cpu_reference_moves_without_torch_indexing(monkeypatch, seed):
                            num_layers=2)
 
     a, b = spec(), spec()
+    if whole_blocks:
+        b = b.evolve(block_size=a.block_size)
     src_ids = rnd.choices(range(a.num_blocks), k=rnd.randint(1, 3))
     n = rnd.randint(1, len(src_ids) * a.block_size)
     need = -(-n // b.block_size)

@@ -12,6 +12,7 @@ Variants: ``ahead`` (the default: the awaited layer's READs are computed during 
 layer's news arrived, as before).
 
     python bench/experiments/stream_tail_cpu.py        # JSON to $OUT (or /tmp)
+    python bench/experiments/stream_tail_cpu.py --staging   # decode NHD: the staging path
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ import multiprocessing as mp
 import os
 import pathlib
 import statistics
+import sys
 import threading
 import time
 
 HEADS = 8
 LAYERS = 8
 BLOCKS = 1024
+STAGING = "--staging" in sys.argv
 
 
 def _spec(layout: str = "HND"):
@@ -90,6 +93,7 @@ def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
     wrap(_agent.Agent, "read", "READ create + post")
     wrap(_plan_path, "wait_reads", "READ wait")
     wrap(_link.Link, "notify", "notify")
+    wrap(_plan_path.PlanPath, "_run_staging", "staging move")
     tails, news, steps = [], [], collections.defaultdict(list)
     try:
         for i in range(reps + 5):
@@ -150,14 +154,15 @@ def main() -> None:
     proc = ctx.Process(target=_prefill, args=(b,), daemon=True)
     proc.start()
     address = a.recv()
-    spec = _spec()
+    # --staging: the decode cache in NHD against the prefill's HND (the plan's staging path)
+    spec = _spec("NHD" if STAGING else "HND")
     client = connect(_engine("D"), spec, fkv.allocate(spec, "cpu"), remote_address=address)
     rows = []
     strategy = client.plan.strategy
     ahead = _plan_path.PlanPath.layer_reads
     try:
         for n in (16, 256):
-            for tag in ("ahead", "at news", "ahead", "at news"):
+            for tag in ("ahead",) * 2 if STAGING else ("ahead", "at news", "ahead", "at news"):
                 _plan_path.PlanPath.layer_reads = ahead if tag == "ahead" else (
                     lambda self, rows, layer: None)
                 rows.append(_measure(client, a, n, 30, tag))
@@ -167,7 +172,8 @@ def main() -> None:
         _plan_path.PlanPath.layer_reads = ahead
         a.send(None)
         client.close()
-    out = pathlib.Path(os.environ.get("OUT", "/tmp")) / "stream-tail-cpu-exp.json"
+    name = "stream-tail-cpu-staging-exp.json" if STAGING else "stream-tail-cpu-exp.json"
+    out = pathlib.Path(os.environ.get("OUT", "/tmp")) / name
     out.write_text(json.dumps({"experiment": "streamed read tail on the CPU: READs computed ahead",
                                "strategy": strategy,
                                "cpus": os.cpu_count(), "rows": rows}, indent=1))

@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 
 __all__ = ["convert", "gather", "move", "scatter"]
 
-#: Tokens per fancy-indexing copy of the CPU path.
+#: Tokens per fancy-indexing copy of the CPU path; the least bytes of one block's part for the
+#: CPU path to move it as one slice (equal block sizes) rather than token by token.
 _CHUNK = 256
+_BLOCK_BYTES = 8192
 
 #: Canonical order of one layer's axes (blocks, K/V, tokens, heads, channels); MLA lacks two and H.
 _CANONICAL = ("B", "two", "N", "H", "C")
@@ -79,28 +81,33 @@ def _run_numpy(m: _Move) -> None:
     indexing is single-threaded, so processes that share a host's cores (a prefill and decodes
     moving blocks through DRAM) do not oversubscribe them. Same indices, same bits.
     """
-    i = np.arange(m.num_tokens)
-
-    def where(ids: Any, spec: KVCacheSpec) -> tuple[np.ndarray, np.ndarray]:
-        blocks = i // spec.block_size
-        block = blocks if ids is None else ids.numpy().astype(np.int64)[blocks]
-        return block, i % spec.block_size
-
-    src_block, src_slot = where(m.src_ids, m.src_spec)
-    dst_block, dst_slot = where(m.dst_ids, m.dst_spec)
     src, dst = _canonical(m.src, m.src_spec).numpy(), _canonical(m.dst, m.dst_spec).numpy()
-    if m.src_spec.is_mla:
-        dst, src = _trailing_as_one(dst, src, 1)
-    else:
-        src = src[:, :, :, m.src_head_start:m.src_head_start + m.num_heads]
-        dst = dst[:, :, :, m.dst_head_start:m.dst_head_start + m.num_heads]
-        # heads and channels as one element where both sides hold them contiguously (NHD), else
-        # the channels alone; the advanced indices then pick [T, 2, ...] on both sides.
-        dst, src = _trailing_as_one(dst, src, 2)
-        src, dst = src.swapaxes(1, 2), dst.swapaxes(1, 2)  # (B, N, 2, ...): MLA's index order
-    # in chunks of tokens: the gathered temporary stays in cache (a fresh 8 MiB one per call
-    # costs its page faults and a second pass through memory)
-    for a in range(0, m.num_tokens, _CHUNK):
+    if not m.src_spec.is_mla:  # (B, N, 2, h, C): the block and slot axes first, as MLA's
+        src = src[:, :, :, m.src_head_start:m.src_head_start + m.num_heads].swapaxes(1, 2)
+        dst = dst[:, :, :, m.dst_head_start:m.dst_head_start + m.num_heads].swapaxes(1, 2)
+    src_ids = None if m.src_ids is None else m.src_ids.numpy().astype(np.int64)
+    dst_ids = None if m.dst_ids is None else m.dst_ids.numpy().astype(np.int64)
+    n, done = m.src_spec.block_size, 0
+    if n == m.dst_spec.block_size and src[0, :n].nbytes >= _BLOCK_BYTES:
+        # equal block sizes: token i is slot i % n of block i // n on both sides, so whole
+        # blocks move as one slice each (numpy copies them row by row, no index arrays)
+        done = m.num_tokens // n * n
+        for k in range(m.num_tokens // n):
+            dst[k if dst_ids is None else dst_ids[k]] = src[k if src_ids is None else src_ids[k]]
+    i = np.arange(done, m.num_tokens)
+
+    def where(ids: np.ndarray | None, spec: KVCacheSpec) -> tuple[np.ndarray, np.ndarray]:
+        blocks = i // spec.block_size
+        return (blocks if ids is None else ids[blocks]), i % spec.block_size
+
+    src_block, src_slot = where(src_ids, m.src_spec)
+    dst_block, dst_slot = where(dst_ids, m.dst_spec)
+    # heads and channels as one element where both sides hold them contiguously (NHD), else the
+    # channels alone (fancy indexing copies element by element; a slice copies rows at once)
+    dst, src = _trailing_as_one(dst, src, 1 if m.src_spec.is_mla else 2)
+    # the other tokens in chunks: the gathered temporary stays in cache (a fresh 8 MiB one per
+    # call costs its page faults and a second pass through memory)
+    for a in range(0, i.size, _CHUNK):
         z = slice(a, a + _CHUNK)
         dst[dst_block[z], dst_slot[z]] = src[src_block[z], src_slot[z]]
 
