@@ -180,6 +180,47 @@ def _rows(r, chunk, kv_head, q_start, q_tile, q_len, seq_len, HPP: gl.constexpr,
 
 
 @gluon.jit
+def _program(qsl_ptr, num_seqs, num_tiles, NUM_HEADS: gl.constexpr, HEAD_CHUNKS: gl.constexpr,
+             BLOCK_Q: gl.constexpr):
+    """The program's (kv_head, head chunk, sequence, its first query token, its query count,
+    the tile's first query) in the default kernel's order: heads of one query tile are
+    neighbours, the longest query tiles first."""
+    pid = gl.program_id(0)
+    hc = pid % (NUM_HEADS * HEAD_CHUNKS)
+    tile = num_tiles - 1 - pid // (NUM_HEADS * HEAD_CHUNKS)
+    lo = tile * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ok = gl.load(qsl_ptr + mid).to(gl.int32) // BLOCK_Q + mid <= tile
+        lo = gl.where(ok, mid, lo)
+        hi = gl.where(ok, hi, mid)
+    q_start = gl.load(qsl_ptr + lo).to(gl.int32)
+    q_len = gl.load(qsl_ptr + lo + 1).to(gl.int32) - q_start
+    q_tile = (tile - (q_start // BLOCK_Q + lo)) * BLOCK_Q
+    return hc // HEAD_CHUNKS, hc % HEAD_CHUNKS, lo, q_start, q_len, q_tile
+
+
+@gluon.jit
+def _q_to_shared(q_ptr, chunk, kv_head, q_start, q_tile, q_len, seq_len, num_q_tokens,
+                 stride_qt, stride_qh, HALF: gl.constexpr, HEAD: gl.constexpr, HPP: gl.constexpr,
+                 GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, LOAD: gl.constexpr,
+                 Q_SMEM: gl.constexpr):
+    """Q of both row halves in shared memory, [2, HALF, HEAD] (the A operand of QK^T)."""
+    q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, HALF, HEAD], Q_SMEM)
+    d_l = gl.arange(0, HEAD, layout=gl.SliceLayout(0, LOAD))
+    for h in gl.static_range(2):
+        r = h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, LOAD))
+        hq, tok, ok, _ = _rows(r, chunk, kv_head, q_start, q_tile, q_len, seq_len, HPP, GROUP,
+                               BLOCK_Q)
+        ok = ok & (tok < num_q_tokens)
+        qv = gl.load(q_ptr + gl.expand_dims(tok * stride_qt + hq * stride_qh, 1)
+                     + gl.expand_dims(d_l, 0), mask=gl.expand_dims(ok, 1), other=0.0)
+        q_smem.index(h).store(qv)
+    return q_smem
+
+
+@gluon.jit
 def _prefill_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     score_mult, num_seqs, num_tiles, num_q_tokens, num_blocks, max_context,
@@ -201,24 +242,8 @@ def _prefill_kernel(
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD], gl.bfloat16)
     KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HEAD], gl.bfloat16)
 
-    # Same program order as the default kernel: heads of one query tile are neighbours, the
-    # longest query tiles first.
-    pid = gl.program_id(0)
-    hc = pid % (NUM_HEADS * HEAD_CHUNKS)
-    tile = num_tiles - 1 - pid // (NUM_HEADS * HEAD_CHUNKS)
-    kv_head = hc // HEAD_CHUNKS
-    chunk = hc % HEAD_CHUNKS
-    lo = tile * 0
-    hi = lo + num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        ok = gl.load(qsl_ptr + mid).to(gl.int32) // BLOCK_Q + mid <= tile
-        lo = gl.where(ok, mid, lo)
-        hi = gl.where(ok, hi, mid)
-    seq = lo
-    q_start = gl.load(qsl_ptr + seq).to(gl.int32)
-    q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
-    q_tile = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    kv_head, chunk, seq, q_start, q_len, q_tile = _program(qsl_ptr, num_seqs, num_tiles,
+                                                           NUM_HEADS, HEAD_CHUNKS, BLOCK_Q)
     if q_tile < q_len:
         seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + seq).to(gl.int32), 0),
                              max_context)
@@ -229,17 +254,9 @@ def _prefill_kernel(
         head_off = kv_head.to(gl.int64) * stride_head
         bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bt
 
-        # Q of both halves into shared memory (the A operand of QK^T).
-        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, HALF, HEAD], Q_SMEM)
-        d_l = gl.arange(0, HEAD, layout=gl.SliceLayout(0, LOAD))
-        for h in gl.static_range(2):
-            r = h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, LOAD))
-            hq, tok, ok, _ = _rows(r, chunk, kv_head, q_start, q_tile, q_len, seq_len, HPP,
-                                   GROUP, BLOCK_Q)
-            ok = ok & (tok < num_q_tokens)
-            qv = gl.load(q_ptr + gl.expand_dims(tok * stride_qt + hq * stride_qh, 1)
-                         + gl.expand_dims(d_l, 0), mask=gl.expand_dims(ok, 1), other=0.0)
-            q_smem.index(h).store(qv)
+        q_smem = _q_to_shared(q_ptr, chunk, kv_head, q_start, q_tile, q_len, seq_len,
+                              num_q_tokens, stride_qt, stride_qh, HALF, HEAD, HPP, GROUP,
+                              BLOCK_Q, LOAD, Q_SMEM)
         k_smem = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [STAGES, TILE_N, HEAD],
                                            KV_SMEM)
         v_smem = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [STAGES, TILE_N, HEAD],
@@ -418,22 +435,8 @@ def _prefill_ws_kernel(
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW, TPW], [4, 1], [1, 0])
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD], gl.bfloat16)
     KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HEAD], gl.bfloat16)
-    pid = gl.program_id(0)
-    hc = pid % (NUM_HEADS * HEAD_CHUNKS)
-    tile = num_tiles - 1 - pid // (NUM_HEADS * HEAD_CHUNKS)
-    kv_head = hc // HEAD_CHUNKS
-    chunk = hc % HEAD_CHUNKS
-    lo = tile * 0
-    hi = lo + num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        ok = gl.load(qsl_ptr + mid).to(gl.int32) // BLOCK_Q + mid <= tile
-        lo = gl.where(ok, mid, lo)
-        hi = gl.where(ok, hi, mid)
-    seq = lo
-    q_start = gl.load(qsl_ptr + seq).to(gl.int32)
-    q_len = gl.load(qsl_ptr + seq + 1).to(gl.int32) - q_start
-    q_tile = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    kv_head, chunk, seq, q_start, q_len, q_tile = _program(qsl_ptr, num_seqs, num_tiles,
+                                                           NUM_HEADS, HEAD_CHUNKS, BLOCK_Q)
     if q_tile < q_len:
         seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + seq).to(gl.int32), 0),
                              max_context)
@@ -443,16 +446,9 @@ def _prefill_ws_kernel(
         n_open = gl.maximum(gl.minimum(first_pos + 1, kv_hi) // TILE_N, 0)
         head_off = kv_head.to(gl.int64) * stride_head
         bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bt
-        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, HALF, HEAD], Q_SMEM)
-        d_l = gl.arange(0, HEAD, layout=gl.SliceLayout(0, LOAD))
-        for h in gl.static_range(2):
-            r = h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, LOAD))
-            hq, tok, ok, _ = _rows(r, chunk, kv_head, q_start, q_tile, q_len, seq_len, HPP,
-                                   GROUP, BLOCK_Q)
-            ok = ok & (tok < num_q_tokens)
-            qv = gl.load(q_ptr + gl.expand_dims(tok * stride_qt + hq * stride_qh, 1)
-                         + gl.expand_dims(d_l, 0), mask=gl.expand_dims(ok, 1), other=0.0)
-            q_smem.index(h).store(qv)
+        q_smem = _q_to_shared(q_ptr, chunk, kv_head, q_start, q_tile, q_len, seq_len,
+                              num_q_tokens, stride_qt, stride_qh, HALF, HEAD, HPP, GROUP,
+                              BLOCK_Q, LOAD, Q_SMEM)
         k_smem = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [STAGES, TILE_N, HEAD],
                                            KV_SMEM)
         v_smem = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [STAGES, TILE_N, HEAD],
