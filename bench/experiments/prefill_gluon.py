@@ -202,6 +202,18 @@ def _program(qsl_ptr, num_seqs, num_tiles, NUM_HEADS: gl.constexpr, HEAD_CHUNKS:
 
 
 @gluon.jit
+def _keys(seq_lens_ptr, seq, q_len, q_tile, max_context, BLOCK_Q: gl.constexpr,
+          TILE_N: gl.constexpr):
+    """(sequence length, position of the program's first query, keys it sees, key tiles, key
+    tiles every row sees whole) for a program without window or splits."""
+    seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + seq).to(gl.int32), 0), max_context)
+    first_pos = seq_len - q_len + q_tile
+    kv_hi = gl.minimum(first_pos + BLOCK_Q - 1, seq_len - 1) + 1
+    n_open = gl.maximum(gl.minimum(first_pos + 1, kv_hi) // TILE_N, 0)
+    return seq_len, first_pos, kv_hi, gl.cdiv(kv_hi, TILE_N), n_open
+
+
+@gluon.jit
 def _q_to_shared(q_ptr, chunk, kv_head, q_start, q_tile, q_len, seq_len, num_q_tokens,
                  stride_qt, stride_qh, HALF: gl.constexpr, HEAD: gl.constexpr, HPP: gl.constexpr,
                  GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, LOAD: gl.constexpr,
@@ -245,12 +257,8 @@ def _prefill_kernel(
     kv_head, chunk, seq, q_start, q_len, q_tile = _program(qsl_ptr, num_seqs, num_tiles,
                                                            NUM_HEADS, HEAD_CHUNKS, BLOCK_Q)
     if q_tile < q_len:
-        seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + seq).to(gl.int32), 0),
-                             max_context)
-        first_pos = seq_len - q_len + q_tile
-        kv_hi = gl.minimum(first_pos + BLOCK_Q - 1, seq_len - 1) + 1
-        n_tiles = gl.cdiv(kv_hi, TILE_N)
-        n_open = gl.maximum(gl.minimum(first_pos + 1, kv_hi) // TILE_N, 0)
+        seq_len, first_pos, kv_hi, n_tiles, n_open = _keys(seq_lens_ptr, seq, q_len, q_tile,
+                                                           max_context, BLOCK_Q, TILE_N)
         head_off = kv_head.to(gl.int64) * stride_head
         bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bt
 
@@ -258,7 +266,7 @@ def _prefill_kernel(
                               num_q_tokens, stride_qt, stride_qh, HALF, HEAD, HPP, GROUP,
                               BLOCK_Q, LOAD, Q_SMEM)
         k_smem = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [STAGES, TILE_N, HEAD],
-                                           KV_SMEM)
+                                           KV_SMEM)  # the ring of key tiles, and of values:
         v_smem = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [STAGES, TILE_N, HEAD],
                                            KV_SMEM)
         for i in gl.static_range(STAGES - 2):
@@ -438,12 +446,8 @@ def _prefill_ws_kernel(
     kv_head, chunk, seq, q_start, q_len, q_tile = _program(qsl_ptr, num_seqs, num_tiles,
                                                            NUM_HEADS, HEAD_CHUNKS, BLOCK_Q)
     if q_tile < q_len:
-        seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + seq).to(gl.int32), 0),
-                             max_context)
-        first_pos = seq_len - q_len + q_tile
-        kv_hi = gl.minimum(first_pos + BLOCK_Q - 1, seq_len - 1) + 1
-        n_tiles = gl.cdiv(kv_hi, TILE_N)
-        n_open = gl.maximum(gl.minimum(first_pos + 1, kv_hi) // TILE_N, 0)
+        seq_len, first_pos, kv_hi, n_tiles, n_open = _keys(seq_lens_ptr, seq, q_len, q_tile,
+                                                           max_context, BLOCK_Q, TILE_N)
         head_off = kv_head.to(gl.int64) * stride_head
         bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bt
         q_smem = _q_to_shared(q_ptr, chunk, kv_head, q_start, q_tile, q_len, seq_len,
