@@ -401,6 +401,57 @@ def test_cpu_reference_moves_without_torch_indexing(monkeypatch, seed, whole_blo
     assert {"aten.index.Tensor", "aten.index_put_.default"} <= ops.ops
 
 
+
+@st.composite
+def _move_case(draw):
+    """Two caches (layouts, backends, block sizes, heads, dtypes at random), the ids, heads and
+    token count of one move between them; head size 64 with 16-token blocks makes blocks large
+    enough for the CPU path's whole-block copies."""
+    mla = draw(st.booleans())
+    dtype = draw(st.sampled_from(["bfloat16", "float8_e4m3fn", "float32"]))
+    heads = 1 if mla else draw(st.integers(1, 4))
+    head_size = draw(st.sampled_from([4, 64]))
+
+    def spec(num_blocks):
+        return KVCacheSpec(backend="mla" if mla else draw(st.sampled_from(["triton", "flash_attn"])),
+                           layout=draw(st.sampled_from(["NHD", "HND"])),
+                           cross_layer=draw(st.booleans()), num_blocks=num_blocks,
+                           block_size=draw(st.sampled_from([1, 4, 16])), num_kv_heads=heads,
+                           head_size=head_size, dtype=dtype, num_layers=2)
+
+    a = spec(draw(st.integers(2, 5)))
+    b = spec(1)
+    if draw(st.booleans()):
+        b = b.evolve(block_size=a.block_size)
+    src_ids = draw(st.none() | st.lists(st.integers(0, a.num_blocks - 1), min_size=1, max_size=3))
+    cap = (a.num_blocks if src_ids is None else len(src_ids)) * a.block_size
+    n = draw(st.integers(1, cap))
+    need = -(-n // b.block_size)
+    b = b.evolve(num_blocks=need + draw(st.integers(0, 2)))
+    dst_ids = draw(st.none() | st.permutations(range(b.num_blocks)).map(lambda p: p[:need]))
+    h = draw(st.integers(1, heads))
+    src_h, dst_h = draw(st.integers(0, heads - h)), draw(st.integers(0, heads - h))
+    id_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    return a, b, src_ids, dst_ids, n, ((src_h, src_h + h), (dst_h, dst_h + h)), id_dtype
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=_move_case())
+def test_cpu_reference_move_matches_the_torch_path(case):
+    """The CPU reference's numpy copies (whole blocks where block sizes agree, token chunks
+    otherwise, channels or heads folded into one element) write exactly the bytes of the torch
+    indexing path, everywhere in the destination."""
+    a, b, src_ids, dst_ids, n, (sh, dh), id_dtype = case
+    src = _cache(a, "cpu", seed=7)[0]
+    dst = _cache(b, "cpu", seed=8)
+    torch_path = _clone(dst, b)
+    sid = None if src_ids is None else torch.tensor(src_ids, dtype=id_dtype)
+    did = None if dst_ids is None else torch.tensor(dst_ids, dtype=id_dtype)
+    kw = dict(src_heads=None if a.is_mla else sh, dst_heads=None if a.is_mla else dh)
+    RC._run_torch(RC._check_move(src, a, sid, torch_path[0], b, did, num_tokens=n, **kw))
+    RC._run_numpy(RC._check_move(src, a, sid, dst[0], b, did, num_tokens=n, **kw))
+    assert all(_equal(x, y) for x, y in zip(dst, torch_path))
+
 def test_block_id_checks_follow_in_place_changes(device):
     """Bounds of an id tensor are cached per tensor and version: an in-place edit is re-checked
     (also on the fast path of a repeated signature)."""
