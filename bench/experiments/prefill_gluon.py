@@ -10,7 +10,9 @@ Modes (``VARIANTS``):
 - ``"serial"``: each QK^T waited for at once, as Triton compiles the default;
 - ``"pipe"``: each half's QK^T issued half a tile ahead (FA3's intra-warpgroup pipelining);
 - ``"ws"``: warp-specialized, a producer warp group gathering K/V pages into a ring of
-  mbarrier-guarded slots and two consumer warp groups of half the rows each.
+  mbarrier-guarded slots and two consumer warp groups of half the rows each;
+- ``"ws-pipe"``: the same with FlashAttention-3's intra-warpgroup pipeline in each consumer
+  (tile j+1's QK^T issued first, tile j's softmax under it and under PV(j-1)).
 
 K/V tiles are gathered page by page with ``cp.async`` into shared-memory slots; Q sits in shared
 memory as the A operand, P in registers. Scope (the case the 1.2x target is about): varlen
@@ -351,12 +353,15 @@ def _prefill_kernel(
 def _ws_producer(k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_tiles, stride_kv,
                  stride_block, head_off, num_blocks, BLOCK_SIZE: gl.constexpr,
                  STRIDE_TOKEN: gl.constexpr, HEAD: gl.constexpr, TILE_N: gl.constexpr,
-                 STAGES: gl.constexpr):
+                 STAGES: gl.constexpr, PIPE: gl.constexpr):
     """One warp group: gathers key tile j's pages into ring slot j % STAGES once both consumers
-    released it; every thread's copies arrive on the slot's ``full`` barrier as they land."""
+    released it; every thread's copies arrive on the slot's ``full`` barrier as they land.
+    PIPE: one tile more, all zeros (past the keys), for the QK^T a pipelined consumer issues
+    ahead of its last tile."""
     TPW: gl.constexpr = HEAD // 8
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW, TPW], [4, 1], [1, 0])
-    for j in range(0, n_tiles):
+    EXTRA: gl.constexpr = 1 if PIPE else 0
+    for j in range(0, n_tiles + EXTRA):
         slot = j % STAGES
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
         blk = _block_ids(bt_row_ptr, j, kv_hi, BLOCK_SIZE, TILE_N, LOAD)
@@ -393,12 +398,56 @@ def _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i, score_mult, pos
 
 
 @gluon.jit
+def _softmax_stats(s, m_i, l_i, score_mult, pos0, t0, hi, MASKED: gl.constexpr,
+                   TILE_N: gl.constexpr, S_LAYOUT: gl.constexpr, ROW0: gl.constexpr,
+                   HPP: gl.constexpr):
+    """``_softmax`` without the accumulator: (P, alpha, l, m); the caller rescales later."""
+    if MASKED:
+        r = ROW0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, S_LAYOUT))
+        q_pos = pos0 + r // HPP
+        t = t0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        visible = (gl.expand_dims(t, 0) <= gl.expand_dims(q_pos, 1)) & gl.expand_dims(t < hi, 0)
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * score_mult)
+    p = gl.exp2(s * score_mult - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, l_i * alpha + gl.sum(p, 1), m_new
+
+
+@gluon.jit
+def _ws_tile_pipe(j, s, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i, score_mult, pos0,
+                  kv_hi, MASKED: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
+                  HALF: gl.constexpr, ROW0: gl.constexpr, HPP: gl.constexpr,
+                  S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr):
+    """FlashAttention-3's intra-warpgroup pipeline: on entry S(j) and then PV(j-1) are in
+    flight. S(j+1) is issued first; tile j's softmax runs while PV(j-1) and S(j+1) do; only
+    then does the accumulator wait for PV(j-1), take its rescale and issue PV(j)."""
+    nxt = (j + 1) % STAGES
+    mbarrier.wait(full.index(nxt), ((j + 1) // STAGES) & 1)
+    fence_async_shared()
+    zero = gl.zeros([HALF, TILE_N], gl.float32, layout=S_LAYOUT)
+    s_next = warpgroup_mma(q_h, k_smem.index(nxt).permute((1, 0)), zero, use_acc=False,
+                           is_async=True)
+    s = warpgroup_mma_wait(2, deps=[s])  # S(j) done; PV(j-1) and S(j+1) may still run
+    p, alpha, l_i, m_i = _softmax_stats(s, m_i, l_i, score_mult, pos0, j * TILE_N, kv_hi,
+                                        MASKED, TILE_N, S_LAYOUT, ROW0, HPP)
+    p = gl.convert_layout(p.to(q_h.dtype), P_LAYOUT)
+    acc = warpgroup_mma_wait(1, deps=[acc])  # PV(j-1) done: tile j - 1's slot is free
+    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+    acc = warpgroup_mma(p, v_smem.index(j % STAGES), acc, is_async=True)
+    return acc, m_i, l_i, s_next
+
+
+@gluon.jit
 def _ws_consumer(q_h, k_smem, v_smem, full, empty, out_ptr, score_mult, pos0, kv_hi, n_open,
                  n_tiles, chunk, kv_head, q_start, q_tile, q_len, seq_len, num_q_tokens,
                  stride_ot, stride_oh, ROW0: gl.constexpr, HALF: gl.constexpr,
                  HEAD: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
-                 HPP: gl.constexpr, GROUP: gl.constexpr, BLOCK_Q: gl.constexpr):
-    """One warp group: rows [ROW0, ROW0 + HALF) of the program against every key tile."""
+                 HPP: gl.constexpr, GROUP: gl.constexpr, BLOCK_Q: gl.constexpr,
+                 PIPE: gl.constexpr):
+    """One warp group: rows [ROW0, ROW0 + HALF) of the program against every key tile (PIPE:
+    FlashAttention-3's intra-warpgroup pipeline, ``_ws_tile_pipe``)."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, TILE_N, 16])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -407,15 +456,31 @@ def _ws_consumer(q_h, k_smem, v_smem, full, empty, out_ptr, score_mult, pos0, kv
     acc = warpgroup_mma_init(gl.zeros([HALF, HEAD], gl.float32, layout=O_LAYOUT))
     l_i = gl.zeros([HALF], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
     m_i = gl.full([HALF], -1.0e30, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
-    for j in range(0, n_open):
-        acc, m_i, l_i = _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i, score_mult,
-                                 pos0, kv_hi, False, TILE_N, STAGES, HALF, ROW0, HPP, S_LAYOUT,
-                                 O_LAYOUT, P_LAYOUT)
-    for j in range(n_open, n_tiles):
-        acc, m_i, l_i = _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i, score_mult,
-                                 pos0, kv_hi, True, TILE_N, STAGES, HALF, ROW0, HPP, S_LAYOUT,
-                                 O_LAYOUT, P_LAYOUT)
-    acc = warpgroup_mma_wait(0, deps=[acc])
+    if PIPE:
+        mbarrier.wait(full.index(0), 0)
+        fence_async_shared()
+        zero = gl.zeros([HALF, TILE_N], gl.float32, layout=S_LAYOUT)
+        s = warpgroup_mma(q_h, k_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
+        for j in range(0, n_open):
+            acc, m_i, l_i, s = _ws_tile_pipe(j, s, q_h, k_smem, v_smem, full, empty, acc, m_i,
+                                             l_i, score_mult, pos0, kv_hi, False, TILE_N, STAGES,
+                                             HALF, ROW0, HPP, S_LAYOUT, O_LAYOUT, P_LAYOUT)
+        for j in range(n_open, n_tiles):
+            acc, m_i, l_i, s = _ws_tile_pipe(j, s, q_h, k_smem, v_smem, full, empty, acc, m_i,
+                                             l_i, score_mult, pos0, kv_hi, True, TILE_N, STAGES,
+                                             HALF, ROW0, HPP, S_LAYOUT, O_LAYOUT, P_LAYOUT)
+        acc, s = warpgroup_mma_wait(0, deps=[acc, s])  # the extra tile's scores are dropped
+    else:
+        for j in range(0, n_open):
+            acc, m_i, l_i = _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i,
+                                     score_mult, pos0, kv_hi, False, TILE_N, STAGES, HALF, ROW0,
+                                     HPP, S_LAYOUT, O_LAYOUT, P_LAYOUT)
+        for j in range(n_open, n_tiles):
+            acc, m_i, l_i = _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i,
+                                     score_mult, pos0, kv_hi, True, TILE_N, STAGES, HALF, ROW0,
+                                     HPP, S_LAYOUT, O_LAYOUT, P_LAYOUT)
+        acc = warpgroup_mma_wait(0, deps=[acc])
     r = ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, O_LAYOUT))
     d = gl.arange(0, HEAD, layout=gl.SliceLayout(0, O_LAYOUT))
     hq, tok, ok, _ = _rows(r, chunk, kv_head, q_start, q_tile, q_len, seq_len, HPP, GROUP, BLOCK_Q)
@@ -434,7 +499,7 @@ def _prefill_ws_kernel(
     BLOCK_SIZE: gl.constexpr, STRIDE_TOKEN: gl.constexpr, NUM_HEADS: gl.constexpr,
     HEAD: gl.constexpr, GROUP: gl.constexpr, HPP: gl.constexpr, HEAD_CHUNKS: gl.constexpr,
     BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPE: gl.constexpr = False,
 ):
     """Launched with 4 warps: they set up and then run consumer 0; one worker warp group runs
     consumer 1, another the producer."""
@@ -468,14 +533,14 @@ def _prefill_ws_kernel(
             (_ws_consumer, (q_smem.index(0), k_smem, v_smem, full, empty, out_ptr, score_mult,
                             first_pos, kv_hi, n_open, n_tiles, chunk, kv_head, q_start, q_tile,
                             q_len, seq_len, num_q_tokens, stride_ot, stride_oh, 0, HALF, HEAD,
-                            TILE_N, STAGES, HPP, GROUP, BLOCK_Q)),
+                            TILE_N, STAGES, HPP, GROUP, BLOCK_Q, PIPE)),
             (_ws_consumer, (q_smem.index(1), k_smem, v_smem, full, empty, out_ptr, score_mult,
                             first_pos, kv_hi, n_open, n_tiles, chunk, kv_head, q_start, q_tile,
                             q_len, seq_len, num_q_tokens, stride_ot, stride_oh, HALF, HALF, HEAD,
-                            TILE_N, STAGES, HPP, GROUP, BLOCK_Q)),
+                            TILE_N, STAGES, HPP, GROUP, BLOCK_Q, PIPE)),
             (_ws_producer, (k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_tiles,
                             stride_kv, stride_block, head_off, num_blocks, BLOCK_SIZE,
-                            STRIDE_TOKEN, HEAD, TILE_N, STAGES)),
+                            STRIDE_TOKEN, HEAD, TILE_N, STAGES, PIPE)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -484,14 +549,14 @@ WS_REGS = (200, 56)
 
 
 def _mode_consts(mode):
-    if mode == "ws":
-        return dict(CONSUMER_REGS=WS_REGS[0], PRODUCER_REGS=WS_REGS[1])
+    if mode in ("ws", "ws-pipe"):
+        return dict(CONSUMER_REGS=WS_REGS[0], PRODUCER_REGS=WS_REGS[1], PIPE=mode == "ws-pipe")
     return dict(PIPE=mode == "pipe", SERIAL_QK=mode == "serial")
 
 
 def _kernel(mode):
     """(kernel, num_warps) of a mode."""
-    return (_prefill_ws_kernel, 4) if mode == "ws" else (_prefill_kernel, 8)
+    return (_prefill_ws_kernel, 4) if mode.startswith("ws") else (_prefill_kernel, 8)
 
 
 def _args(problem, block_q=64, heads=4, tile_n=64, stages=4, mode=""):
@@ -586,8 +651,9 @@ def run(problem, stages=4, mode="", block_q=64, tile_n=64):
 
 #: (stages, mode, block_q, tile_n) of the GPU run: "" (half b's QK^T in flight), "serial" (each
 #: QK^T waited for at once, as Triton compiles the default), "pipe" (each half's QK^T half a tile
-#: ahead), "ws" (a producer warp group and two consumer warp groups of block_q * 4 / 2 rows)
-VARIANTS = ((4, "ws", 32, 64), (5, "ws", 32, 64), (2, "ws", 32, 128), (3, "ws", 32, 128),
+#: ahead), "ws" (a producer warp group and two consumer warp groups of block_q * 4 / 2 rows),
+#: "ws-pipe" (the same, each consumer pipelined as FlashAttention-3's; needs 3 slots or more)
+VARIANTS = ((4, "ws", 32, 64), (4, "ws-pipe", 32, 64), (5, "ws-pipe", 32, 64),
             (3, "serial", 64, 64))
 
 
