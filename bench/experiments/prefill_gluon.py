@@ -621,7 +621,13 @@ def compile_offline(stages=4, layout="NHD", mode="", block_q=64, tile_n=64):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    return {"shared": ck.metadata.shared, "ptxas": _ptxas_info(ck.asm["ptx"])}
+    import collections
+    import re
+
+    ptx = ck.asm["ptx"]
+    waits = collections.Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))
+    return {"shared": ck.metadata.shared, "ptxas": _ptxas_info(ptx),
+            "wgmma_waits": dict(sorted(waits.items()))}
 
 
 def _ptxas_info(ptx: str) -> str:
@@ -639,7 +645,9 @@ def _ptxas_info(ptx: str) -> str:
         res = subprocess.run([nv.get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o",
                               os.path.join(d, "k.o")], capture_output=True, text=True)
     return " ".join(line.split("ptxas info    : ")[-1] for line in
-                    (res.stdout + res.stderr).splitlines() if "Used" in line or "spill" in line)
+                    (res.stdout + res.stderr).splitlines()
+                    if "Used" in line or "spill" in line or "C7512" in line)  # C7512: MMAs
+    # serialized for want of registers
 
 
 def run(problem, stages=4, mode="", block_q=64, tile_n=64):
