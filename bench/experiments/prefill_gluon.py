@@ -11,8 +11,11 @@ Modes (``VARIANTS``):
 - ``"pipe"``: each half's QK^T issued half a tile ahead (FA3's intra-warpgroup pipelining);
 - ``"ws"``: warp-specialized, a producer warp group gathering K/V pages into a ring of
   mbarrier-guarded slots and two consumer warp groups of half the rows each;
-- ``"ws-pipe"``: the same with FlashAttention-3's intra-warpgroup pipeline in each consumer
-  (tile j+1's QK^T issued first, tile j's softmax under it and under PV(j-1)).
+- ``"ws-pipe"``: the same, each consumer issuing tile j+1's QK^T before tile j's softmax,
+  which runs under it and under PV(j-1);
+- ``"ws-fa3"``: each consumer in FlashAttention-3's order (S(j) and PV(j-1) issued together,
+  tile j's softmax under PV(j-1), the rescale after it); ``"ws-fa3-pp"``: and the two consumers
+  taking turns to issue their MMAs (FA3's ping-pong, here two mbarriers passing the turn).
 
 K/V tiles are gathered page by page with ``cp.async`` into shared-memory slots; Q sits in shared
 memory as the A operand, P in registers. Scope (the case the 1.2x target is about): varlen
@@ -350,18 +353,16 @@ def _prefill_kernel(
 # -- warp-specialized: a producer warp group and two consumer warp groups of 128 rows each ---------------
 
 @gluon.jit
-def _ws_producer(k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_tiles, stride_kv,
+def _ws_producer(k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_fill, stride_kv,
                  stride_block, head_off, num_blocks, BLOCK_SIZE: gl.constexpr,
                  STRIDE_TOKEN: gl.constexpr, HEAD: gl.constexpr, TILE_N: gl.constexpr,
-                 STAGES: gl.constexpr, PIPE: gl.constexpr):
-    """One warp group: gathers key tile j's pages into ring slot j % STAGES once both consumers
-    released it; every thread's copies arrive on the slot's ``full`` barrier as they land.
-    PIPE: one tile more, all zeros (past the keys), for the QK^T a pipelined consumer issues
-    ahead of its last tile."""
+                 STAGES: gl.constexpr):
+    """One warp group: gathers key tiles 0 .. n_fill - 1 (those past the keys all zeros: the
+    consumers' pipelines may read one more) into ring slot j % STAGES once both consumers
+    released it; every thread's copies arrive on the slot's ``full`` barrier as they land."""
     TPW: gl.constexpr = HEAD // 8
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW, TPW], [4, 1], [1, 0])
-    EXTRA: gl.constexpr = 1 if PIPE else 0
-    for j in range(0, n_tiles + EXTRA):
+    for j in range(0, n_fill):
         slot = j % STAGES
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
         blk = _block_ids(bt_row_ptr, j, kv_hi, BLOCK_SIZE, TILE_N, LOAD)
@@ -440,14 +441,45 @@ def _ws_tile_pipe(j, s, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i, score_m
 
 
 @gluon.jit
-def _ws_consumer(q_h, k_smem, v_smem, full, empty, out_ptr, score_mult, pos0, kv_hi, n_open,
-                 n_tiles, chunk, kv_head, q_start, q_tile, q_len, seq_len, num_q_tokens,
+def _ws_tile_fa3(j, p_prev, q_h, k_smem, v_smem, full, empty, turn, acc, m_i, l_i, score_mult,
+                 pos0, kv_hi, MASKED: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
+                 HALF: gl.constexpr, ROW0: gl.constexpr, HPP: gl.constexpr, ME: gl.constexpr,
+                 PINGPONG: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+                 P_LAYOUT: gl.constexpr):
+    """FlashAttention-3's consumer step j >= 1, in its order: issue S(j) and PV(j-1) (P(j-1)
+    from the step before; PINGPONG: only in this warp group's turn, then the other's), run tile
+    j's softmax while PV(j-1) does, then wait for PV(j-1), free tile j-1's slot and rescale."""
+    slot = j % STAGES
+    if PINGPONG:
+        mbarrier.wait(turn.index(ME), (j - 1) & 1)
+    mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+    fence_async_shared()
+    zero = gl.zeros([HALF, TILE_N], gl.float32, layout=S_LAYOUT)
+    s = warpgroup_mma(q_h, k_smem.index(slot).permute((1, 0)), zero, use_acc=False,
+                      is_async=True)
+    acc = warpgroup_mma(p_prev, v_smem.index((j + STAGES - 1) % STAGES), acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - ME), count=1)
+    s = warpgroup_mma_wait(1, deps=[s])  # S(j) done; PV(j-1) may still run
+    p, alpha, l_i, m_i = _softmax_stats(s, m_i, l_i, score_mult, pos0, j * TILE_N, kv_hi,
+                                        MASKED, TILE_N, S_LAYOUT, ROW0, HPP)
+    p = gl.convert_layout(p.to(q_h.dtype), P_LAYOUT)
+    acc = warpgroup_mma_wait(0, deps=[acc])  # PV(j-1) done: tile j - 1 is used up
+    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+    return acc, p, m_i, l_i
+
+
+@gluon.jit
+def _ws_consumer(q_h, k_smem, v_smem, full, empty, turn, out_ptr, score_mult, pos0, kv_hi,
+                 n_open, n_tiles, chunk, kv_head, q_start, q_tile, q_len, seq_len, num_q_tokens,
                  stride_ot, stride_oh, ROW0: gl.constexpr, HALF: gl.constexpr,
                  HEAD: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
                  HPP: gl.constexpr, GROUP: gl.constexpr, BLOCK_Q: gl.constexpr,
-                 PIPE: gl.constexpr):
+                 PIPE: gl.constexpr, FA3: gl.constexpr, PINGPONG: gl.constexpr):
     """One warp group: rows [ROW0, ROW0 + HALF) of the program against every key tile (PIPE:
-    FlashAttention-3's intra-warpgroup pipeline, ``_ws_tile_pipe``)."""
+    the next QK^T issued first, ``_ws_tile_pipe``; FA3: FlashAttention-3's order,
+    ``_ws_tile_fa3``, with PINGPONG the two warp groups taking turns to issue their MMAs)."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, TILE_N, 16])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -471,6 +503,35 @@ def _ws_consumer(q_h, k_smem, v_smem, full, empty, out_ptr, score_mult, pos0, kv
                                              l_i, score_mult, pos0, kv_hi, True, TILE_N, STAGES,
                                              HALF, ROW0, HPP, S_LAYOUT, O_LAYOUT, P_LAYOUT)
         acc, s = warpgroup_mma_wait(0, deps=[acc, s])  # the extra tile's scores are dropped
+    elif FA3:
+        ME: gl.constexpr = 0 if ROW0 == 0 else 1
+        acc = gl.zeros([HALF, HEAD], gl.float32, layout=O_LAYOUT)  # a tensor between steps
+        mbarrier.wait(full.index(0), 0)
+        fence_async_shared()
+        zero = gl.zeros([HALF, TILE_N], gl.float32, layout=S_LAYOUT)
+        s = warpgroup_mma(q_h, k_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        if n_open > 0:  # tile 0's softmax (the accumulator is zero: nothing to rescale)
+            p, alpha, l_i, m_i = _softmax_stats(s, m_i, l_i, score_mult, pos0, 0, kv_hi, False,
+                                                TILE_N, S_LAYOUT, ROW0, HPP)
+        else:
+            p, alpha, l_i, m_i = _softmax_stats(s, m_i, l_i, score_mult, pos0, 0, kv_hi, True,
+                                                TILE_N, S_LAYOUT, ROW0, HPP)
+        p = gl.convert_layout(p.to(q_h.dtype), P_LAYOUT)
+        for j in range(1, n_open):
+            acc, p, m_i, l_i = _ws_tile_fa3(j, p, q_h, k_smem, v_smem, full, empty, turn, acc,
+                                            m_i, l_i, score_mult, pos0, kv_hi, False, TILE_N,
+                                            STAGES, HALF, ROW0, HPP, ME, PINGPONG, S_LAYOUT,
+                                            O_LAYOUT, P_LAYOUT)
+        for j in range(gl.maximum(n_open, 1), n_tiles):
+            acc, p, m_i, l_i = _ws_tile_fa3(j, p, q_h, k_smem, v_smem, full, empty, turn, acc,
+                                            m_i, l_i, score_mult, pos0, kv_hi, True, TILE_N,
+                                            STAGES, HALF, ROW0, HPP, ME, PINGPONG, S_LAYOUT,
+                                            O_LAYOUT, P_LAYOUT)
+        last = gl.maximum(n_tiles, 1) - 1
+        acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
     else:
         for j in range(0, n_open):
             acc, m_i, l_i = _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i,
@@ -500,6 +561,7 @@ def _prefill_ws_kernel(
     HEAD: gl.constexpr, GROUP: gl.constexpr, HPP: gl.constexpr, HEAD_CHUNKS: gl.constexpr,
     BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPE: gl.constexpr = False,
+    FA3: gl.constexpr = False, PINGPONG: gl.constexpr = False,
 ):
     """Launched with 4 warps: they set up and then run consumer 0; one worker warp group runs
     consumer 1, another the producer."""
@@ -524,23 +586,32 @@ def _prefill_ws_kernel(
                                            KV_SMEM)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(0), count=1)  # warp group 0 issues first
+        if PIPE:
+            n_fill = n_tiles + 1
+        else:
+            n_fill = gl.maximum(n_tiles, 1)
         fence_async_shared()
         gl.thread_barrier()
         gl.warp_specialize([
-            (_ws_consumer, (q_smem.index(0), k_smem, v_smem, full, empty, out_ptr, score_mult,
+            (_ws_consumer, (q_smem.index(0), k_smem, v_smem, full, empty, turn, out_ptr, score_mult,
                             first_pos, kv_hi, n_open, n_tiles, chunk, kv_head, q_start, q_tile,
                             q_len, seq_len, num_q_tokens, stride_ot, stride_oh, 0, HALF, HEAD,
-                            TILE_N, STAGES, HPP, GROUP, BLOCK_Q, PIPE)),
-            (_ws_consumer, (q_smem.index(1), k_smem, v_smem, full, empty, out_ptr, score_mult,
+                            TILE_N, STAGES, HPP, GROUP, BLOCK_Q, PIPE, FA3, PINGPONG)),
+            (_ws_consumer, (q_smem.index(1), k_smem, v_smem, full, empty, turn, out_ptr, score_mult,
                             first_pos, kv_hi, n_open, n_tiles, chunk, kv_head, q_start, q_tile,
                             q_len, seq_len, num_q_tokens, stride_ot, stride_oh, HALF, HALF, HEAD,
-                            TILE_N, STAGES, HPP, GROUP, BLOCK_Q, PIPE)),
-            (_ws_producer, (k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_tiles,
+                            TILE_N, STAGES, HPP, GROUP, BLOCK_Q, PIPE, FA3, PINGPONG)),
+            (_ws_producer, (k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_fill,
                             stride_kv, stride_block, head_off, num_blocks, BLOCK_SIZE,
-                            STRIDE_TOKEN, HEAD, TILE_N, STAGES, PIPE)),
+                            STRIDE_TOKEN, HEAD, TILE_N, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -549,8 +620,9 @@ WS_REGS = (200, 56)
 
 
 def _mode_consts(mode):
-    if mode in ("ws", "ws-pipe"):
-        return dict(CONSUMER_REGS=WS_REGS[0], PRODUCER_REGS=WS_REGS[1], PIPE=mode == "ws-pipe")
+    if mode.startswith("ws"):
+        return dict(CONSUMER_REGS=WS_REGS[0], PRODUCER_REGS=WS_REGS[1], PIPE=mode == "ws-pipe",
+                    FA3=mode.startswith("ws-fa3"), PINGPONG=mode == "ws-fa3-pp")
     return dict(PIPE=mode == "pipe", SERIAL_QK=mode == "serial")
 
 
@@ -660,9 +732,11 @@ def run(problem, stages=4, mode="", block_q=64, tile_n=64):
 #: (stages, mode, block_q, tile_n) of the GPU run: "" (half b's QK^T in flight), "serial" (each
 #: QK^T waited for at once, as Triton compiles the default), "pipe" (each half's QK^T half a tile
 #: ahead), "ws" (a producer warp group and two consumer warp groups of block_q * 4 / 2 rows),
-#: "ws-pipe" (the same, each consumer pipelined as FlashAttention-3's; needs 3 slots or more)
-VARIANTS = ((4, "ws", 32, 64), (4, "ws-pipe", 32, 64), (5, "ws-pipe", 32, 64),
-            (3, "serial", 64, 64))
+#: "ws-pipe" (the same, each consumer's next QK^T issued first; needs 3 slots or more),
+#: "ws-fa3" (each consumer in FlashAttention-3's order), "ws-fa3-pp" (and the two consumers
+#: taking turns to issue their MMAs, FA3's ping-pong)
+VARIANTS = ((4, "ws", 32, 64), (4, "ws-pipe", 32, 64), (4, "ws-fa3", 32, 64),
+            (4, "ws-fa3-pp", 32, 64), (5, "ws-fa3-pp", 32, 64), (3, "serial", 64, 64))
 
 
 def main() -> None:
