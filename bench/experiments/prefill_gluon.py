@@ -25,6 +25,7 @@ rounded to the input dtype).
 
     PYTHONPATH=$T36/site:. python bench/experiments/prefill_gluon.py --compile   # sm_90a, no GPU
     python bench/experiments/prefill_gluon.py          # GPU: bytes against the default, times
+    for k in 0 1 2 3 4 5; do timeout 90 python bench/experiments/prefill_gluon.py --only=$k; done
 ``--compile`` prints shared memory and ``ptxas``'s registers and spills of each variant. The GPU
 JSON goes to ``$OUT`` (or /tmp) as ``prefill-gluon-exp.json``.
 """
@@ -739,6 +740,13 @@ VARIANTS = ((4, "ws", 32, 64), (4, "ws-pipe", 32, 64), (4, "ws-fa3", 32, 64),
             (4, "ws-fa3-pp", 32, 64), (5, "ws-fa3-pp", 32, 64), (3, "serial", 64, 64))
 
 
+def _chosen():
+    """VARIANTS, or only the one ``--only=K`` names (so that one that hangs costs only itself:
+    ``for k in 0 1 2 3 4 5; do timeout 90 python prefill_gluon.py --only=$k; done``)."""
+    only = [int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--only=")]
+    return [VARIANTS[k] for k in only] if only else list(VARIANTS)
+
+
 def main() -> None:
     if "--compile" in sys.argv:
         for stages, mode, bq, tn in VARIANTS:
@@ -762,7 +770,7 @@ def main() -> None:
             ref = p.kernel().clone()
             # SDPA's causal mask is top-left aligned: only comparable when q_len == seq_len
             want = p.sdpa().transpose(1, 2).reshape(ref.shape) if q_len == n else ref
-            for stages, mode, bq, tn in VARIANTS:
+            for stages, mode, bq, tn in _chosen():
                 row = {"layout": layout, "batch": batch, "seq": n, "q_len": q_len,
                        "variant": f"gluon {mode + ' ' if mode else ''}s{stages} bq{bq} n{tn}"}
                 try:
@@ -790,7 +798,9 @@ def main() -> None:
                 rows.append(_record.cudnn_row(p, layout, 200))
             del p
             torch.cuda.empty_cache()
-    _record.write("prefill-gluon-exp.json", "prefill in Gluon: QK^T of half b in flight", rows)
+    only = [a for a in sys.argv if a.startswith("--only=")]
+    _record.write(f"prefill-gluon{only[0][6:].replace('=', '-')}-exp.json" if only
+                  else "prefill-gluon-exp.json", "prefill in Gluon: QK^T of half b in flight", rows)
 
 
 if __name__ == "__main__":
