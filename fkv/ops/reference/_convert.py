@@ -4,8 +4,9 @@ Same signatures and the same input checks as the kernels (shared validation), bu
 is the obvious one: ``einops.rearrange`` between logical axes for whole-cache conversion, and
 advanced indexing token by token (``block_ids[i // N]``, slot ``i % N``) for everything else.
 Payloads move as same-width integers, so every copy is bit-exact (fp8 and NaN payloads included).
-On CPU that indexing runs on numpy views of the same memory (the transport's DRAM path moves with
-these references; see :func:`_run_numpy`), elsewhere on torch tensors.
+On CPU that indexing runs on numpy views of the same memory, single-threaded, with whole blocks
+copied as slices where both sides have the same block size (the transport's DRAM path moves with
+these references; see :func:`_run_numpy`); elsewhere on torch tensors.
 """
 
 from __future__ import annotations
