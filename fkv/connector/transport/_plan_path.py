@@ -69,8 +69,9 @@ class PlanPath:
         self.quarantine: list[Any] = []
         #: layer ranges read from READs computed ahead (layer_reads), since the connection began
         self.prepared_reads = 0
-        #: (plan, (local blocks, remote blocks, tokens), staging steps) of the last staging move
-        self._steps: tuple[Any, tuple[int, int, int], tuple[Any, ...]] | None = None
+        #: the last staging move's (plan, (local blocks, remote blocks, tokens), staging steps,
+        #: staging buffer, {(mini-cache spec, offset): its layer views})
+        self._steps: tuple[Any, tuple[int, int, int], tuple[Any, ...], Any, dict] | None = None
 
     def describe(self) -> str:
         return f"{self.name}: the plan's rows, one READ per prefill rank"
@@ -196,14 +197,17 @@ class PlanPath:
         dev = link.local.device
         move = kernels(dev).move
         views, ls = link.local.views, link.local.spec
-        minis: dict[tuple[Any, int], Any] = {}  # each staging mini-cache's layer views, once
-        # the steps depend on the request's sizes only (a streamed read comes once per layer
-        # range; the ids were checked when the read began)
+        # The steps depend on the request's sizes only, and so do the staging mini-caches' layer
+        # views: both kept for the request (a streamed read comes once per layer range; the ids
+        # were checked when the read began), the views built as the steps need them.
         sizes = (local.size, remote.size, tokens)
         memo = self._steps
-        if memo is None or memo[0] is not link.plan or memo[1] != sizes:
-            memo = (link.plan, sizes, link.plan.staging_steps(local, remote, num_tokens=tokens))
+        if memo is None or memo[0] is not link.plan or memo[1] != sizes \
+                or memo[3] is not link.staging:
+            memo = (link.plan, sizes, link.plan.staging_steps(local, remote, num_tokens=tokens),
+                    link.staging, {})
             self._steps = memo
+        minis = memo[4]
         with on_device(dev):
             src_ids = torch.arange(remote.size, device=dev)
             dst_ids = torch.as_tensor(local, device=dev)
