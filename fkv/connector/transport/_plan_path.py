@@ -54,6 +54,22 @@ class LayerReads:
     reads: tuple[tuple[int, np.ndarray, np.ndarray, int], ...]
 
 
+@attrs.define
+class _StagingMemo:
+    """What a request's staging moves reuse from one layer range to the next (a streamed read
+    comes once per range): its steps, which depend on the plan, the staging buffer and the
+    request's sizes only, and each staging mini-cache's layer views, built as the steps need."""
+
+    plan: Any
+    staging: Any
+    sizes: tuple[int, int, int]  # local blocks, remote blocks, tokens
+    steps: tuple[Any, ...]
+    views: dict[tuple[Any, int], Any] = attrs.Factory(dict)  # (mini-cache spec, offset) -> views
+
+    def fits(self, plan: Any, staging: Any, sizes: tuple[int, int, int]) -> bool:
+        return self.plan is plan and self.staging is staging and self.sizes == sizes
+
+
 class PlanPath:
     """The plan's direct or staging reads over a :class:`Link` (``name`` is the plan's
     strategy)."""
@@ -69,9 +85,7 @@ class PlanPath:
         self.quarantine: list[Any] = []
         #: layer ranges read from READs computed ahead (layer_reads), since the connection began
         self.prepared_reads = 0
-        #: the last staging move's (plan, (local blocks, remote blocks, tokens), staging steps,
-        #: staging buffer, {(mini-cache spec, offset): its layer views})
-        self._steps: tuple[Any, tuple[int, int, int], tuple[Any, ...], Any, dict] | None = None
+        self._staging_memo: _StagingMemo | None = None  # the last request's staging moves
 
     def describe(self) -> str:
         return f"{self.name}: the plan's rows, one READ per prefill rank"
@@ -197,27 +211,22 @@ class PlanPath:
         dev = link.local.device
         move = kernels(dev).move
         views, ls = link.local.views, link.local.spec
-        # The steps depend on the request's sizes only, and so do the staging mini-caches' layer
-        # views: both kept for the request (a streamed read comes once per layer range; the ids
-        # were checked when the read began), the views built as the steps need them.
-        sizes = (local.size, remote.size, tokens)
-        memo = self._steps
-        if memo is None or memo[0] is not link.plan or memo[1] != sizes \
-                or memo[3] is not link.staging:
-            memo = (link.plan, sizes, link.plan.staging_steps(local, remote, num_tokens=tokens),
-                    link.staging, {})
-            self._steps = memo
-        minis = memo[4]
+        sizes = (local.size, remote.size, tokens)  # the ids were checked when the read began
+        memo = self._staging_memo
+        if memo is None or not memo.fits(link.plan, link.staging, sizes):
+            memo = _StagingMemo(link.plan, link.staging, sizes,
+                                link.plan.staging_steps(local, remote, num_tokens=tokens))
+            self._staging_memo = memo
         with on_device(dev):
             src_ids = torch.arange(remote.size, device=dev)
             dst_ids = torch.as_tensor(local, device=dev)
-            for step in memo[2]:
+            for step in memo.steps:
                 if layers is not None and not layers[0] <= step.layer < layers[1]:
                     continue
                 where = (step.stage_spec, step.stage_offset)
-                if where not in minis:
-                    minis[where] = wrap(link.staging, step.stage_spec, step.stage_offset)
-                src = minis[where][step.layer]
+                if where not in memo.views:
+                    memo.views[where] = wrap(link.staging, step.stage_spec, step.stage_offset)
+                src = memo.views[where][step.layer]
                 move(src, step.stage_spec, src_ids, views[step.layer], ls, dst_ids,
                      src_heads=step.src_heads, dst_heads=step.dst_heads,
                      num_tokens=step.num_tokens)
