@@ -91,10 +91,17 @@ def _run_numpy(m: _Move) -> None:
     n, done = m.src_spec.block_size, 0
     if n == m.dst_spec.block_size and src[0, :n].nbytes >= _BLOCK_BYTES:
         # equal block sizes: token i is slot i % n of block i // n on both sides, so whole
-        # blocks move as one slice each (numpy copies them row by row, no index arrays)
-        done = m.num_tokens // n * n
-        for k in range(m.num_tokens // n):
-            dst[k if dst_ids is None else dst_ids[k]] = src[k if src_ids is None else src_ids[k]]
+        # blocks move as slices (numpy copies them row by row, no index arrays), one slice per
+        # run of blocks consecutive on both sides
+        whole = m.num_tokens // n
+        done = whole * n
+        k = np.arange(whole)
+        s_ids = k if src_ids is None else src_ids[:whole]
+        d_ids = k if dst_ids is None else dst_ids[:whole]
+        cut = np.flatnonzero((np.diff(s_ids) != 1) | (np.diff(d_ids) != 1)) + 1
+        for a, b in zip(np.r_[0, cut], np.r_[cut, whole]):
+            if b > a:
+                dst[d_ids[a]:d_ids[a] + b - a] = src[s_ids[a]:s_ids[a] + b - a]
     i = np.arange(done, m.num_tokens)
 
     def where(ids: np.ndarray | None, spec: KVCacheSpec) -> tuple[np.ndarray, np.ndarray]:
