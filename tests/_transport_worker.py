@@ -250,7 +250,9 @@ class Worker:
         seen = [0]
 
         def answer_then_stop(batch: list[tuple[Any, bytes | None]]) -> None:
-            answer_all(batch)
+            # Decide before answering, so that nothing runs between the answer and the stop: a
+            # READ served in that window (this process's NIXL thread answers it) would succeed.
+            stop = False
             for _, payload in batch:
                 try:
                     msg = _side.decode_request(payload or b"")
@@ -258,8 +260,10 @@ class Worker:
                     continue
                 if isinstance(msg, _side.Pack) and msg.request_id == cmd["request_id"]:
                     seen[0] += 1
-                    if seen[0] == cmd.get("after", 1):
-                        os.kill(os.getpid(), signal.SIGSTOP)
+                    stop = stop or seen[0] == cmd.get("after", 1)
+            answer_all(batch)
+            if stop:
+                os.kill(os.getpid(), signal.SIGSTOP)
 
         server._answer_all = answer_then_stop
 
