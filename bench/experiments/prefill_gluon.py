@@ -380,22 +380,70 @@ def _ws_producer(k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_fi
 
 
 @gluon.jit
+def _ws_page_producer(k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_fill,
+                      stride_kv, stride_block, head_off, num_blocks, BLOCK_SIZE: gl.constexpr,
+                      STRIDE_TOKEN: gl.constexpr, HEAD: gl.constexpr, TILE_N: gl.constexpr,
+                      STAGES: gl.constexpr):
+    """One warp: ``_ws_producer``'s ring, filled page by page (a page's block id is one scalar,
+    its pointers one [BLOCK_SIZE, HEAD] tile), so the warp needs few registers and the
+    consumers get the rest."""
+    TPW: gl.constexpr = HEAD // 8
+    ROWS: gl.constexpr = 8  # tokens per copy: 4 vectors of 16 bytes a thread at head size 128
+    PAGE: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW, TPW], [1, 1], [1, 0])
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, PAGE))
+    d = gl.arange(0, HEAD, layout=gl.SliceLayout(0, PAGE))
+    inner = gl.expand_dims(r * STRIDE_TOKEN, 1) + gl.expand_dims(d, 0)
+    for j in range(0, n_fill):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
+        for pg in gl.static_range(TILE_N // BLOCK_SIZE):
+            t0 = j * TILE_N + pg * BLOCK_SIZE
+            blk = gl.load(bt_row_ptr + t0 // BLOCK_SIZE, mask=t0 < kv_hi, other=0)
+            blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)
+            page = cache_ptr + (blk.to(gl.int64) * stride_block + head_off)
+            for part in gl.static_range(BLOCK_SIZE // ROWS):
+                ptrs = page + part * ROWS * STRIDE_TOKEN + inner
+                ok = gl.expand_dims(t0 + part * ROWS + r < kv_hi, 1) & gl.expand_dims(d < HEAD, 0)
+                cp.async_copy_global_to_shared(
+                    k_smem.index(slot).slice(pg * BLOCK_SIZE + part * ROWS, ROWS), ptrs, mask=ok)
+                cp.async_copy_global_to_shared(
+                    v_smem.index(slot).slice(pg * BLOCK_SIZE + part * ROWS, ROWS),
+                    ptrs + stride_kv, mask=ok)
+        cp.mbarrier_arrive(full.index(slot))
+        mbarrier.arrive(full.index(slot), count=1)
+
+
+@gluon.jit
 def _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i, score_mult, pos0, kv_hi,
              MASKED: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
              ROW0: gl.constexpr, HPP: gl.constexpr, S_LAYOUT: gl.constexpr,
-             O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr):
+             O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, turn=None, ME: gl.constexpr = 0,
+             PINGPONG: gl.constexpr = False, p_s=None, P_SMEM: gl.constexpr = False):
+    """One key tile of one consumer: QK^T (PINGPONG: issued in this warp group's turn, which
+    then passes to the other, so one's softmax runs under the other's MMAs), the softmax, PV
+    left in flight."""
     slot = j % STAGES
     mbarrier.wait(full.index(slot), (j // STAGES) & 1)
     fence_async_shared()  # the copies were generic-proxy writes; the MMAs read by the async proxy
     zero = gl.zeros([HALF, TILE_N], gl.float32, layout=S_LAYOUT)
+    if PINGPONG:
+        mbarrier.wait(turn.index(ME), j & 1)
     s = warpgroup_mma(q_h, k_smem.index(slot).permute((1, 0)), zero, use_acc=False,
                       is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - ME), count=1)
     s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # PV(j - 1) is done too: release its slot
     mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
     p, acc, l_i, m_i = _softmax(s, m_i, l_i, acc, score_mult, pos0, j * TILE_N, kv_hi, MASKED,
                                 TILE_N, S_LAYOUT, O_LAYOUT, ROW0, HPP)
-    p = gl.convert_layout(p.to(q_h.dtype), P_LAYOUT)
-    acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
+    if P_SMEM:  # P through shared memory: the A operand takes no registers during the MMA
+        p_s.store(p.to(q_h.dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # the warp group's P stores, before its MMA reads them
+        acc = warpgroup_mma(p_s, v_smem.index(slot), acc, is_async=True)
+    else:
+        p = gl.convert_layout(p.to(q_h.dtype), P_LAYOUT)
+        acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
     return acc, m_i, l_i
 
 
@@ -446,10 +494,12 @@ def _ws_tile_fa3(j, p_prev, q_h, k_smem, v_smem, full, empty, turn, acc, m_i, l_
                  pos0, kv_hi, MASKED: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
                  HALF: gl.constexpr, ROW0: gl.constexpr, HPP: gl.constexpr, ME: gl.constexpr,
                  PINGPONG: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
-                 P_LAYOUT: gl.constexpr):
+                 P_LAYOUT: gl.constexpr, p_s=None, P_SMEM: gl.constexpr = False):
     """FlashAttention-3's consumer step j >= 1, in its order: issue S(j) and PV(j-1) (P(j-1)
     from the step before; PINGPONG: only in this warp group's turn, then the other's), run tile
-    j's softmax while PV(j-1) does, then wait for PV(j-1), free tile j-1's slot and rescale."""
+    j's softmax while PV(j-1) does, then wait for PV(j-1), free tile j-1's slot and rescale.
+    P_SMEM: P(j-1) is in shared memory ``p_s`` (``p_prev`` is a placeholder, returned as is),
+    so no registers hold it while PV(j-1) runs; P(j) goes there once PV(j-1) is done."""
     slot = j % STAGES
     if PINGPONG:
         mbarrier.wait(turn.index(ME), (j - 1) & 1)
@@ -458,16 +508,28 @@ def _ws_tile_fa3(j, p_prev, q_h, k_smem, v_smem, full, empty, turn, acc, m_i, l_
     zero = gl.zeros([HALF, TILE_N], gl.float32, layout=S_LAYOUT)
     s = warpgroup_mma(q_h, k_smem.index(slot).permute((1, 0)), zero, use_acc=False,
                       is_async=True)
-    acc = warpgroup_mma(p_prev, v_smem.index((j + STAGES - 1) % STAGES), acc, is_async=True)
+    if P_SMEM:
+        acc = warpgroup_mma(p_s, v_smem.index((j + STAGES - 1) % STAGES), acc, is_async=True)
+    else:
+        acc = warpgroup_mma(p_prev, v_smem.index((j + STAGES - 1) % STAGES), acc,
+                            is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - ME), count=1)
     s = warpgroup_mma_wait(1, deps=[s])  # S(j) done; PV(j-1) may still run
     p, alpha, l_i, m_i = _softmax_stats(s, m_i, l_i, score_mult, pos0, j * TILE_N, kv_hi,
                                         MASKED, TILE_N, S_LAYOUT, ROW0, HPP)
-    p = gl.convert_layout(p.to(q_h.dtype), P_LAYOUT)
+    if P_SMEM:
+        p = p.to(q_h.dtype)
+    else:
+        p = gl.convert_layout(p.to(q_h.dtype), P_LAYOUT)
     acc = warpgroup_mma_wait(0, deps=[acc])  # PV(j-1) done: tile j - 1 is used up
     mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+    if P_SMEM:
+        p_s.store(p)
+        fence_async_shared()
+        gl.thread_barrier()  # the warp group's P stores, before its next MMA reads them
+        p = p_prev
     return acc, p, m_i, l_i
 
 
@@ -477,7 +539,8 @@ def _ws_consumer(q_h, k_smem, v_smem, full, empty, turn, out_ptr, score_mult, po
                  stride_ot, stride_oh, ROW0: gl.constexpr, HALF: gl.constexpr,
                  HEAD: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
                  HPP: gl.constexpr, GROUP: gl.constexpr, BLOCK_Q: gl.constexpr,
-                 PIPE: gl.constexpr, FA3: gl.constexpr, PINGPONG: gl.constexpr):
+                 PIPE: gl.constexpr, FA3: gl.constexpr, PINGPONG: gl.constexpr, p_s=None,
+                 P_SMEM: gl.constexpr = False):
     """One warp group: rows [ROW0, ROW0 + HALF) of the program against every key tile (PIPE:
     the next QK^T issued first, ``_ws_tile_pipe``; FA3: FlashAttention-3's order,
     ``_ws_tile_fa3``, with PINGPONG the two warp groups taking turns to issue their MMAs)."""
@@ -519,29 +582,41 @@ def _ws_consumer(q_h, k_smem, v_smem, full, empty, turn, out_ptr, score_mult, po
         else:
             p, alpha, l_i, m_i = _softmax_stats(s, m_i, l_i, score_mult, pos0, 0, kv_hi, True,
                                                 TILE_N, S_LAYOUT, ROW0, HPP)
-        p = gl.convert_layout(p.to(q_h.dtype), P_LAYOUT)
+        if P_SMEM:
+            p_s.store(p.to(q_h.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            p = l_i  # a placeholder: P lives in p_s
+        else:
+            p = gl.convert_layout(p.to(q_h.dtype), P_LAYOUT)
         for j in range(1, n_open):
             acc, p, m_i, l_i = _ws_tile_fa3(j, p, q_h, k_smem, v_smem, full, empty, turn, acc,
                                             m_i, l_i, score_mult, pos0, kv_hi, False, TILE_N,
                                             STAGES, HALF, ROW0, HPP, ME, PINGPONG, S_LAYOUT,
-                                            O_LAYOUT, P_LAYOUT)
+                                            O_LAYOUT, P_LAYOUT, p_s, P_SMEM)
         for j in range(gl.maximum(n_open, 1), n_tiles):
             acc, p, m_i, l_i = _ws_tile_fa3(j, p, q_h, k_smem, v_smem, full, empty, turn, acc,
                                             m_i, l_i, score_mult, pos0, kv_hi, True, TILE_N,
                                             STAGES, HALF, ROW0, HPP, ME, PINGPONG, S_LAYOUT,
-                                            O_LAYOUT, P_LAYOUT)
+                                            O_LAYOUT, P_LAYOUT, p_s, P_SMEM)
         last = gl.maximum(n_tiles, 1) - 1
-        acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+        if P_SMEM:
+            acc = warpgroup_mma(p_s, v_smem.index(last % STAGES), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
     else:
+        ME2: gl.constexpr = 0 if ROW0 == 0 else 1
         for j in range(0, n_open):
             acc, m_i, l_i = _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i,
                                      score_mult, pos0, kv_hi, False, TILE_N, STAGES, HALF, ROW0,
-                                     HPP, S_LAYOUT, O_LAYOUT, P_LAYOUT)
+                                     HPP, S_LAYOUT, O_LAYOUT, P_LAYOUT, turn, ME2, PINGPONG, p_s,
+                                     P_SMEM)
         for j in range(n_open, n_tiles):
             acc, m_i, l_i = _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i,
                                      score_mult, pos0, kv_hi, True, TILE_N, STAGES, HALF, ROW0,
-                                     HPP, S_LAYOUT, O_LAYOUT, P_LAYOUT)
+                                     HPP, S_LAYOUT, O_LAYOUT, P_LAYOUT, turn, ME2, PINGPONG, p_s,
+                                     P_SMEM)
         acc = warpgroup_mma_wait(0, deps=[acc])
     r = ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, O_LAYOUT))
     d = gl.arange(0, HEAD, layout=gl.SliceLayout(0, O_LAYOUT))
@@ -562,7 +637,8 @@ def _prefill_ws_kernel(
     HEAD: gl.constexpr, GROUP: gl.constexpr, HPP: gl.constexpr, HEAD_CHUNKS: gl.constexpr,
     BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPE: gl.constexpr = False,
-    FA3: gl.constexpr = False, PINGPONG: gl.constexpr = False,
+    FA3: gl.constexpr = False, PINGPONG: gl.constexpr = False, PAGE_PRODUCER: gl.constexpr = False,
+    P_SMEM: gl.constexpr = False,
 ):
     """Launched with 4 warps: they set up and then run consumer 0; one worker warp group runs
     consumer 1, another the producer."""
@@ -601,29 +677,64 @@ def _prefill_ws_kernel(
             n_fill = gl.maximum(n_tiles, 1)
         fence_async_shared()
         gl.thread_barrier()
-        gl.warp_specialize([
-            (_ws_consumer, (q_smem.index(0), k_smem, v_smem, full, empty, turn, out_ptr, score_mult,
-                            first_pos, kv_hi, n_open, n_tiles, chunk, kv_head, q_start, q_tile,
-                            q_len, seq_len, num_q_tokens, stride_ot, stride_oh, 0, HALF, HEAD,
-                            TILE_N, STAGES, HPP, GROUP, BLOCK_Q, PIPE, FA3, PINGPONG)),
-            (_ws_consumer, (q_smem.index(1), k_smem, v_smem, full, empty, turn, out_ptr, score_mult,
-                            first_pos, kv_hi, n_open, n_tiles, chunk, kv_head, q_start, q_tile,
-                            q_len, seq_len, num_q_tokens, stride_ot, stride_oh, HALF, HALF, HEAD,
-                            TILE_N, STAGES, HPP, GROUP, BLOCK_Q, PIPE, FA3, PINGPONG)),
-            (_ws_producer, (k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_fill,
-                            stride_kv, stride_block, head_off, num_blocks, BLOCK_SIZE,
-                            STRIDE_TOKEN, HEAD, TILE_N, STAGES)),
-        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        if PAGE_PRODUCER:
+            P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, TILE_N], gl.bfloat16)
+            p_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2, HALF, TILE_N], P_SH)
+            gl.warp_specialize([
+                (_ws_consumer, (q_smem.index(0), k_smem, v_smem, full, empty, turn, out_ptr,
+                                score_mult, first_pos, kv_hi, n_open, n_tiles, chunk, kv_head,
+                                q_start, q_tile, q_len, seq_len, num_q_tokens, stride_ot,
+                                stride_oh, 0, HALF, HEAD, TILE_N, STAGES, HPP, GROUP, BLOCK_Q,
+                                PIPE, FA3, PINGPONG, p_smem.index(0), P_SMEM)),
+                (_ws_consumer, (q_smem.index(1), k_smem, v_smem, full, empty, turn, out_ptr,
+                                score_mult, first_pos, kv_hi, n_open, n_tiles, chunk, kv_head,
+                                q_start, q_tile, q_len, seq_len, num_q_tokens, stride_ot,
+                                stride_oh, HALF, HALF, HEAD, TILE_N, STAGES, HPP, GROUP, BLOCK_Q,
+                                PIPE, FA3, PINGPONG, p_smem.index(1), P_SMEM)),
+                (_ws_page_producer, (k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi,
+                                     n_fill, stride_kv, stride_block, head_off, num_blocks,
+                                     BLOCK_SIZE, STRIDE_TOKEN, HEAD, TILE_N, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_ws_consumer, (q_smem.index(0), k_smem, v_smem, full, empty, turn, out_ptr, score_mult,
+                                first_pos, kv_hi, n_open, n_tiles, chunk, kv_head, q_start, q_tile,
+                                q_len, seq_len, num_q_tokens, stride_ot, stride_oh, 0, HALF, HEAD,
+                                TILE_N, STAGES, HPP, GROUP, BLOCK_Q, PIPE, FA3, PINGPONG)),
+                (_ws_consumer, (q_smem.index(1), k_smem, v_smem, full, empty, turn, out_ptr, score_mult,
+                                first_pos, kv_hi, n_open, n_tiles, chunk, kv_head, q_start, q_tile,
+                                q_len, seq_len, num_q_tokens, stride_ot, stride_oh, HALF, HALF, HEAD,
+                                TILE_N, STAGES, HPP, GROUP, BLOCK_Q, PIPE, FA3, PINGPONG)),
+                (_ws_producer, (k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_fill,
+                                stride_kv, stride_block, head_off, num_blocks, BLOCK_SIZE,
+                                STRIDE_TOKEN, HEAD, TILE_N, STAGES)),
+            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-#: registers of each consumer warp group and of the producer warp (``mode="ws"``)
-WS_REGS = (200, 56)
+#: registers of each consumer warp group and of the producer warp group (``mode="ws..."``), by
+#: key tile: the producer's gather addresses grow with the tile (at 128 keys, 56 spills and
+#: 184 / 104 serializes the consumers' MMAs; 200 / 80 neither, checked offline with ``--compile``)
+WS_REGS = {64: (200, 56), 128: (200, 80)}
 
 
-def _mode_consts(mode):
+#: registers of the two 128-row consumers and the one-warp page producer (``mode="ws256..."``):
+#: 2 x 128 x 240 + 32 x 128 fills the register file
+WS256_REGS = {False: (224, 56), True: (240, 32)}
+
+
+def _mode_consts(mode, tile_n):
+    if mode.startswith("ws256"):
+        p_smem = mode.endswith("-ps")
+        regs = WS256_REGS[p_smem]
+        return dict(CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], PIPE=False,
+                    FA3=mode.startswith("ws256-fa3"),
+                    PINGPONG=mode.startswith(("ws256-pp", "ws256-fa3-pp")), PAGE_PRODUCER=True,
+                    P_SMEM=p_smem)
     if mode.startswith("ws"):
-        return dict(CONSUMER_REGS=WS_REGS[0], PRODUCER_REGS=WS_REGS[1], PIPE=mode == "ws-pipe",
-                    FA3=mode.startswith("ws-fa3"), PINGPONG=mode == "ws-fa3-pp")
+        regs = WS_REGS[tile_n]
+        return dict(CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], PIPE=mode == "ws-pipe",
+                    FA3=mode.startswith("ws-fa3"), PINGPONG=mode == "ws-fa3-pp",
+                    PAGE_PRODUCER=False, P_SMEM=False)
     return dict(PIPE=mode == "pipe", SERIAL_QK=mode == "serial")
 
 
@@ -657,7 +768,7 @@ def _args(problem, block_q=64, heads=4, tile_n=64, stages=4, mode=""):
     consts = dict(BLOCK_SIZE=spec.block_size, STRIDE_TOKEN=strides["stride_token"],
                   NUM_HEADS=spec.num_kv_heads, HEAD=spec.head_size, GROUP=group, HPP=heads,
                   HEAD_CHUNKS=chunks, BLOCK_Q=block_q, TILE_N=tile_n, STAGES=stages,
-                  **_mode_consts(mode))
+                  **_mode_consts(mode, tile_n))
     assert not cache_constexprs(spec)["CACHE_FP8"] and spec.head_size in (64, 128)
     return grid, args, consts
 
@@ -675,7 +786,7 @@ def compile_offline(stages=4, layout="NHD", mode="", block_q=64, tile_n=64):
     st = cache_strides(spec)
     consts = dict(BLOCK_SIZE=16, STRIDE_TOKEN=st["stride_token"], NUM_HEADS=8, HEAD=128,
                   GROUP=4, HPP=4, HEAD_CHUNKS=1, BLOCK_Q=block_q, TILE_N=tile_n, STAGES=stages,
-                  **_mode_consts(mode))
+                  **_mode_consts(mode, tile_n))
     kernel, warps = _kernel(mode)
     ptrs = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
             "qsl_ptr": "*i32", "out_ptr": "*bf16"}
@@ -737,7 +848,16 @@ def run(problem, stages=4, mode="", block_q=64, tile_n=64):
 #: "ws-fa3" (each consumer in FlashAttention-3's order), "ws-fa3-pp" (and the two consumers
 #: taking turns to issue their MMAs, FA3's ping-pong)
 VARIANTS = ((4, "ws", 32, 64), (4, "ws-pipe", 32, 64), (4, "ws-fa3", 32, 64),
-            (4, "ws-fa3-pp", 32, 64), (5, "ws-fa3-pp", 32, 64), (3, "serial", 64, 64))
+            (4, "ws-fa3-pp", 32, 64), (5, "ws-fa3-pp", 32, 64), (3, "serial", 64, 64),
+            # FlashAttention-3's causal tile for head size 128: 128 x 128, 2 or 3 slots
+            (2, "ws-fa3", 32, 128), (2, "ws-fa3-pp", 32, 128), (3, "ws-fa3", 32, 128),
+            (3, "ws-fa3-pp", 32, 128),
+            # the default's 256-row tile: two consumers of 128 rows, a one-warp page producer;
+            # -pp: ping-pong of the QK^T issue; -ps: P through shared memory
+            (4, "ws256", 64, 64), (4, "ws256-pp", 64, 64), (4, "ws256-pp-ps", 64, 64),
+            (3, "ws256-pp-ps", 64, 64), (4, "ws256-ps", 64, 64),
+            # and FA3's order, P(j-1) in shared memory while PV(j-1) runs under tile j's softmax
+            (4, "ws256-fa3-ps", 64, 64), (4, "ws256-fa3-pp-ps", 64, 64))
 
 
 def _chosen():
