@@ -975,3 +975,144 @@ def test_gpu_cuda_graph_capture_and_replay() -> None:
     torch.cuda.synchronize()
     want = case.expected().cpu()
     assert torch.allclose(out.double().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+# -- the warp-specialized Gluon prefill tile (fkv.ops._attention_gluon) --------------------------
+
+G = importlib.import_module("fkv.ops._attention_gluon")
+
+#: the 256-row prefill tile as attention_config picks it on the H200, on the Triton kernel
+TILE_256 = AttentionConfig(block_q=64, heads_per_program=4, tile_n=64, num_warps=8, num_stages=5,
+                           row_halves=True)
+
+
+def test_warp_specialized_config() -> None:
+    """The default takes the Gluon tile for the H200's 256-row prefill tile of head size 128 and
+    16-bit queries only."""
+    pre = attention_config(num_seqs=4, num_q_tokens=4 * 4096, max_context=4096, varlen=True,
+                           **H200)
+    assert pre == attrs.evolve(TILE_256, warp_specialized=True)
+    others = {
+        "mid tile": dict(num_seqs=64, num_q_tokens=64 * 32, max_context=4096, varlen=True),
+        "split": dict(num_seqs=4, num_q_tokens=4 * 300, max_context=4096, varlen=True),
+        "decode": dict(num_seqs=64, num_q_tokens=64, max_context=8192, varlen=False),
+    }
+    for name, shape in others.items():
+        assert not attention_config(**shape, **H200).warp_specialized, name
+    big = dict(num_seqs=4, num_q_tokens=4 * 4096, max_context=4096, varlen=True)
+    for name, change in {"head 64": {"head_size": 64}, "fp32": {"itemsize": 4},
+                         "head 256": {"head_size": 256}}.items():
+        assert not attention_config(**big, **{**H200, **change}).warp_specialized, name
+
+
+def _refusal(spec_kw: dict[str, Any] | None = None, q_dtype: torch.dtype = torch.bfloat16,
+             **kw: Any) -> str | None:
+    spec = KVCacheSpec(**{"num_blocks": 8, "block_size": 16, "num_kv_heads": 2, "head_size": 128,
+                          "dtype": "bfloat16", **(spec_kw or {})})
+    q = torch.empty(4, 8, spec.head_size, dtype=q_dtype)
+    args = dict(varlen=True, rows=256, tile_n=64, splits=1, sliding_window=None, softcap=None,
+                pdl=False, cache_dtype=torch.bfloat16 if not spec.is_fp8 else torch.uint8) | kw
+    return A.gluon_prefill_refusal(q, spec, q, **args)
+
+
+def test_gluon_prefill_refusals() -> None:
+    """Every launch the Gluon tile does not compute names why, and keeps the Triton kernel."""
+    assert _refusal() is None
+    assert _refusal(q_dtype=torch.float16, cache_dtype=torch.float16) is None
+    assert _refusal({"block_size": 64}) is None
+    assert _refusal(varlen=False) == "decode (no query_start_loc)"
+    assert _refusal(rows=128) == "a 128-row tile of 64 keys (256 x 64 wanted)"
+    assert _refusal(tile_n=32) == "a 256-row tile of 32 keys (256 x 64 wanted)"
+    assert _refusal(splits=2) == "2 splits"
+    assert _refusal(sliding_window=128) == "a sliding window"
+    assert _refusal(softcap=30.0) == "a softcap"
+    assert _refusal(pdl=True) == "pdl=True"
+    assert _refusal({"backend": "mla", "num_kv_heads": 1, "head_size": 128}) == "an MLA cache"
+    assert _refusal({"dtype": "fp8"}) == "an fp8 cache"
+    assert _refusal({"head_size": 64}) == "head size 64 (128 wanted)"
+    assert _refusal({"block_size": 128}) == "block size 128 (8 to 64 wanted)"
+    assert _refusal(q_dtype=torch.float16) == "torch.float16 queries on a torch.bfloat16 cache"
+    assert _refusal(q_dtype=torch.float32) == "torch.float32 queries on a torch.bfloat16 cache"
+    assert not A._gluon_device(torch.device("cpu"))
+
+
+def test_gluon_launch_failure_falls_back_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that does not build here (another Triton, another GPU) makes ``launch`` answer
+    False, so the Triton kernel runs, and it is not tried again for that signature."""
+    tries = []
+
+    class Broken:
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kw: Any) -> None:
+                tries.append(grid)
+                raise RuntimeError("no sm_90 here")
+            return launch
+
+    monkeypatch.setattr(G, "gluon", object())
+    monkeypatch.setattr(G, "_prefill_ws_kernel", Broken(), raising=False)
+    monkeypatch.setattr(G, "_FAILED", set())
+    q = torch.zeros(8, 8, 128, dtype=torch.bfloat16)
+    strides = {"stride_token": 128, "stride_block": 4096, "stride_kv": 2048, "stride_head": 2048}
+    kw = dict(score_mult=0.1, num_seqs=1, num_tiles=2, num_q_tokens=8, num_blocks=4,
+              max_context=64, strides=strides, block_size=16, num_kv_heads=2, head_size=128,
+              group=4, heads=4, chunks=1, block_q=64)
+    before = G.launches()
+    for _ in range(3):
+        assert G.launch(q, q, q, q, q, q, **kw) is False
+    assert tries == [(4,)] and len(G._FAILED) == 1 and G.launches() == before
+
+
+#: (layout, backend, cross_layer, dtype, block size, query heads per KV head, rows' query tokens)
+WS_CASES = [("NHD", "triton", False, "bfloat16", 16, 4, 64), ("HND", "triton", False, "bfloat16", 16, 4, 64),
+            ("NHD", "triton", False, "float16", 16, 4, 64), ("HND", "triton", False, "float16", 16, 4, 64),
+            ("NHD", "triton", False, "bfloat16", 8, 4, 64), ("HND", "triton", False, "bfloat16", 32, 4, 64),
+            ("NHD", "triton", False, "bfloat16", 64, 4, 64), ("HND", "flash_attn", True, "bfloat16", 16, 4, 64),
+            ("HND", "triton", False, "bfloat16", 16, 8, 32), ("NHD", "triton", False, "bfloat16", 16, 1, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("layout", "backend", "cross", "dtype", "block_size", "group", "block_q"),
+                         WS_CASES)
+def test_gpu_warp_specialized_prefill_same_bytes(layout: str, backend: str, cross: bool,
+                                                 dtype: str, block_size: int, group: int,
+                                                 block_q: int) -> None:
+    """On an sm_90 GPU the Gluon tile runs (counted) and writes the Triton tile's bytes: whole
+    and chunked prefill, a query tile cut by the sequence's end, a one-query sequence, garbage
+    in the block table's padding column; and the reference's values."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon tile is built for sm_90 only; elsewhere the Triton kernel runs")
+    case = Case("cuda", backend=backend, layout=layout, cross_layer=cross, dtype=dtype,
+                hq=2 * group, hkv=2, head_size=128, block_size=block_size,
+                seq_lens=(300, 77, 1000, 64), q_lens=(300, 77, 500, 1), seed=21)
+    triton_tile = attrs.evolve(TILE_256, block_q=block_q, heads_per_program=group)
+    before = G.launches()
+    got = case.run(config=attrs.evolve(triton_tile, warp_specialized=True))
+    assert G.launches() == before + 1
+    want = case.run(config=triton_tile)
+    assert G.launches() == before + 1
+    assert torch.equal(got, want)
+    case.check(config=attrs.evolve(triton_tile, warp_specialized=True))
+
+
+@pytest.mark.gpu
+def test_gpu_warp_specialized_prefill_default_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default config of an H200-sized prefill takes the Gluon tile; a Gluon kernel that
+    fails to build leaves the Triton kernel's bytes."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon tile is built for sm_90 only; elsewhere the Triton kernel runs")
+    case = Case("cuda", hq=32, hkv=8, head_size=128, block_size=16, seq_lens=(2048, 2048),
+                q_lens=(2048, 2048), seed=22)
+    before = G.launches()
+    got = case.run()
+    assert G.launches() == before + 1
+    want = case.run(config=attrs.evolve(TILE_256, num_splits=1))
+    assert torch.equal(got, want)
+
+    class Broken:
+        def __getitem__(self, grid: Any) -> Any:
+            raise RuntimeError("no Gluon here")
+
+    monkeypatch.setattr(G, "_prefill_ws_kernel", Broken())
+    monkeypatch.setattr(G, "_FAILED", set())
+    assert torch.equal(case.run(), want)
+    assert G.launches() == before + 1 and len(G._FAILED) == 1

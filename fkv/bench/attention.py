@@ -275,7 +275,15 @@ def _run(res: Result, shape: Shape, ceiling: float, rep: int, device: str,
     res.bytes = p.bytes
     cfg = _default_config_for(shape, res.kind, res.batch, res.tokens)
     res.config = attrs.asdict(cfg)
+    from fkv.ops import _attention_gluon
+
+    before = _attention_gluon.launches()
     res.ms = time_ms(lambda: p.kernel(), rep, device)
+    # which kernel the default launch ran: the warp-specialized Gluon tile or the Triton kernel
+    res.extra["kernel"] = "gluon-ws" if _attention_gluon.launches() > before else "triton"
+    if cfg.warp_specialized:  # the Triton kernel on the same tile, same run
+        res.extra["triton_tile_ms"] = time_ms(
+            lambda: p.kernel(config=attrs.evolve(cfg, warp_specialized=False)), rep, device)
     # Baseline: the fastest fused SDPA backend that runs GQA on this case (default dispatch too).
     want = p.sdpa().float()
     times = {"default": time_ms(lambda: p.sdpa(), rep, device)}
@@ -402,7 +410,8 @@ def _table(cases: list[Result], ceiling: float) -> str:
 
 
 _EXTRA_METRICS = {"ms_repeat": "repeat_ms", "ms_graph": "graph_ms", "sdpa_ms_graph": "sdpa_graph_ms",
-                  "tflops": "tflops", "sdpa_tflops": "sdpa_tflops"}
+                  "tflops": "tflops", "sdpa_tflops": "sdpa_tflops",
+                  "triton_tile_ms": "triton_tile_ms"}
 
 
 def to_run(done: list[Result], shape: Shape, ceiling: float, device: str,

@@ -22,6 +22,7 @@ import os
 from typing import Any, NamedTuple
 
 import attrs
+import numpy as np
 import torch
 
 from fkv.errors import FkvError, field_error
@@ -83,6 +84,11 @@ _LAZY_RESCALE = False
 #: (bench/experiments/compile_defaults.py).
 _ROW_HALVES = True
 _HALVES_MIN_ROWS = {(32, False): 256, (128, False): 128}
+#: default of AttentionConfig.warp_specialized for the 256-row prefill tile (head size 128,
+#: 16-bit, no splits): the Gluon kernel of fkv.ops._attention_gluon on sm_90. H200, B=4 x 4096
+#: causal: 1.218 / 1.228 ms against the Triton tile's 1.249 / 1.259 in the same run, the same bytes
+#: (bench/results/raw/prefill-gluon-ws16-exp-20261202T0500.json).
+_WARP_SPECIALIZED = True
 #: grid order: the KV heads of one (query tile, split) are consecutive programs, so they stream
 #: neighbouring bytes of the same pages together (NHD interleaves heads within a token row).
 _HEADS_FIRST = True
@@ -155,6 +161,13 @@ class AttentionConfig:
       halves may take another MMA shape, fp32 dot products another summation order). Applies to
       tiles of at least 32 rows (query tokens x heads, rounded up to a power of two) launched
       without splits (others ignore it); not with ``lazy_rescale`` or ``range_stages``.
+    - ``warp_specialized``: on an sm_90 GPU (Hopper), the 256-row prefill tile (``block_q *
+      heads_per_program == 256``, ``tile_n == 64``, no splits; head size 128, a 16-bit cache
+      and queries of its dtype, block size 8 to 64, no window, softcap nor ``pdl``) runs as a
+      warp-specialized Gluon kernel (``fkv.ops._attention_gluon``: a producer warp gathering
+      pages, two consumer warp groups of 128 rows taking turns at the tensor cores) instead of
+      the Triton kernel: the same bytes, 2-3 % faster on an H200. Any other launch, a Triton
+      without Gluon, or a kernel that fails to compile keeps the Triton kernel.
     """
 
     block_q: int = attrs.field(validator=attrs.validators.ge(1))
@@ -167,6 +180,8 @@ class AttentionConfig:
     range_stages: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     lazy_rescale: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     row_halves: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    warp_specialized: bool = attrs.field(default=False,
+                                         validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         if self.tile_n & (self.tile_n - 1):
@@ -231,10 +246,13 @@ def attention_config(*, num_seqs: int, num_q_tokens: int, num_q_heads: int, num_
     splits = -(-max_context // _split_len(max_context, splits, tile_n))
     halves = (_ROW_HALVES and splits == 1 and not _LAZY_RESCALE
               and _pow2(rows) >= _HALVES_MIN_ROWS.get(size, 1 << 30))
+    ws = (_WARP_SPECIALIZED and halves and rows == 256 and tile_n == 64 and warps == 8
+          and head_size == 128 and itemsize == 2)
     return AttentionConfig(block_q=block_q, heads_per_program=heads, tile_n=tile_n,
                            num_splits=splits, num_warps=warps, num_stages=stages,
                            fused_merge=_FUSED_MERGE and splits > 1,
-                           lazy_rescale=_LAZY_RESCALE and rows > 16, row_halves=halves)
+                           lazy_rescale=_LAZY_RESCALE and rows > 16, row_halves=halves,
+                           warp_specialized=ws)
 
 
 def model_context(max_context: int) -> int:
@@ -630,6 +648,53 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
     return out
 
 
+def gluon_prefill_refusal(q: torch.Tensor, spec: KVCacheSpec, out: torch.Tensor, *,
+                          varlen: bool, rows: int, tile_n: int, splits: int,
+                          sliding_window: int | None, softcap: float | None, pdl: bool,
+                          cache_dtype: torch.dtype) -> str | None:
+    """None where a launch is one the warp-specialized Gluon prefill kernel computes
+    (``AttentionConfig.warp_specialized``), else the first reason it is not (the Triton kernel
+    then runs it). The device is checked apart (:func:`_gluon_device`)."""
+    checks = (
+        (varlen, "decode (no query_start_loc)"),
+        (rows == 256 and tile_n == 64, f"a {rows}-row tile of {tile_n} keys (256 x 64 wanted)"),
+        (splits == 1, f"{splits} splits"),
+        (sliding_window is None, "a sliding window"),
+        (softcap is None, "a softcap"),
+        (not pdl, "pdl=True"),
+        (not spec.is_mla, "an MLA cache"),
+        (not spec.is_fp8, "an fp8 cache"),
+        (spec.head_size == 128, f"head size {spec.head_size} (128 wanted)"),
+        (spec.block_size in (8, 16, 32, 64), f"block size {spec.block_size} (8 to 64 wanted)"),
+        (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == cache_dtype,
+         f"{q.dtype} queries on a {cache_dtype} cache"),
+        (q.stride(2) == 1 and out.stride(2) == 1, "q or out strided along the head dimension"),
+        (_FMA_SCORES and _HEADS_FIRST, "kernel knobs changed from their defaults"),
+    )
+    return next((why for ok, why in checks if not ok), None)
+
+
+def _gluon_device(device: torch.device) -> bool:
+    """An sm_90 GPU (Hopper): the kernel's warpgroup MMAs and register reallocation."""
+    return device.type == "cuda" and _capability(device) == (9, 0)
+
+
+def _fp32_score_mult(scale: float) -> float:
+    """``scale * log2(e)`` rounded as the Triton kernel computes it (two fp32 operands, an fp32
+    product), so both kernels scale the scores by the same number."""
+    return float(np.float32(scale) * np.float32(1.4426950408889634))
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _device_capability(device.index if device.index is not None
+                              else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=64)
+def _device_capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+
+
 def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table: torch.Tensor,
             seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None, prob: Problem,
             config: AttentionConfig, sliding_window: int | None, softcap: float | None,
@@ -655,6 +720,20 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
                                dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    if (config.warp_specialized and _gluon_device(q.device) and gluon_prefill_refusal(
+            q, spec, out, varlen=prob.varlen, rows=block_q * heads, tile_n=tile_n,
+            splits=num_splits, sliding_window=sliding_window, softcap=softcap, pdl=pdl,
+            cache_dtype=cache.dtype) is None):
+        from fkv.ops import _attention_gluon
+
+        if _attention_gluon.launch(
+                q, cache, block_table, seq_lens, query_start_loc, out,
+                score_mult=_fp32_score_mult(prob.scale), num_seqs=prob.num_seqs,
+                num_tiles=num_tiles, num_q_tokens=prob.num_q_tokens, num_blocks=spec.num_blocks,
+                max_context=prob.max_context, strides=strides, block_size=spec.block_size,
+                num_kv_heads=spec.num_kv_heads, head_size=head_size, group=prob.group,
+                heads=heads, chunks=chunks, block_q=block_q):
+            return
     dummy = seq_lens
     block_m = _pow2(max(16, block_q * heads))  # rows per program (a power of two >= 16)
     grid = (num_tiles * spec.num_kv_heads * chunks, num_splits)
