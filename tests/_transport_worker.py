@@ -251,7 +251,8 @@ class Worker:
 
         def answer_then_stop(batch: list[tuple[Any, bytes | None]]) -> None:
             # Decide before answering, so that nothing runs between the answer and the stop: a
-            # READ served in that window (this process's NIXL thread answers it) would succeed.
+            # READ served in that window would succeed. A NIXL progress thread can serve one
+            # there; run the process without one (FKV_NIXL_PROGRESS_THREAD=0) to close it.
             stop = False
             for _, payload in batch:
                 try:

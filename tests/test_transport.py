@@ -1457,7 +1457,12 @@ def test_prefill_stopped_or_killed_during_a_packed_read_then_reconnect(cluster: 
     pspec = dspec = spec_dict(tp=1, num_blocks=64, block_size=16, head_size=64)
     D = cluster["D"][0]
     name = f"c{next(_counter)}"
-    victim = Proc("packed-victim", cluster["logdir"], env=TCP_LO)
+    # No NIXL progress thread in the victim: its READs are served only when its server loop
+    # progresses UCX, and the thread that answers the pack stops the process before its next
+    # turn, so no READ can be served between the answer and the stop (with a progress thread,
+    # one was, once, on a loaded machine).
+    victim = Proc("packed-victim", cluster["logdir"],
+                  env={**TCP_LO, "FKV_NIXL_PROGRESS_THREAD": "0"})
     reborn = None
     try:
         address = victim.call("serve", name=name, spec=pspec, seed=SEED,
