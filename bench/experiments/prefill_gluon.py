@@ -46,6 +46,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+# Shared with the library's kernel (the variant it adopted): the program mapping, in the Triton
+# kernel's order, and the one-warp page producer of the "ws256" modes.
+from fkv.ops._attention_gluon import _producer as _page_producer
+from fkv.ops._attention_gluon import _program
+
 
 @gluon.jit
 def _issue_kv(k_smem, v_smem, slot, blk, j, hi, cache_ptr, stride_kv, stride_block, head_off,
@@ -183,28 +188,6 @@ def _rows(r, chunk, kv_head, q_start, q_tile, q_len, seq_len, HPP: gl.constexpr,
     tok = (q_start + q_tile + qi).to(gl.int64)
     ok = (r < BLOCK_Q * HPP) & (q_tile + qi < q_len) & (hh < GROUP)
     return hq, tok, ok, seq_len - q_len + q_tile + qi
-
-
-@gluon.jit
-def _program(qsl_ptr, num_seqs, num_tiles, NUM_HEADS: gl.constexpr, HEAD_CHUNKS: gl.constexpr,
-             BLOCK_Q: gl.constexpr):
-    """The program's (kv_head, head chunk, sequence, its first query token, its query count,
-    the tile's first query) in the default kernel's order: heads of one query tile are
-    neighbours, the longest query tiles first."""
-    pid = gl.program_id(0)
-    hc = pid % (NUM_HEADS * HEAD_CHUNKS)
-    tile = num_tiles - 1 - pid // (NUM_HEADS * HEAD_CHUNKS)
-    lo = tile * 0
-    hi = lo + num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        ok = gl.load(qsl_ptr + mid).to(gl.int32) // BLOCK_Q + mid <= tile
-        lo = gl.where(ok, mid, lo)
-        hi = gl.where(ok, hi, mid)
-    q_start = gl.load(qsl_ptr + lo).to(gl.int32)
-    q_len = gl.load(qsl_ptr + lo + 1).to(gl.int32) - q_start
-    q_tile = (tile - (q_start // BLOCK_Q + lo)) * BLOCK_Q
-    return hc // HEAD_CHUNKS, hc % HEAD_CHUNKS, lo, q_start, q_len, q_tile
 
 
 @gluon.jit
@@ -375,40 +358,6 @@ def _ws_producer(k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_fi
         ok = gl.expand_dims(t < kv_hi, 1) & gl.expand_dims(d < HEAD, 0)
         cp.async_copy_global_to_shared(k_smem.index(slot), ptrs, mask=ok)
         cp.async_copy_global_to_shared(v_smem.index(slot), ptrs + stride_kv, mask=ok)
-        cp.mbarrier_arrive(full.index(slot))
-        mbarrier.arrive(full.index(slot), count=1)
-
-
-@gluon.jit
-def _ws_page_producer(k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi, n_fill,
-                      stride_kv, stride_block, head_off, num_blocks, BLOCK_SIZE: gl.constexpr,
-                      STRIDE_TOKEN: gl.constexpr, HEAD: gl.constexpr, TILE_N: gl.constexpr,
-                      STAGES: gl.constexpr):
-    """One warp: ``_ws_producer``'s ring, filled page by page (a page's block id is one scalar,
-    its pointers one [BLOCK_SIZE, HEAD] tile), so the warp needs few registers and the
-    consumers get the rest."""
-    TPW: gl.constexpr = HEAD // 8
-    ROWS: gl.constexpr = 8  # tokens per copy: 4 vectors of 16 bytes a thread at head size 128
-    PAGE: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW, TPW], [1, 1], [1, 0])
-    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, PAGE))
-    d = gl.arange(0, HEAD, layout=gl.SliceLayout(0, PAGE))
-    inner = gl.expand_dims(r * STRIDE_TOKEN, 1) + gl.expand_dims(d, 0)
-    for j in range(0, n_fill):
-        slot = j % STAGES
-        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
-        for pg in gl.static_range(TILE_N // BLOCK_SIZE):
-            t0 = j * TILE_N + pg * BLOCK_SIZE
-            blk = gl.load(bt_row_ptr + t0 // BLOCK_SIZE, mask=t0 < kv_hi, other=0)
-            blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)
-            page = cache_ptr + (blk.to(gl.int64) * stride_block + head_off)
-            for part in gl.static_range(BLOCK_SIZE // ROWS):
-                ptrs = page + part * ROWS * STRIDE_TOKEN + inner
-                ok = gl.expand_dims(t0 + part * ROWS + r < kv_hi, 1) & gl.expand_dims(d < HEAD, 0)
-                cp.async_copy_global_to_shared(
-                    k_smem.index(slot).slice(pg * BLOCK_SIZE + part * ROWS, ROWS), ptrs, mask=ok)
-                cp.async_copy_global_to_shared(
-                    v_smem.index(slot).slice(pg * BLOCK_SIZE + part * ROWS, ROWS),
-                    ptrs + stride_kv, mask=ok)
         cp.mbarrier_arrive(full.index(slot))
         mbarrier.arrive(full.index(slot), count=1)
 
@@ -691,7 +640,7 @@ def _prefill_ws_kernel(
                                 q_start, q_tile, q_len, seq_len, num_q_tokens, stride_ot,
                                 stride_oh, HALF, HALF, HEAD, TILE_N, STAGES, HPP, GROUP, BLOCK_Q,
                                 PIPE, FA3, PINGPONG, p_smem.index(1), P_SMEM)),
-                (_ws_page_producer, (k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi,
+                (_page_producer, (k_smem, v_smem, full, empty, bt_row_ptr, cache_ptr, kv_hi,
                                      n_fill, stride_kv, stride_block, head_off, num_blocks,
                                      BLOCK_SIZE, STRIDE_TOKEN, HEAD, TILE_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -787,22 +736,10 @@ def compile_offline(stages=4, layout="NHD", mode="", block_q=64, tile_n=64):
     consts = dict(BLOCK_SIZE=16, STRIDE_TOKEN=st["stride_token"], NUM_HEADS=8, HEAD=128,
                   GROUP=4, HPP=4, HEAD_CHUNKS=1, BLOCK_Q=block_q, TILE_N=tile_n, STAGES=stages,
                   **_mode_consts(mode, tile_n))
+    from compile_gluon_prefill import ptxas, signature  # bench/experiments/
+
     kernel, warps = _kernel(mode)
-    ptrs = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
-            "qsl_ptr": "*i32", "out_ptr": "*bf16"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "score_mult":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if name.startswith("stride") and name != "stride_bt":
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    sig, attrs = signature(kernel, consts)
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     import collections
@@ -810,28 +747,8 @@ def compile_offline(stages=4, layout="NHD", mode="", block_q=64, tile_n=64):
 
     ptx = ck.asm["ptx"]
     waits = collections.Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))
-    return {"shared": ck.metadata.shared, "ptxas": _ptxas_info(ptx),
+    return {"shared": ck.metadata.shared, "ptxas": ptxas(ptx),
             "wgmma_waits": dict(sorted(waits.items()))}
-
-
-def _ptxas_info(ptx: str) -> str:
-    """Registers and spills as ``ptxas -v`` of the Triton on the path reports them."""
-    import os
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia import compiler as nv
-
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([nv.get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o",
-                              os.path.join(d, "k.o")], capture_output=True, text=True)
-    return " ".join(line.split("ptxas info    : ")[-1] for line in
-                    (res.stdout + res.stderr).splitlines()
-                    if "Used" in line or "spill" in line or "C7512" in line)  # C7512: MMAs
-    # serialized for want of registers
 
 
 def run(problem, stages=4, mode="", block_q=64, tile_n=64):
