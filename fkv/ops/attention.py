@@ -166,7 +166,7 @@ class AttentionConfig:
       and queries of its dtype, block size 8 to 64, no window, softcap nor ``pdl``) runs as a
       warp-specialized Gluon kernel (``fkv.ops._attention_gluon``: a producer warp gathering
       pages, two consumer warp groups of 128 rows taking turns at the tensor cores) instead of
-      the Triton kernel: the same bytes, 2-3 % faster on an H200. Any other launch, a Triton
+      the Triton kernel: the same bytes, 0.5-3 % faster on an H200. Any other launch, a Triton
       without Gluon, or a kernel that fails to compile keeps the Triton kernel.
     """
 
