@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from typing import Any
 
 import attrs
@@ -1116,3 +1117,17 @@ def test_gpu_warp_specialized_prefill_default_and_fallback(monkeypatch: pytest.M
     monkeypatch.setattr(G, "_FAILED", set())
     assert torch.equal(case.run(), want)
     assert G.launches() == before + 1 and len(G._FAILED) == 1
+
+
+def test_gluon_default_can_be_turned_off_from_the_environment() -> None:
+    """``FKV_ATTENTION_GLUON=0`` at import: the default config never asks for the Gluon tile."""
+    import subprocess
+    import sys
+
+    code = ("from fkv.ops.attention import attention_config as c; print(c(num_seqs=4, "
+            "num_q_tokens=16384, max_context=4096, varlen=True, num_q_heads=32, num_kv_heads=8, "
+            "head_size=128, itemsize=2, num_sms=132).warp_specialized)")
+    got = {flag: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                env={**os.environ, "FKV_ATTENTION_GLUON": flag}, check=True
+                                ).stdout.strip() for flag in ("0", "1")}
+    assert got == {"0": "False", "1": "True"}

@@ -87,8 +87,9 @@ _HALVES_MIN_ROWS = {(32, False): 256, (128, False): 128}
 #: default of AttentionConfig.warp_specialized for the 256-row prefill tile (head size 128,
 #: 16-bit, no splits): the Gluon kernel of fkv.ops._attention_gluon on sm_90. H200, B=4 x 4096
 #: causal: 1.218 / 1.228 ms against the Triton tile's 1.249 / 1.259 in the same run, the same bytes
-#: (bench/results/raw/prefill-gluon-ws16-exp-20261202T0500.json).
-_WARP_SPECIALIZED = True
+#: (bench/results/raw/prefill-gluon-ws16-exp-20261202T0500.json). ``FKV_ATTENTION_GLUON=0`` in
+#: the environment when fkv is imported turns it off (every launch then runs the Triton kernel).
+_WARP_SPECIALIZED = os.environ.get("FKV_ATTENTION_GLUON", "1").strip() != "0"
 #: grid order: the KV heads of one (query tile, split) are consecutive programs, so they stream
 #: neighbouring bytes of the same pages together (NHD interleaves heads within a token row).
 _HEADS_FIRST = True
@@ -167,7 +168,8 @@ class AttentionConfig:
       warp-specialized Gluon kernel (``fkv.ops._attention_gluon``: a producer warp gathering
       pages, two consumer warp groups of 128 rows taking turns at the tensor cores) instead of
       the Triton kernel: the same bytes, 0.5-3 % faster on an H200. Any other launch, a Triton
-      without Gluon, or a kernel that fails to compile keeps the Triton kernel.
+      without Gluon, or a kernel that fails to compile keeps the Triton kernel. The default turns
+      it on for that tile unless ``FKV_ATTENTION_GLUON=0`` was set when fkv was imported.
     """
 
     block_q: int = attrs.field(validator=attrs.validators.ge(1))
