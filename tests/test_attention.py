@@ -1131,3 +1131,37 @@ def test_gluon_default_can_be_turned_off_from_the_environment() -> None:
                                 env={**os.environ, "FKV_ATTENTION_GLUON": flag}, check=True
                                 ).stdout.strip() for flag in ("0", "1")}
     assert got == {"0": "False", "1": "True"}
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_gluon_prefill_builds_for_sm90_with_this_triton(layout: str) -> None:
+    """The installed Triton builds the Gluon tile for sm_90a (no GPU needed), in its designed
+    shape: tile j's QK^T and tile j - 1's PV in flight together (one wait leaving one MMA
+    outstanding per key loop, 4 of them) and ptxas not serializing the warpgroup MMAs (its
+    C7512 warning). Without this a Triton release that cannot build it would only show as a
+    slower prefill: ``paged_attention`` falls back to the Triton kernel without a word."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia import compiler as nv
+
+    from fkv.ops._spec import cache_strides
+
+    assert G.available()
+    spec = KVCacheSpec(layout=layout, num_blocks=64, block_size=16, num_kv_heads=8,
+                       head_size=128, dtype="bfloat16")
+    ck = G.compile_sm90(block_size=16, stride_token=cache_strides(spec)["stride_token"],
+                        group=4, block_q=64)
+    ptx = ck.asm["ptx"]
+    waits = sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))
+    assert waits.count("1") == 4 and set(waits) == {"0", "1"}, waits
+    assert ck.metadata.shared <= 232448  # sm_90's shared memory per block
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([nv.get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o",
+                              os.path.join(d, "k.o")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "C7512" not in res.stdout + res.stderr, res.stderr[-2000:]

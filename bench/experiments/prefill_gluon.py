@@ -736,10 +736,12 @@ def compile_offline(stages=4, layout="NHD", mode="", block_q=64, tile_n=64):
     consts = dict(BLOCK_SIZE=16, STRIDE_TOKEN=st["stride_token"], NUM_HEADS=8, HEAD=128,
                   GROUP=4, HPP=4, HEAD_CHUNKS=1, BLOCK_Q=block_q, TILE_N=tile_n, STAGES=stages,
                   **_mode_consts(mode, tile_n))
-    from compile_gluon_prefill import ptxas, signature  # bench/experiments/
+    from compile_gluon_prefill import ptxas  # bench/experiments/
+
+    from fkv.ops._attention_gluon import offline_signature
 
     kernel, warps = _kernel(mode)
-    sig, attrs = signature(kernel, consts)
+    sig, attrs = offline_signature(kernel, consts)
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     import collections

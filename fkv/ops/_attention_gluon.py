@@ -345,3 +345,53 @@ def launch(q: Any, cache: Any, block_table: Any, seq_lens: Any, query_start_loc:
     global _launched
     _launched += 1
     return True
+
+
+# -- building without a GPU (the check that this Triton still builds the kernel) -----------------
+
+_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "qsl_ptr": "*i32", "out_ptr": "*bf16"}
+
+
+def offline_signature(kernel: Any, consts: dict[str, Any]) -> tuple[dict[str, str], dict]:
+    """(signature, attributes) of a prefill Gluon kernel (this one or an experiment's with the
+    same argument names) for an offline compile: bf16 data, int32 tables, pointers and strides
+    16-divisible, as a launch on aligned tensors specializes them."""
+    sig: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list] = {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in _POINTERS:
+            sig[name] = _POINTERS[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "score_mult":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride") and name != "stride_bt":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def compile_sm90(*, block_size: int, stride_token: int, group: int, block_q: int,
+                 num_kv_heads: int = 8) -> Any:
+    """This kernel built for sm_90a by the installed Triton, without a GPU (bf16, head size 128,
+    one head chunk): the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``). A Triton that
+    cannot build it makes ``paged_attention`` fall back to the Triton kernel without a word; the
+    CPU test suite builds it so that such a release shows."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    if gluon is None:
+        raise RuntimeError("this Triton has no Gluon")
+    consts = dict(BLOCK_SIZE=block_size, STRIDE_TOKEN=stride_token, NUM_HEADS=num_kv_heads,
+                  HEAD=128, GROUP=group, HPP=group, HEAD_CHUNKS=1, BLOCK_Q=block_q,
+                  TILE_N=TILE_N, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS)
+    sig, attrs = offline_signature(_prefill_ws_kernel, consts)
+    src = GluonASTSource(fn=_prefill_ws_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    # fp fusion on, as a launch compiles (stated: Triton 3.9 warns when it is left to default)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "enable_fp_fusion": True})
