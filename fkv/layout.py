@@ -444,9 +444,14 @@ def box_is_contiguous(spec: KVCacheSpec, extents: tuple[tuple[str, int], ...]) -
     >>> box_is_contiguous(s, (("two", 1), ("H", 4))), box_is_contiguous(s.evolve(layout="NHD"), (("two", 1), ("H", 4)))
     (True, False)
     """
-    ext = dict(extents)
+    return _box_contiguous(_span_axes(spec), dict(extents))
+
+
+def _box_contiguous(span_axes: tuple[tuple[str, int, int], ...], ext: Mapping[str, int]) -> bool:
+    """:func:`box_is_contiguous` on a spec's ``_span_axes``: full axes innermost, then one
+    partial axis, then extent 1."""
     partial_seen = False
-    for axis, size, _stride in _span_axes(spec):
+    for axis, size, _stride in span_axes:
         extent = ext.get(axis, 1 if axis in ("L", "B") else size)
         if not 1 <= extent <= size:
             raise FkvError(f"box_is_contiguous: {axis} extent {extent} outside [1, {size}]")
@@ -455,6 +460,65 @@ def box_is_contiguous(spec: KVCacheSpec, extents: tuple[tuple[str, int], ...]) -
         if extent != size:
             partial_seen = True
     return True
+
+
+def _subsets(n: int) -> tuple[tuple[int, ...], ...]:
+    """Every subset of ``range(n)``, by size then lexicographically (``itertools.combinations``)."""
+    import itertools
+
+    return tuple(c for k in range(n + 1) for c in itertools.combinations(range(n), k))
+
+
+#: the subsets of up to 6 named axes, built once (the search below walks them per call)
+_SUBSETS = tuple(_subsets(n) for n in range(7))
+
+
+def fewest_contiguous_atoms(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[str, int], ...]
+                            ) -> tuple[tuple[str, ...], int]:
+    """The axes to split (to extent 1) so that one atom, the box of ``full``'s other extents
+    (every axis not named whole, ``L`` and ``B`` one index), is one contiguous run with the same
+    element order on every side, with the fewest atoms: ``(split axes, atom count)``. Ties go to
+    fewer split axes, then to the order of ``full``. Splitting every named axis always works
+    when the head dimension is innermost on every side, as in every layout here.
+
+    >>> s = KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128)
+    >>> fewest_contiguous_atoms((s,), (("two", 2), ("N", 16), ("H", 4)))
+    (('two',), 2)
+    >>> n = s.evolve(layout="NHD")
+    >>> fewest_contiguous_atoms((n, n), (("two", 2), ("N", 16), ("H", 4)))
+    (('two', 'N'), 32)
+    >>> fewest_contiguous_atoms((s, n), (("two", 2), ("N", 16), ("H", 4)))  # one row each
+    (('two', 'N', 'H'), 128)
+    """
+    names = [a for a, _ in full]
+    sizes = [e for _, e in full]
+    if len(names) >= len(_SUBSETS):
+        raise FkvError(f"fewest_contiguous_atoms: {len(names)} axes (at most {len(_SUBSETS) - 1})")
+    candidates = []
+    for subset in _SUBSETS[len(names)]:
+        count = 1
+        for i in subset:
+            count *= sizes[i]
+        candidates.append((count, subset))
+    candidates.sort(key=lambda c: c[0])  # stable: ties keep the subsets' order (fewer axes first)
+    spans = [_span_axes(s) for s in sides]
+    for count, subset in candidates:
+        ext = dict(full)
+        for i in subset:
+            ext[names[i]] = 1
+        order = None
+        for span in spans:
+            if not _box_contiguous(span, ext):
+                break
+            # element order: the axes with extent > 1, outermost first (the head dim included)
+            mine = tuple(a for a, size, _ in reversed(span)
+                         if ext.get(a, size if a == "C" else 1) > 1)
+            if order is not None and mine != order:
+                break
+            order = mine
+        else:
+            return tuple(names[i] for i in subset), count
+    raise AssertionError("single-row atoms are always contiguous")  # C is innermost everywhere
 
 
 def _squeezed_order(spec: KVCacheSpec) -> tuple[str, ...]:

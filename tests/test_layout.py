@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from inline_snapshot import snapshot
 
@@ -339,3 +339,47 @@ def test_cli_show(capsys):
     assert "L B two H N C -> L two B N H C" in out
     assert main(["show", "--layout", "NDH"]) == 2
     assert "'layout' must be in ('NHD', 'HND')" in capsys.readouterr().out
+
+
+def _exhaustive_atoms(sides, full):
+    """The planner's search written out: every subset of ``full``'s axes to split, fewest atoms
+    first (then fewer axes, then ``itertools.combinations`` order), the first whose atom is
+    contiguous (:func:`fkv.layout.box_is_contiguous`) with one element order on every side."""
+    import itertools
+    import math
+
+    from fkv.layout import box_is_contiguous
+
+    names = [a for a, _ in full]
+    sizes = dict(full)
+    subsets = [s for k in range(len(names) + 1) for s in itertools.combinations(names, k)]
+    subsets.sort(key=lambda s: (math.prod(sizes[a] for a in s), len(s)))
+    for split in subsets:
+        ext = tuple((a, 1 if a in split else e) for a, e in full)
+        extd = {**dict(ext), "C": sides[0].head_size}
+        orders = {tuple(a for a in s.physical_axes if extd.get(a, 1) > 1) for s in sides}
+        if len(orders) == 1 and all(box_is_contiguous(s, ext) for s in sides):
+            return split, math.prod(sizes[a] for a in split)
+    raise AssertionError("no contiguous atom")
+
+
+@settings(max_examples=300)
+@given(spec_pairs(), st.booleans(), st.data())
+def test_fewest_contiguous_atoms_is_the_exhaustive_search(pair, two_sides, data):
+    """The planner's atom search (one pass per subset and side) picks what the exhaustive search
+    over ``box_is_contiguous`` picks, for one side (staging) and two (direct). Extents are drawn
+    from one, half and all of each axis: where contiguity and element order change."""
+    from fkv.layout import fewest_contiguous_atoms
+
+    a, b = pair
+    sides = (a, b) if two_sides else (a,)
+    cross = all(s.cross_layer for s in sides) and a.num_layers > 1
+    full = []
+    for axis in ("L", "two", "N", "H"):
+        if axis not in a.axis_sizes or (axis == "L" and not cross):
+            continue
+        size = a.axis_sizes[axis]
+        full.append((axis, size if axis in ("L", "two") else data.draw(
+            st.sampled_from(sorted({1, max(1, size // 2), size})), label=axis)))
+    full = tuple(full)
+    assert fewest_contiguous_atoms(sides, full) == _exhaustive_atoms(sides, full)

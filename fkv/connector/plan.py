@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import html
-import itertools
 import math
 from typing import Any
 
@@ -47,7 +46,7 @@ import attrs
 import numpy as np
 
 from fkv.errors import FkvError
-from fkv.layout import KVCacheSpec, box_is_contiguous
+from fkv.layout import KVCacheSpec, fewest_contiguous_atoms
 
 __all__ = [
     "DESCRIPTOR_COST_BYTES", "STAGING_COST_FRACTION", "Cost", "Read", "StagingStep",
@@ -138,31 +137,12 @@ class StagingStep:
 
 # -- contiguity of atoms (the layout algebra decides; cached per spec and extents) -------------
 
-@functools.lru_cache(maxsize=8192)
-def _order(spec: KVCacheSpec, extents: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
-    ext = dict(extents)
-    ext.setdefault("C", spec.head_size)
-    return tuple(a for a in spec.physical_axes if ext.get(a, 1) > 1)
-
-
-@functools.lru_cache(maxsize=1024)
-def _splits(full: tuple[tuple[str, int], ...]
-            ) -> tuple[tuple[tuple[str, ...], int, tuple[tuple[str, int], ...]], ...]:
-    """Every subset of axes to split, with its atom count and atom extents, fewest atoms first."""
-    sizes = dict(full)
-    out = [(s, math.prod(sizes[a] for a in s), tuple((a, 1 if a in s else e) for a, e in full))
-           for k in range(len(full) + 1) for s in itertools.combinations(sizes, k)]
-    return tuple(sorted(out, key=lambda x: (x[1], len(x[0]))))
-
-
 @functools.lru_cache(maxsize=4096)
 def _best_split(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[str, int], ...]
                 ) -> tuple[tuple[str, ...], int]:
-    """Fewest atoms such that one atom is contiguous with the same element order on every side."""
-    for split, count, ext in _splits(full):
-        if len({_order(s, ext) for s in sides}) == 1 and all(box_is_contiguous(s, ext) for s in sides):
-            return split, count
-    raise AssertionError("single-row atoms are always contiguous")  # C is innermost everywhere
+    """Fewest atoms such that one atom is contiguous with the same element order on every side
+    (the layout algebra's :func:`fkv.layout.fewest_contiguous_atoms`, cached per spec pair)."""
+    return fewest_contiguous_atoms(sides, full)
 
 
 def _full(sides: tuple[KVCacheSpec, ...], tokens: int, heads: int) -> tuple[tuple[str, int], ...]:
