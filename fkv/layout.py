@@ -448,18 +448,28 @@ def box_is_contiguous(spec: KVCacheSpec, extents: tuple[tuple[str, int], ...]) -
 
 
 def _box_contiguous(span_axes: tuple[tuple[str, int, int], ...], ext: Mapping[str, int]) -> bool:
-    """:func:`box_is_contiguous` on a spec's ``_span_axes``: full axes innermost, then one
-    partial axis, then extent 1."""
+    """:func:`box_is_contiguous` on a spec's ``_span_axes``."""
+    return _box_order(span_axes, ext) is not None
+
+
+def _box_order(span_axes: tuple[tuple[str, int, int], ...], ext: Mapping[str, int]
+               ) -> tuple[str, ...] | None:
+    """The box's element order (its axes of extent > 1, innermost first) when it is one
+    contiguous run of memory (full axes innermost, then one partial axis, then extent 1), else
+    None. Axes not in ``ext``: ``L`` and ``B`` one index, every other axis whole."""
     partial_seen = False
+    order = []
     for axis, size, _stride in span_axes:
         extent = ext.get(axis, 1 if axis in ("L", "B") else size)
         if not 1 <= extent <= size:
             raise FkvError(f"box_is_contiguous: {axis} extent {extent} outside [1, {size}]")
-        if partial_seen and extent != 1:
-            return False
+        if extent != 1:
+            if partial_seen:
+                return None
+            order.append(axis)
         if extent != size:
             partial_seen = True
-    return True
+    return tuple(order)
 
 
 def _subsets(n: int) -> tuple[tuple[int, ...], ...]:
@@ -506,17 +516,8 @@ def fewest_contiguous_atoms(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[st
         ext = dict(full)
         for i in subset:
             ext[names[i]] = 1
-        order = None
-        for span in spans:
-            if not _box_contiguous(span, ext):
-                break
-            # element order: the axes with extent > 1, outermost first (the head dim included)
-            mine = tuple(a for a, size, _ in reversed(span)
-                         if ext.get(a, size if a == "C" else 1) > 1)
-            if order is not None and mine != order:
-                break
-            order = mine
-        else:
+        order = _box_order(spans[0], ext)
+        if order is not None and all(_box_order(span, ext) == order for span in spans[1:]):
             return tuple(names[i] for i in subset), count
     raise AssertionError("single-row atoms are always contiguous")  # C is innermost everywhere
 
