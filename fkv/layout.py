@@ -33,7 +33,7 @@ import html
 import math
 import types
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -327,7 +327,7 @@ class KVCacheSpec:
     @property
     def axis_strides(self) -> dict[str, int]:
         """Element stride of every axis in the buffer that holds it (``L`` present when cross_layer)."""
-        return _axis_strides(self.backend, self.layout, self.cross_layer, self.physical_shape)
+        return _addressing(self).strides
 
     @property
     def element_strides(self) -> tuple[int, ...]:
@@ -410,26 +410,43 @@ class KVCacheSpec:
                 and _squeezed_order(self) == _squeezed_order(other))
 
 
+class _Addressing(NamedTuple):
+    """What a spec's addressing derives from its fields, computed once per spec."""
+
+    sizes: Mapping[str, int]                  # every axis this spec has
+    shape: tuple[int, ...]                    # the buffer's shape, outermost first
+    strides: dict[str, int]                   # element stride of every physical axis
+    span: tuple[tuple[str, int, int], ...]    # (axis, size, stride), innermost first
+
+
 @functools.lru_cache(maxsize=4096)
-def _axis_sizes(spec: KVCacheSpec) -> Mapping[str, int]:
+def _addressing(spec: KVCacheSpec) -> _Addressing:
     sizes = {"L": spec.num_layers, "B": spec.num_blocks, "two": 2, "N": spec.block_size,
              "H": spec.num_kv_heads, "C": spec.head_size}
     if spec.is_mla:
         del sizes["two"], sizes["H"]
-    return types.MappingProxyType(sizes)
+    axes = spec.physical_axes
+    strides: dict[str, int] = {}
+    step = 1
+    for axis in reversed(axes):
+        strides[axis] = step
+        step *= sizes[axis]
+    return _Addressing(types.MappingProxyType(sizes), tuple(sizes[a] for a in axes),
+                     {a: strides[a] for a in axes},
+                     tuple((a, sizes[a], strides[a]) for a in reversed(axes)))
 
 
-@functools.lru_cache(maxsize=4096)
+def _axis_sizes(spec: KVCacheSpec) -> Mapping[str, int]:
+    return _addressing(spec).sizes
+
+
 def _span_axes(spec: KVCacheSpec) -> tuple[tuple[str, int, int], ...]:
     """(axis, size, element stride) of every physical axis, innermost first (for ``span``)."""
-    sizes, strides = _axis_sizes(spec), spec.axis_strides
-    return tuple((a, sizes[a], strides[a]) for a in reversed(spec.physical_axes))
+    return _addressing(spec).span
 
 
-@functools.lru_cache(maxsize=4096)
 def _physical_shape(spec: KVCacheSpec) -> tuple[int, ...]:
-    sizes = _axis_sizes(spec)
-    return tuple(sizes[a] for a in spec.physical_axes)
+    return _addressing(spec).shape
 
 
 @functools.lru_cache(maxsize=8192)
@@ -504,21 +521,28 @@ def fewest_contiguous_atoms(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[st
     sizes = [e for _, e in full]
     if len(names) >= len(_SUBSETS):
         raise FkvError(f"fewest_contiguous_atoms: {len(names)} axes (at most {len(_SUBSETS) - 1})")
+    first, *others = [_span_axes(s) for s in sides]
+    ext = dict(full)
+    order = _box_order(first, ext)  # nothing split: the usual answer, before any sorting
+    if order is not None and all(_box_order(span, ext) == order for span in others):
+        return (), 1
+    subsets = _SUBSETS[len(names)]
     candidates = []
-    for subset in _SUBSETS[len(names)]:
+    for k, subset in enumerate(subsets):
         count = 1
         for i in subset:
             count *= sizes[i]
-        candidates.append((count, subset))
-    candidates.sort(key=lambda c: c[0])  # stable: ties keep the subsets' order (fewer axes first)
-    spans = [_span_axes(s) for s in sides]
-    for count, subset in candidates:
-        ext = dict(full)
+        candidates.append((count, k))
+    candidates.sort()  # fewest atoms; ties keep the subsets' order (fewer axes first)
+    for count, k in candidates[1:]:  # the empty subset (count 1, first) failed above
+        subset = subsets[k]
         for i in subset:
             ext[names[i]] = 1
-        order = _box_order(spans[0], ext)
-        if order is not None and all(_box_order(span, ext) == order for span in spans[1:]):
+        order = _box_order(first, ext)
+        if order is not None and all(_box_order(span, ext) == order for span in others):
             return tuple(names[i] for i in subset), count
+        for i in subset:
+            ext[names[i]] = sizes[i]
     raise AssertionError("single-row atoms are always contiguous")  # C is innermost everywhere
 
 
@@ -534,18 +558,6 @@ def _physical_axes(backend: str, layout: Layout, cross_layer: bool) -> tuple[str
         logical = ("L", *logical)
     order = _STRIDE_ORDERS[(_FAMILY[backend], layout, cross_layer)]
     return tuple(logical[i] for i in order)
-
-
-@functools.lru_cache(maxsize=4096)
-def _axis_strides(backend: str, layout: Layout, cross_layer: bool,
-                  physical_shape: tuple[int, ...]) -> dict[str, int]:
-    axes = _physical_axes(backend, layout, cross_layer)
-    strides: dict[str, int] = {}
-    step = 1
-    for axis, size in zip(reversed(axes), reversed(physical_shape)):
-        strides[axis] = step
-        step *= size
-    return {a: strides[a] for a in axes}
 
 
 def _side_axes(spec: KVCacheSpec) -> tuple[str, ...]:

@@ -75,8 +75,8 @@ def _configs(num_blocks: int) -> dict[str, tuple[Any, Any]]:
 def _clear_caches() -> None:
     from fkv import layout
 
-    for f in (layout.box_is_contiguous, _plan._best_split, layout._axis_strides,
-              layout._physical_axes, layout._axis_sizes, layout._physical_shape, layout._span_axes):
+    for f in (layout.box_is_contiguous, _plan._best_split, layout._physical_axes,
+              layout._addressing):
         f.cache_clear()
 
 
