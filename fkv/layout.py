@@ -301,12 +301,12 @@ class KVCacheSpec:
     @property
     def physical_shape(self) -> tuple[int, ...]:
         """Shape of the allocated buffer: one layer's, or all layers' when ``cross_layer``."""
-        return _physical_shape(self)
+        return _addressing(self).shape
 
     @property
     def axis_sizes(self) -> Mapping[str, int]:
         """Size of every axis this spec has (read-only), e.g. ``{'L': 1, 'B': 8, 'two': 2, ...}``."""
-        return _axis_sizes(self)
+        return _addressing(self).sizes
 
     @property
     def page_bytes(self) -> int:

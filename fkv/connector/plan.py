@@ -151,7 +151,8 @@ def _full(sides: tuple[KVCacheSpec, ...], tokens: int, heads: int) -> tuple[tupl
     rs = sides[0]
     full = {"L": rs.num_layers, "two": 2, "N": tokens, "H": heads}
     cross = all(s.cross_layer for s in sides) and rs.num_layers > 1
-    return tuple((a, full[a]) for a in _ATOM_AXES if a in rs.axis_sizes and (a != "L" or cross))
+    present = rs.axis_sizes
+    return tuple((a, full[a]) for a in _ATOM_AXES if a in present and (a != "L" or cross))
 
 
 def _atom_bytes(spec: KVCacheSpec, full: tuple[tuple[str, int], ...], split: tuple[str, ...]) -> int:
@@ -162,7 +163,8 @@ def _move(sides: tuple[KVCacheSpec, ...], heads: tuple[int, int], chunk: int) ->
     rs = sides[0]
     full = _full(sides, chunk, heads[1] - heads[0])
     split, count = _best_split(sides, full)
-    per_block = count * (rs.block_size // chunk) * (1 if "L" in dict(full) else rs.num_layers)
+    layers_in_atom = bool(full) and full[0][0] == "L"  # _full lists L first when it has it
+    per_block = count * (rs.block_size // chunk) * (1 if layers_in_atom else rs.num_layers)
     return _Move(split, heads, full, per_block, per_block * _atom_bytes(rs, full, split))
 
 
