@@ -1141,10 +1141,6 @@ def test_gluon_prefill_builds_for_sm90_with_this_triton(layout: str) -> None:
     C7512 warning). Without this a Triton release that cannot build it would only show as a
     slower prefill: ``paged_attention`` falls back to the Triton kernel without a word."""
     import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia import compiler as nv
 
     from fkv.ops._spec import cache_strides
 
@@ -1157,11 +1153,6 @@ def test_gluon_prefill_builds_for_sm90_with_this_triton(layout: str) -> None:
     waits = sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))
     assert waits.count("1") == 4 and set(waits) == {"0", "1"}, waits
     assert ck.metadata.shared <= 232448  # sm_90's shared memory per block
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([nv.get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o",
-                              os.path.join(d, "k.o")], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "C7512" not in res.stdout + res.stderr, res.stderr[-2000:]
+    status, report = G.ptxas_report(ptx)
+    assert status == 0, report[-2000:]
+    assert "C7512" not in report, report[-2000:]

@@ -14,13 +14,9 @@ otherwise only show as a slower prefill.
 from __future__ import annotations
 
 import collections
-import os
 import re
-import subprocess
-import tempfile
 
 import triton
-from triton.backends.nvidia import compiler as nv
 
 import fkv
 from fkv.ops import _attention_gluon as G
@@ -33,14 +29,8 @@ TILES = ((16, 4, 64), (8, 8, 32), (32, 1, 256), (64, 4, 64))
 def ptxas(ptx: str) -> str:
     """``ptxas -v``'s registers, spills and C7512 warning (MMAs serialized for want of
     registers) of an sm_90a PTX, with the ptxas of the Triton on the path."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([nv.get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o",
-                              os.path.join(d, "k.o")], capture_output=True, text=True)
     return " ".join(line.split("info    : ")[-1].strip() for line in
-                    (res.stdout + res.stderr).splitlines()
+                    G.ptxas_report(ptx)[1].splitlines()
                     if "Used" in line or "spill" in line or "C7512" in line)
 
 

@@ -395,3 +395,22 @@ def compile_sm90(*, block_size: int, stride_token: int, group: int, block_q: int
     # fp fusion on, as a launch compiles (stated: Triton 3.9 warns when it is left to default)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "enable_fp_fusion": True})
+
+
+def ptxas_report(ptx: str) -> tuple[int, str]:
+    """Assemble an sm_90a PTX with the installed Triton's ``ptxas -v``: (exit status, its
+    output: registers, spills, and the C7512 warning when it serialized warpgroup MMAs for want
+    of registers)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia import compiler as nv
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([nv.get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o",
+                              os.path.join(d, "k.o")], capture_output=True, text=True)
+    return res.returncode, res.stdout + res.stderr
