@@ -201,22 +201,34 @@ def test_readers_fixed_by_the_first_engine_when_not_named():
 # -- streaming ------------------------------------------------------------------------------------
 
 def test_streaming_publish_and_premature_done():
+    """A ``done`` before the last layer is published (a decode rank that only notifies this
+    rank: it read replicated heads from another) is counted as premature and kept; the publish
+    of the last layer releases the request, never earlier."""
     t = table(num_layers=3)
     t.bind("a", (D, 0))
     t.hold("s", [1], expected_readers(D, 1, 1, 0), now=0, lease=30, layers_ready=0)
     assert t.layers_ready("s") == 0
-    t.publish("s", 2, now=1)
-    assert t.notified("a", notification("s", D, 0), now=1) is None   # reads layer 3 too early
-    assert t.stats()["premature"] == 1
+    assert t.publish("s", 2, now=1) is None
+    assert t.notified("a", notification("s", D, 0), now=1) is None   # before layer 3
+    assert (t.stats()["premature"], t.stats()["accepted"]) == (1, 1)
+    assert t.pending() == {"s"} and t.waiting_for("s") == frozenset()
+    assert t.events()[-1][1:3] == ("premature", "'a'")
+    assert t.notified("a", notification("s", D, 0), now=1) is None   # the same reader again
+    assert t.stats()["duplicate"] == 1 and t.pending() == {"s"}
     with pytest.raises(FkvError, match=r"'layers_ready' must be an int in \[2, 3\].*\(got 1\)"):
         t.publish("s", 1, now=2)
     with pytest.raises(FkvError, match=r"'layers_ready' must be an int in \[2, 3\].*\(got 4\)"):
         t.publish("s", 4, now=2)
     with pytest.raises(FkvError, match="'request_id' must be a request this rank holds"):
         t.publish("nope", 1, now=2)
-    t.publish("s", 3, now=2)
-    t.publish("s", 3, now=2)   # monotonic, not strictly increasing
-    assert t.notified("a", notification("s", D, 0), now=3).reason == "notified"
+    assert t.publish("s", 2, now=2) is None   # monotonic, not strictly increasing
+    assert t.publish("s", 3, now=2) == Release("s", [1], "notified")
+    assert t.pending() == frozenset() and t.released() == {"s": "notified"}
+    assert t.stats()["released_notified"] == 1
+    # a request every layer of which is published before its reader is done: released by it
+    t.hold("u", [2], expected_readers(D, 1, 1, 0), now=3, lease=30, layers_ready=0)
+    assert t.publish("u", 3, now=3) is None
+    assert t.notified("a", notification("u", D, 0), now=4).reason == "notified"
     with pytest.raises(FkvError, match="'layers_ready' must be an int in \\[0, 3\\]"):
         t.hold("x", None, expected_readers(D, 1, 1, 0), now=0, lease=1, layers_ready=4)
 
@@ -364,7 +376,8 @@ LAYERS = 2
 
 class LifecycleMachine(RuleBasedStateMachine):
     """An independent model: a request is released exactly when every expected reader sent an
-    accepted ``done`` (through the agent bound to it, all layers published), or at its lease."""
+    accepted ``done`` (through the agent bound to it) and all its layers are published (by the
+    last of the two events), or at its lease."""
 
     def __init__(self):
         super().__init__()
@@ -417,8 +430,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.held)))
         n = data.draw(st.integers(0, LAYERS + 1))
         if self.held[rid]["layers"] <= n <= LAYERS:
-            self.t.publish(rid, n, now=self.now)
-            self.held[rid]["layers"] = n
+            out = self.t.publish(rid, n, now=self.now)
+            h = self.held[rid]
+            h["layers"] = n
+            if n == LAYERS and h["expected"] is not None and h["done"] == h["expected"]:
+                assert out == Release(rid, rid, "notified")
+                event("released by the last publish")
+                del self.held[rid]
+            else:
+                assert out is None
         else:
             with pytest.raises(FkvError, match="'layers_ready' must be an int in"):
                 self.t.publish(rid, n, now=self.now)
@@ -438,14 +458,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         if h is not None and expected is None and bound is not None:
             expected = frozenset((reader[0], t) for t in range(self.tps[agent]))
         counts = (speaks and expected is not None and reader in expected and status == "done"
-                  and reader not in h["done"] and h["layers"] == LAYERS)
+                  and reader not in h["done"])
         if counts:
             if h["expected"] is None:
                 event("readers fixed by the first engine")
             h["expected"] = expected
             h["done"].add(reader)
-            event("a notification counted")
-        if counts and h["done"] == h["expected"]:
+            event("a notification counted" if h["layers"] == LAYERS
+                  else "a notification counted before the last layer")
+        if counts and h["done"] == h["expected"] and h["layers"] == LAYERS:
             assert out == Release(rid, rid, "notified")
             event("released by notifications")
             del self.held[rid]

@@ -830,6 +830,40 @@ def test_matrix_streamed(cluster: Any, ptp: int, dtp: int, variant: str) -> None
         pair.stop()
 
 
+def test_streamed_notify_only_rank_released_only_once_it_published(cluster: Any) -> None:
+    """MLA, P TP=2 -> D TP=1: the decode rank reads prefill rank 0 and only notifies rank 1.
+    With rank 1 one layer behind, the read completes and notifies both; rank 1 keeps its blocks
+    (the notification is counted as premature, not refused, not a release) until it publishes
+    its last layer, and then releases the request by that notification."""
+    ptp, dtp, heads, pover, dover = BACKENDS["mla-2-1"]
+    pspec, dspec = spec_dict(tp=ptp, heads=heads, **pover), spec_dict(tp=dtp, heads=heads, **dover)
+    pair = Pair(cluster, ptp, dtp, pspec, dspec, heads=heads)
+    try:
+        local, remote = request_blocks(pspec, dspec, 11)
+        layers = pspec["num_layers"]
+        pair.D[0].call("read_async", name=pair.name, request_id="r1", local=local, remote=remote,
+                       stream=True, timeout=30.0)
+        for p in pair.P:
+            p.call("hold", name=pair.name, request_id="r1", blocks=remote, layers_ready=0)
+        pair.P[0].call("publish", name=pair.name, request_id="r1", layers_ready=layers)
+        pair.P[1].call("publish", name=pair.name, request_id="r1", layers_ready=layers - 1)
+        result = pair.D[0].call("read_wait", name=pair.name)
+        assert result["result_ok"], result
+        assert pair.verify_all(local, remote) == [None]
+        deadline = time.monotonic() + 10.0
+        while pair.P[1].call("diagnostics", name=pair.name)["counts"]["premature"] < 1:
+            assert time.monotonic() < deadline, "rank 1 never heard the decode rank's notification"
+            time.sleep(0.05)
+        counts = pair.P[1].call("diagnostics", name=pair.name)["counts"]
+        assert (counts["premature"], counts["accepted"], counts["released_notified"]) == (1, 1, 0)
+        time.sleep(0.2)  # a release would have come by now
+        assert "r1" in pair.pending()[1]["pending"] and "r1" not in pair.pending()[1]["released"]
+        pair.P[1].call("publish", name=pair.name, request_id="r1", layers_ready=layers)
+        assert pair.wait_released("r1") == ["notified"] * ptp
+    finally:
+        pair.stop()
+
+
 @pytest.mark.parametrize("case", list(BACKENDS))
 def test_backends_streamed(cluster: Any, case: str) -> None:
     """MLA (replicated reads, notify-only ranks), flash_attn/flashinfer, cross-layer caches (the

@@ -23,7 +23,9 @@ Notifications are ``b"fkv1|<request id>|<decode engine id>|<decode rank>|<status
 (:func:`notification` builds one, :func:`parse_notification` reads one and never raises), with
 status ``done`` (the reader's READs all finished) or ``failed`` (counted, never a release: the
 reader may retry). A streaming request (layer-wise transfer) also carries how many layers are
-ready (:meth:`Requests.publish`); a ``done`` before every layer was published is refused.
+ready (:meth:`Requests.publish`); a ``done`` before every layer was published is counted
+(``premature``) and kept: the release comes with the publish of the last layer (a decode rank
+that only notifies this rank, having read replicated heads elsewhere, may finish first).
 
 >>> table = Requests(num_layers=2)
 >>> table.bind("agent-a", ("dec", 0))
@@ -353,9 +355,11 @@ class Requests:
         self._held[request_id] = _Held(block_ids, readers, now + lease, layers_ready)
         self._counts["held"] += 1
 
-    def publish(self, request_id: str, layers_ready: int, now: float) -> None:
+    def publish(self, request_id: str, layers_ready: int, now: float) -> Release | None:
         """A streaming request now has ``layers_ready`` layers written (never fewer than before,
-        at most ``num_layers``)."""
+        at most ``num_layers``). Returns its :class:`Release` when this publish of the last layer
+        completes a request every expected reader already notified (early: see
+        :meth:`notified`), else None."""
         _time("now", now)
         held = self._held.get(request_id)
         if held is None:
@@ -363,6 +367,10 @@ class Requests:
                               "hold() it before publishing its layers")
         self._check_layers(layers_ready, held.layers_ready)
         held.layers_ready = layers_ready
+        if (layers_ready == self.num_layers and held.expected is not None
+                and held.notified == held.expected):
+            return self._release(request_id, "notified")
+        return None
 
     def notified(self, sender: Any, message: Any, now: float) -> Release | None:
         """One NIXL notification ``message`` from agent ``sender``: the :class:`Release` it
@@ -405,12 +413,19 @@ class Requests:
             return self._refuse(now, "failed", agent, message)
         if parsed.reader in held.notified:
             return self._refuse(now, "duplicate", agent, message)
-        if held.layers_ready < self.num_layers:
-            return self._refuse(now, "premature", agent, message,
-                                f"{held.layers_ready}/{self.num_layers} layers published")
         held.expected = expected
         held.notified.add(parsed.reader)
         self._counts["accepted"] += 1
+        if held.layers_ready < self.num_layers:
+            # Early, for a streaming request: a decode rank that only notifies this rank (it
+            # read the replicated heads elsewhere: MLA, replicated KV) can be done before this
+            # rank published its last layer. Counted and kept: the blocks stay held until that
+            # publish (:meth:`publish` returns the release), never freed under a write.
+            self._counts["premature"] += 1
+            self._events.append((now, "premature", _short(agent, 64),
+                                 f"{_short(message)}: kept until layer {self.num_layers} is "
+                                 f"published ({held.layers_ready} now)"))
+            return None
         if held.notified == held.expected:
             return self._release(parsed.request_id, "notified")
         return None
@@ -446,7 +461,8 @@ class Requests:
         return dict(self._released)
 
     def events(self) -> list[tuple[float, str, str, str]]:
-        """The most recent refused notifications: ``(now, kind, sender, detail)``, oldest first."""
+        """The most recent refused (and early, ``premature``) notifications: ``(now, kind, sender,
+        detail)``, oldest first."""
         return list(self._events)
 
     def stats(self) -> dict[str, int]:

@@ -61,7 +61,7 @@ __all__ = ["Server"]
 
 # request-table counters that mean a refused peer notification (telemetry's refused kinds)
 _REFUSED_KINDS = ("duplicate", "unexpected_reader", "unknown_request", "late", "failed",
-                  "premature", "malformed", "foreign", "impersonation")
+                  "malformed", "foreign", "impersonation")
 
 #: Status long polls a rank keeps waiting at once; more are answered at once (peers must not
 #: grow the list without end).
@@ -103,6 +103,7 @@ class Server:
                                prefill_rank=engine.tp_rank)
         self._published: dict[str, int] = {}   # streaming: layers announced so far
         self._events: dict[str, list[tuple[int, Any]]] = {}  # announced, event not yet done
+        self._due: list[Any] = []  # releases a publish completed, for the server thread
         # Status long polls waiting for news: (envelope, request, answer-by time)
         self._parked: list[tuple[Any, _side.Status, float]] = []
         self._waiter: _EventWaiter | None = None  # waits for publish events (made on first use)
@@ -225,7 +226,7 @@ class Server:
             self._table.hold(request_id, None, None, now=now, lease=self.lease)  # renew
             if event is None or event.query():
                 self._events.pop(request_id, None)
-                self._table.publish(request_id, layers_ready, now)
+                self._due_release(self._table.publish(request_id, layers_ready, now))
                 self._board_set(request_id)
             else:
                 self._events.setdefault(request_id, []).append((layers_ready, event))
@@ -307,7 +308,7 @@ class Server:
                 while events and events[0][1].query():
                     layers = events.pop(0)[0]
                     if request_id in self._table.pending():
-                        self._table.publish(request_id, layers, now)
+                        self._due_release(self._table.publish(request_id, layers, now))
                         self._board_set(request_id)
                 if not events:
                     del self._events[request_id]
@@ -323,9 +324,11 @@ class Server:
             return self._table.released()
 
     def diagnostics(self) -> dict[str, Any]:
-        """The request table's counters (held, accepted, released, and every refused kind:
-        duplicate, unexpected_reader, unknown_request, late, failed, premature, malformed,
-        foreign, impersonation) and its most recent refused notifications (bounded)."""
+        """The request table's counters (held, accepted, released; premature: notifications
+        that came before this rank published a streaming request's last layer, kept until it
+        did; and every refused kind: duplicate, unexpected_reader, unknown_request, late,
+        failed, malformed, foreign, impersonation) and its most recent refused or early
+        notifications (bounded)."""
         with self._lock:
             return {"counts": self._table.stats(), "recent": self._table.events()}
 
@@ -464,12 +467,25 @@ class Server:
                     self._stop.wait(0.002)
                 self._take_notifications()
                 self._advance()
+                self._deliver_due()
                 if self._parked:
                     self._answer_parked()
                 self._expire()
             except Exception as e:  # keep serving; the error is visible in server.errors
                 self.errors.append(f"{type(e).__name__}: {e}")
                 self._stop.wait(0.01)
+
+    def _due_release(self, release: Any) -> None:
+        """A release a publish completed (every reader had notified early), under the lock:
+        delivered by the server thread, where every ``on_release`` runs."""
+        if release is not None:
+            self._due.append(release)
+
+    def _deliver_due(self) -> None:
+        with self._lock:
+            due, self._due = self._due, []
+        for release in due:
+            self._released_now(release)
 
     def _take_notifications(self) -> None:
         try:
