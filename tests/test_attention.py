@@ -1064,11 +1064,18 @@ def test_gluon_launch_failure_falls_back_once(monkeypatch: pytest.MonkeyPatch) -
 
 
 #: (layout, backend, cross_layer, dtype, block size, query heads per KV head, rows' query tokens)
-WS_CASES = [("NHD", "triton", False, "bfloat16", 16, 4, 64), ("HND", "triton", False, "bfloat16", 16, 4, 64),
-            ("NHD", "triton", False, "float16", 16, 4, 64), ("HND", "triton", False, "float16", 16, 4, 64),
-            ("NHD", "triton", False, "bfloat16", 8, 4, 64), ("HND", "triton", False, "bfloat16", 32, 4, 64),
-            ("NHD", "triton", False, "bfloat16", 64, 4, 64), ("HND", "flash_attn", True, "bfloat16", 16, 4, 64),
-            ("HND", "triton", False, "bfloat16", 16, 8, 32), ("NHD", "triton", False, "bfloat16", 16, 1, 256)]
+WS_CASES = [
+    ("NHD", "triton", False, "bfloat16", 16, 4, 64),
+    ("HND", "triton", False, "bfloat16", 16, 4, 64),
+    ("NHD", "triton", False, "float16", 16, 4, 64),
+    ("HND", "triton", False, "float16", 16, 4, 64),
+    ("NHD", "triton", False, "bfloat16", 8, 4, 64),
+    ("HND", "triton", False, "bfloat16", 32, 4, 64),
+    ("NHD", "triton", False, "bfloat16", 64, 4, 64),
+    ("HND", "flash_attn", True, "bfloat16", 16, 4, 64),
+    ("HND", "triton", False, "bfloat16", 16, 8, 32),
+    ("NHD", "triton", False, "bfloat16", 16, 1, 256),
+]
 
 
 @pytest.mark.gpu
