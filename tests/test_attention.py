@@ -1141,25 +1141,38 @@ def test_gluon_default_can_be_turned_off_from_the_environment() -> None:
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_gluon_prefill_builds_for_sm90_with_this_triton(layout: str) -> None:
+def test_gluon_prefill_builds_for_sm90_with_this_triton(layout: str, tmp_path: Any) -> None:
     """The installed Triton builds the Gluon tile for sm_90a (no GPU needed), in its designed
     shape: tile j's QK^T and tile j - 1's PV in flight together (one wait leaving one MMA
     outstanding per key loop, 4 of them) and ptxas not serializing the warpgroup MMAs (its
     C7512 warning). Without this a Triton release that cannot build it would only show as a
-    slower prefill: ``paged_attention`` falls back to the Triton kernel without a word."""
+    slower prefill: ``paged_attention`` falls back to the Triton kernel without a word.
+
+    Built in a child process without ``TRITON_INTERPRET`` (the interpreter turns the
+    ``triton.language`` helpers Gluon inlines into Python functions, and the build then fails)
+    and with an empty Triton cache (a build, not a cache hit)."""
+    import json
     import re
+    import subprocess
+    import sys
 
     from fkv.ops._spec import cache_strides
 
     assert G.available()
     spec = KVCacheSpec(layout=layout, num_blocks=64, block_size=16, num_kv_heads=8,
                        head_size=128, dtype="bfloat16")
-    ck = G.compile_sm90(block_size=16, stride_token=cache_strides(spec)["stride_token"],
-                        group=4, block_q=64)
-    ptx = ck.asm["ptx"]
-    waits = sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))
+    code = ("import json, sys; from fkv.ops import _attention_gluon as G; "
+            f"ck = G.compile_sm90(block_size=16, stride_token={cache_strides(spec)['stride_token']}, "
+            "group=4, block_q=64); status, report = G.ptxas_report(ck.asm['ptx']); "
+            "json.dump({'ptx': ck.asm['ptx'], 'shared': ck.metadata.shared, 'status': status, "
+            "'report': report}, sys.stdout)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = json.loads(run.stdout)
+    waits = sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", built["ptx"]))
     assert waits.count("1") == 4 and set(waits) == {"0", "1"}, waits
-    assert ck.metadata.shared <= 232448  # sm_90's shared memory per block
-    status, report = G.ptxas_report(ptx)
-    assert status == 0, report[-2000:]
-    assert "C7512" not in report, report[-2000:]
+    assert built["shared"] <= 232448  # sm_90's shared memory per block
+    assert built["status"] == 0, built["report"][-2000:]
+    assert "C7512" not in built["report"], built["report"][-2000:]

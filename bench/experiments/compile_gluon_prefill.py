@@ -6,9 +6,10 @@ assembler serialized the warpgroup MMAs) and the ``wgmma.wait_group`` counts of 
     PYTHONPATH=$T36/site:. python bench/experiments/compile_gluon_prefill.py   # Triton 3.6
     python bench/experiments/compile_gluon_prefill.py                          # this venv's
 
-Run it after changing the kernel, with the GPU machine's Triton and with a newer one: the
-library falls back to the Triton kernel when this one does not build, so a build failure would
-otherwise only show as a slower prefill.
+Run it after changing the kernel, with the GPU machine's Triton and with a newer one, and
+without ``TRITON_INTERPRET`` (the interpreter breaks the build): the library falls back to the
+Triton kernel when this one does not build, so a build failure would otherwise only show as a
+slower prefill.
 """
 
 from __future__ import annotations
