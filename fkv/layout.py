@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import functools
 import html
+import itertools
 import math
 import types
 from collections.abc import Mapping
@@ -436,17 +437,9 @@ def _addressing(spec: KVCacheSpec) -> _Addressing:
                      tuple((a, sizes[a], strides[a]) for a in reversed(axes)))
 
 
-def _axis_sizes(spec: KVCacheSpec) -> Mapping[str, int]:
-    return _addressing(spec).sizes
-
-
 def _span_axes(spec: KVCacheSpec) -> tuple[tuple[str, int, int], ...]:
     """(axis, size, element stride) of every physical axis, innermost first (for ``span``)."""
     return _addressing(spec).span
-
-
-def _physical_shape(spec: KVCacheSpec) -> tuple[int, ...]:
-    return _addressing(spec).shape
 
 
 @functools.lru_cache(maxsize=8192)
@@ -461,12 +454,7 @@ def box_is_contiguous(spec: KVCacheSpec, extents: tuple[tuple[str, int], ...]) -
     >>> box_is_contiguous(s, (("two", 1), ("H", 4))), box_is_contiguous(s.evolve(layout="NHD"), (("two", 1), ("H", 4)))
     (True, False)
     """
-    return _box_contiguous(_span_axes(spec), dict(extents))
-
-
-def _box_contiguous(span_axes: tuple[tuple[str, int, int], ...], ext: Mapping[str, int]) -> bool:
-    """:func:`box_is_contiguous` on a spec's ``_span_axes``."""
-    return _box_order(span_axes, ext) is not None
+    return _box_order(_span_axes(spec), dict(extents)) is not None
 
 
 def _box_order(span_axes: tuple[tuple[str, int, int], ...], ext: Mapping[str, int]
@@ -489,15 +477,10 @@ def _box_order(span_axes: tuple[tuple[str, int, int], ...], ext: Mapping[str, in
     return tuple(order)
 
 
-def _subsets(n: int) -> tuple[tuple[int, ...], ...]:
-    """Every subset of ``range(n)``, by size then lexicographically (``itertools.combinations``)."""
-    import itertools
-
-    return tuple(c for k in range(n + 1) for c in itertools.combinations(range(n), k))
-
-
-#: the subsets of up to 6 named axes, built once (the search below walks them per call)
-_SUBSETS = tuple(_subsets(n) for n in range(7))
+#: every subset of ``range(n)`` for n <= 6, by size then lexicographically
+#: (``itertools.combinations``), built once: the search below walks them per call
+_SUBSETS = tuple(tuple(c for k in range(n + 1) for c in itertools.combinations(range(n), k))
+                 for n in range(7))
 
 
 def fewest_contiguous_atoms(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[str, int], ...]
@@ -523,8 +506,12 @@ def fewest_contiguous_atoms(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[st
         raise FkvError(f"fewest_contiguous_atoms: {len(names)} axes (at most {len(_SUBSETS) - 1})")
     first, *others = [_span_axes(s) for s in sides]
     ext = dict(full)
-    order = _box_order(first, ext)  # nothing split: the usual answer, before any sorting
-    if order is not None and all(_box_order(span, ext) == order for span in others):
+
+    def fits() -> bool:  # the atom ``ext`` is contiguous, in one element order, on every side
+        order = _box_order(first, ext)
+        return order is not None and all(_box_order(span, ext) == order for span in others)
+
+    if fits():  # nothing split: the usual answer, before any sorting
         return (), 1
     subsets = _SUBSETS[len(names)]
     candidates = []
@@ -538,8 +525,7 @@ def fewest_contiguous_atoms(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[st
         subset = subsets[k]
         for i in subset:
             ext[names[i]] = 1
-        order = _box_order(first, ext)
-        if order is not None and all(_box_order(span, ext) == order for span in others):
+        if fits():
             return tuple(names[i] for i in subset), count
         for i in subset:
             ext[names[i]] = sizes[i]

@@ -47,9 +47,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 # Shared with the library's kernel (the variant it adopted): the program mapping, in the Triton
-# kernel's order, and the one-warp page producer of the "ws256" modes.
+# kernel's order, the one-warp page producer of the "ws256" modes, the online-softmax step.
 from fkv.ops._attention_gluon import _producer as _page_producer
 from fkv.ops._attention_gluon import _program
+from fkv.ops._attention_gluon import _softmax as _softmax_stats  # (P, alpha, l, m), no acc
 
 
 @gluon.jit
@@ -82,16 +83,8 @@ def _softmax(s, m_i, l_i, acc, score_mult, pos0, t0, hi, MASKED: gl.constexpr,
     """Online-softmax step of one half (rows ROW0...): (P, rescaled acc, l, m), as the default
     kernel does it. Masked tiles rebuild the rows' positions from ``pos0`` (the position of the
     program's first query), so nothing row-sized stays live across the unmasked loop."""
-    if MASKED:
-        r = ROW0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, S_LAYOUT))
-        q_pos = pos0 + r // HPP
-        t = t0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, S_LAYOUT))
-        visible = (gl.expand_dims(t, 0) <= gl.expand_dims(q_pos, 1)) & gl.expand_dims(t < hi, 0)
-        s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * score_mult)
-    p = gl.exp2(s * score_mult - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    p, alpha, l_i, m_new = _softmax_stats(s, m_i, l_i, score_mult, pos0, t0, hi, MASKED, TILE_N,
+                                          S_LAYOUT, ROW0, HPP)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
     return p, acc, l_i, m_new
 
@@ -394,23 +387,6 @@ def _ws_tile(j, q_h, k_smem, v_smem, full, empty, acc, m_i, l_i, score_mult, pos
         p = gl.convert_layout(p.to(q_h.dtype), P_LAYOUT)
         acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
     return acc, m_i, l_i
-
-
-@gluon.jit
-def _softmax_stats(s, m_i, l_i, score_mult, pos0, t0, hi, MASKED: gl.constexpr,
-                   TILE_N: gl.constexpr, S_LAYOUT: gl.constexpr, ROW0: gl.constexpr,
-                   HPP: gl.constexpr):
-    """``_softmax`` without the accumulator: (P, alpha, l, m); the caller rescales later."""
-    if MASKED:
-        r = ROW0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, S_LAYOUT))
-        q_pos = pos0 + r // HPP
-        t = t0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, S_LAYOUT))
-        visible = (gl.expand_dims(t, 0) <= gl.expand_dims(q_pos, 1)) & gl.expand_dims(t < hi, 0)
-        s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * score_mult)
-    p = gl.exp2(s * score_mult - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
-    return p, alpha, l_i * alpha + gl.sum(p, 1), m_new
 
 
 @gluon.jit

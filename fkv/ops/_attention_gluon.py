@@ -229,7 +229,10 @@ if gluon is not None:
                  + gl.expand_dims(d, 0), o.to(out_ptr.dtype.element_ty),
                  mask=gl.expand_dims(ok, 1))
 
-    @gluon.jit
+    # per-batch values are not specialized on (as in _paged_attention_kernel): a new batch size
+    # or token count never compiles another variant
+    @gluon.jit(do_not_specialize=["num_seqs", "num_tiles", "num_q_tokens", "num_blocks",
+                                  "max_context"])
     def _prefill_ws_kernel(
         q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
         score_mult, num_seqs, num_tiles, num_q_tokens, num_blocks, max_context,
@@ -379,7 +382,9 @@ def compile_sm90(*, block_size: int, stride_token: int, group: int, block_q: int
     """This kernel built for sm_90a by the installed Triton, without a GPU (bf16, head size 128,
     one head chunk): the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``). A Triton that
     cannot build it makes ``paged_attention`` fall back to the Triton kernel without a word; the
-    CPU test suite builds it so that such a release shows."""
+    CPU test suite builds it so that such a release shows. Not under ``TRITON_INTERPRET=1``:
+    the interpreter turns the ``triton.language`` helpers the kernel inlines into Python
+    functions, and the build fails (a warm Triton cache hides it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource

@@ -213,18 +213,26 @@ class LaunchSite:
 def pdl_capable(device: Any) -> bool:
     """Whether compiled Triton kernels on ``device`` can be launched with programmatic dependent
     launch (CUDA, compute capability 9.0 or newer)."""
+    capability = cuda_capability(device)
+    return capability is not None and capability[0] >= 9
+
+
+def cuda_capability(device: Any) -> tuple[int, int] | None:
+    """``(major, minor)`` compute capability of a CUDA ``device`` (cached per device), None for
+    any other device."""
     if getattr(device, "type", None) != "cuda":
-        return False
+        return None
     index = device.index
     if index is None:
         import torch
 
         index = torch.cuda.current_device()
-    return _capability_major(index) >= 9
+    return _capability(index)
 
 
 @functools.lru_cache(maxsize=None)
-def _capability_major(index: int) -> int:
+def _capability(index: int) -> tuple[int, int]:
     import torch
 
-    return torch.cuda.get_device_capability(index)[0]
+    major, minor = torch.cuda.get_device_capability(index)
+    return major, minor

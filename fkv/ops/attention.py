@@ -27,7 +27,7 @@ import torch
 
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
-from fkv.ops._launch import pdl_capable
+from fkv.ops._launch import cuda_capability, pdl_capable
 from fkv.ops._spec import cache_constexprs, cache_strides, check_cache
 
 __all__ = ["AttentionConfig", "attention_config", "check_attention_inputs", "model_context",
@@ -657,44 +657,44 @@ def gluon_prefill_refusal(q: torch.Tensor, spec: KVCacheSpec, out: torch.Tensor,
     """None where a launch is one the warp-specialized Gluon prefill kernel computes
     (``AttentionConfig.warp_specialized``), else the first reason it is not (the Triton kernel
     then runs it). The device is checked apart (:func:`_gluon_device`)."""
-    checks = (
-        (varlen, "decode (no query_start_loc)"),
-        (rows == 256 and tile_n == 64, f"a {rows}-row tile of {tile_n} keys (256 x 64 wanted)"),
-        (splits == 1, f"{splits} splits"),
-        (sliding_window is None, "a sliding window"),
-        (softcap is None, "a softcap"),
-        (not pdl, "pdl=True"),
-        (not spec.is_mla, "an MLA cache"),
-        (not spec.is_fp8, "an fp8 cache"),
-        (spec.head_size == 128, f"head size {spec.head_size} (128 wanted)"),
-        (spec.block_size in (8, 16, 32, 64), f"block size {spec.block_size} (8 to 64 wanted)"),
-        (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == cache_dtype,
-         f"{q.dtype} queries on a {cache_dtype} cache"),
-        (q.stride(2) == 1 and out.stride(2) == 1, "q or out strided along the head dimension"),
-        (_FMA_SCORES and _HEADS_FIRST, "kernel knobs changed from their defaults"),
-    )
-    return next((why for ok, why in checks if not ok), None)
+    if not varlen:
+        return "decode (no query_start_loc)"
+    if rows != 256 or tile_n != 64:
+        return f"a {rows}-row tile of {tile_n} keys (256 x 64 wanted)"
+    if splits != 1:
+        return f"{splits} splits"
+    if sliding_window is not None:
+        return "a sliding window"
+    if softcap is not None:
+        return "a softcap"
+    if pdl:
+        return "pdl=True"
+    if spec.is_mla:
+        return "an MLA cache"
+    if spec.is_fp8:
+        return "an fp8 cache"
+    if spec.head_size != 128:
+        return f"head size {spec.head_size} (128 wanted)"
+    if spec.block_size not in (8, 16, 32, 64):
+        return f"block size {spec.block_size} (8 to 64 wanted)"
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.dtype != cache_dtype:
+        return f"{q.dtype} queries on a {cache_dtype} cache"
+    if q.stride(2) != 1 or out.stride(2) != 1:
+        return "q or out strided along the head dimension"
+    if not (_FMA_SCORES and _HEADS_FIRST):
+        return "kernel knobs changed from their defaults"
+    return None
 
 
 def _gluon_device(device: torch.device) -> bool:
     """An sm_90 GPU (Hopper): the kernel's warpgroup MMAs and register reallocation."""
-    return device.type == "cuda" and _capability(device) == (9, 0)
+    return cuda_capability(device) == (9, 0)
 
 
 def _fp32_score_mult(scale: float) -> float:
     """``scale * log2(e)`` rounded as the Triton kernel computes it (two fp32 operands, an fp32
     product), so both kernels scale the scores by the same number."""
     return float(np.float32(scale) * np.float32(1.4426950408889634))
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    return _device_capability(device.index if device.index is not None
-                              else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=64)
-def _device_capability(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
 
 
 def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table: torch.Tensor,
