@@ -112,12 +112,13 @@ def _variants(spec, cache, scales, out):
 
     d = spec.head_size
     variants = {"empty": empty, "contiguous": contiguous, "no-store": no_store,
-                "engine-style": engine, "default": lib(), "pdl": lib(pdl=True),
-                "store .cs": lib(store=".cs")}
+                "engine-style": engine, "default": lib(), "pdl": lib(pdl=True)}
+    if TOKENS != 256:  # the small token classes: the floors and the store modifier are T=256's
+        variants = {"engine-style": engine, "default": lib(), "pdl": lib(pdl=True)}
     warps = (1, 2, 4, 8) if not spec.is_fp8 else (2, 4, 8)
     for w in warps:
         variants[f"(1, 8, {w})"] = lib(write_mod.WriteTiling(1, 8, d, w))
-    for w in (4, 8):
+    for w in (2, 4, 8):
         variants[f"(1, 8, {w}) kv"] = lib(write_mod.WriteTiling(1, 8, d, w), fused=True)
     return variants
 
@@ -135,6 +136,14 @@ def _check(spec, cache, scales, make, sets) -> int:
 
 
 def timing() -> list[dict]:
+    global TOKENS
+    rows: list[dict] = []
+    for TOKENS in [int(t) for t in os.environ.get("PROBE_TOKENS", "256").split(",")]:
+        rows += _timing_tokens()
+    return rows
+
+
+def _timing_tokens() -> list[dict]:
     rows: list[dict] = []
     for dtype in ("bfloat16", "float8_e4m3fn"):
         for layout in ("NHD", "HND"):
@@ -162,11 +171,11 @@ def timing() -> list[dict]:
                     times[name]["rotating"].append(rot)
                     times[name]["warm"].append(warm)
             for name in order:
-                row = {"dtype": dtype, "layout": layout, "variant": name,
+                row = {"tokens": TOKENS, "dtype": dtype, "layout": layout, "variant": name,
                        "rotating_us": times[name]["rotating"], "warm_us": times[name]["warm"],
                        "mismatches": checks.get(name)}
                 rows.append(row)
-                print(f"{dtype:14s} {layout} {name:16s} rotating "
+                print(f"T={TOKENS:<4d} {dtype:14s} {layout} {name:16s} rotating "
                       f"{min(row['rotating_us']):5.2f} ({max(row['rotating_us']):5.2f})  warm "
                       f"{min(row['warm_us']):5.2f} ({max(row['warm_us']):5.2f})"
                       + (f"  MISMATCH {row['mismatches']}" if row["mismatches"] else ""),
@@ -227,7 +236,7 @@ def main() -> None:
         return
     out_dir = pathlib.Path(os.environ.get("OUT", "/tmp"))
     rows = timing()
-    ncu = shutil.which("ncu")
+    ncu = shutil.which("ncu") if os.environ.get("PROBE_NCU", "1") != "0" else None
     if ncu:
         metrics = ",".join(["gpu__time_duration.sum", "smsp__inst_executed.sum",
                             "dram__bytes_read.sum", "dram__bytes_write.sum",

@@ -166,16 +166,54 @@ def _fp8_bits(y, FP8_TYPE: tl.constexpr, NATIVE_FP8: tl.constexpr, FP8_MAX: tl.c
 
 
 @triton.jit
-def _copy_half(src_ptr, src_tok, stride_h, stride_d, dst_ptr, dst_off, load_mask, store_mask,
-               scale_ptr, h, d, HEADS_OUTER: tl.constexpr, QUANT: tl.constexpr,
-               NATIVE_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
-               FP8_MIN_EXP: tl.constexpr, FP8_SUBNORMAL: tl.constexpr,
-               STORE_MODIFIER: tl.constexpr):
+def _div_rn_by_scalar(x, s):
+    """``x / s`` rounded to nearest even (the bits of ``div_rn`` and of torch's division) for a
+    scalar ``s``: one correctly rounded reciprocal ``r`` per program and, per element, Markstein's
+    correction ``q0 = x * r``, ``e = x - s * q0`` (exact in an fma), ``q = q0 + e * r`` (one
+    rounding), which is the correctly rounded quotient when ``r`` is and nothing under- or
+    overflows. ``div_rn`` per element instead runs a reciprocal, its refinement and a range check
+    with a branch for every element (sm_90: a dependent chain of ~6 operations each, elements kept
+    apart by the branches), which was most of an fp8 decode write's time after its loads.
+
+    Ranges: ``|s|`` in [2**-64, 2**64] takes this path (else ``div_rn`` per element). There an exact
+    ``e`` can only underflow when ``|x| < ~2**-102``, where the quotient (< 2**-38) is an fp8 zero of
+    the right sign either way; an infinite or NaN ``q0`` (|x / s| beyond float32, x infinite or NaN)
+    and an exact ``q0`` (``e == 0``, which also keeps the sign of a zero) are returned as they are.
+    """
+    a = tl.abs(s)
+    if (a >= 5.421010862427522e-20) & (a <= 1.8446744073709552e19):  # 2**-64, 2**64
+        r = tl.math.div_rn(1.0, s)
+        q0 = x * r
+        e = tl.fma(-s, q0, x)
+        q = tl.where((e == 0.0) | (tl.abs(q0) == float("inf")), q0, tl.fma(e, r, q0))
+    else:
+        q = tl.math.div_rn(x, s)
+    return q
+
+
+@triton.jit
+def _load_half(src_ptr, src_tok, stride_h, stride_d, load_mask, scale_ptr, h, d,
+               HEADS_OUTER: tl.constexpr, QUANT: tl.constexpr):
+    """One half's input tile (and its fp8 scale): loads that wait for nothing."""
     src_off = _arrange(src_tok, h * stride_h, d * stride_d, HEADS_OUTER)
-    # The load does not wait for the slot: its mask depends only on the token count.
     x = tl.load(src_ptr + src_off, mask=load_mask, eviction_policy="evict_first")
     if QUANT:
-        y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
+        scale = tl.load(scale_ptr)
+    else:
+        scale = 1.0
+    return x, scale
+
+
+@triton.jit
+def _store_half(x, scale, dst_ptr, dst_off, store_mask, QUANT: tl.constexpr,
+                NATIVE_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
+                FP8_MIN_EXP: tl.constexpr, FP8_SUBNORMAL: tl.constexpr,
+                STORE_MODIFIER: tl.constexpr):
+    if QUANT:
+        if NATIVE_FP8:
+            y = _div_rn_by_scalar(x.to(tl.float32), scale)
+        else:  # the interpreter's fma is not fused: the plain IEEE division
+            y = tl.math.div_rn(x.to(tl.float32), scale)
         bits = _fp8_bits(y, dst_ptr.dtype.element_ty, NATIVE_FP8, FP8_MAX, FP8_MANT, FP8_MIN_EXP,
                          FP8_SUBNORMAL)
         tl.store(dst_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + dst_off, bits,
@@ -183,6 +221,20 @@ def _copy_half(src_ptr, src_tok, stride_h, stride_d, dst_ptr, dst_off, load_mask
     else:
         tl.store(dst_ptr + dst_off, x.to(dst_ptr.dtype.element_ty), mask=store_mask,
                  cache_modifier=STORE_MODIFIER)
+
+
+@triton.jit
+def _destination(slot, in_range, num_slots, stride_block, h, d, h_ok, d_ok,
+                 BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr,
+                 STRIDE_HEAD: tl.constexpr, STRIDE_DIM: tl.constexpr,
+                 HEADS_OUTER: tl.constexpr):
+    """Cache offsets and store mask of the tile's tokens. Padding (negative) and out-of-cache
+    slots write nothing, validated or not."""
+    ok = in_range & (slot >= 0) & (slot < num_slots)
+    block = slot // BLOCK_SIZE
+    dst_tok = block * stride_block + (slot - block * BLOCK_SIZE) * STRIDE_TOKEN
+    dst_off = _arrange(dst_tok, h * STRIDE_HEAD, d * STRIDE_DIM, HEADS_OUTER)
+    return dst_off, _arrange_mask(ok, h_ok, d_ok, HEADS_OUTER)
 
 
 @triton.jit(do_not_specialize=_DO_NOT_SPECIALIZE)
@@ -210,34 +262,42 @@ def _write_kv_kernel(
     in_range = t < num_tokens
     h_ok = h < NUM_HEADS
     d_ok = d < HEAD_SIZE
-    # int64 offsets: int32 ones compile to more instructions and registers (each element's offset
-    # is widened for its pointer add; sm_90 SASS, Triton 3.6).
-    slot = tl.load(slot_ptr + t * slot_stride, mask=in_range, other=-1).to(tl.int64)
-    # Padding (negative) and out-of-cache slots write nothing, validated or not.
-    ok = in_range & (slot >= 0) & (slot < num_slots)
-    block = slot // BLOCK_SIZE
-    dst_tok = block * stride_block + (slot - block * BLOCK_SIZE) * STRIDE_TOKEN
-    dst_off = _arrange(dst_tok, h * STRIDE_HEAD, d * STRIDE_DIM, HEADS_OUTER)
     load_mask = _arrange_mask(in_range, h_ok, d_ok, HEADS_OUTER)
-    store_mask = _arrange_mask(ok, h_ok, d_ok, HEADS_OUTER)
     t64 = t.to(tl.int64)
+    # Every load (slots, inputs, scales) is issued before anything uses the slots: the slot
+    # arithmetic placed before the input loads made each program wait two memory round trips
+    # (sm_90 SASS: the inputs' loads sat behind the branch on the half, after the slot math), not
+    # one. int64 offsets: int32 ones compile to more instructions and registers (each element's
+    # offset is widened for its pointer add; sm_90 SASS, Triton 3.6).
+    slot = tl.load(slot_ptr + t * slot_stride, mask=in_range, other=-1).to(tl.int64)
     if FUSE_KV:  # one program writes K and V of its tokens (grid axis 1 has one program)
-        _copy_half(key_ptr, t64 * key_stride_t, key_stride_h, key_stride_d, cache_ptr, dst_off,
-                   load_mask, store_mask, k_scale_ptr, h, d, HEADS_OUTER, QUANT, NATIVE_FP8,
-                   FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL, STORE_MODIFIER)
-        _copy_half(value_ptr, t64 * value_stride_t, value_stride_h, value_stride_d,
-                   cache_ptr + stride_kv, dst_off, load_mask, store_mask, v_scale_ptr, h, d,
-                   HEADS_OUTER, QUANT, NATIVE_FP8, FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL,
-                   STORE_MODIFIER)
-    elif half == 0:
-        _copy_half(key_ptr, t64 * key_stride_t, key_stride_h, key_stride_d, cache_ptr, dst_off,
-                   load_mask, store_mask, k_scale_ptr, h, d, HEADS_OUTER, QUANT, NATIVE_FP8,
-                   FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL, STORE_MODIFIER)
+        xk, k_scale = _load_half(key_ptr, t64 * key_stride_t, key_stride_h, key_stride_d,
+                                 load_mask, k_scale_ptr, h, d, HEADS_OUTER, QUANT)
+        xv, v_scale = _load_half(value_ptr, t64 * value_stride_t, value_stride_h, value_stride_d,
+                                 load_mask, v_scale_ptr, h, d, HEADS_OUTER, QUANT)
+        dst_off, store_mask = _destination(slot, in_range, num_slots, stride_block, h, d, h_ok,
+                                           d_ok, BLOCK_SIZE, STRIDE_TOKEN, STRIDE_HEAD,
+                                           STRIDE_DIM, HEADS_OUTER)
+        _store_half(xk, k_scale, cache_ptr, dst_off, store_mask, QUANT, NATIVE_FP8, FP8_MAX,
+                    FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL, STORE_MODIFIER)
+        _store_half(xv, v_scale, cache_ptr + stride_kv, dst_off, store_mask, QUANT, NATIVE_FP8,
+                    FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL, STORE_MODIFIER)
     else:
-        _copy_half(value_ptr, t64 * value_stride_t, value_stride_h, value_stride_d,
-                   cache_ptr + stride_kv, dst_off, load_mask, store_mask, v_scale_ptr, h, d,
-                   HEADS_OUTER, QUANT, NATIVE_FP8, FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL,
-                   STORE_MODIFIER)
+        # The half as arithmetic, not a branch: a branch splits the kernel into blocks the
+        # assembler schedules apart, so the slot math above it would run before the loads below.
+        is_k = half == 0
+        x, scale = _load_half(tl.where(is_k, key_ptr, value_ptr),
+                              t64 * tl.where(is_k, key_stride_t, value_stride_t),
+                              tl.where(is_k, key_stride_h, value_stride_h),
+                              tl.where(is_k, key_stride_d, value_stride_d),
+                              load_mask, tl.where(is_k, k_scale_ptr, v_scale_ptr), h, d,
+                              HEADS_OUTER, QUANT)
+        dst_off, store_mask = _destination(slot, in_range, num_slots, stride_block, h, d, h_ok,
+                                           d_ok, BLOCK_SIZE, STRIDE_TOKEN, STRIDE_HEAD,
+                                           STRIDE_DIM, HEADS_OUTER)
+        _store_half(x, scale, cache_ptr + half.to(tl.int64) * stride_kv, dst_off, store_mask,
+                    QUANT, NATIVE_FP8, FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL,
+                    STORE_MODIFIER)
 
 
 class WriteTiling(NamedTuple):
