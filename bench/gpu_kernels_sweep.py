@@ -77,8 +77,9 @@ SMOKE = dict(num_blocks=64, block_size=16, heads=2, head_size=32,
              attn=dict(hq=4, hkv=2, d=32, n=16, decode=((2, 100), (1, 600)), prefill=(2, 40)))
 
 # write_kv tilings to try at decode: (tokens per program, heads per program, warps[, "kv"]); "kv":
-# K and V in one program (write._FUSE_KV_TOKENS). Defaults on 8 x 128 now: bf16 (1, 8, 4) for
-# T <= 16, (1, 8, 2) above; fp8 (1, 8, 8). Round 2 (us per call in a graph, NHD / HND): bf16 T=256
+# K and V in one program (write._FUSE_KV_TOKENS). Defaults on 8 x 128 now (the 2026-12-02 probe,
+# bench/experiments/write_decode_probe.py): bf16 (1, 8, 4, "kv") up to 256 tokens; fp8 (1, 8, 4).
+# Before (the kernel then waited for the slot before loading its inputs): round 2 (us per call in a graph, NHD / HND): bf16 T=256
 # 2 warps 2.45 / 2.79, 4 warps 2.76 / 2.75; T=16 4 warps 2.20 / 2.20 vs 2.28 / 2.27; fp8 8 warps
 # won every T (T=256 2.87 / 2.85 vs 2.93 / 2.91 on 4); 2-token tiles and "kv" lost everywhere
 # (0.1-0.9 us), dropped.
@@ -191,14 +192,14 @@ class _Forced:
     def __enter__(self) -> None:
         from fkv.ops import write as write_mod
 
-        self.saved = write_mod._FUSE_KV_TOKENS
-        write_mod._FUSE_KV_TOKENS = 1 << 30 if self.fused else 0
+        self.saved = write_mod._FUSE_KV_TOKENS, write_mod._FUSE_KV_TOKENS_FP8
+        write_mod._FUSE_KV_TOKENS = write_mod._FUSE_KV_TOKENS_FP8 = 1 << 30 if self.fused else 0
         write_mod._set_tiling_override(self.tiling)
 
     def __exit__(self, *exc: Any) -> None:
         from fkv.ops import write as write_mod
 
-        write_mod._FUSE_KV_TOKENS = self.saved
+        write_mod._FUSE_KV_TOKENS, write_mod._FUSE_KV_TOKENS_FP8 = self.saved
         write_mod._set_tiling_override(None)
 
 

@@ -494,14 +494,16 @@ def test_ambiguous_cache_pairs_are_refused(fn, case: int) -> None:
 # -- tiling from the token count ----------------------------------------------------------------------
 BENCH = KVCacheSpec(num_blocks=32768, block_size=16, num_kv_heads=8, head_size=128)
 # T -> (bf16 tiling, fp8 tiling) for the bench shape (8 heads x 128): small T spreads over many
-# one-token programs (bf16: 4 warps up to 16 tokens, then 2; fp8: 8 warps), large T keeps the
-# prefill tiles (16384 elements on 8 warps / fp8 4096 on 4). Round-2 H200 sweep winners.
+# one-token programs on 4 warps (bf16: K and V in one program), large T keeps the prefill tiles
+# (16384 elements on 8 warps / fp8 4096 on 4). H200 probe winners (bench/NOTES.md).
 TILINGS = {
-    1: ((1, 8, 128, 4), (1, 8, 128, 8)),
-    16: ((1, 8, 128, 4), (1, 8, 128, 8)),
-    256: ((1, 8, 128, 2), (1, 8, 128, 8)),
+    1: ((1, 8, 128, 4), (1, 8, 128, 4)),
+    16: ((1, 8, 128, 4), (1, 8, 128, 4)),
+    256: ((1, 8, 128, 4), (1, 8, 128, 4)),
     8192: ((16, 8, 128, 8), (4, 8, 128, 4)),
 }
+# the token classes whose K and V share a program: bf16 decode classes, never fp8
+FUSED = {1: (True, False), 16: (True, False), 256: (True, False), 8192: (False, False)}
 
 
 def test_tiling_is_a_function_of_the_spec_and_the_token_count() -> None:
@@ -509,6 +511,9 @@ def test_tiling_is_a_function_of_the_spec_and_the_token_count() -> None:
         assert write_tiling(BENCH, tokens) == bf16, tokens
         assert write_tiling(BENCH.evolve(dtype="fp8"), tokens) == fp8, tokens
         assert write_tiling(BENCH.evolve(layout="HND"), tokens) == bf16
+        assert (write_mod.fuses_kv(BENCH, tokens),
+                write_mod.fuses_kv(BENCH.evolve(dtype="fp8"), tokens)) == FUSED[tokens]
+    assert not write_mod.fuses_kv(make_spec("mla", head_size=576), 1)  # MLA has one half
     assert write_tiling(BENCH, 512) == (2, 8, 128, 4)     # 512 programs: 2 tokens each
     assert write_tiling(BENCH, 2048) == (8, 8, 128, 4)    # 8192-element tiles, 2048 per warp
     assert write_tiling(BENCH, 65536) == write_tiling(BENCH) == (16, 8, 128, 8)
@@ -538,15 +543,19 @@ def test_each_chosen_tiling_is_bit_exact(device: str, tokens: int, layout: str, 
     spec = make_spec("triton", layout, dtype=dtype, heads=8, head_size=128, block_size=16,
                      num_blocks=tokens // 16 + 4 if device == "cuda" else 4, num_layers=1)
     tiling = write_tiling(BENCH.evolve(dtype=dtype), tokens)
+    fused = write_mod.fuses_kv(BENCH.evolve(dtype=dtype), tokens)
     run_tokens = tokens if device == "cuda" else min(tokens, 40)
     monkeypatch.setattr(write_mod, "_PREPARED", {})
+    # the run's own class (CPU: at most 40 tokens) fuses as T's does
+    monkeypatch.setattr(write_mod, "_FUSE_KV_TOKENS", 1 << 30 if fused else 0)
+    monkeypatch.setattr(write_mod, "_FUSE_KV_TOKENS_FP8", 1 << 30 if fused else 0)
     write_mod._set_tiling_override(tiling)
     try:
         key, value, scales = inputs(spec, run_tokens + 3, device, seed=tokens)
         slots = padded_slots(spec, run_tokens, run_tokens + 3, device, seed=tokens)
         out, ref = run_both(spec, device, key, value, slots, layer=0, **scales)
         (prep,) = write_mod._PREPARED.values()
-        assert list(prep.by_tiling) == [(tiling, False, False)]
+        assert list(prep.by_tiling) == [(tiling, fused, False)]
     finally:
         write_mod._set_tiling_override(None)
     assert_same_bytes(out, ref)
@@ -562,6 +571,7 @@ def test_many_warps_on_a_small_tile_stay_exact(device: str, layout: str, dtype: 
     the H200); the bytes equal the reference either way."""
     monkeypatch.setattr(write_mod, "_PREPARED", {})
     monkeypatch.setattr(write_mod, "_FUSE_KV_TOKENS", 1 << 30 if fused else 0)
+    monkeypatch.setattr(write_mod, "_FUSE_KV_TOKENS_FP8", 1 << 30 if fused else 0)
     tiling = write_mod.WriteTiling(1, 8, 128, 16)
     fp8 = dtype != "bfloat16"
     assert write_mod.launch_warps(tiling, fp8) == (8 if fp8 else 16)
@@ -583,10 +593,13 @@ def test_many_warps_on_a_small_tile_stay_exact(device: str, layout: str, dtype: 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_fused_kv_programs_are_bit_exact(device: str, layout: str, dtype: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """K and V in one program (``_FUSE_KV_TOKENS``, a sweep candidate for small T): the same
-    bytes as the reference, a grid of one program on axis 1, and a site of its own."""
+    """K and V in one program (``_FUSE_KV_TOKENS``; the default for bf16 decode classes, an fp8
+    knob): the same bytes as the reference, a grid of one program on axis 1, and a site of its
+    own."""
     monkeypatch.setattr(write_mod, "_PREPARED", {})
     monkeypatch.setattr(write_mod, "_FUSE_KV_TOKENS", 16)
+    monkeypatch.setattr(write_mod, "_FUSE_KV_TOKENS_FP8", 16)
+    write_mod._clear_tiling_caches()
     spec = make_spec("triton", layout, dtype=dtype, heads=8, head_size=128, block_size=16,
                      num_blocks=4, num_layers=1)
     for tokens, fused in ((13, True), (40, False)):

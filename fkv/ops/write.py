@@ -67,11 +67,13 @@ _SMALL_MAX_WARPS = 4
 # 2.03 / 2.05; at T=256 2 warps stay: 2.45 / 2.79 vs 2.76 / 2.75 on 4).
 _FEW_TOKENS = 16
 _FEW_ELEMENTS_PER_WARP = 256
-# fp8 caches quantize (an IEEE division per element): more warps per small tile, up to
-# _SMALL_MAX_WARPS_FP8. Round-2 H200 sweep, one token of 8 x 128 per program, NHD / HND: 8 warps
-# T=1 2.17 / 2.17 us vs 2.31 / 2.29 on 4; T=16 2.37 / 2.35 vs 2.49 / 2.48; T=256 2.87 / 2.85 vs
-# 2.93 / 2.91 (2 warps 3.23 / 3.20).
-_SMALL_ELEMENTS_PER_WARP_FP8 = 128
+# fp8 caches (quantizing): one warp per _SMALL_ELEMENTS_PER_WARP_FP8 elements of a small tile, up
+# to _SMALL_MAX_WARPS_FP8. Since the division takes one reciprocal per program (_div_rn_by_scalar),
+# 4 warps per token of 8 x 128 lead 8 (H200, us per call in a 32-call graph, rotating inputs / one
+# input set, NHD; bench/results/raw/write-decode-probe-exp-20261202T0759.json): T=256 2.53 / 2.05
+# vs 2.57 / 2.20; T=16 2.05 / 1.62 vs 2.06 / 1.66; T=1 1.82 / 1.52 vs 1.89 / 1.59 (8 warps had won
+# while every element ran its own div_rn).
+_SMALL_ELEMENTS_PER_WARP_FP8 = 256
 _SMALL_MAX_WARPS_FP8 = 8
 # A forced tiling (see _set_tiling_override): None = the default choice.
 _TILING_OVERRIDE: Any = None
@@ -86,9 +88,15 @@ _STORE_MODIFIER = ""
 # (bench/results/raw/write-warps-check-20261201T2150.json). The launch caps num_warps to keep it.
 _MIN_FP8_ELEMENTS_PER_THREAD = 4
 # Token classes up to this many tokens write K and V in one program (grid axis 1 of one program,
-# the slot load and address math shared) instead of one program per half; 0 = never. A bench knob
-# until the H200 sweep says (bench/gpu_kernels_sweep.py, candidates "fused").
-_FUSE_KV_TOKENS = 0
+# the slot load and address math shared; its warps counted over both halves) instead of one
+# program per half; 0 = never. Caches that are not fp8: once every load was issued before the slot
+# math, one token of 8 x 128 x 2 halves on 4 warps led every other tiling at T = 1, 16 and 256 in
+# both layouts (H200, us per call in a graph, rotating / one input set, NHD; the probe's raw JSON
+# above): T=256 2.50 / 1.97 against 2.80 / 2.07 for a program per half; T=16 1.95 / 1.52 against
+# 2.21 / 1.67; T=1 1.76 / 1.44 against 2.03 / 1.57. fp8 caches (_FUSE_KV_TOKENS_FP8): a program
+# per half stayed ahead (T=256 2.53 / 2.05 against 2.61 / 2.07 fused).
+_FUSE_KV_TOKENS = 256
+_FUSE_KV_TOKENS_FP8 = 0
 
 
 @triton.jit
@@ -332,23 +340,38 @@ def write_tiling(spec: KVCacheSpec, num_tokens: int | None = None) -> WriteTilin
     ``_TARGET_PROGRAMS`` programs, so a decode step spreads over the GPU instead of running a few
     long programs; fewer elements per warp there (``_SMALL_ELEMENTS_PER_WARP``, at most
     ``_SMALL_MAX_WARPS`` warps; fewer still for up to ``_FEW_TOKENS`` tokens and for fp8 caches,
-    up to 8 warps).
+    up to 8 warps). Decode classes of caches that are not fp8 write K and V in one program
+    (``_FUSE_KV_TOKENS``), whose warps count the elements of both halves.
 
     >>> from fkv import KVCacheSpec
     >>> spec = KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=8, head_size=128)
     >>> write_tiling(spec)
     WriteTiling(block_t=16, head_tile=8, d_pad=128, num_warps=8)
     >>> write_tiling(spec, 256)
-    WriteTiling(block_t=1, head_tile=8, d_pad=128, num_warps=2)
+    WriteTiling(block_t=1, head_tile=8, d_pad=128, num_warps=4)
     """
     override = _TILING_OVERRIDE
     if override is not None:
         return override(spec, num_tokens) if callable(override) else override
-    return _tiling(spec, None if num_tokens is None else token_class(num_tokens))
+    tokens = None if num_tokens is None else token_class(num_tokens)
+    return _tiling(spec, tokens, tokens is not None and fuses_kv(spec, tokens))
+
+
+def fuses_kv(spec: KVCacheSpec, num_tokens: int) -> bool:
+    """Whether a write of ``num_tokens`` tokens runs K and V in one program (module comment at
+    ``_FUSE_KV_TOKENS``).
+
+    >>> from fkv import KVCacheSpec
+    >>> spec = KVCacheSpec(num_blocks=1, block_size=16, num_kv_heads=8, head_size=128)
+    >>> fuses_kv(spec, 256), fuses_kv(spec, 257), fuses_kv(spec.evolve(dtype="fp8"), 16)
+    (True, False, False)
+    """
+    limit = _FUSE_KV_TOKENS_FP8 if spec.is_fp8 else _FUSE_KV_TOKENS
+    return not spec.is_mla and token_class(num_tokens) <= limit
 
 
 @functools.lru_cache(maxsize=None)
-def _tiling(spec: KVCacheSpec, tokens: int | None) -> WriteTiling:
+def _tiling(spec: KVCacheSpec, tokens: int | None, fused: bool = False) -> WriteTiling:
     largest = _TILE_ELEMENTS_FP8 if spec.is_fp8 else _TILE_ELEMENTS
     d_pad = triton.next_power_of_2(spec.head_size)
     h_pad = triton.next_power_of_2(spec.num_kv_heads)
@@ -367,7 +390,7 @@ def _tiling(spec: KVCacheSpec, tokens: int | None) -> WriteTiling:
                 per_warp, most_warps = _SMALL_ELEMENTS_PER_WARP, _SMALL_MAX_WARPS
     head_tile = max(1, min(h_pad, tile // d_pad))
     block_t = max(1, tile // (head_tile * d_pad))
-    elements = block_t * head_tile * d_pad
+    elements = block_t * head_tile * d_pad * (2 if fused else 1)
     num_warps = max(1, min(most_warps, elements // per_warp))
     return WriteTiling(block_t, head_tile, d_pad, num_warps)
 
@@ -454,7 +477,7 @@ class _Prepared:
         entry = self.by_class.get((cls, pdl))
         if entry is None:
             tiling = write_tiling(self.spec, num_tokens)
-            fuse = self.kv_halves == 2 and cls <= _FUSE_KV_TOKENS
+            fuse = self.kv_halves == 2 and fuses_kv(self.spec, cls)
             entry = self.by_tiling.get((tiling, fuse, pdl))
             if entry is None:
                 site = _LAUNCHER.site({**self.fixed, "BLOCK_T": tiling.block_t,
