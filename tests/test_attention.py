@@ -662,12 +662,35 @@ class GridRecorder:
 
     def __init__(self, kernel: Any) -> None:
         self.kernel, self.launches = kernel, []
+        self.arg_names, self.params = kernel.arg_names, getattr(kernel, "params", ())
 
     def __getitem__(self, grid: Any) -> Any:
         def launch(*args: Any, **kwargs: Any) -> Any:
-            self.launches.append((tuple(grid), args[19]))  # args[19]: num_splits
+            self.launches.append((tuple(grid), args[self.arg_names.index("num_splits")]))
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+def test_repeated_launches_skip_the_binder_with_the_same_bits(device: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention kernel launches through ``fkv.ops._launch``: the first call of a shape
+    compiles through Triton's binder, the next ones (new block tables, lengths and queries of the
+    same shapes) call the compiled variant directly on the GPU (the interpreter always launches
+    normally); every output equals a normal launch's bits (``FKV_FAST_LAUNCH`` off)."""
+    monkeypatch.setattr(A, "_SITES", {})
+    case = Case(device, seq_lens=(70, 33, 17), head_size=16, block_size=4, hq=4, hkv=2, seed=5)
+    outs = []
+    for _ in range(3):
+        out = torch.full_like(case.q, float("nan"))
+        paged_attention(case.q, case.cache, case.spec, case.block_table, case.seq_lens, out=out)
+        outs.append(out)
+    (site,) = A._SITES.values()
+    assert site.direct_launches == (2 if device == "cuda" else 0)
+    monkeypatch.setattr(importlib.import_module("fkv.ops._launch"), "ENABLED", False)
+    normal = torch.full_like(case.q, float("nan"))
+    paged_attention(case.q, case.cache, case.spec, case.block_table, case.seq_lens, out=normal)
+    assert all(torch.equal(o, normal) for o in outs)
+    case.check()
 
 
 def test_padding_columns_change_neither_grid_nor_bits(device: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -262,12 +262,13 @@ def _merge_if_last(part_out_ptr, part_lse_ptr, ctr_ptr, out_ptr, group, base, o_
 @triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles", "num_q_tokens", "num_blocks",
                                "max_context", "num_splits"])
 def _paged_attention_kernel(
+    # per call (fkv.ops._launch: the direct launch passes these first; pointers, then scalars)
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    scale, softcap, window, num_seqs, num_tiles, num_q_heads, num_q_tokens, num_blocks,
-    max_context, num_splits, ctr_ptr,
-    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
-    stride_bt, stride_block, stride_kv, stride_head,
+    out_ptr, part_out_ptr, part_lse_ptr, ctr_ptr,
+    scale, softcap, window, num_seqs, num_tiles, num_q_tokens, max_context, num_splits,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od, stride_bt,
+    # fixed per input signature
+    num_q_heads, num_blocks, stride_block, stride_kv, stride_head,
     # spec constexprs (fkv.ops._spec.cache_constexprs) and the token stride of the layout
     HEADS_OUTER: tl.constexpr, IS_MLA: tl.constexpr, CACHE_FP8: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,

@@ -27,7 +27,7 @@ import torch
 
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
-from fkv.ops._launch import cuda_capability, pdl_capable
+from fkv.ops._launch import KernelLauncher, LaunchSite, cuda_capability, pdl_capable
 from fkv.ops._spec import cache_constexprs, cache_strides, check_cache
 
 __all__ = ["AttentionConfig", "attention_config", "check_attention_inputs", "model_context",
@@ -697,6 +697,33 @@ def _fp32_score_mult(scale: float) -> float:
     return float(np.float32(scale) * np.float32(1.4426950408889634))
 
 
+# The attention kernel's direct launch (fkv.ops._launch): one KernelLauncher per kernel object
+# (tests and experiments swap the module's kernel for a recorder or a variant), one LaunchSite
+# per set of fixed arguments and launch options.
+_LAUNCHERS: dict[int, KernelLauncher] = {}
+_SITES: dict[tuple, LaunchSite] = {}
+_PER_CALL = ("q_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "k_scale_ptr",
+             "v_scale_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "ctr_ptr",
+             "scale", "softcap", "window", "num_seqs", "num_tiles", "num_q_tokens", "max_context",
+             "num_splits", "stride_qt", "stride_qh", "stride_qd", "stride_ot", "stride_oh",
+             "stride_od", "stride_bt")
+_POINTERS = _PER_CALL[:11]
+
+
+def _site(kernel: Any, fixed: dict[str, Any], options: tuple[int, int, bool]) -> LaunchSite:
+    """The launch site of ``kernel`` for these fixed arguments and (num_warps, num_stages, pdl)."""
+    key = (id(kernel), tuple(fixed.values()), options)
+    site = _SITES.get(key)
+    if site is None or site.launcher.kernel is not kernel:
+        launcher = _LAUNCHERS.get(id(kernel))
+        if launcher is None or launcher.kernel is not kernel:
+            launcher = _LAUNCHERS[id(kernel)] = KernelLauncher(kernel, _PER_CALL, _POINTERS)
+        warps, stages, pdl = options
+        site = _SITES[key] = launcher.site(fixed, {"num_warps": warps, "num_stages": stages,
+                                                   **({"launch_pdl": True} if pdl else {})})
+    return site
+
+
 def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table: torch.Tensor,
             seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None, prob: Problem,
             config: AttentionConfig, sliding_window: int | None, softcap: float | None,
@@ -741,29 +768,31 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
     grid = (num_tiles * spec.num_kv_heads * chunks, num_splits)
     counters = _merge_counters(q.device, grid[0]) if split and config.fused_merge else None
     fused = counters is not None
-    _paged_attention_kernel[grid](
+    fixed = {
+        "num_q_heads": prob.num_q_heads, "num_blocks": spec.num_blocks,
+        "stride_block": strides["stride_block"], "stride_kv": strides["stride_kv"],
+        "stride_head": strides["stride_head"], **cache_constexprs(spec),
+        "STRIDE_TOKEN": strides["stride_token"],
+        "HEAD_PAD": head_pad, "GROUP": prob.group, "HEADS_PER_PROG": heads, "HEAD_CHUNKS": chunks,
+        "BLOCK_Q": block_q, "BLOCK_M": block_m, "TILE_N": tile_n,
+        "VARLEN": prob.varlen, "SPLIT": split, "USE_WINDOW": sliding_window is not None,
+        "USE_SOFTCAP": softcap is not None,
+        "DOT_F32": _interpreted(q.device) and q.dtype == torch.bfloat16,
+        "PRECISION": "ieee" if q.dtype == torch.float32 else None, "HEADS_FIRST": _HEADS_FIRST,
+        "FMA_SCORES": _FMA_SCORES, "FUSED_MERGE": fused, "RANGE_STAGES": config.range_stages,
+        "LAZY_RESCALE": config.lazy_rescale, "PDL": pdl,
+        "ROW_HALVES": config.row_halves and not split and block_m >= 32,
+    }
+    options = (config.num_warps, config.num_stages, pdl)
+    _site(_paged_attention_kernel, fixed, options)((grid[0], grid[1], 1), (
         q, cache, block_table, seq_lens,
         query_start_loc if query_start_loc is not None else dummy,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
-        out, part_out, part_lse,
+        out, part_out, part_lse, counters if fused else dummy,
         prob.scale, float(softcap or 1.0), int(sliding_window or 0), prob.num_seqs, num_tiles,
-        prob.num_q_heads, prob.num_q_tokens, spec.num_blocks, prob.max_context, num_splits,
-        counters if fused else dummy,
+        prob.num_q_tokens, prob.max_context, num_splits,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        block_table.stride(0), strides["stride_block"], strides["stride_kv"], strides["stride_head"],
-        **cache_constexprs(spec),
-        STRIDE_TOKEN=strides["stride_token"],
-        HEAD_PAD=head_pad, GROUP=prob.group, HEADS_PER_PROG=heads, HEAD_CHUNKS=chunks,
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        VARLEN=prob.varlen, SPLIT=split, USE_WINDOW=sliding_window is not None,
-        USE_SOFTCAP=softcap is not None, DOT_F32=_interpreted(q.device) and q.dtype == torch.bfloat16,
-        PRECISION="ieee" if q.dtype == torch.float32 else None, HEADS_FIRST=_HEADS_FIRST,
-        FMA_SCORES=_FMA_SCORES, FUSED_MERGE=fused, RANGE_STAGES=config.range_stages,
-        LAZY_RESCALE=config.lazy_rescale, PDL=pdl,
-        ROW_HALVES=config.row_halves and not split and block_m >= 32,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-        **({"launch_pdl": True} if pdl else {}),
-    )
+        block_table.stride(0)))
     if split and not fused:
         _reduce_splits_kernel[(prob.num_q_tokens, prob.num_q_heads)](
             part_out, part_lse, out, prob.num_q_heads, num_splits,
