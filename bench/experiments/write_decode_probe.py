@@ -86,12 +86,19 @@ def _sets(spec):
 def _variants(spec, cache, scales, out):
     """name -> make_call(key, value, slots) for one spec."""
     def lib(tiling=None, fused=False, pdl=False, store=""):
+        """tiling None: the library's own choice (fusion included); else forced, with K and V in
+        one program or not. (Runs before 2026-12-02T0810 forced fusion off for None too, so their
+        "default" and "pdl" rows of bf16 are one program per half.)"""
         def make(k, v, s):
             def call():
                 saved = write_mod._STORE_MODIFIER
                 write_mod._STORE_MODIFIER = store
-                with sweep._Forced(tiling, fused):
+                if tiling is None:
                     write_mod.write_kv(k, v, cache, s, spec, validate=False, pdl=pdl, **scales)
+                else:
+                    with sweep._Forced(tiling, fused):
+                        write_mod.write_kv(k, v, cache, s, spec, validate=False, pdl=pdl,
+                                           **scales)
                 write_mod._STORE_MODIFIER = saved
             return call
         return make
