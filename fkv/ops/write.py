@@ -81,6 +81,11 @@ _TILING_OVERRIDE: Any = None
 _FP8 = {"float8_e4m3fn": (448.0, 3, -6), "float8_e5m2": (57344.0, 2, -14)}
 # Cache modifier of the cache stores ("" = default write-back; ".cs" = streaming): a bench knob.
 _STORE_MODIFIER = ""
+# Compiled quantizing writes divide with one reciprocal per program and an fma correction
+# (_div_rn_by_scalar, the same bits) instead of div_rn per element; False: div_rn (a bench knob for
+# the same-run A/B bench/NOTES.md asks for: the one fp8 prefill run after the change read 6-13 %
+# below the standing figures, on another machine than the run before it).
+_FAST_DIVISION = True
 # fp8 caches: at least this many elements per thread. With fewer, Triton 3.6's fp32 -> fp8
 # conversion writes wrong bytes on sm_90: a 1 x 8 x 128 tile on 16 warps (2 elements per thread)
 # differed from the reference in half its bytes, fused or not, both layouts, T = 1, 16, 256; 8
@@ -216,11 +221,11 @@ def _load_half(src_ptr, src_tok, stride_h, stride_d, load_mask, scale_ptr, h, d,
 def _store_half(x, scale, dst_ptr, dst_off, store_mask, QUANT: tl.constexpr,
                 NATIVE_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
                 FP8_MIN_EXP: tl.constexpr, FP8_SUBNORMAL: tl.constexpr,
-                STORE_MODIFIER: tl.constexpr):
+                STORE_MODIFIER: tl.constexpr, FAST_DIV: tl.constexpr):
     if QUANT:
-        if NATIVE_FP8:
+        if FAST_DIV:
             y = _div_rn_by_scalar(x.to(tl.float32), scale)
-        else:  # the interpreter's fma is not fused: the plain IEEE division
+        else:  # (the interpreter's fma is not fused: it always takes this path)
             y = tl.math.div_rn(x.to(tl.float32), scale)
         bits = _fp8_bits(y, dst_ptr.dtype.element_ty, NATIVE_FP8, FP8_MAX, FP8_MANT, FP8_MIN_EXP,
                          FP8_SUBNORMAL)
@@ -257,7 +262,7 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
     QUANT: tl.constexpr, NATIVE_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr, FP8_SUBNORMAL: tl.constexpr, STORE_MODIFIER: tl.constexpr,
-    FUSE_KV: tl.constexpr, PDL: tl.constexpr,
+    FAST_DIV: tl.constexpr, FUSE_KV: tl.constexpr, PDL: tl.constexpr,
     BLOCK_T: tl.constexpr, HEAD_TILE: tl.constexpr, D_PAD: tl.constexpr,
 ):
     if PDL:  # nothing is read before the kernel before this one has finished
@@ -287,9 +292,9 @@ def _write_kv_kernel(
                                            d_ok, BLOCK_SIZE, STRIDE_TOKEN, STRIDE_HEAD,
                                            STRIDE_DIM, HEADS_OUTER)
         _store_half(xk, k_scale, cache_ptr, dst_off, store_mask, QUANT, NATIVE_FP8, FP8_MAX,
-                    FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL, STORE_MODIFIER)
+                    FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL, STORE_MODIFIER, FAST_DIV)
         _store_half(xv, v_scale, cache_ptr + stride_kv, dst_off, store_mask, QUANT, NATIVE_FP8,
-                    FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL, STORE_MODIFIER)
+                    FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL, STORE_MODIFIER, FAST_DIV)
     else:
         # The half as arithmetic, not a branch: a branch splits the kernel into blocks the
         # assembler schedules apart, so the slot math above it would run before the loads below.
@@ -305,7 +310,7 @@ def _write_kv_kernel(
                                            STRIDE_DIM, HEADS_OUTER)
         _store_half(x, scale, cache_ptr + half.to(tl.int64) * stride_kv, dst_off, store_mask,
                     QUANT, NATIVE_FP8, FP8_MAX, FP8_MANT, FP8_MIN_EXP, FP8_SUBNORMAL,
-                    STORE_MODIFIER)
+                    STORE_MODIFIER, FAST_DIV)
 
 
 class WriteTiling(NamedTuple):
@@ -435,6 +440,7 @@ def write_constexprs(spec: KVCacheSpec, quantize: bool) -> dict[str, Any]:
         "FP8_MIN_EXP": fp8_min_exp,
         "FP8_SUBNORMAL": float(2.0 ** (fp8_mant - fp8_min_exp)),
         "STORE_MODIFIER": _STORE_MODIFIER,
+        "FAST_DIV": _FAST_DIVISION and _LAUNCHER.compiles,
     }
 
 
