@@ -150,68 +150,66 @@ def timing() -> list[dict]:
     return rows
 
 
-def _timing_tokens() -> list[dict]:
-    rows: list[dict] = []
+def _cases():
+    """(dtype, layout, spec, cache, scales, the contiguous kernel's output) of the four specs, one
+    cache at a time (freed after its case)."""
     for dtype in ("bfloat16", "float8_e4m3fn"):
         for layout in ("NHD", "HND"):
             spec = _spec(layout, dtype)
-            cache = sweep.fkv_alloc(spec, "cuda")
-            scales = sweep._scales(spec, "cuda")
+            cache = sweep.fkv_alloc(spec, DEVICE)
             out = torch.empty(2 * TOKENS * spec.num_kv_heads * spec.head_size,
-                              dtype=cache.dtype if not spec.is_fp8 else torch.bfloat16,
-                              device="cuda")
-            sets = _sets(spec)
-            variants = _variants(spec, cache, scales, out)
-            checks = {}
-            for name, make in variants.items():
-                if name in ("empty", "contiguous", "no-store"):
-                    continue
-                checks[name] = _check(spec, cache, scales, make, sets)
-            order = list(variants)
-            times: dict[str, dict[str, list[float]]] = {n: {"rotating": [], "warm": []}
-                                                        for n in order}
-            for names in (order, order[::-1]):
-                for name in names:
-                    make = variants[name]
-                    rot = graph_us([make(*x) for x in sets], REP)
-                    warm = graph_us([make(*sets[0])] * SETS, REP)
-                    times[name]["rotating"].append(rot)
-                    times[name]["warm"].append(warm)
-            for name in order:
-                row = {"tokens": TOKENS, "dtype": dtype, "layout": layout, "variant": name,
-                       "rotating_us": times[name]["rotating"], "warm_us": times[name]["warm"],
-                       "mismatches": checks.get(name)}
-                rows.append(row)
-                print(f"T={TOKENS:<4d} {dtype:14s} {layout} {name:16s} rotating "
-                      f"{min(row['rotating_us']):5.2f} ({max(row['rotating_us']):5.2f})  warm "
-                      f"{min(row['warm_us']):5.2f} ({max(row['warm_us']):5.2f})"
-                      + (f"  MISMATCH {row['mismatches']}" if row["mismatches"] else ""),
-                      flush=True)
+                              dtype=torch.bfloat16, device=DEVICE)
+            yield dtype, layout, spec, cache, sweep._scales(spec, DEVICE), out
             del cache
-            torch.cuda.empty_cache()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _timing_tokens() -> list[dict]:
+    rows: list[dict] = []
+    for dtype, layout, spec, cache, scales, out in _cases():
+        sets = _sets(spec)
+        variants = _variants(spec, cache, scales, out)
+        checks = {}
+        for name, make in variants.items():
+            if name in ("empty", "contiguous", "no-store"):
+                continue
+            checks[name] = _check(spec, cache, scales, make, sets)
+        order = list(variants)
+        times: dict[str, dict[str, list[float]]] = {n: {"rotating": [], "warm": []}
+                                                    for n in order}
+        for names in (order, order[::-1]):
+            for name in names:
+                make = variants[name]
+                rot = graph_us([make(*x) for x in sets], REP)
+                warm = graph_us([make(*sets[0])] * SETS, REP)
+                times[name]["rotating"].append(rot)
+                times[name]["warm"].append(warm)
+        for name in order:
+            row = {"tokens": TOKENS, "dtype": dtype, "layout": layout, "variant": name,
+                   "rotating_us": times[name]["rotating"], "warm_us": times[name]["warm"],
+                   "mismatches": checks.get(name)}
+            rows.append(row)
+            print(f"T={TOKENS:<4d} {dtype:14s} {layout} {name:16s} rotating "
+                  f"{min(row['rotating_us']):5.2f} ({max(row['rotating_us']):5.2f})  warm "
+                  f"{min(row['warm_us']):5.2f} ({max(row['warm_us']):5.2f})"
+                  + (f"  MISMATCH {row['mismatches']}" if row["mismatches"] else ""),
+                  flush=True)
     return rows
 
 
 def ncu_child() -> None:
     """Warm launches for ncu: each variant 4 times (the last three are the warm ones)."""
-    for dtype in ("bfloat16", "float8_e4m3fn"):
-        for layout in ("NHD", "HND"):
-            spec = _spec(layout, dtype)
-            cache = sweep.fkv_alloc(spec, "cuda")
-            scales = sweep._scales(spec, "cuda")
-            out = torch.empty(2 * TOKENS * spec.num_kv_heads * spec.head_size,
-                              dtype=torch.bfloat16, device=DEVICE)
-            k, v, s = _sets(spec)[0]
-            variants = _variants(spec, cache, scales, out)
-            for name in ("empty", "contiguous", "no-store", "engine-style", "default",
-                         "(1, 8, 4)"):
-                call = variants[name](k, v, s)
-                for _ in range(4):
-                    call()
-                torch.cuda.synchronize()
-                print(f"NCU-ORDER {dtype} {layout} {name} x4", flush=True)
-            del cache
-            torch.cuda.empty_cache()
+    for dtype, layout, spec, cache, scales, out in _cases():
+        k, v, s = _sets(spec)[0]
+        variants = _variants(spec, cache, scales, out)
+        for name in ("empty", "contiguous", "no-store", "engine-style", "default",
+                     "(1, 8, 4)"):
+            call = variants[name](k, v, s)
+            for _ in range(4):
+                call()
+            torch.cuda.synchronize()
+            print(f"NCU-ORDER {dtype} {layout} {name} x4", flush=True)
 
 
 def smoke() -> None:
