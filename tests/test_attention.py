@@ -693,6 +693,22 @@ def test_repeated_launches_skip_the_binder_with_the_same_bits(device: str,
     case.check()
 
 
+def test_a_launch_site_never_serves_other_dtypes(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two specs and inputs equal in every fixed argument but their dtypes (bf16 and fp16 caches
+    and queries; an int32 and an int64 block table): each call gets a site of its own, so the
+    direct launch never runs a variant compiled for other pointer types, and each output is the
+    reference's."""
+    monkeypatch.setattr(A, "_SITES", {})
+    for dtype, table_dtype in (("bfloat16", torch.int32), ("float16", torch.int32),
+                               ("bfloat16", torch.int64), ("bfloat16", torch.int32)):
+        case = Case(device, dtype=dtype, seq_lens=(9, 5), head_size=16, block_size=4, hq=4,
+                    hkv=2, seed=2)
+        case.block_table = case.block_table.to(table_dtype)
+        for _ in range(2):  # the second call of each takes the direct launch on the GPU
+            case.check()
+    assert len(A._SITES) == 3
+
+
 def test_padding_columns_change_neither_grid_nor_bits(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same sequences with 0, 1 and 5 spare block-table columns (garbage in them): the same
     grid and split count are launched and the outputs are bit-identical, because each split is

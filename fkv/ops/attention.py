@@ -710,9 +710,13 @@ _PER_CALL = ("q_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "k_scale
 _POINTERS = _PER_CALL[:11]
 
 
-def _site(kernel: Any, fixed: dict[str, Any], options: tuple[int, int, bool]) -> LaunchSite:
-    """The launch site of ``kernel`` for these fixed arguments and (num_warps, num_stages, pdl)."""
-    key = (id(kernel), tuple(fixed.values()), options)
+def _site(kernel: Any, fixed: dict[str, Any], options: tuple[int, int, bool],
+          args: tuple) -> LaunchSite:
+    """The launch site of ``kernel`` for these fixed arguments, (num_warps, num_stages, pdl) and
+    the dtypes of the per-call tensors ``args[:11]``: a site's compiled variants are keyed by
+    alignment and integer specialization only, and Triton types each pointer by its dtype (a
+    bf16 variant must never run fp16 queries or an int64 block table)."""
+    key = (id(kernel), tuple(fixed.values()), options, tuple(a.dtype for a in args[:11]))
     site = _SITES.get(key)
     if site is None or site.launcher.kernel is not kernel:
         launcher = _LAUNCHERS.get(id(kernel))
@@ -783,8 +787,7 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
         "LAZY_RESCALE": config.lazy_rescale, "PDL": pdl,
         "ROW_HALVES": config.row_halves and not split and block_m >= 32,
     }
-    options = (config.num_warps, config.num_stages, pdl)
-    _site(_paged_attention_kernel, fixed, options)((grid[0], grid[1], 1), (
+    args = (
         q, cache, block_table, seq_lens,
         query_start_loc if query_start_loc is not None else dummy,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
@@ -792,7 +795,9 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
         prob.scale, float(softcap or 1.0), int(sliding_window or 0), prob.num_seqs, num_tiles,
         prob.num_q_tokens, prob.max_context, num_splits,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        block_table.stride(0)))
+        block_table.stride(0))
+    options = (config.num_warps, config.num_stages, pdl)
+    _site(_paged_attention_kernel, fixed, options, args)((grid[0], grid[1], 1), args)
     if split and not fused:
         _reduce_splits_kernel[(prob.num_q_tokens, prob.num_q_heads)](
             part_out, part_lse, out, prob.num_q_heads, num_splits,
