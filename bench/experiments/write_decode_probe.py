@@ -1,9 +1,9 @@
 """Experiment: where a 256-token ``write_kv`` decode spends its time per call in a CUDA graph.
 
-Issue 14's last item is this figure with the plain launch (BENCH.md: no slower than the engine's
-kernel; the issue: <= 2.2 us bf16, <= 2.5 us fp8). Earlier rounds timed tilings with rotating
-inputs only; here every variant is timed with rotating inputs (32 sets, from DRAM after do_bench's
-L2 flush) and with one input set (L2-warm), twice (forward and reverse order, to see the noise),
+Issue 14's last item is this figure with the plain launch (the benchmark targets: no slower
+than the engine's kernel; the issue: <= 2.2 us bf16, <= 2.5 us fp8). Earlier rounds timed tilings
+with rotating inputs only; here every variant is timed with rotating inputs (32 sets, from DRAM
+after do_bench's L2 flush) and with one input set (L2-warm), twice (forward and reverse order, to see the noise),
 beside floors that leave a stage out:
 
 - ``empty``: a kernel of the same grid that does nothing (the graph node alone);
