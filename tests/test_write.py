@@ -358,7 +358,7 @@ DIVISION_SCALES = [1.0, 0.37, 3.3e-3, -0.05, 448.0 / 3, 2.0 ** -64, 2.0 ** -64 *
 @pytest.mark.parametrize("in_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_fp8_division_is_torch_division_for_every_bf16_and_random_fp32(
-        device: str, dtype: str, in_dtype: str) -> None:
+        device: str, dtype: str, in_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The quantizing write computes ``x / scale`` per element with one reciprocal per program and
     an fma correction on the GPU (``_div_rn_by_scalar``), div_rn under the interpreter: for every
     bf16 bit pattern (NaNs, infinities, subnormals, both zeros) or 65536 fp32 values of random
@@ -378,12 +378,18 @@ def test_fp8_division_is_torch_division_for_every_bf16_and_random_fp32(
                        dtype=dtype)
     slots = torch.arange(x.shape[0], device=device)
     scales_tried = DIVISION_SCALES
+    # the GPU divides both ways: by one reciprocal per program (decode classes) and by div_rn
+    # (larger classes); this T (512) is above the decode classes, so the limit is moved for one
+    limits = (0, 1 << 30) if device == "cuda" else (0,)
     if device == "cpu":
         # Not the interpreter's: with a zero scale it stores 28 of the 65536 bf16 patterns as NaN
         # where torch stores -448, with a subnormal one 488 as zero (its own rounding code, not
         # the GPU's conversion; found by this test, left as is: neither scale quantizes anything).
         scales_tried = [v for v in DIVISION_SCALES if v != 0.0 and abs(v) >= 2.0 ** -126]
-    for k_s, v_s in zip(scales_tried[0::2], scales_tried[1::2]):
+    for limit, (k_s, v_s) in itertools.product(limits, zip(scales_tried[0::2],
+                                                           scales_tried[1::2])):
+        monkeypatch.setattr(write_mod, "_FAST_DIVISION_TOKENS", limit)
+        monkeypatch.setattr(write_mod, "_PREPARED", {})
         out, ref = poisoned(spec, device), poisoned(spec, device)
         scales = {"k_scale": torch.tensor([k_s], device=device),
                   "v_scale": torch.tensor([v_s], device=device)}
@@ -392,6 +398,32 @@ def test_fp8_division_is_torch_division_for_every_bf16_and_random_fp32(
             write_kv(x, x, out[0], slots, spec, **scales)
         reference.write_kv(x, x, ref[0], slots, spec, **scales)
         assert_same_bytes(out, ref)
+        (prep,) = write_mod._PREPARED.values()
+        assert fixed_value(prep.site, "FAST_DIV") is (device == "cuda" and limit > 0)
+
+
+def fixed_value(site: Any, name: str) -> Any:
+    """The value a write launch site passes for the fixed parameter ``name``."""
+    return site.fixed[write_mod._LAUNCHER.fixed_names.index(name)]
+
+
+def test_decode_classes_divide_by_one_reciprocal_and_larger_ones_by_div_rn() -> None:
+    """Where the compiled kernel has the fast division (``FAST_DIV`` in its constexprs), token
+    classes up to ``_FAST_DIVISION_TOKENS`` get it and larger ones keep div_rn (the same-run A/B in
+    the module comment: it made fp8 prefill 8-11 % slower); every class of one tiling shares a site
+    only with classes of the same choice."""
+    spec = make_spec("triton", "NHD", dtype="float8_e4m3fn", heads=8, head_size=128,
+                     block_size=16, num_blocks=4, num_layers=1)
+    key, value, scales = inputs(spec, 3, "cpu")
+    fixed = write_mod._prepare(key, value, poisoned(spec, "cpu")[0], torch.arange(3), spec,
+                               scales["k_scale"], scales["v_scale"]).fixed
+    assert fixed["FAST_DIV"] is False  # the interpreter: div_rn everywhere
+    prep = write_mod._Prepared({**fixed, "FAST_DIV": True}, spec, True, False)
+    chosen = {t: fixed_value(prep.launch_for(t)[0], "FAST_DIV") for t in (1, 16, 256, 257, 8192)}
+    assert chosen == {1: True, 16: True, 256: True, 257: False, 8192: False}
+    assert write_mod._FAST_DIVISION_TOKENS == 256
+    off = write_mod._Prepared(fixed, spec, True, False)
+    assert {fixed_value(off.launch_for(t)[0], "FAST_DIV") for t in (1, 256, 8192)} == {False}
 
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
@@ -555,7 +587,9 @@ def test_each_chosen_tiling_is_bit_exact(device: str, tokens: int, layout: str, 
         slots = padded_slots(spec, run_tokens, run_tokens + 3, device, seed=tokens)
         out, ref = run_both(spec, device, key, value, slots, layer=0, **scales)
         (prep,) = write_mod._PREPARED.values()
-        assert list(prep.by_tiling) == [(tiling, fused, False)]
+        fast = device == "cuda" and \
+            write_mod.token_class(run_tokens + 3) <= write_mod._FAST_DIVISION_TOKENS
+        assert list(prep.by_tiling) == [(tiling, fused, False, fast)]
     finally:
         write_mod._set_tiling_override(None)
     assert_same_bytes(out, ref)
@@ -610,7 +644,7 @@ def test_fused_kv_programs_are_bit_exact(device: str, layout: str, dtype: str,
         (prep,) = write_mod._PREPARED.values()
         site, block_t, head_tiles, halves = prep.by_class[(write_mod.token_class(tokens), False)]
         assert halves == (1 if fused else 2)
-    assert sorted(f for _, f, _ in prep.by_tiling) == [False, True]
+    assert sorted(f for _, f, *_ in prep.by_tiling) == [False, True]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
@@ -632,7 +666,7 @@ def test_pdl_writes_the_same_bytes(device: str, layout: str, dtype: str,
     (prep,) = write_mod._PREPARED.values()
     capable = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
     assert prep.pdl_capable is capable
-    assert {pdl for _, _, pdl in prep.by_tiling} == {capable}
+    assert {pdl for _, _, pdl, _ in prep.by_tiling} == {capable}
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None, 0.0])
@@ -663,7 +697,7 @@ def test_one_site_per_tiling_chosen_from_t(device: str, monkeypatch: pytest.Monk
         write_kv(key, value, cache, padded_slots(spec, tokens, tokens, device, tokens), spec)
     (prep,) = write_mod._PREPARED.values()
     want = {write_tiling(spec, t) for t in counts}
-    assert {t for t, _, _ in prep.by_tiling} == want and len(want) == 2
+    assert {t for t, *_ in prep.by_tiling} == want and len(want) == 2
     assert sorted(prep.by_class) == [(32, False), (256, False), (1024, False)]
     blocks = [launch["BLOCK_T"] for launch in recorder.launches]
     assert blocks == [2, 2, 2, 2, 2, 4] == [write_tiling(spec, t).block_t for t in counts]

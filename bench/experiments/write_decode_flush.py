@@ -45,9 +45,8 @@ REP = 200
 FLUSH_BYTES = 256 << 20
 
 
-def per_call_us(calls, flush: str, buf: torch.Tensor, rep: int = REP) -> float:
-    """Median µs per call of a graph of ``calls`` replayed ``rep`` times, L2 set by ``flush``
-    before each replay (untimed)."""
+def capture(calls) -> torch.cuda.CUDAGraph:
+    """``calls`` captured in one CUDA graph (run once before, so nothing compiles in capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -58,6 +57,15 @@ def per_call_us(calls, flush: str, buf: torch.Tensor, rep: int = REP) -> float:
         for call in calls:
             call()
     torch.cuda.synchronize()
+    return graph
+
+
+def per_call_us(calls, flush: str, buf: torch.Tensor, rep: int = REP,
+                graph: torch.cuda.CUDAGraph | None = None) -> float:
+    """Median µs per call of a graph of ``calls`` (captured here unless ``graph`` is given)
+    replayed ``rep`` times, L2 set by ``flush`` before each replay (untimed)."""
+    if graph is None:
+        graph = capture(calls)
     sink = torch.empty((), dtype=buf.dtype, device=buf.device)
     times = []
     for i in range(rep + 10):

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fkv.bench import results
-from fkv.bench._common import Cycle, copy_ceiling_gbps, eager_us, graph_us, time_ms
+from fkv.bench._common import (Cycle, copy_ceiling_gbps, eager_us, graph_us, settle_graphs,
+                               time_ms)
 
 __all__ = ["main"]
 
@@ -462,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         print("fkv bench write needs a CUDA device (--cpu-smoke runs the code path on CPU)",
               file=sys.stderr)
         return 2
+    if device == "cuda":
+        settle_graphs()  # every decode case's graphs in the same state (settle_graphs)
     host = _host_profile(device) if args.host_profile else {}
     ceiling = copy_ceiling_gbps(rep, device, ceiling_bytes)
     cases = [c for c in _cases(shape, args.quick) if args.only in c.name]

@@ -81,11 +81,16 @@ _TILING_OVERRIDE: Any = None
 _FP8 = {"float8_e4m3fn": (448.0, 3, -6), "float8_e5m2": (57344.0, 2, -14)}
 # Cache modifier of the cache stores ("" = default write-back; ".cs" = streaming): a bench knob.
 _STORE_MODIFIER = ""
-# Compiled quantizing writes divide with one reciprocal per program and an fma correction
-# (_div_rn_by_scalar, the same bits) instead of div_rn per element; False: div_rn (a bench knob for
-# the same-run A/B bench/NOTES.md asks for: the one fp8 prefill run after the change read 6-13 %
-# below the standing figures, on another machine than the run before it).
+# Compiled quantizing writes of token classes up to _FAST_DIVISION_TOKENS divide with one
+# reciprocal per program and an fma correction (_div_rn_by_scalar, the same bits) instead of div_rn
+# per element; False: div_rn everywhere (a bench knob). Same-run A/B on an H200 (fp8 e4m3, NHD /
+# HND; bench/results/raw/write-fastdiv-20261202T110800Z.json against write-divrn-20261202T110742Z
+# and write-divrn-20261202T110817Z beside it, div_rn before and after): decode 256 per call in a graph
+# 2.13 / 2.46 us against 2.28 / 2.62 with div_rn, but prefill 65536 3172 / 3053 GB/s against
+# 3559-3584 / 3407-3426 and 8192 2346 / 2212 against 2549-2562 / 2454-2473: larger classes keep
+# div_rn.
 _FAST_DIVISION = True
+_FAST_DIVISION_TOKENS = 256
 # fp8 caches: at least this many elements per thread. With fewer, Triton 3.6's fp32 -> fp8
 # conversion writes wrong bytes on sm_90: a 1 x 8 x 128 tile on 16 warps (2 elements per thread)
 # differed from the reference in half its bytes, fused or not, both layouts, T = 1, 16, 256; 8
@@ -472,9 +477,10 @@ class _Prepared:
         self.is_mla = spec.is_mla
         self.cpu_slots = cpu_slots  # validate by default: reading slots costs no sync on CPU
         # (token class, PDL) -> (site, block_t, head_tiles, programs on grid axis 1); (tiling, K
-        # and V fused, PDL) -> the same
+        # and V fused, PDL, fast division) -> the same
         self.by_class: dict[tuple[int, bool], tuple[LaunchSite, int, int, int]] = {}
-        self.by_tiling: dict[tuple[WriteTiling, bool, bool], tuple[LaunchSite, int, int, int]] = {}
+        self.by_tiling: dict[tuple[WriteTiling, bool, bool, bool],
+                             tuple[LaunchSite, int, int, int]] = {}
         self.site: LaunchSite | None = None  # the last site launched (bench/tests look at it)
 
     def launch_for(self, num_tokens: int, pdl: bool = False) -> tuple[LaunchSite, int, int, int]:
@@ -484,16 +490,17 @@ class _Prepared:
         if entry is None:
             tiling = write_tiling(self.spec, num_tokens)
             fuse = self.kv_halves == 2 and fuses_kv(self.spec, cls)
-            entry = self.by_tiling.get((tiling, fuse, pdl))
+            fast = self.fixed["FAST_DIV"] and cls <= _FAST_DIVISION_TOKENS
+            entry = self.by_tiling.get((tiling, fuse, pdl, fast))
             if entry is None:
                 site = _LAUNCHER.site({**self.fixed, "BLOCK_T": tiling.block_t,
                                        "HEAD_TILE": tiling.head_tile, "D_PAD": tiling.d_pad,
-                                       "FUSE_KV": fuse, "PDL": pdl},
+                                       "FUSE_KV": fuse, "PDL": pdl, "FAST_DIV": fast},
                                       {"num_warps": launch_warps(tiling, self.quantize),
                                        **({"launch_pdl": True} if pdl else {})})
                 entry = (site, tiling.block_t, triton.cdiv(self.num_heads, tiling.head_tile),
                          1 if fuse else self.kv_halves)
-                self.by_tiling[(tiling, fuse, pdl)] = entry
+                self.by_tiling[(tiling, fuse, pdl, fast)] = entry
             self.by_class[(cls, pdl)] = entry
         self.site = entry[0]
         return entry
