@@ -14,6 +14,10 @@ three times in a row and each graph timed three times, so both kernels are compa
 states in one run.
 
     python bench/experiments/write_decode_first_graph.py   # GPU; JSON to $OUT
+
+``FIRST_GRAPH_ONLY="bfloat16 HND default"`` runs one case; ``FIRST_GRAPH_PRE=sleep`` idles 3 s
+between the compile and the captures (the order of ``write_decode_state.py``, whose first graphs
+were fast).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 HERE = pathlib.Path(__file__).resolve()
 
@@ -51,6 +56,9 @@ def child(dtype: str, layout: str, variant: str) -> None:
     calls = [make(k, v, s) for (k, v), s in zip(kv, slots)]
     mismatches = probe._check(spec, cache, sweep._scales(spec, "cuda"), make,
                               [(k, v, s) for (k, v), s in zip(kv, slots)])
+    if os.environ.get("FIRST_GRAPH_PRE") == "sleep":
+        torch.cuda.synchronize()
+        time.sleep(3)  # write_decode_state.py's order: compile, 3 s idle, capture
     graphs = [capture(calls) for _ in range(3)]  # the process's first, second and third graphs
     us = [[per_call_us(calls, "write", buf, graph=g) for _ in range(3)] for g in graphs]
     print("ROW " + json.dumps({"dtype": dtype, "layout": layout, "variant": variant,
@@ -65,9 +73,12 @@ def main() -> None:
     import _record
 
     rows = []
+    only = os.environ.get("FIRST_GRAPH_ONLY", "")  # e.g. "bfloat16 HND default"
     for dtype in ("bfloat16", "float8_e4m3fn"):
         for layout in ("NHD", "HND"):
             for variant in ("default", "engine-style"):
+                if only and only != f"{dtype} {layout} {variant}":
+                    continue
                 proc = subprocess.run([sys.executable, str(HERE), "--child", dtype, layout,
                                        variant], capture_output=True, text=True, timeout=120)
                 found = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
@@ -75,6 +86,7 @@ def main() -> None:
                     print(proc.stdout[-2000:], proc.stderr[-3000:], flush=True)
                     continue
                 row = json.loads(found[0])
+                row["pre"] = os.environ.get("FIRST_GRAPH_PRE", "none")
                 rows.append(row)
                 print(f"{dtype:14s} {layout} {variant:13s} " + "  ".join(
                     f"capture {i + 1}: {min(u):5.2f} ({max(u):5.2f})"
@@ -82,7 +94,8 @@ def main() -> None:
                       + (f"  MISMATCH {row['mismatches']}" if row["mismatches"] else ""),
                       flush=True)
     os.environ.setdefault("OUT", "/tmp")
-    _record.write("write-decode-first-graph-exp.json", "write_decode_first_graph", rows)
+    _record.write(f"write-decode-first-graph-{os.environ.get('FIRST_GRAPH_PRE', 'none')}-exp.json",
+                  "write_decode_first_graph", rows)
 
 
 if __name__ == "__main__":
