@@ -410,7 +410,7 @@ def fixed_value(site: Any, name: str) -> Any:
 def test_decode_classes_divide_by_one_reciprocal_and_larger_ones_by_div_rn() -> None:
     """Where the compiled kernel has the fast division (``FAST_DIV`` in its constexprs), token
     classes up to ``_FAST_DIVISION_TOKENS`` get it and larger ones keep div_rn (the same-run A/B in
-    the module comment: it made fp8 prefill 8-11 % slower); every class of one tiling shares a site
+    the module comment: it made fp8 prefill 8-12 % slower); every class of one tiling shares a site
     only with classes of the same choice."""
     spec = make_spec("triton", "NHD", dtype="float8_e4m3fn", heads=8, head_size=128,
                      block_size=16, num_blocks=4, num_layers=1)
