@@ -39,25 +39,11 @@ import gpu_kernels_sweep as sweep  # noqa: E402
 import write_decode_probe as probe  # noqa: E402
 
 import fkv  # noqa: E402
+from fkv.bench._common import capture_graph as capture  # noqa: E402
 from fkv.bench.write import Shape, _inputs, _slot_sets  # noqa: E402
 
 REP = 200
 FLUSH_BYTES = 256 << 20
-
-
-def capture(calls) -> torch.cuda.CUDAGraph:
-    """``calls`` captured in one CUDA graph (run once before, so nothing compiles in capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls[0]()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for call in calls:
-            call()
-    torch.cuda.synchronize()
-    return graph
 
 
 def per_call_us(calls, flush: str, buf: torch.Tensor, rep: int = REP,

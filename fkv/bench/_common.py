@@ -107,11 +107,10 @@ def settle_graphs(count: int = 2) -> None:
     torch.cuda.synchronize()
 
 
-def graph_us(calls: Sequence[Callable[[], Any]], rep: int = 100) -> float:
-    """GPU µs per call with no host in the way: ``calls`` captured in one CUDA graph (compiled
-    before capture), replays timed with do_bench."""
+def capture_graph(calls: Sequence[Callable[[], Any]]) -> Any:
+    """``calls`` captured in one CUDA graph, on a side stream; the first call runs once before
+    the capture, so nothing compiles inside it."""
     import torch
-    import triton.testing
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -123,6 +122,15 @@ def graph_us(calls: Sequence[Callable[[], Any]], rep: int = 100) -> float:
         for call in calls:
             call()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_us(calls: Sequence[Callable[[], Any]], rep: int = 100) -> float:
+    """GPU µs per call with no host in the way: ``calls`` captured in one CUDA graph (compiled
+    before capture), replays timed with do_bench."""
+    import triton.testing
+
+    graph = capture_graph(calls)
     return triton.testing.do_bench(graph.replay, rep=rep, return_mode="median") * 1e3 / len(calls)
 
 
