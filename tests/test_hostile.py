@@ -36,6 +36,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_metadata_probe import mutations  # noqa: E402
 from test_transport import (  # noqa: E402
+    HEADS,
     SEED,
     Pair,
     Proc,
@@ -565,6 +566,41 @@ def test_republish_of_another_rank_is_refused(procs: Any) -> None:
         assert [r["result_ok"] for r in pair.read_all("r1", local, remote)] == [True]
         assert pair.verify_all(local, remote) == [None]
         assert pair.wait_released("r1") == ["notified", "notified"]
+    finally:
+        pair.stop()
+
+
+def test_pack_slot_free_needs_the_slot_id_it_was_given(procs: Any) -> None:
+    """A pack slot is freed only by a notification naming the id its requester was given: a fresh
+    NIXL agent (no Hello, no pack) that sends frees for the ids a counter would have handed out
+    (0-256) frees nothing (each counted as refused ``unknown_slot``),
+    so the next pack cannot be gathered into bytes the first reader is about to READ; the real
+    id frees it."""
+    from fkv.connector.transport._packer import FREE_PREFIX
+
+    pspec = spec_dict(tp=1)
+    pair = Pair(procs, 1, 1, pspec, spec_dict(tp=1), connect_kw={"strategy": "direct"})
+    P, D = pair.P[0], pair.D[0]
+    try:
+        a = ask(pair.address, _side.Pack(token=1, request_id="A", block_ids=[1, 2],
+                                         heads=(0, HEADS), num_tokens=8, timeout=30.0))
+        assert isinstance(a, _side.Packed), a
+        assert P.call("pack_state", name=pair.name)["held"] == 1
+        guesses = list(range(257))  # what a counter hands out first; random ids: not these
+        assert a.slot not in guesses, a.slot
+        D.call("notify_raw", name=pair.name, fresh=True,
+               messages=[(FREE_PREFIX + str(g).encode()).hex() for g in guesses])
+        poll(lambda: P.call("side_stats", name=pair.name)["refused"].get("unknown_slot")
+             == len(guesses), what=f"{len(guesses)} refused frees")
+        assert P.call("pack_state", name=pair.name)["held"] == 1
+        b = ask(pair.address, _side.Pack(token=2, request_id="B", block_ids=[5, 6],
+                                         heads=(0, HEADS), num_tokens=8, timeout=30.0))
+        assert isinstance(b, _side.Packed), b
+        assert b.offset >= a.offset + a.nbytes or a.offset >= b.offset + b.nbytes  # apart
+        TALLY["refused"]["pack-slot free with a guessed id"] += len(guesses)
+        D.call("notify_raw", name=pair.name, fresh=True,
+               messages=[(FREE_PREFIX + str(s).encode()).hex() for s in (a.slot, b.slot)])
+        poll(lambda: P.call("pack_state", name=pair.name)["held"] == 0, what="both slots free")
     finally:
         pair.stop()
 

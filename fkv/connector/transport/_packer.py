@@ -14,7 +14,11 @@ apart); plain CPU runs the torch reference per layer. On CUDA the gather is asyn
 replies to each pack as soon as its own bytes are ready while the gathers queued behind it keep
 the device busy.
 The decode rank READs the slot and attaches the notification :data:`FREE_PREFIX` ``+ slot`` to
-that READ: NIXL delivers it once the bytes moved, and the slot is free again. A slot whose READ
+that READ: NIXL delivers it once the bytes moved, and the slot is free again. Slot ids are random
+63-bit numbers, not a count: any NIXL agent that can reach this rank can send a notification, and
+one that could guess the next slot id could free a slot another reader is about to READ (and
+have the next pack's bytes land there); the id travels only in the requester's
+:class:`~fkv.connector.transport._side.Packed` reply. A slot whose READ
 never comes (decode died, READ failed) is freed when its lease runs out: the pack request's
 ``timeout`` (capped by the server's lease) plus :data:`SLOT_GRACE` seconds, so a slot outlives the
 decode side's deadline and is never reused under a READ the decoder still waits for.
@@ -32,6 +36,7 @@ layer_bytes``: layer ``a + l`` at byte ``l * layer_bytes`` is a contiguous ``[n,
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from typing import Any
 
@@ -97,7 +102,6 @@ class _Slots:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.held: dict[int, tuple[int, int, float]] = {}  # slot -> (offset, size, deadline)
-        self._next = 1
 
     def allocate(self, nbytes: int, deadline: float) -> tuple[int, int] | None:
         size = align(nbytes)
@@ -108,7 +112,9 @@ class _Slots:
             start = max(start, hi)
         if self.capacity - start < size:
             return None
-        slot, self._next = self._next, self._next + 1
+        slot = secrets.randbits(63)  # unguessable: a free must name a slot it was given
+        while slot in self.held:
+            slot = secrets.randbits(63)
         self.held[slot] = (start, size, deadline)
         return slot, start
 
