@@ -510,3 +510,25 @@ class LifecycleMachine(RuleBasedStateMachine):
 
 TestLifecycleMachine = LifecycleMachine.TestCase
 TestLifecycleMachine.settings = settings(max_examples=300, stateful_step_count=80, deadline=None)
+
+
+def test_holding_a_held_id_again_keeps_its_blocks_and_layers() -> None:
+    """A second hold of a held id renews its lease; one with other blocks (which would lose the
+    first ones: never released) or another layer count is refused, naming both."""
+    import numpy as np
+
+    t = Requests(num_layers=4)
+    t.hold("r", [1, 2], None, now=0, lease=5)
+    t.hold("r", np.array([1, 2]), None, now=1, lease=5)   # the same ids, another container
+    t.hold("r", None, None, now=2, lease=5, layers_ready=4)
+    with pytest.raises(FkvError) as e:
+        t.hold("r", [8, 9], None, now=3, lease=5)
+    assert str(e.value) == (
+        "'block_ids' must be the blocks 'r' is already held with ([1, 2]) or None (got "
+        "'[8, 9]'); release it (or let its lease run out) before holding the id with other "
+        "blocks")
+    with pytest.raises(FkvError) as e:
+        t.hold("r", None, None, now=3, lease=5, layers_ready=0)
+    assert str(e.value) == ("'layers_ready' must be None or the 4 layers 'r' is held with now "
+                            "(got 0); publish() moves a held request's layers forward")
+    assert t.expire(now=7) == [Release("r", [1, 2], "lease expired")]

@@ -128,3 +128,23 @@ def test_a_publish_event_releases_the_layers_when_it_completes() -> None:
             dealer.close()
         assert server.layers_ready("r1") == 3
         assert list(server.errors) == []  # the server thread kept serving
+
+
+def test_a_new_hold_of_a_released_id_starts_from_nothing() -> None:
+    """The table releases a request under the server's lock; the server thread cleans up its
+    published count, publish events and board entry after, outside it. A new hold of the same id
+    in between starts from its own ``layers_ready`` (not the old hold's count), and the late
+    cleanup leaves the new hold alone (before: ``publish`` refused it, first as going back below
+    the old count, then as "held as fully written")."""
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
+        server.hold("r1", [1], layers_ready=0)
+        server.publish("r1", 3)
+        with server._lock:  # the table's release; the thread's cleanup has not run yet
+            (release,) = server._table.expire(now=1e12)
+        assert release.request_id == "r1"
+        server.hold("r1", [2], layers_ready=0)
+        server.publish("r1", 1)
+        server._released_now(release)  # the old hold's cleanup, late
+        server.publish("r1", 2)
+        assert server.layers_ready("r1") == 2
+        assert list(server.errors) == []

@@ -324,7 +324,10 @@ class Requests:
         decode engine will read: the first bound reader whose ``done`` counts fixes them to its
         engine's readers of this rank (from the ``decode_tp`` it was bound with). ``layers_ready``:
         a streaming request's layers already written (None: all of them). Holding a held request
-        again renews its lease (same readers only)."""
+        again renews its lease: same readers, same blocks (``None`` keeps them) and, when
+        ``layers_ready`` is given, the same layers as held now; anything else is refused, since a
+        second hold that replaced the blocks would lose the first ones (never released) and one
+        that restarted the layers would publish a count the readers already passed."""
         _check_request_id(request_id)
         if expected_readers is None:
             readers = None
@@ -338,18 +341,26 @@ class Requests:
         now, lease = _time("now", now), _time("lease", lease)
         if lease <= 0:
             raise field_error("lease", lease, "a positive number of seconds")
-        if layers_ready is None:
-            layers_ready = self.num_layers
-        self._check_layers(layers_ready, 0)
         held = self._held.get(request_id)
+        if layers_ready is not None or held is None:
+            layers_ready = self.num_layers if layers_ready is None else layers_ready
+            self._check_layers(layers_ready, 0)
         if held is not None:
             if readers is not None and held.expected is not None and held.expected != readers:
                 raise field_error("expected_readers", sorted(readers),
                                   f"the readers {request_id!r} is already held for "
                                   f"({sorted(held.expected)})", "release it before reusing the id")
+            if block_ids is not None and not _same_blocks(block_ids, held.block_ids):
+                raise field_error("block_ids", _blocks_text(block_ids),
+                                  f"the blocks {request_id!r} is already held with "
+                                  f"({_blocks_text(held.block_ids)}) or None", "release it (or "
+                                  "let its lease run out) before holding the id with other blocks")
+            if layers_ready is not None and layers_ready != held.layers_ready:
+                raise field_error("layers_ready", layers_ready,
+                                  f"None or the {held.layers_ready} layers {request_id!r} is held "
+                                  f"with now", "publish() moves a held request's layers forward")
             held.expected = held.expected or readers
             held.deadline = max(held.deadline, now + lease)
-            held.block_ids = block_ids if block_ids is not None else held.block_ids
             return
         self._released.pop(request_id, None)
         self._held[request_id] = _Held(block_ids, readers, now + lease, layers_ready)
@@ -491,6 +502,26 @@ class Requests:
         while len(self._released) > self._history:
             self._released.popitem(last=False)
         return Release(request_id, held.block_ids, reason)
+
+
+def _same_blocks(a: Any, b: Any) -> bool:
+    """Whether two block-id collections (lists, tuples, arrays, tensors) hold the same ids in the
+    same order."""
+    if a is b:
+        return True
+    try:
+        return [int(x) for x in (a.tolist() if hasattr(a, "tolist") else a)] == \
+            [int(x) for x in (b.tolist() if hasattr(b, "tolist") else b)]
+    except (TypeError, ValueError):
+        return a == b if isinstance(a, str | bytes) else False
+
+
+def _blocks_text(ids: Any, n: int = 8) -> str:
+    """A short text of a block-id collection for messages (its first ``n`` ids)."""
+    items = ids.tolist() if hasattr(ids, "tolist") else ids
+    if isinstance(items, list | tuple):
+        return "[" + ", ".join(map(str, items[:n])) + (", ...]" if len(items) > n else "]")
+    return _short(items, 40)
 
 
 def _agent_name(sender: Any) -> str | None:

@@ -194,8 +194,12 @@ class Server:
         readers = None if decode_engine_id is None else expected_readers(
             decode_engine_id, decode_tp, self.engine.tp_size, self.engine.tp_rank)
         with self._lock:
+            renew = request_id in self._table.pending()
             self._table.hold(request_id, block_ids, readers, now=time.monotonic(),
                              lease=float(lease), layers_ready=layers_ready)
+            if not renew:  # a new hold: nothing of an earlier hold of this id carries over
+                self._events.pop(request_id, None)
+                self._published.pop(request_id, None)
             if layers_ready is not None:
                 self._published.setdefault(request_id, layers_ready)
             self._board_set(request_id)
@@ -689,10 +693,13 @@ class Server:
 
     def _released_now(self, release: Any) -> None:
         with self._lock:
-            self._published.pop(release.request_id, None)
-            self._events.pop(release.request_id, None)
-            if self._board is not None:
-                self._board.clear(release.request_id)
+            # The table released it under this lock earlier; if the id was held again since,
+            # these entries are the new hold's and stay.
+            if release.request_id not in self._table.pending():
+                self._published.pop(release.request_id, None)
+                self._events.pop(release.request_id, None)
+                if self._board is not None:
+                    self._board.clear(release.request_id)
         if self._on_release is not None:
             try:  # one failing callback must not lose the others (nor stop the loop)
                 self._on_release(release.request_id, release.block_ids, release.reason)
