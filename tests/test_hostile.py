@@ -570,6 +570,42 @@ def test_republish_of_another_rank_is_refused(procs: Any) -> None:
         pair.stop()
 
 
+def test_a_later_hello_cannot_take_over_a_bound_reader(procs: Any) -> None:
+    """Decode rank 0 said Hello (with its process's secret). A Hello from anyone else for the same
+    reader, with another secret or none, or moving the decode rank's agent to another reader, is
+    refused naming why and counted; the decode rank's own done still releases its request."""
+    pspec = spec_dict(tp=1)
+    pair = Pair(procs, 1, 1, pspec, spec_dict(tp=1), connect_kw={"strategy": "direct"})
+    P, D = pair.P[0], pair.D[0]
+    eng = f"D-{pair.name}"
+    try:
+        agent = D.call("notify_raw", name=pair.name, messages=[])["agent"]
+        refused = ("bind refused: reader ('%s', 0) was bound by a process holding its secret; "
+                   "only that process can rebind it or its agent (a new decode process takes a "
+                   "new engine id)" % eng)
+        attacks = [_side.Hello(engine_id=eng, rank=0, tp_size=1, agent="evil",
+                               secret=os.urandom(32)),
+                   _side.Hello(engine_id="evil", rank=0, tp_size=1, agent=agent,
+                               secret=os.urandom(32))]
+        for hello in attacks:
+            reply = ask(pair.address, hello)
+            assert reply == _side.Error(message=refused), reply
+        reply = ask(pair.address, _side.Hello(engine_id=eng, rank=0, tp_size=1, agent="evil"))
+        assert reply == _side.Error(message="hello refused: the secret is 0 bytes; at least 16 "
+                                    "random bytes are needed (every decode process draws one at "
+                                    "start: upgrade that rank's fkv)"), reply
+        counts = P.call("diagnostics", name=pair.name)["counts"]
+        assert counts["rebind_refused"] == 2 and counts["bindings"] == 1
+        assert P.call("side_stats", name=pair.name)["refused"] == {"hello": 3}
+        TALLY["refused"]["Hello taking over a bound reader"] += 3
+        local, remote = request_blocks(pspec, pspec, 8)
+        assert [r["result_ok"] for r in pair.read_all("r1", local, remote)] == [True]
+        assert pair.verify_all(local, remote) == [None]
+        assert pair.wait_released("r1") == ["notified"]
+    finally:
+        pair.stop()
+
+
 def test_pack_slot_free_needs_the_slot_id_it_was_given(procs: Any) -> None:
     """A pack slot is freed only by a notification naming the id its requester was given: a fresh
     NIXL agent (no Hello, no pack) that sends frees for the ids a counter would have handed out

@@ -268,6 +268,7 @@ def test_scripted_counters():
         "held": 3, "accepted": 2, "released_notified": 1, "released_expired": 2,
         "duplicate": 1, "unexpected_reader": 1, "unknown_request": 1, "late": 1, "failed": 1,
         "premature": 0, "malformed": 1, "foreign": 1, "impersonation": 1, "bindings_evicted": 0,
+        "rebind_refused": 0,
         "pending": 0, "bindings": 4,
     }
     assert set(KINDS) <= set(t.stats())
@@ -297,6 +298,66 @@ def test_bindings_bounded_and_rebinding():
     assert t.bound("a0") is None and t.bound("a4") == (D, 4)
     t.bind("a4-new", (D, 4))          # the reader reconnected with a new agent
     assert t.bound("a4") is None and t.bound("a4-new") == (D, 4)
+
+
+def test_a_binding_made_with_a_secret_is_moved_only_with_it():
+    """The process that bound a reader with a secret can rebind it (reconnecting with a new
+    agent); any other bind that would move that reader, or move its agent to another reader, is
+    refused with the same message and counted (so is binding it again without the secret, which
+    would drop the secret), and the binding keeps counting."""
+    t = table()
+    t.bind("victim", (D, 0), decode_tp=1, secret=b"s" * 32)
+    t.hold("r", [1], expected_readers(D, 1, 1, 0), now=0, lease=30)
+    attempts = [("evil", (D, 0), None), ("evil", (D, 0), b"x" * 32),
+                ("victim", ("evil-engine", 0), b"x" * 32), ("victim", (D, 0), None)]
+    for agent, reader, secret in attempts:
+        with pytest.raises(FkvError) as e:
+            t.bind(agent, reader, decode_tp=1, secret=secret)
+        assert str(e.value) == ("bind refused: reader ('decode-e', 0) was bound by a process "
+                                "holding its secret; only that process can rebind it or its "
+                                "agent (a new decode process takes a new engine id)")
+    assert t.stats()["rebind_refused"] == len(attempts)
+    assert t.bound("victim") == (D, 0) and t.bound("evil") is None
+    t.bind("victim-2", (D, 0), decode_tp=1, secret=b"s" * 32)   # the same process, a new agent
+    assert t.bound("victim") is None and t.bound("victim-2") == (D, 0)
+    assert t.notified("victim-2", notification("r", D, 0), now=1) == Release("r", [1], "notified")
+    t.bind("open", ("o", 0))                 # bound without a secret: anyone may move it
+    t.bind("taker", ("o", 0), secret=b"t" * 16)
+    assert t.bound("open") is None and t.bound("taker") == ("o", 0)
+
+
+def test_a_flood_of_bindings_never_unbinds_a_reader_a_held_request_names():
+    """Past ``max_bindings`` the least recently used binding goes (an accepted notification
+    counts as use), never one whose reader a held request names; when the oldest EVICTION_SCAN
+    bindings are all named, the new bind is refused instead."""
+    from fkv.connector.transport._lifecycle import EVICTION_SCAN
+
+    t = table(max_bindings=3)
+    t.bind("a0", (D, 0), secret=b"0" * 16)
+    t.bind("a1", (D, 1))
+    t.hold("r", [1], frozenset({(D, 0)}), now=0, lease=30)   # names (D, 0): kept
+    for i in range(2, 10):
+        t.bind(f"a{i}", (D, i))
+    assert t.bound("a0") == (D, 0) and [t.bound(f"a{i}") for i in (1, 7, 8, 9)] == \
+        [None, None, (D, 8), (D, 9)]
+    assert t.stats()["bindings_evicted"] == 7
+    assert t.notified("a0", notification("r", D, 0), now=1) == Release("r", [1], "notified")
+    t.bind("a10", (D, 10))                    # a0 was used last: a8 goes first
+    assert t.bound("a8") is None and t.bound("a0") == (D, 0)
+    t.bind("a11", (D, 11))
+    t.bind("a12", (D, 12))                    # (D, 0) is named by nothing now: it goes too
+    assert t.bound("a0") is None and t.stats()["bindings_evicted"] == 10
+    full = table(max_bindings=EVICTION_SCAN)
+    readers = frozenset((D, i) for i in range(EVICTION_SCAN))
+    for i in range(EVICTION_SCAN):
+        full.bind(f"b{i}", (D, i))
+    full.hold("all", [1], readers, now=0, lease=30)
+    with pytest.raises(FkvError) as e:
+        full.bind("flood", ("x", 0))
+    assert str(e.value) == (f"bind refused: this prefill rank keeps at most {EVICTION_SCAN} "
+                            f"reader bindings and the {EVICTION_SCAN} least recently used are "
+                            f"readers of held requests")
+    assert full.stats()["bindings"] == EVICTION_SCAN and full.bound("flood") is None
 
 
 # -- bounded under a flood ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ used by one thread at a time even when several threads read concurrently.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -85,6 +86,8 @@ class Client:
 
         self.telemetry = Telemetry("client", engine_id=engine.engine_id)
         self._zctx = zmq().Context()
+        # proves to the prefill ranks, in every Hello, that a reconnect is this process
+        self._secret = os.urandom(32)
         self._agent: Agent | None = None
         self._state: Connection | None = None
         self.address = remote_address
@@ -339,7 +342,8 @@ class Client:
                       mem_type=self._mem_type, device_id=self._device_id, device=self._device,
                       agent=self._agent, zctx=self._zctx, strategy=self._strategy,
                       staging_bytes_max=self._staging_bytes_max,
-                      pack_threshold=self._pack_threshold, curve=self._curve)
+                      pack_threshold=self._pack_threshold, curve=self._curve,
+                      secret=self._secret)
         try:
             self._state = Connection(local, outcome.plan, peers, entries, deadline)
         except BaseException:

@@ -92,7 +92,8 @@ class Connection:
 
         engine = self.local.engine
         hello = _side.Hello(engine_id=engine.engine_id, rank=engine.tp_rank,
-                            tp_size=engine.tp_size, agent=self.local.agent.name)
+                            tp_size=engine.tp_size, agent=self.local.agent.name,
+                            secret=self.local.secret)
         for rank in (*self.plan.remote_ranks, *self.plan.notify_only_ranks):
             reply = _side.request(self.local.zctx, entries[rank].address, hello,
                                   max(0.05, deadline - time.monotonic()), curve=self.local.curve)

@@ -39,6 +39,9 @@ Release(request_id='r1', block_ids=[3, 4], reason='notified')
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
+import itertools
 import math
 from typing import Any
 
@@ -66,12 +69,14 @@ MAX_NOTIFICATION_BYTES = len(NOTIFICATION_PREFIX) + MAX_REQUEST_ID_BYTES + MAX_E
 MAX_AGENT_NAME_CHARS = 1024
 _MAX_RANK = 1 << 16
 _STATUSES = ("done", "failed")
+#: Bindings a bind past ``max_bindings`` looks at (least recently used first) for one to drop.
+EVICTION_SCAN = 64
 
 #: Counter names of :meth:`Requests.stats` (every one always present).
 KINDS = (
     "held", "accepted", "released_notified", "released_expired",
     "duplicate", "unexpected_reader", "unknown_request", "late", "failed", "premature",
-    "malformed", "foreign", "impersonation", "bindings_evicted",
+    "malformed", "foreign", "impersonation", "bindings_evicted", "rebind_refused",
 )
 
 
@@ -248,7 +253,10 @@ class Requests:
     bound to the reader it claims (:meth:`bind`); off, an unbound agent may speak for a reader
     nobody bound, but never for a bound one. ``history``: how many released ids
     :meth:`released` remembers; ``diagnostics``: how many refused events :meth:`events` keeps;
-    ``max_bindings``: agent bindings kept (the oldest is dropped first).
+    ``max_bindings``: agent bindings kept. A bind past it drops the least recently used binding
+    whose reader no held request names (used: bound, or an accepted notification); when the
+    oldest :data:`EVICTION_SCAN` are all named, the new bind is refused instead, so a flood of
+    bindings can never unbind a reader a held request waits for.
     """
 
     def __init__(self, *, num_layers: int, prefill_tp: int = 1, prefill_rank: int = 0,
@@ -272,15 +280,24 @@ class Requests:
             maxlen=diagnostics)
         self._agents: collections.OrderedDict[str, Reader] = collections.OrderedDict()
         self._readers: dict[Reader, str] = {}
+        self._secrets: dict[Reader, bytes] = {}  # reader -> sha256 of the secret it was bound with
+        self._named: collections.Counter[Reader] = collections.Counter()  # held requests naming it
         self._decode_tp: dict[str, int] = {}  # agent name -> its engine's decode TP (bind)
         self._max_bindings = max_bindings
         self._counts = dict.fromkeys(KINDS, 0)
 
     # -- identities --------------------------------------------------------------------------------
-    def bind(self, agent_name: str, reader: Reader, *, decode_tp: int | None = None) -> None:
+    def bind(self, agent_name: str, reader: Reader, *, decode_tp: int | None = None,
+             secret: bytes | None = None) -> None:
         """Notifications from NIXL agent ``agent_name`` speak for ``reader`` from now on (a reader
         that reconnects with a new agent replaces its previous binding). ``decode_tp``: the TP
-        size of the reader's engine, needed for requests held without naming their readers."""
+        size of the reader's engine, needed for requests held without naming their readers.
+
+        ``secret``: random bytes the binding process keeps. A binding made with one is replaced
+        (the reader moved to another agent, or the agent to another reader) only by a bind with
+        the same secret: the process that bound it, reconnecting; anyone else's bind raises
+        FkvError (counted ``rebind_refused``) and changes nothing. Without a secret, the first
+        bind of a reader is open to being replaced by anyone."""
         if not isinstance(agent_name, str) or not agent_name \
                 or len(agent_name) > MAX_AGENT_NAME_CHARS:
             raise field_error("agent_name", agent_name,
@@ -290,6 +307,20 @@ class Requests:
                                       or not reader[1] < decode_tp <= _MAX_RANK):
             raise field_error("decode_tp", decode_tp, f"None or an int in ({reader[1]}, "
                               f"{_MAX_RANK}] (the reader's rank is {reader[1]})")
+        if secret is not None and not isinstance(secret, bytes | bytearray):
+            raise field_error("secret", type(secret).__name__, "None or bytes")
+        digest = None if secret is None else hashlib.sha256(bytes(secret)).digest()
+        # the bindings this one would replace: the reader's own, and the one of this agent
+        for other in dict.fromkeys(r for r in (reader if reader in self._readers else None,
+                                               self._agents.get(agent_name)) if r is not None):
+            known = self._secrets.get(other)
+            if known is not None and (digest is None or not hmac.compare_digest(known, digest)):
+                self._counts["rebind_refused"] += 1
+                raise FkvError(f"bind refused: reader {other} was bound by a process holding "
+                               f"its secret; only that process can rebind it or its agent (a "
+                               f"new decode process takes a new engine id)")
+        if agent_name not in self._agents and len(self._agents) >= self._max_bindings:
+            self._evict_one(reader)
         self.unbind(agent_name)
         old = self._readers.pop(reader, None)
         if old is not None:
@@ -297,13 +328,24 @@ class Requests:
             self._decode_tp.pop(old, None)
         self._agents[agent_name] = reader
         self._readers[reader] = agent_name
+        if digest is None:
+            self._secrets.pop(reader, None)
+        else:
+            self._secrets[reader] = digest
         if decode_tp is not None:
             self._decode_tp[agent_name] = decode_tp
-        while len(self._agents) > self._max_bindings:
-            gone, who = self._agents.popitem(last=False)
-            self._readers.pop(who, None)
-            self._decode_tp.pop(gone, None)
-            self._counts["bindings_evicted"] += 1
+
+    def _evict_one(self, keep: Reader) -> None:
+        """Drop the least recently used binding whose reader no held request names (nor
+        ``keep``, the reader being bound); FkvError when the oldest EVICTION_SCAN all are."""
+        for agent, who in itertools.islice(self._agents.items(), EVICTION_SCAN):
+            if who != keep and not self._named[who]:
+                self.unbind(agent)
+                self._counts["bindings_evicted"] += 1
+                return
+        raise FkvError(f"bind refused: this prefill rank keeps at most {self._max_bindings} "
+                       f"reader bindings and the {EVICTION_SCAN} least recently used are readers "
+                       f"of held requests")
 
     def unbind(self, agent_name: str) -> None:
         """Forget ``agent_name``'s binding (no-op when it has none)."""
@@ -311,6 +353,7 @@ class Requests:
         self._decode_tp.pop(agent_name, None)
         if reader is not None:
             self._readers.pop(reader, None)
+            self._secrets.pop(reader, None)
 
     def bound(self, agent_name: str) -> Reader | None:
         """The reader ``agent_name`` speaks for, or None."""
@@ -359,11 +402,15 @@ class Requests:
                 raise field_error("layers_ready", layers_ready,
                                   f"None or the {held.layers_ready} layers {request_id!r} is held "
                                   f"with now", "publish() moves a held request's layers forward")
-            held.expected = held.expected or readers
+            if held.expected is None and readers is not None:
+                held.expected = readers
+                self._named.update(readers)
             held.deadline = max(held.deadline, now + lease)
             return
         self._released.pop(request_id, None)
         self._held[request_id] = _Held(block_ids, readers, now + lease, layers_ready)
+        if readers is not None:
+            self._named.update(readers)
         self._counts["held"] += 1
 
     def publish(self, request_id: str, layers_ready: int, now: float) -> Release | None:
@@ -424,8 +471,12 @@ class Requests:
             return self._refuse(now, "failed", agent, message)
         if parsed.reader in held.notified:
             return self._refuse(now, "duplicate", agent, message)
-        held.expected = expected
+        if held.expected is None:
+            held.expected = expected
+            self._named.update(expected)
         held.notified.add(parsed.reader)
+        if agent in self._agents:  # recently used: the last to be evicted
+            self._agents.move_to_end(agent)
         self._counts["accepted"] += 1
         if held.layers_ready < self.num_layers:
             # Early, for a streaming request: a decode rank that only notifies this rank (it
@@ -497,6 +548,11 @@ class Requests:
 
     def _release(self, request_id: str, reason: str) -> Release:
         held = self._held.pop(request_id)
+        if held.expected is not None:
+            self._named.subtract(held.expected)
+            for r in held.expected:
+                if self._named[r] <= 0:
+                    del self._named[r]
         self._counts["released_notified" if reason == "notified" else "released_expired"] += 1
         self._released[request_id] = reason
         while len(self._released) > self._history:

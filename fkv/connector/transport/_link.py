@@ -54,6 +54,7 @@ class Local:
     pack_threshold: int
     curve: Any = None  # CurveKeys for the side channel (None: plain-TCP frames)
     tainted: bool = False  # a peer's metadata was loaded into the agent for this connection
+    secret: bytes = b""  # the client's own random bytes, sent in every Hello (rebinding proof)
 
 
 #: Bytes of the READ that finishes connecting to a rank this decode rank only notifies.

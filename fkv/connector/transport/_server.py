@@ -590,8 +590,14 @@ class Server:
                 return _PARK
             return reply
         if isinstance(msg, _side.Hello):
+            if len(msg.secret) < 16:
+                self.telemetry.refused("hello")
+                return _side.Error(message=f"hello refused: the secret is {len(msg.secret)} "
+                                   f"bytes; at least 16 random bytes are needed (every decode "
+                                   f"process draws one at start: upgrade that rank's fkv)")
             with self._lock:
-                self._table.bind(msg.agent, (msg.engine_id, msg.rank), decode_tp=msg.tp_size)
+                self._table.bind(msg.agent, (msg.engine_id, msg.rank), decode_tp=msg.tp_size,
+                                 secret=msg.secret)
             return _side.Ok(engine_id=self.engine.engine_id)
         if isinstance(msg, _side.Pack):
             if self._packer is None:

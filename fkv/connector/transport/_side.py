@@ -108,12 +108,15 @@ class Pack(msgspec.Struct, tag="pack", forbid_unknown_fields=True, frozen=True,
 
 class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, frozen=True):
     """A decode rank tells a prefill rank which NIXL agent speaks for it: notifications from
-    ``agent`` count as reader ``(engine_id, rank)`` of an engine of ``tp_size`` ranks."""
+    ``agent`` count as reader ``(engine_id, rank)`` of an engine of ``tp_size`` ranks.
+    ``secret``: random bytes the decode process draws once (at least 16); only a Hello with the
+    same secret can later move that reader to another agent (the process reconnecting)."""
 
     engine_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
     agent: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    secret: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 #: The longest a prefill rank keeps a :class:`Status` request waiting for news (seconds).
