@@ -94,7 +94,7 @@ class _Ipc(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                                                           max_length=IPC_HANDLE_BYTES)]],
                        msgspec.Meta(max_length=MAX_REGIONS)]
     offsets: Annotated[list[_int(0, 1 << 48)], msgspec.Meta(max_length=MAX_REGIONS)]  # type: ignore[valid-type]
-    pid: _int(0, 1 << 31) = 0  # type: ignore[valid-type]
+    pid: _int(0, (1 << 31) - 1) = 0  # type: ignore[valid-type]  # a positive C int (os.kill)
     # the IPC handles of the rank's publish events (streaming), or none
     events: Annotated[list[Annotated[bytes, msgspec.Meta(min_length=IPC_HANDLE_BYTES,
                                                          max_length=IPC_HANDLE_BYTES)]],
@@ -103,7 +103,7 @@ class _Ipc(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class _Board(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
-    name: Annotated[str, msgspec.Meta(pattern="^fkv-board-[0-9a-f]{32}$")]
+    name: Annotated[str, msgspec.Meta(pattern=r"\Afkv-board-[0-9a-f]{32}\Z")]
     salt: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 
 

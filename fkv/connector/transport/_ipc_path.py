@@ -27,12 +27,14 @@ __all__ = ["IpcPath"]
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (a peer's claim, checked by the wire decoder) still exists; one
+    that cannot be asked about (not a valid pid here) counts as gone."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
     except PermissionError:
         return True
+    except (OSError, OverflowError, ValueError):  # ProcessLookupError, out of range
+        return False
     return True
 
 

@@ -94,6 +94,8 @@ MAX_DEPTH = 4
 #: torch reference's per-call cost and the cores the gather, READ and scatter share make smaller
 #: chunks slower (measured: a 256-block request in 4 chunks took 1.7-3x as long as in one).
 DEFAULT_CHUNK_BYTES = 32 << 20
+#: Frames one :meth:`_Dealer.drain` takes at most (replies of the packs in flight are far fewer).
+MAX_DRAIN = 4096
 #: Replies to abandoned pack requests remembered per prefill rank (their slots are freed when the
 #: reply comes).
 _MAX_ABANDONED = 4096
@@ -211,8 +213,12 @@ class _Dealer(_side.Dealer):
         self._sort()
 
     def drain(self) -> None:
-        """Take every reply already here without waiting."""
-        while (data := self._recv(0.0)) is not None:
+        """Take the replies already here without waiting: at most :data:`MAX_DRAIN` frames, so a
+        peer that never stops sending cannot keep the caller here (the rest wait for the next
+        drain or wait)."""
+        for _ in range(MAX_DRAIN):
+            if (data := self._recv(0.0)) is None:
+                break
             try:
                 reply = _side.decode_reply(data)
             except _side.SideChannelError:

@@ -549,13 +549,28 @@ class Server:
                     reply = _side.Error(message=f"pack failed on prefill rank "
                                         f"{self.engine.tp_rank}: {type(e).__name__}: {e}",
                                         token=reply.token)
-            try:
-                if not self._sock.reply(envelope, _side.encode_message(reply)):
-                    self.errors.append("reply not sent: the requester left")
-            except Exception as e:  # the requester left: nothing to answer
-                self.errors.append(f"reply not sent: {e}")
+            self._send(envelope, reply)
         out.clear()
         return time.perf_counter()
+
+    def _send(self, envelope: Any, reply: Any) -> None:
+        """Send one reply. One too large for the side channel goes out as an Error saying so;
+        a connection whose reply cannot be sent at all is closed (a plain-TCP connection waits
+        for its answer before reading again: left open, it would hold a connection slot)."""
+        try:
+            payload = _side.encode_message(reply)
+            if len(payload) > _side.MAX_SIDE_MESSAGE_BYTES:
+                payload = _side.encode_message(_side.Error(
+                    message=f"the {type(reply).__name__} reply is {len(payload)} bytes, more "
+                    f"than the side channel's {_side.MAX_SIDE_MESSAGE_BYTES}",
+                    token=getattr(reply, "token", 0)))
+            if not self._sock.reply(envelope, payload):
+                self.errors.append("reply not sent: the requester left")
+        except Exception as e:  # noqa: BLE001 - never leave the connection waiting for it
+            self.errors.append(f"reply not sent: {type(e).__name__}: {str(e)[:200]}")
+            close = getattr(self._sock, "close_connection", None)
+            if close is not None:
+                close(envelope)
 
     def _reply(self, envelope: Any, payload: bytes | None) -> tuple[Any, Any]:
         if payload is None:
@@ -563,9 +578,9 @@ class Server:
             return envelope, _side.Error(message="expected one message frame")
         try:
             msg = _side.decode_request(payload)
-        except FkvError as e:
+        except Exception as e:  # noqa: BLE001 - SideChannelError; anything else is answered too
             self.telemetry.refused("undecodable")
-            return envelope, _side.Error(message=str(e))
+            return envelope, _side.Error(message=str(e)[:4096])
         try:
             reply = self._handle(msg)
             if reply is _PARK:
@@ -574,9 +589,10 @@ class Server:
             return envelope, reply
         except FkvError as e:
             self.telemetry.refused(type(msg).__name__.lower())
-            return envelope, _side.Error(message=str(e))
+            return envelope, _side.Error(message=str(e)[:4096])
         except Exception as e:
-            return envelope, _side.Error(message=f"internal error: {type(e).__name__}: {e}")
+            return envelope, _side.Error(message=f"internal error: {type(e).__name__}: "
+                                         f"{str(e)[:4000]}")
 
     def _handle(self, msg: Any) -> Any:
         tp, rank = self.engine.tp_size, self.engine.tp_rank
@@ -646,6 +662,15 @@ class Server:
             problems.append(f"rank {msg.rank} already published with another secret (a rank's "
                             f"entry can be replaced only by that rank; restart the whole prefill "
                             f"engine to replace a rank's process)")
+        entry = _side.RankEntry(peer=msg.peer, mem_type=msg.mem_type, address=msg.address,
+                                pack_base=msg.pack_base, pack_bytes=msg.pack_bytes)
+        if not problems:  # every Fetch answers all ranks in one reply: it must fit one
+            reply = len(_side.encode_message(_side.Ranks(
+                ranks=list({**self._ranks, msg.rank: entry}.values()))))
+            if reply > _side.MAX_SIDE_MESSAGE_BYTES:
+                problems.append(f"with this rank's {len(msg.peer)} bytes of metadata the "
+                                f"engine's ranks would make a {reply}-byte reply, more than the "
+                                f"side channel's {_side.MAX_SIDE_MESSAGE_BYTES}")
         if not problems and len(msg.secret) < 16:
             problems.append(f"the secret is {len(msg.secret)} bytes; at least 16 random bytes "
                             f"are needed (every rank > 0 draws one at start: upgrade that rank's "
@@ -654,9 +679,7 @@ class Server:
             self.telemetry.refused("publish")
             return _side.Error(message="publish refused: " + "; ".join(problems))
         self._secrets[msg.rank] = digest
-        self._ranks[msg.rank] = _side.RankEntry(peer=msg.peer, mem_type=msg.mem_type,
-                                                address=msg.address, pack_base=msg.pack_base,
-                                                pack_bytes=msg.pack_bytes)
+        self._ranks[msg.rank] = entry
         return _side.Ok(engine_id=self.engine.engine_id)
 
     def _layers(self, msg: _side.Status) -> _side.Layers:
@@ -675,11 +698,7 @@ class Server:
         for envelope, msg, until in self._parked:
             reply = self._layers(msg)
             if reply.layers_ready > msg.after or now >= until or self._stop.is_set():
-                try:
-                    if not self._sock.reply(envelope, _side.encode_message(reply)):
-                        self.errors.append("reply not sent: the requester left")
-                except Exception as e:  # the requester left: nothing to answer
-                    self.errors.append(f"reply not sent: {e}")
+                self._send(envelope, reply)
             else:
                 keep.append((envelope, msg, until))
         self._parked = keep

@@ -22,12 +22,14 @@ Error(message='nope', retry=False, token=0)
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from fkv.connector.transport._base import SideChannelError
+from fkv.connector.transport._sidelimits import ADDRESS_PATTERN
 from fkv.errors import FkvError
 
 __all__ = [
@@ -41,7 +43,9 @@ __all__ = [
 MAX_SIDE_MESSAGE_BYTES = 33 << 20
 
 _Wire = Annotated[bytes, msgspec.Meta(max_length=32 << 20)]
-_Address = Annotated[str, msgspec.Meta(max_length=1024)]
+#: "" (no such endpoint) or a side-channel address (``_sidelimits.ADDRESS_PATTERN``)
+_Address = Annotated[str, msgspec.Meta(max_length=300, pattern=r"\A(?:|" + ADDRESS_PATTERN[2:-2]
+                                       + r")\Z")]
 _Size = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 _Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 #: Largest per-rank secret a :class:`Publish` may carry.
@@ -189,8 +193,9 @@ def _decode(decoder: Any, data: Any, what: str) -> Any:
         raise SideChannelError(f"{what} is {len(data)} bytes; the limit is {MAX_SIDE_MESSAGE_BYTES}")
     try:
         return decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise SideChannelError(f"{what} refused: {e}") from None
+    except Exception as e:  # noqa: BLE001 - DecodeError, ValidationError, and RecursionError
+        # (msgpack nested a thousand deep): whatever the bytes do, the caller gets this error
+        raise SideChannelError(f"{what} refused: {type(e).__name__}: {str(e)[:400]}") from None
 
 
 def decode_request(data: Any) -> Publish | Fetch | Ping | Pack | Status | Hello:
@@ -255,7 +260,7 @@ class Dealer:
         self._sock: Any = None
         self._plain: Any = None
         self._decoder: Any = None
-        self._frames: list[bytes] = []   # reply frames decoded, not yet taken
+        self._frames: collections.deque[bytes] = collections.deque()  # decoded, not yet taken
         self._replies: list[Any] = []
         if curve is None:
             self._connect_plain()
@@ -282,7 +287,7 @@ class Dealer:
         try:
             host, port = _split_address(self.address)
             self._plain = socket.create_connection((host, port), timeout=5.0)
-        except (OSError, FkvError) as e:
+        except (OSError, ValueError, FkvError) as e:  # ValueError: UnicodeError (resolver)
             raise SideChannelError(f"prefill side channel at {self.address} is not reachable: "
                                    f"{e}") from None
         self._plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -364,7 +369,7 @@ class Dealer:
             from fkv.connector.transport._sidelimits import SideLimitError
 
             if self._frames:
-                return self._frames.pop(0)
+                return self._frames.popleft()
             if not select.select([self._plain], [], [], max(0.0, timeout))[0]:
                 return None
             try:
@@ -375,11 +380,11 @@ class Dealer:
                 raise SideChannelError(f"the prefill side channel at {self.address} closed the "
                                        f"connection")
             try:
-                self._frames += self._decoder.feed(data)
+                self._frames.extend(self._decoder.feed(data))
             except SideLimitError as e:
                 raise SideChannelError(f"the prefill side channel at {self.address}: {e}") \
                     from None
-            return self._frames.pop(0) if self._frames else None
+            return self._frames.popleft() if self._frames else None
         import zmq
 
         if not self._sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN):

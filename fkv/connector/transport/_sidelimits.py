@@ -42,6 +42,7 @@ Two ways to bound it, both here:
 from __future__ import annotations
 
 import errno
+import re
 import selectors
 import socket
 import time
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 #: Largest side-channel request: a ``Publish`` carries one ``fkv.connector.wire`` message (at most
-#: ``wire.MAX_MESSAGE_BYTES`` = 64 MiB) plus a few small fields; 1 MiB of headroom.
+#: ``wire.MAX_MESSAGE_BYTES`` = 32 MiB) plus a few small fields; the frame limit leaves room.
 MAX_FRAME = (64 << 20) + (1 << 20)
 _HEADER = 4
 
@@ -132,15 +133,25 @@ class FrameDecoder:
 
 # -- the bounded server ---------------------------------------------------------------------------
 
+#: A side-channel address: ``tcp://`` then a host name or IPv4 address (labels of 1-63 letters,
+#: digits and inner hyphens), or an IPv6 address in brackets, then ``:`` and a decimal port. An
+#: address comes from peers (a rank's published entry), so nothing else reaches the resolver
+#: (a 64-character label, say, raised UnicodeError from the IDNA codec there).
+ADDRESS_PATTERN = (r"\Atcp://(?:\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}"
+                   r"[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*)"
+                   r":[0-9]{1,5}\Z")
+_ADDRESS = re.compile(ADDRESS_PATTERN)
+
+
 def _split_address(address: str) -> tuple[str, int]:
-    if not isinstance(address, str) or not address.startswith("tcp://") or ":" not in address[6:]:
-        raise field_error("address", address, "a 'tcp://host:port' str")
+    if not isinstance(address, str) or len(address) > 300 or not _ADDRESS.match(address):
+        raise field_error("address", address if isinstance(address, str) and len(address) <= 300
+                          else f"<{type(address).__name__}>", "a 'tcp://host:port' str (host: a "
+                          "name or IPv4 address, or an IPv6 address in brackets)")
     host, _, port = address[6:].rpartition(":")
-    try:
-        return host.strip("[]"), int(port)
-    except ValueError:
-        raise field_error("address", address, "a 'tcp://host:port' str with a numeric port") \
-            from None
+    if int(port) > 65535:
+        raise field_error("address", address, "a port in [0, 65535]")
+    return host.strip("[]"), int(port)
 
 
 @attrs.define
@@ -439,7 +450,7 @@ class FrameClient:
         self.address, self.max_frame = address, max_frame
         try:
             self._sock = socket.create_connection((host, port), timeout=max(0.001, timeout))
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: UnicodeError from the resolver too
             raise SideLimitError(f"could not reach the side channel at {address}: "
                                  f"{e.strerror or e}") from None
         self._decoder = FrameDecoder(max_frame=max_frame)

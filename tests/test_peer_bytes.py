@@ -1,0 +1,152 @@
+"""Peer bytes that once cost more than an error (a fuzzing campaign's findings, fixed): a deeply
+nested side-channel message, a published engine too large for one Fetch reply, peer-supplied
+addresses the resolver chokes on, a pack peer that never stops sending, a pid past a C int.
+CPU, one process (the side-channel cases against a real ``serve()``)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import msgspec
+import pytest
+
+import fkv
+from fkv.connector import EngineDesc, serve
+from fkv.connector import wire as W
+from fkv.connector.transport import _side
+from fkv.connector.transport._base import SideChannelError
+from fkv.connector.transport._ipc_path import _alive
+from fkv.connector.transport._sidelimits import FrameClient, _split_address, frame_request
+from fkv.errors import FkvError
+
+pytestmark = pytest.mark.transport
+
+#: a msgpack map nested 1000 deep: msgspec raises RecursionError on it
+BOMB = b"\x81\xa1a" * 1000 + b"\xc0"
+SPEC = fkv.KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=1, head_size=8)
+
+
+def engine(rank: int, tp: int = 1) -> EngineDesc:
+    return EngineDesc(engine_id="p", tp_size=tp, tp_rank=rank, total_num_kv_heads=4)
+
+
+def ask(address: str, payload: bytes, timeout: float = 10.0) -> object:
+    return _side.decode_reply(frame_request(address, payload, timeout=timeout,
+                                            max_frame=_side.MAX_SIDE_MESSAGE_BYTES))
+
+
+@pytest.mark.parametrize("decode", [_side.decode_request, _side.decode_reply])
+def test_a_deeply_nested_message_is_a_side_channel_error(decode) -> None:
+    with pytest.raises(SideChannelError, match="refused: RecursionError"):
+        decode(BOMB)
+
+
+def test_nested_requests_are_answered_and_keep_no_connection() -> None:
+    """80 such requests, each on its own connection (more than the server's 64 connection
+    slots), each get an Error; the server then still answers, with no connection left held
+    (before: no reply, the connection held forever, the side channel full after 64)."""
+    with serve(engine(0), SPEC, fkv.allocate(SPEC)) as server:
+        for _ in range(80):
+            reply = ask(server.address, BOMB)
+            assert isinstance(reply, _side.Error)
+            assert reply.message.startswith("side-channel request refused: RecursionError")
+        assert ask(server.address, _side.encode_message(_side.Ping())) == _side.Ok(engine_id="p")
+        deadline = time.monotonic() + 5
+        while server._sock.stats()["connections"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server._sock.stats()["connections"] == 0
+        assert server.stats()["refused_messages"] == {"undecodable": 80}
+
+
+def test_a_publish_that_would_outgrow_one_fetch_reply_is_refused() -> None:
+    """Ranks 1-3 of a 4-rank engine publish 16 MiB of NIXL metadata each (the most the wire
+    allows one rank): the third would make the engine's Fetch reply larger than a side-channel
+    message, so it is refused naming the sizes, and Fetch keeps being answered (before: every
+    Fetch went unanswered, each holding its connection)."""
+    with serve(engine(0, 4), SPEC, fkv.allocate(SPEC)) as server:
+        replies = []
+        for r in (1, 2, 3):
+            peer = W.encode(engine(r, 4), SPEC, [(1 << 30, SPEC.region_bytes)],
+                            agent_metadata=b"\0" * W.MAX_AGENT_METADATA_BYTES)
+            replies.append(ask(server.address, _side.encode_message(_side.Publish(
+                rank=r, peer=peer, mem_type="DRAM", secret=bytes([r]) * 16)), timeout=60))
+        assert replies[:2] == [_side.Ok(engine_id="p")] * 2
+        assert isinstance(replies[2], _side.Error)
+        assert replies[2].message.startswith("publish refused: with this rank's ")
+        assert f"more than the side channel's {_side.MAX_SIDE_MESSAGE_BYTES}" in replies[2].message
+        reply = ask(server.address, _side.encode_message(_side.Fetch()))
+        assert reply.message.startswith("prefill engine 'p': ranks [3] of tp_size 4")
+        assert list(server.errors) == []
+
+
+BAD_ADDRESSES = ["tcp://" + "a" * 64 + ":1", "tcp://a..b:1", "tcp://127.0.0.1:" + "9" * 30,
+                 "tcp://127.0.0.1:65536", "tcp://x:1\n", "tcp://[zz]:1", "udp://x:1", "tcp://:1"]
+
+
+@pytest.mark.parametrize("address", BAD_ADDRESSES)
+def test_peer_addresses_are_checked_before_the_resolver_sees_them(address: str) -> None:
+    """A rank's address comes from peers: the wire refuses a malformed one, and code given one
+    raises FkvError (before: UnicodeError from the IDNA codec, OverflowError from the port)."""
+    with pytest.raises(FkvError, match="'address' must be a"):
+        _split_address(address)
+    if not address.endswith(":65536"):  # the wire's pattern takes any 5-digit port
+        with pytest.raises(msgspec.ValidationError, match="Expected `str` matching regex"):
+            msgspec.convert({"peer": b"", "mem_type": "DRAM", "address": address},
+                            _side.RankEntry)
+    with pytest.raises(SideChannelError, match="is not reachable"):
+        _side.Dealer(None, address)
+    with pytest.raises(FkvError):
+        FrameClient(address, timeout=1.0)
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:0", "tcp://[::1]:65535",
+                                     "tcp://host-1.example.com:80", ""])
+def test_good_addresses_pass_the_wire(address: str) -> None:
+    entry = msgspec.convert({"peer": b"", "mem_type": "DRAM", "address": address},
+                            _side.RankEntry)
+    assert entry.address == address
+
+
+def test_a_pack_peer_that_never_stops_sending_cannot_hold_a_drain() -> None:
+    """A peer at a pack address that streams empty frames without end: one drain returns after
+    at most MAX_DRAIN frames (before: it never returned)."""
+    from fkv.connector.transport._packed_path import MAX_DRAIN, _Dealer
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def flood() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while not stop.is_set():
+                try:
+                    conn.sendall(b"\0\0\0\0" * 4096)
+                except OSError:
+                    return
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    dealer = _Dealer(None, f"tcp://127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        dealer.drain()
+        assert time.monotonic() - t0 < 5.0
+        assert MAX_DRAIN == 4096
+    finally:
+        stop.set()
+        dealer.close()
+        listener.close()
+        thread.join(timeout=5)
+
+
+def test_a_pid_past_a_c_int_is_refused_and_never_raises() -> None:
+    """The wire refuses an IPC pid past a C int; the liveness check of one (os.kill raised
+    OverflowError out of a read) counts it as gone."""
+    assert _alive(1 << 31) is False and _alive((1 << 63) + 5) is False
+    ipc = {"host": "h", "device_uuid": "u", "handles": [], "offsets": []}
+    assert msgspec.convert({**ipc, "pid": (1 << 31) - 1}, W._Ipc).pid == (1 << 31) - 1
+    with pytest.raises(msgspec.ValidationError, match="Expected `int` <= 2147483647"):
+        msgspec.convert({**ipc, "pid": 1 << 31}, W._Ipc)
