@@ -38,6 +38,7 @@ from test_metadata_probe import mutations  # noqa: E402
 from test_transport import (  # noqa: E402
     HEADS,
     SEED,
+    TCP_LO,
     Pair,
     Proc,
     _counter,
@@ -388,6 +389,46 @@ def test_bad_or_missing_pack_replies_fail_the_read_in_time(procs: Any) -> None:
         fake.close()
         D.call("stop", name=name)
         P.call("stop", name=name)
+
+
+def test_a_packed_read_stops_waiting_when_its_slot_reservation_ends(tmp_path: Path) -> None:
+    """A pack reply says how long its slot stays reserved (``expires_in``); a READ still running
+    after that could find the slot given to another pack, so the read gives up then, well before
+    its own longer timeout, naming why. A fake rank 0 forwards the pack to the real prefill rank,
+    stops that process (SIGSTOP) and answers with the real slot and a 1 s reservation: the READ
+    (UCX over TCP, which needs the stopped peer) cannot finish."""
+    import signal
+
+    P, D = Proc("slotP", tmp_path, env=TCP_LO), Proc("slotD", tmp_path, env=TCP_LO)
+    fake = None
+    try:
+        for proc in (P, D):
+            proc.call("ping", wait=120)
+        spec = spec_dict(tp=1)
+        name, address = serve(P, spec)
+        real = fetch_ranks(address)[0]
+
+        def pack(msg: _side.Pack) -> Any:
+            got = ask(real.address, msg)
+            assert isinstance(got, _side.Packed), got
+            os.kill(P.proc.pid, signal.SIGSTOP)
+            return msgspec.structs.replace(got, expires_in=1.0)
+
+        fake = FakePrefill(lambda i: [msgspec.structs.replace(real, address=fake.address)], pack)
+        D.call("connect", name=name, spec=spec, engine=engine_dict(f"D-{name}", 1, 0),
+               address=fake.address, strategy="packed")
+        local, remote = request_blocks(spec, spec, 9)
+        r = D.call("read", name=name, request_id="r1", local=local, remote=remote, timeout=20.0)
+        assert not r["result_ok"] and r["read_seconds"] < 6.0, r
+        assert "stopped at the end of the pack slots' reservation, before the read's timeout" \
+            in r["error"], r["error"]
+        TALLY["refused"]["packed READ past its slot's reservation"] += 1
+    finally:
+        os.kill(P.proc.pid, signal.SIGCONT)
+        if fake is not None:
+            fake.close()
+        D.close()
+        P.close()
 
 
 # -- fake decode client vs a real prefill worker ---------------------------------------------------

@@ -244,13 +244,15 @@ class _Chunk:
     request per prefill rank read, the replies, the READs posted, and the staging area it lands
     in."""
 
-    __slots__ = ("local", "remote", "tokens", "layers", "sent", "packs", "offsets", "xfers",
-                 "area")
+    __slots__ = ("local", "remote", "tokens", "layers", "sent", "sent_at", "packs", "offsets",
+                 "xfers", "area", "expires")
 
     def __init__(self, local: tuple[int, int], remote: np.ndarray, tokens: int, reads: int,
                  layers: tuple[int, int] | None = None) -> None:
         self.local, self.remote, self.tokens, self.layers = local, remote, tokens, layers
         self.sent: list[int] = [0] * reads         # pack token per read (0: none outstanding)
+        self.sent_at: list[float] = [0.0] * reads  # when each pack request went out
+        self.expires = math.inf  # the earliest end of its packs' slot reservations
         self.packs: list[_side.Packed | None] = [None] * reads
         self.offsets: list[int] = []
         self.xfers: list[Xfer] = []                # READs posted (read order), until released
@@ -406,6 +408,7 @@ class PackedPath:
     def _send(self, request_id: str, chunk: _Chunk, deadline: float) -> None:
         """Send the chunk's Pack to every prefill rank read (replies are collected by _ask)."""
         for i, read in enumerate(self.conn.plan.reads):
+            chunk.sent_at[i] = time.monotonic()
             chunk.sent[i] = self._send_one(request_id, read, chunk, deadline)
 
     def _who(self, rank: int) -> str:
@@ -453,6 +456,8 @@ class PackedPath:
                 chunk.sent[i] = 0
                 if isinstance(reply, _side.Packed):
                     chunk.packs[i] = reply  # held: freed by the abort if refused below
+                    if reply.expires_in > 0:  # the slot is ours until then, at the least
+                        chunk.expires = min(chunk.expires, chunk.sent_at[i] + reply.expires_in)
                     cap = conn.entries[rank].pack_bytes
                     if reply.nbytes != nbytes or reply.offset + reply.nbytes > cap:
                         raise TransferFailed(f"{who} packed {reply.nbytes} bytes at offset "
@@ -467,6 +472,7 @@ class PackedPath:
                 time.sleep(pause)
                 pause = min(0.005, pause * 2)
                 retries += 1
+                chunk.sent_at[i] = time.monotonic()
                 chunk.sent[i] = self._send_one(request_id, read, chunk, deadline)
         return retries
 
@@ -497,7 +503,16 @@ class PackedPath:
         """Wait until the chunk's READs are DONE, then release them (their slots are free)."""
         conn = self.conn
         ranks = [r.remote_rank for r in conn.plan.reads]
-        wait_reads(conn.local.agent, chunk.xfers, ranks, conn.engine_id, deadline, self.spin)
+        until = min(deadline, chunk.expires)
+        try:
+            wait_reads(conn.local.agent, chunk.xfers, ranks, conn.engine_id, until, self.spin)
+        except TransferFailed as e:
+            if until < deadline:  # the slots' reservation ends before the read's timeout
+                raise TransferFailed(f"{e} (stopped at the end of the pack slots' reservation, "
+                                     f"before the read's timeout: a later READ could find the "
+                                     f"slot given to another pack)") from None
+            raise
+        chunk.expires = math.inf
         tally.bytes += sum(x.nbytes for x in chunk.xfers)
         for x in chunk.xfers:
             conn.local.agent.release(x)

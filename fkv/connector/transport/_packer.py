@@ -20,8 +20,10 @@ one that could guess the next slot id could free a slot another reader is about 
 have the next pack's bytes land there); the id travels only in the requester's
 :class:`~fkv.connector.transport._side.Packed` reply. A slot whose READ
 never comes (decode died, READ failed) is freed when its lease runs out: the pack request's
-``timeout`` (capped by the server's lease) plus :data:`SLOT_GRACE` seconds, so a slot outlives the
-decode side's deadline and is never reused under a READ the decoder still waits for.
+``timeout`` (capped by the server's lease) plus :data:`SLOT_GRACE` seconds. The reply states that
+reservation (``Packed.expires_in``, without the grace) and the decode side stops waiting for the
+READ by then, counted from when it sent the request: a slot is never reused under a READ the
+decoder still waits for, even when the read's timeout is longer than the lease.
 
 One pack of layers ``[a, b)`` (every layer: ``a = 0, b = num_layers``) is ``nbytes = (b - a) *
 layer_bytes``: layer ``a + l`` at byte ``l * layer_bytes`` is a contiguous ``[n, 2, h, N, D]``
@@ -184,7 +186,8 @@ class Packer:
                         f"was packed", token=msg.token)
         now = time.monotonic()
         self.slots.expire(now)
-        got = self.slots.allocate(nbytes, now + min(msg.timeout, lease) + SLOT_GRACE)
+        keep = min(msg.timeout, lease)
+        got = self.slots.allocate(nbytes, now + keep + SLOT_GRACE)
         if got is None:
             return _side.Error(message=f"pack buffer busy: {self.slots.used()} of "
                                        f"{self.capacity} bytes held by other reads; ask again",
@@ -202,7 +205,8 @@ class Packer:
         except BaseException:
             del self.slots.held[slot]
             raise
-        return _side.Packed(token=msg.token, slot=slot, offset=offset, nbytes=nbytes)
+        return _side.Packed(token=msg.token, slot=slot, offset=offset, nbytes=nbytes,
+                            expires_in=keep)
 
     def _check(self, msg: _side.Pack, published: int | None = None, held: bool = True
                ) -> str | None:

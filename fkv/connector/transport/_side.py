@@ -161,6 +161,10 @@ class Packed(msgspec.Struct, tag="packed", forbid_unknown_fields=True, frozen=Tr
     slot: _Token
     offset: _Size
     nbytes: _Size
+    #: seconds the slot stays reserved from the pack request's arrival (the request's timeout,
+    #: capped by the server's lease; 0: not stated): a READ still running after that may find
+    #: the slot given to another pack, so the reader stops waiting for it by then
+    expires_in: Annotated[float, msgspec.Meta(ge=0, le=1e9)] = 0.0
 
 
 class Ok(msgspec.Struct, tag="ok", forbid_unknown_fields=True, frozen=True):
