@@ -612,18 +612,29 @@ def test_republish_of_another_rank_is_refused(procs: Any) -> None:
 
 
 def test_a_later_hello_cannot_take_over_a_bound_reader(procs: Any) -> None:
-    """Decode rank 0 said Hello (with its process's secret). A Hello from anyone else for the same
-    reader, with another secret or none, or moving the decode rank's agent to another reader, is
-    refused naming why and counted; the decode rank's own done still releases its request."""
+    """Decode rank 0 said Hello (with its process's secret) and a held request names it (the
+    engine fixed it by reading first). A Hello from anyone else for the same reader, with another
+    secret or none, or moving the decode rank's agent to another reader, is refused naming why
+    and counted; the decode rank's own done still releases the request."""
     pspec = spec_dict(tp=1)
     pair = Pair(procs, 1, 1, pspec, spec_dict(tp=1), connect_kw={"strategy": "direct"})
     P, D = pair.P[0], pair.D[0]
     eng = f"D-{pair.name}"
     try:
         agent = D.call("notify_raw", name=pair.name, messages=[])["agent"]
-        refused = ("bind refused: reader ('%s', 0) was bound by a process holding its secret; "
-                   "only that process can rebind it or its agent (a new decode process takes a "
-                   "new engine id)" % eng)
+        local, remote = request_blocks(pspec, pspec, 8)
+        assert [r["result_ok"] for r in pair.read_all("r0", local, remote)] == [True]
+        assert pair.wait_released("r0") == ["notified"]  # (and the agent's endpoint is wired)
+        # a streaming request the decode rank finished early (its done is kept until the last
+        # layer is published): the request names the reader while it waits
+        P.call("hold", name=pair.name, request_id="r2", blocks=remote, layers_ready=0)
+        D.call("notify_raw", name=pair.name, messages=[notification("r2", eng, 0).hex()])
+        poll(lambda: P.call("diagnostics", name=pair.name)["counts"]["premature"] == 1,
+             what="the early done of r2")
+        refused = ("bind refused: reader ('%s', 0) is named by 1 held request(s) and was bound "
+                   "by a process holding its secret; only that process can rebind it or its "
+                   "agent until they are released (a new decode process can take a new engine "
+                   "id)" % eng)
         attacks = [_side.Hello(engine_id=eng, rank=0, tp_size=1, agent="evil",
                                secret=os.urandom(32)),
                    _side.Hello(engine_id="evil", rank=0, tp_size=1, agent=agent,
@@ -639,7 +650,8 @@ def test_a_later_hello_cannot_take_over_a_bound_reader(procs: Any) -> None:
         assert counts["rebind_refused"] == 2 and counts["bindings"] == 1
         assert P.call("side_stats", name=pair.name)["refused"] == {"hello": 3}
         TALLY["refused"]["Hello taking over a bound reader"] += 3
-        local, remote = request_blocks(pspec, pspec, 8)
+        P.call("publish", name=pair.name, request_id="r2", layers_ready=pspec["num_layers"])
+        assert pair.wait_released("r2") == ["notified"]   # the reader's own done counted
         assert [r["result_ok"] for r in pair.read_all("r1", local, remote)] == [True]
         assert pair.verify_all(local, remote) == [None]
         assert pair.wait_released("r1") == ["notified"]

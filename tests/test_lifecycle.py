@@ -301,10 +301,12 @@ def test_bindings_bounded_and_rebinding():
 
 
 def test_a_binding_made_with_a_secret_is_moved_only_with_it():
-    """The process that bound a reader with a secret can rebind it (reconnecting with a new
-    agent); any other bind that would move that reader, or move its agent to another reader, is
-    refused with the same message and counted (so is binding it again without the secret, which
-    would drop the secret), and the binding keeps counting."""
+    """While a held request names a reader bound with a secret, the process that bound it can
+    rebind it (reconnecting with a new agent); any other bind that would move that reader, or
+    move its agent to another reader, is refused with the same message and counted (so is
+    binding it again without the secret, which would drop the secret), and the binding keeps
+    counting. Once no held request names it, a new process may bind it (a restart under the
+    same engine id)."""
     t = table()
     t.bind("victim", (D, 0), decode_tp=1, secret=b"s" * 32)
     t.hold("r", [1], expected_readers(D, 1, 1, 0), now=0, lease=30)
@@ -313,14 +315,17 @@ def test_a_binding_made_with_a_secret_is_moved_only_with_it():
     for agent, reader, secret in attempts:
         with pytest.raises(FkvError) as e:
             t.bind(agent, reader, decode_tp=1, secret=secret)
-        assert str(e.value) == ("bind refused: reader ('decode-e', 0) was bound by a process "
-                                "holding its secret; only that process can rebind it or its "
-                                "agent (a new decode process takes a new engine id)")
+        assert str(e.value) == ("bind refused: reader ('decode-e', 0) is named by 1 held "
+                                "request(s) and was bound by a process holding its secret; only "
+                                "that process can rebind it or its agent until they are "
+                                "released (a new decode process can take a new engine id)")
     assert t.stats()["rebind_refused"] == len(attempts)
     assert t.bound("victim") == (D, 0) and t.bound("evil") is None
     t.bind("victim-2", (D, 0), decode_tp=1, secret=b"s" * 32)   # the same process, a new agent
     assert t.bound("victim") is None and t.bound("victim-2") == (D, 0)
     assert t.notified("victim-2", notification("r", D, 0), now=1) == Release("r", [1], "notified")
+    t.bind("restarted", (D, 0), decode_tp=1, secret=b"n" * 32)   # nothing held names it now
+    assert t.bound("victim-2") is None and t.bound("restarted") == (D, 0)
     t.bind("open", ("o", 0))                 # bound without a secret: anyone may move it
     t.bind("taker", ("o", 0), secret=b"t" * 16)
     assert t.bound("open") is None and t.bound("taker") == ("o", 0)

@@ -293,11 +293,13 @@ class Requests:
         that reconnects with a new agent replaces its previous binding). ``decode_tp``: the TP
         size of the reader's engine, needed for requests held without naming their readers.
 
-        ``secret``: random bytes the binding process keeps. A binding made with one is replaced
-        (the reader moved to another agent, or the agent to another reader) only by a bind with
-        the same secret: the process that bound it, reconnecting; anyone else's bind raises
-        FkvError (counted ``rebind_refused``) and changes nothing. Without a secret, the first
-        bind of a reader is open to being replaced by anyone."""
+        ``secret``: random bytes the binding process keeps. While a held request names a reader
+        bound with one, that binding is replaced (the reader moved to another agent, or its agent
+        to another reader) only by a bind with the same secret: the process that bound it,
+        reconnecting. Anyone else's bind raises FkvError (counted ``rebind_refused``) and changes
+        nothing, so no one can take over a reader whose requests are in flight and release them
+        early. A reader no held request names may be bound anew by anyone (a decode process
+        restarted under the same engine id; the same exposure as a reader's first bind)."""
         if not isinstance(agent_name, str) or not agent_name \
                 or len(agent_name) > MAX_AGENT_NAME_CHARS:
             raise field_error("agent_name", agent_name,
@@ -314,11 +316,14 @@ class Requests:
         for other in dict.fromkeys(r for r in (reader if reader in self._readers else None,
                                                self._agents.get(agent_name)) if r is not None):
             known = self._secrets.get(other)
-            if known is not None and (digest is None or not hmac.compare_digest(known, digest)):
+            if known is not None and self._named[other] \
+                    and (digest is None or not hmac.compare_digest(known, digest)):
                 self._counts["rebind_refused"] += 1
-                raise FkvError(f"bind refused: reader {other} was bound by a process holding "
-                               f"its secret; only that process can rebind it or its agent (a "
-                               f"new decode process takes a new engine id)")
+                raise FkvError(f"bind refused: reader {other} is named by {self._named[other]} "
+                               f"held request(s) and was bound by a process holding its "
+                               f"secret; only that process can rebind it or its agent until "
+                               f"they are released (a new decode process can take a new engine "
+                               f"id)")
         if agent_name not in self._agents and len(self._agents) >= self._max_bindings:
             self._evict_one(reader)
         self.unbind(agent_name)
