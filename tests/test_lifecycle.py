@@ -579,14 +579,17 @@ TestLifecycleMachine.settings = settings(max_examples=300, stateful_step_count=8
 
 
 def test_holding_a_held_id_again_keeps_its_blocks_and_layers() -> None:
-    """A second hold of a held id renews its lease; one with other blocks (which would lose the
-    first ones: never released) or another layer count is refused, naming both."""
+    """A second hold of a held id renews its lease (with the arguments of the first one too);
+    one with other blocks (which would lose the first ones: never released) or a layer count
+    above the published one is refused, naming both."""
     import numpy as np
 
     t = Requests(num_layers=4)
-    t.hold("r", [1, 2], None, now=0, lease=5)
+    t.hold("r", [1, 2], None, now=0, lease=5, layers_ready=0)
+    t.publish("r", 2, now=0)
     t.hold("r", np.array([1, 2]), None, now=1, lease=5)   # the same ids, another container
-    t.hold("r", None, None, now=2, lease=5, layers_ready=4)
+    t.hold("r", [1, 2], None, now=2, lease=5, layers_ready=0)  # the first hold's arguments
+    assert t.layers_ready("r") == 2
     with pytest.raises(FkvError) as e:
         t.hold("r", [8, 9], None, now=3, lease=5)
     assert str(e.value) == (
@@ -594,7 +597,8 @@ def test_holding_a_held_id_again_keeps_its_blocks_and_layers() -> None:
         "'[8, 9]'); release it (or let its lease run out) before holding the id with other "
         "blocks")
     with pytest.raises(FkvError) as e:
-        t.hold("r", None, None, now=3, lease=5, layers_ready=0)
-    assert str(e.value) == ("'layers_ready' must be None or the 4 layers 'r' is held with now "
-                            "(got 0); publish() moves a held request's layers forward")
+        t.hold("r", None, None, now=3, lease=5, layers_ready=3)
+    assert str(e.value) == ("'layers_ready' must be None or at most the 2 layers 'r' is held "
+                            "with now (a renewal never claims layers written) (got 3); publish() "
+                            "moves a held request's layers forward")
     assert t.expire(now=7) == [Release("r", [1, 2], "lease expired")]

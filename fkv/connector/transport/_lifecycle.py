@@ -372,10 +372,10 @@ class Requests:
         decode engine will read: the first bound reader whose ``done`` counts fixes them to its
         engine's readers of this rank (from the ``decode_tp`` it was bound with). ``layers_ready``:
         a streaming request's layers already written (None: all of them). Holding a held request
-        again renews its lease: same readers, same blocks (``None`` keeps them) and, when
-        ``layers_ready`` is given, the same layers as held now; anything else is refused, since a
-        second hold that replaced the blocks would lose the first ones (never released) and one
-        that restarted the layers would publish a count the readers already passed."""
+        again renews its lease: same readers, same blocks (``None`` keeps them), and a
+        ``layers_ready`` no larger than the layers held now (the count is kept); anything else is
+        refused, since a second hold that replaced the blocks would lose the first ones (never
+        released) and one that raised the count would announce layers nobody published."""
         _check_request_id(request_id)
         if expected_readers is None:
             readers = None
@@ -403,10 +403,12 @@ class Requests:
                                   f"the blocks {request_id!r} is already held with "
                                   f"({_blocks_text(held.block_ids)}) or None", "release it (or "
                                   "let its lease run out) before holding the id with other blocks")
-            if layers_ready is not None and layers_ready != held.layers_ready:
+            if layers_ready is not None and layers_ready > held.layers_ready:
                 raise field_error("layers_ready", layers_ready,
-                                  f"None or the {held.layers_ready} layers {request_id!r} is held "
-                                  f"with now", "publish() moves a held request's layers forward")
+                                  f"None or at most the {held.layers_ready} layers "
+                                  f"{request_id!r} is held with now (a renewal never claims "
+                                  f"layers written)", "publish() moves a held request's layers "
+                                  "forward")
             if held.expected is None and readers is not None:
                 held.expected = readers
                 self._named.update(readers)
