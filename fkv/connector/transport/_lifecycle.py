@@ -313,8 +313,10 @@ class Requests:
             raise field_error("secret", type(secret).__name__, "None or bytes")
         digest = None if secret is None else hashlib.sha256(bytes(secret)).digest()
         # the bindings this one would replace: the reader's own, and the one of this agent
-        for other in dict.fromkeys(r for r in (reader if reader in self._readers else None,
-                                               self._agents.get(agent_name)) if r is not None):
+        replaced = {reader} if reader in self._readers else set()
+        if agent_name in self._agents:
+            replaced.add(self._agents[agent_name])
+        for other in replaced:
             known = self._secrets.get(other)
             if known is not None and self._named[other] \
                     and (digest is None or not hmac.compare_digest(known, digest)):

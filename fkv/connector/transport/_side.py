@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from fkv.connector.transport._base import SideChannelError
-from fkv.connector.transport._sidelimits import ADDRESS_PATTERN
+from fkv.connector.transport._sidelimits import ADDRESS_PATTERN, MAX_ADDRESS_CHARS
 from fkv.errors import FkvError
 
 __all__ = [
@@ -44,8 +44,8 @@ MAX_SIDE_MESSAGE_BYTES = 33 << 20
 
 _Wire = Annotated[bytes, msgspec.Meta(max_length=32 << 20)]
 #: "" (no such endpoint) or a side-channel address (``_sidelimits.ADDRESS_PATTERN``)
-_Address = Annotated[str, msgspec.Meta(max_length=300, pattern=r"\A(?:|" + ADDRESS_PATTERN[2:-2]
-                                       + r")\Z")]
+_Address = Annotated[str, msgspec.Meta(max_length=MAX_ADDRESS_CHARS,
+                                       pattern=rf"\A(?:{ADDRESS_PATTERN})?\Z")]
 _Size = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 _Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 #: Largest per-rank secret a :class:`Publish` may carry.

@@ -136,18 +136,23 @@ class FrameDecoder:
 #: A side-channel address: ``tcp://`` then a host name or IPv4 address (labels of 1-63 letters,
 #: digits and inner hyphens), or an IPv6 address in brackets, then ``:`` and a decimal port. An
 #: address comes from peers (a rank's published entry), so nothing else reaches the resolver
-#: (a 64-character label, say, raised UnicodeError from the IDNA codec there).
-ADDRESS_PATTERN = (r"\Atcp://(?:\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}"
+#: (a 64-character label, say, raised UnicodeError from the IDNA codec there). Unanchored: the
+#: wire's ``_side._Address`` embeds it too.
+ADDRESS_PATTERN = (r"tcp://(?:\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}"
                    r"[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*)"
-                   r":[0-9]{1,5}\Z")
-_ADDRESS = re.compile(ADDRESS_PATTERN)
+                   r":[0-9]{1,5}")
+#: Longest side-channel address accepted.
+MAX_ADDRESS_CHARS = 300
+_ADDRESS = re.compile(rf"\A{ADDRESS_PATTERN}\Z")
 
 
 def _split_address(address: str) -> tuple[str, int]:
-    if not isinstance(address, str) or len(address) > 300 or not _ADDRESS.match(address):
-        raise field_error("address", address if isinstance(address, str) and len(address) <= 300
-                          else f"<{type(address).__name__}>", "a 'tcp://host:port' str (host: a "
-                          "name or IPv4 address, or an IPv6 address in brackets)")
+    if not isinstance(address, str) or len(address) > MAX_ADDRESS_CHARS \
+            or not _ADDRESS.match(address):
+        shown = address if isinstance(address, str) and len(address) <= MAX_ADDRESS_CHARS \
+            else f"<{type(address).__name__}>"
+        raise field_error("address", shown, "a 'tcp://host:port' str (host: a name or IPv4 "
+                          "address, or an IPv6 address in brackets)")
     host, _, port = address[6:].rpartition(":")
     if int(port) > 65535:
         raise field_error("address", address, "a port in [0, 65535]")
