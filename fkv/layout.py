@@ -491,10 +491,6 @@ def fewest_contiguous_atoms(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[st
     fewer split axes, then to the order of ``full``. Splitting every named axis always works
     when the head dimension is innermost on every side, as in every layout here.
 
-    The axes some side cannot keep whole are found first (:func:`_forced_splits`); when
-    splitting exactly those works it is the answer (every other candidate splits more), else
-    the search walks only the subsets that contain them.
-
     >>> s = KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128)
     >>> fewest_contiguous_atoms((s,), (("two", 2), ("N", 16), ("H", 4)))
     (('two',), 2)
@@ -517,28 +513,16 @@ def fewest_contiguous_atoms(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[st
 
     if fits():  # nothing split: the usual answer, before any sorting
         return (), 1
-    forced = _forced_splits((first, *others), ext)
-    mask = tuple(i for i, a in enumerate(names) if a in forced)
-    if forced and fits():  # what every side needs is enough: the search would pick it first
-        count = 1
-        for i in mask:
-            count *= sizes[i]
-        return tuple(names[i] for i in mask), count
-    ext.update(full)
     subsets = _SUBSETS[len(names)]
     candidates = []
     for k, subset in enumerate(subsets):
-        if not forced.issubset(names[i] for i in subset):
-            continue  # leaves an axis whole that some side cannot keep whole
         count = 1
         for i in subset:
             count *= sizes[i]
         candidates.append((count, k))
     candidates.sort()  # fewest atoms; ties keep the subsets' order (fewer axes first)
-    for count, k in candidates:
+    for count, k in candidates[1:]:  # the empty subset (count 1, first) failed above
         subset = subsets[k]
-        if not subset:
-            continue  # failed above
         for i in subset:
             ext[names[i]] = 1
         if fits():
@@ -546,34 +530,6 @@ def fewest_contiguous_atoms(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[st
         for i in subset:
             ext[names[i]] = sizes[i]
     raise AssertionError("single-row atoms are always contiguous")  # C is innermost everywhere
-
-
-def _forced_splits(spans: tuple[tuple[tuple[str, int, int], ...], ...], ext: dict[str, int]
-                   ) -> set[str]:
-    """Axes of ``ext`` that every contiguous atom splits, set to extent 1 in ``ext``.
-
-    On one side, walking its axes innermost first, the first axis the atom does not cover whole
-    may be the one partial axis; every axis beyond it must have extent 1. Splitting an axis only
-    ends that walk earlier, so the axes of ``ext`` beyond it with extent > 1 are split by every
-    contiguous atom. Adding them can end another side's walk earlier, so the rule is applied
-    until nothing changes: each axis added is needed by every contiguous atom, on any side.
-    """
-    forced: set[str] = set()
-    changed = True
-    while changed:
-        changed = False
-        for span in spans:
-            cut = False
-            for axis, size, _stride in span:
-                extent = ext.get(axis, 1 if axis in ("L", "B") else size)
-                if cut:
-                    if extent != 1 and axis in ext:
-                        ext[axis] = 1
-                        forced.add(axis)
-                        changed = True
-                elif extent != size:
-                    cut = True
-    return forced
 
 
 def _squeezed_order(spec: KVCacheSpec) -> tuple[str, ...]:
