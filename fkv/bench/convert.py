@@ -19,6 +19,8 @@ through several id sets and staging buffers (> 512 MB in all).
     python bench/bench_convert.py                          # full run (CUDA) -> bench/results/
     python bench/bench_convert.py --json convert.json --plot convert.png
     python bench/bench_convert.py --quick                  # fewer cases, shorter timing
+    python bench/bench_convert.py --layers 32 --only convert --results-dir bench/results/raw
+                                                           # model scale: 32 GiB caches
     python bench/bench_convert.py --sweep                  # also try tile sizes / warps
     python bench/bench_convert.py --cpu-smoke              # tiny shapes on the CPU interpreter:
                                                            # correctness path only, no timing
@@ -359,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="also sweep the tile budget and warps on one convert and gathers")
     parser.add_argument("--only", metavar="SUBSTR", default="",
                         help="run only the cases whose name contains this (e.g. 'gather')")
+    parser.add_argument("--layers", type=int, default=Shape.num_layers, metavar="L",
+                        help=f"layers of every cache (default {Shape.num_layers}; 32 with the "
+                             f"default blocks is a 32 GiB cache, model scale)")
+    parser.add_argument("--blocks", type=int, default=Shape.num_blocks, metavar="NB",
+                        help=f"blocks of every cache (default {Shape.num_blocks})")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="only the correctness path, tiny shapes, CPU interpreter (no result "
                              "file unless --json or --results-dir)")
@@ -377,7 +384,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     rep = 40 if args.quick else 200
-    shape = Shape()
+    if args.layers < 1 or args.blocks < max(Shape.gather_blocks, 1):
+        parser.error(f"--layers must be >= 1 and --blocks >= {Shape.gather_blocks} (the gathers' "
+                     f"blocks)")
+    shape = Shape(num_layers=args.layers, num_blocks=args.blocks)
     ceiling = copy_ceiling_gbps(rep)
     cases = [c for c in _cases(args.quick) if args.only in c.name]
     for case in cases:
