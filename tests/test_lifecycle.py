@@ -602,3 +602,29 @@ def test_holding_a_held_id_again_keeps_its_blocks_and_layers() -> None:
                             "with now (a renewal never claims layers written) (got 3); publish() "
                             "moves a held request's layers forward")
     assert t.expire(now=7) == [Release("r", [1, 2], "lease expired")]
+
+
+def test_expire_after_renewals_reuse_and_many_releases():
+    """Leases kept in a deadline heap: a renewal moves a lease later without a new entry, a
+    released id held anew keeps only its new lease, and the entries of thousands of released
+    holds neither release anything nor pile up."""
+    t = Requests(num_layers=2, require_binding=False)
+    t.hold("a", [1], None, now=0.0, lease=5.0)
+    t.hold("b", [2], None, now=0.0, lease=5.0)
+    t.hold("a", None, None, now=3.0, lease=5.0)          # renewed: due at 8
+    assert t.expire(now=5.0) == [Release("b", [2], "lease expired")]
+    assert t.expire(now=7.9) == [] and t.holds("a")
+    assert t.expire(now=8.0) == [Release("a", [1], "lease expired")]
+    t.hold("c", [3], None, now=10.0, lease=1.0)
+    assert t.expire(now=11.0) == [Release("c", [3], "lease expired")]
+    t.hold("c", [4], None, now=11.0, lease=9.0)          # the id again: its first entry is gone
+    assert t.expire(now=19.9) == [] and t.holds("c")
+    assert t.expire(now=20.0) == [Release("c", [4], "lease expired")]
+    for i in range(5000):                                # held and released at once
+        t.hold(f"r{i}", [i], frozenset({("d", 0)}), now=30.0, lease=100.0)
+        t.bind("agent", ("d", 0))
+        assert t.notified("agent", notification(f"r{i}", "d", 0), now=30.0) is not None
+    t.hold("z", [9], None, now=30.0, lease=1.0)
+    assert len(t._deadlines) <= 2 * len(t.pending()) + 1025
+    assert t.expire(now=200.0) == [Release("z", [9], "lease expired")]
+    assert t.pending() == frozenset() and not t.holds("z")

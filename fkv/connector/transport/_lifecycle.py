@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import heapq
 import hmac
 import itertools
 import math
@@ -106,6 +107,7 @@ class _Held:
     deadline: float
     layers_ready: int
     notified: set[Reader] = attrs.Factory(set)
+    generation: int = 0  # which hold of this id a deadline entry belongs to
 
 
 # -- expected readers -----------------------------------------------------------------------------
@@ -285,6 +287,11 @@ class Requests:
         self._decode_tp: dict[str, int] = {}  # agent name -> its engine's decode TP (bind)
         self._max_bindings = max_bindings
         self._counts = dict.fromkeys(KINDS, 0)
+        # (deadline, generation, request id) per hold: a heap, so that expire() looks only at
+        # what is due. A renewal moves a deadline later without a new entry (the old one, once
+        # due, is put back at the new deadline); entries of released holds are dropped when due.
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._generations = itertools.count(1)
 
     # -- identities --------------------------------------------------------------------------------
     def bind(self, agent_name: str, reader: Reader, *, decode_tp: int | None = None,
@@ -417,7 +424,14 @@ class Requests:
             held.deadline = max(held.deadline, now + lease)
             return
         self._released.pop(request_id, None)
-        self._held[request_id] = _Held(block_ids, readers, now + lease, layers_ready)
+        generation = next(self._generations)
+        self._held[request_id] = _Held(block_ids, readers, now + lease, layers_ready,
+                                       generation=generation)
+        if len(self._deadlines) > 2 * len(self._held) + 1024:  # mostly released holds' entries
+            self._deadlines = [(h.deadline, h.generation, r) for r, h in self._held.items()]
+            heapq.heapify(self._deadlines)
+        else:
+            heapq.heappush(self._deadlines, (now + lease, generation, request_id))
         if readers is not None:
             self._named.update(readers)
         self._counts["held"] += 1
@@ -504,13 +518,26 @@ class Requests:
     def expire(self, now: float) -> list[Release]:
         """Release every request whose lease ran out by ``now``."""
         now = _time("now", now)
-        gone = [r for r, h in self._held.items() if h.deadline <= now]
-        return [self._release(r, "lease expired") for r in gone]
+        heap, gone = self._deadlines, []
+        while heap and heap[0][0] <= now:
+            _, generation, request_id = heapq.heappop(heap)
+            held = self._held.get(request_id)
+            if held is None or held.generation != generation:
+                continue  # released already, or the id is held anew (with its own entry)
+            if held.deadline > now:  # renewed since this entry was made
+                heapq.heappush(heap, (held.deadline, generation, request_id))
+                continue
+            gone.append(self._release(request_id, "lease expired"))
+        return gone
 
     # -- views ---------------------------------------------------------------------------------
     def pending(self) -> frozenset[str]:
-        """Request ids held now."""
+        """Request ids held now (a new set each call: use :meth:`holds` to ask about one)."""
         return frozenset(self._held)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether ``request_id`` is held now (constant time, whatever else is held)."""
+        return request_id in self._held
 
     def waiting_for(self, request_id: str) -> frozenset[Reader] | None:
         """Expected readers of a held request that have not notified yet (None: no engine has

@@ -194,7 +194,7 @@ class Server:
         readers = None if decode_engine_id is None else expected_readers(
             decode_engine_id, decode_tp, self.engine.tp_size, self.engine.tp_rank)
         with self._lock:
-            renew = request_id in self._table.pending()
+            renew = self._table.holds(request_id)
             self._table.hold(request_id, block_ids, readers, now=time.monotonic(),
                              lease=float(lease), layers_ready=layers_ready)
             if not renew:  # a new hold: nothing of an earlier hold of this id carries over
@@ -216,8 +216,8 @@ class Server:
         long polls."""
         with self._lock:
             published = self._published.get(request_id)
-            if published is None or request_id not in self._table.pending():
-                why = ("it is not held" if request_id not in self._table.pending()
+            if published is None or not self._table.holds(request_id):
+                why = ("it is not held" if not self._table.holds(request_id)
                        else "it was held as fully written")
                 raise FkvError(f"publish: request {request_id!r} is not a streaming request on "
                                f"this rank ({why}); start it with server.hold(request_id, "
@@ -244,7 +244,7 @@ class Server:
     def layers_ready(self, request_id: str) -> int | None:
         """Layers of ``request_id`` readers may read now (None: not held)."""
         with self._lock:
-            if request_id not in self._table.pending():
+            if not self._table.holds(request_id):
                 return None
             return self._table.layers_ready(request_id)
 
@@ -311,7 +311,7 @@ class Server:
             for request_id, events in list(self._events.items()):
                 while events and events[0][1].query():
                     layers = events.pop(0)[0]
-                    if request_id in self._table.pending():
+                    if self._table.holds(request_id):
                         self._due_release(self._table.publish(request_id, layers, now))
                         self._board_set(request_id)
                 if not events:
@@ -408,7 +408,7 @@ class Server:
         """Write a request's counts into the board, as a Status would answer them (under the
         lock): layers published (ipc readers wait for the publish events themselves) and layers
         whose writes finished."""
-        if self._board is None or request_id not in self._table.pending():
+        if self._board is None or not self._table.holds(request_id):
             return
         written = self._table.layers_ready(request_id)
         published = self._published.get(request_id, written) if self._ipc_events else written
@@ -621,7 +621,7 @@ class Server:
                                    f"(serve(..., pack_bytes=0))", token=msg.token)
             self._advance()  # layers whose publish event completed since the last poll
             with self._lock:  # a pack never carries layers this rank has not published
-                held = msg.request_id in self._table.pending()
+                held = self._table.holds(msg.request_id)
                 published = self._table.layers_ready(msg.request_id) if held else None
             try:
                 reply = self._packer.pack(msg, self.lease, sync=False, published=published,
@@ -684,7 +684,7 @@ class Server:
 
     def _layers(self, msg: _side.Status) -> _side.Layers:
         with self._lock:
-            if msg.request_id not in self._table.pending():
+            if not self._table.holds(msg.request_id):
                 return _side.Layers(token=msg.token, layers_ready=0, held=False)
             ready = self._table.layers_ready(msg.request_id)
             if msg.recorded and self._ipc_events:
@@ -720,7 +720,7 @@ class Server:
         with self._lock:
             # The table released it under this lock earlier; if the id was held again since,
             # these entries are the new hold's and stay.
-            if release.request_id not in self._table.pending():
+            if not self._table.holds(release.request_id):
                 self._published.pop(release.request_id, None)
                 self._events.pop(release.request_id, None)
                 if self._board is not None:
