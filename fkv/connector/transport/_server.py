@@ -106,6 +106,10 @@ class Server:
         self._due: list[Any] = []  # releases a publish completed, for the server thread
         # Status long polls waiting for news: (envelope, request, answer-by time)
         self._parked: list[tuple[Any, _side.Status, float]] = []
+        # the parked polls are looked at again only when something may have changed their answer
+        # (a hold, a publish, an event, a release: ``_news``) or the earliest wait ends
+        self._news = True
+        self._parked_until = float("inf")
         self._waiter: _EventWaiter | None = None  # waits for publish events (made on first use)
         # CUDA: interprocess events, one per layer slot, recorded (on one stream of their own)
         # after each publish's writes; ipc readers wait for them on their stream instead of for
@@ -238,6 +242,7 @@ class Server:
                 if self._waiter is None:
                     self._waiter = _EventWaiter(self._event_done, self.errors)
                 self._waiter.put(event)
+                self._news = True  # readers counting published layers may go now
                 return
         self._wake()
 
@@ -295,6 +300,7 @@ class Server:
 
     def _wake(self) -> None:
         """Let the server thread answer the Status long polls now (any thread)."""
+        self._news = True
         sock = self._sock
         if sock is not None:
             sock.wake()
@@ -307,6 +313,8 @@ class Server:
     def _advance(self) -> None:
         """Make layers visible whose CUDA event completed (server thread, event waiter)."""
         with self._lock:
+            if not self._events:
+                return
             now = time.monotonic()
             for request_id, events in list(self._events.items()):
                 while events and events[0][1].query():
@@ -314,6 +322,7 @@ class Server:
                     if self._table.holds(request_id):
                         self._due_release(self._table.publish(request_id, layers, now))
                         self._board_set(request_id)
+                        self._news = True
                 if not events:
                     del self._events[request_id]
 
@@ -461,8 +470,8 @@ class Server:
                 if self._sock is not None:
                     wait = 0.0 if time.monotonic() - active < spin else 0.002
                     batch = self._sock.poll(wait)
-                    if self._parked:  # news first: a reader may be waiting for this layer
-                        self._advance()
+                    self._advance()
+                    if self._parked_due():  # news first: a reader may be waiting for this layer
                         self._answer_parked()
                     if batch:
                         self._answer_all(batch)
@@ -472,9 +481,9 @@ class Server:
                 self._take_notifications()
                 self._advance()
                 self._deliver_due()
-                if self._parked:
-                    self._answer_parked()
                 self._expire()
+                if self._parked_due():
+                    self._answer_parked()
             except Exception as e:  # keep serving; the error is visible in server.errors
                 self.errors.append(f"{type(e).__name__}: {e}")
                 self._stop.wait(0.01)
@@ -584,7 +593,9 @@ class Server:
         try:
             reply = self._handle(msg)
             if reply is _PARK:
-                self._parked.append((envelope, msg, time.monotonic() + msg.wait))
+                until = time.monotonic() + msg.wait
+                self._parked.append((envelope, msg, until))
+                self._parked_until = min(self._parked_until, until)
                 return envelope, None
             return envelope, reply
         except FkvError as e:
@@ -691,8 +702,16 @@ class Server:
                 ready = self._published.get(msg.request_id, ready)
             return _side.Layers(token=msg.token, layers_ready=ready, held=True)
 
+    def _parked_due(self) -> bool:
+        """Whether a parked long poll may have an answer now: something changed since the last
+        look, or the earliest wait is over. ``_news`` is set after every change and cleared
+        before a look reads the polls' answers, so a change the look missed sets it again."""
+        return bool(self._parked) and (self._news or time.monotonic() >= self._parked_until
+                                       or self._stop.is_set())
+
     def _answer_parked(self) -> None:
         """Answer the Status long polls that have news, or whose wait is over."""
+        self._news = False  # first: a change from now on is looked at by the next call
         now = time.monotonic()
         keep = []
         for envelope, msg, until in self._parked:
@@ -702,6 +721,7 @@ class Server:
             else:
                 keep.append((envelope, msg, until))
         self._parked = keep
+        self._parked_until = min((until for _, _, until in keep), default=float("inf"))
 
     def _expire(self) -> None:
         with self._lock:
@@ -717,6 +737,7 @@ class Server:
             self._packer.expire()
 
     def _released_now(self, release: Any) -> None:
+        self._news = True  # a long poll on this id is answered (no longer held)
         with self._lock:
             # The table released it under this lock earlier; if the id was held again since,
             # these entries are the new hold's and stay.
