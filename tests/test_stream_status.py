@@ -101,7 +101,7 @@ def test_a_parked_poll_is_looked_at_only_on_news_or_at_its_end(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The server thread loops every 2 ms; a parked poll's answer is computed again only when a
     hold, publish, event or release may have changed it, or when its wait ends (not on every
-    loop: that cost 12 % of a core with 64 polls parked, bench/NOTES.md)."""
+    loop: with 64 polls parked the process used 28 % of a core, now 9.5 %, bench/NOTES.md)."""
     looks: list[float] = []
     with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
         server.hold("r1", [1], layers_ready=1)
