@@ -24,6 +24,7 @@ a new ``CollectorRegistry`` (never the process-global one unless it is passed).
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 import weakref
@@ -57,8 +58,7 @@ class _Dist:
         self.sum += v
         self.min, self.max = min(self.min, v), max(self.max, v)
         if self.bounds:
-            self.buckets[next((i for i, b in enumerate(self.bounds) if v <= b),
-                              len(self.bounds))] += 1
+            self.buckets[bisect.bisect_left(self.bounds, v)] += 1  # the first bound >= v
 
     def merge(self, other: _Dist) -> None:
         self.count += other.count

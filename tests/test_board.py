@@ -7,6 +7,8 @@ from it. CPU, real NIXL."""
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 import threading
 import time
 
@@ -77,6 +79,40 @@ def test_a_slot_taken_by_another_request_reads_as_no_news(board: Board) -> None:
         assert (view.layers(second, True), view.layers(second, False)) == (1, 0)
         board.clear(first)                              # not its slot any more: kept
         assert view.layers(second, True) == 1
+    finally:
+        view.close()
+
+
+def test_words_are_whole_native_words_and_slots_are_remembered_within_a_bound(
+        board: Board, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``set`` writes each count as one 8-byte word ``tag << 16 | count`` in native order (what
+    ``BoardView`` decodes) and bumps the sequence; the slot of each request is hashed once and
+    remembered until its ``clear``, and never more than ``_SLOT_MEMO`` are remembered."""
+    slot, tag = _board._slot(board.salt, "r1")
+    seq = int.from_bytes(pathlib.Path(board.path).read_bytes()[_board._SEQ:_board._SEQ + 4], "little")
+    board.set("r1", 7, 5)
+    raw = pathlib.Path(board.path).read_bytes()
+    assert int.from_bytes(raw[16 * slot:16 * slot + 8], sys.byteorder) == tag << 16 | 7
+    assert int.from_bytes(raw[16 * slot + 8:16 * slot + 16], sys.byteorder) == tag << 16 | 5
+    assert int.from_bytes(raw[_board._SEQ:_board._SEQ + 4], "little") == seq + 1
+    assert board._slots == {"r1": (slot, tag)}
+    board.clear("r1")
+    assert board._slots == {}
+    assert pathlib.Path(board.path).read_bytes()[16 * slot:16 * slot + 16] == bytes(16)
+    monkeypatch.setattr(_board, "_SLOT_MEMO", 4)
+    view = BoardView(board.name, board.salt)
+    try:
+        for i in range(10):
+            board.set(f"q{i}", i, i)
+            assert len(board._slots) <= 4
+        # forgetting a slot never loses a count (it is hashed again): every id reads back,
+        # except where two of them share a slot (then the later one owns it)
+        owners = {_board._slot(board.salt, f"q{i}")[0]: i for i in range(10)}
+        for i in range(10):
+            expected = i if owners[_board._slot(board.salt, f"q{i}")[0]] == i else None
+            assert view.layers(f"q{i}", True) == expected
+        board.clear("q9")  # remembered or not, the clear finds its slot
+        assert view.layers("q9", True) is None
     finally:
         view.close()
 

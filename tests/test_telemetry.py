@@ -7,6 +7,8 @@ import sys
 import threading
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from fkv import FkvError
@@ -162,3 +164,19 @@ def test_import_stays_pure_and_fkv_does_not_load_it() -> None:
             "bad = [m for m in ('torch', 'triton', 'nixl', 'zmq', 'prometheus_client', 'numpy') "
             "if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@given(st.lists(st.floats(min_value=0, allow_nan=False) | st.sampled_from(SECONDS_BUCKETS),
+                max_size=50))
+def test_each_value_counts_in_the_first_bucket_whose_bound_holds_it(values: list[float]) -> None:
+    """A value lands in bucket ``i`` for the first bound ``>= value`` (the last bucket past
+    every bound), as Prometheus' cumulative ``le`` buckets read them."""
+    t = Telemetry("client")
+    for v in values:
+        t.record(path="direct", seconds=v, nbytes=0, descriptors=0)
+    expected = [0] * (len(SECONDS_BUCKETS) + 1)
+    for v in values:
+        expected[next((i for i, b in enumerate(SECONDS_BUCKETS) if v <= b),
+                      len(SECONDS_BUCKETS))] += 1
+    got = t.stats()["paths"]["direct"]["seconds"]["histogram"]["counts"] if values else expected
+    assert got == expected

@@ -46,7 +46,6 @@ import stat
 import sys
 from typing import Any
 
-import numpy as np
 
 from fkv.errors import FkvError
 
@@ -59,6 +58,7 @@ _BYTES = _SEQ + 64
 _DIR = "/dev/shm"
 _NAME = re.compile(r"fkv-board-[0-9a-f]{32}")
 _MAX_LAYERS = (1 << 16) - 1
+_SLOT_MEMO = 4 * SLOTS  # most request ids a board remembers the slot of
 
 
 # -- futexes (Linux; anything else leaves the board without them) ---------------------------------
@@ -89,10 +89,13 @@ def _libc() -> Any:
 _LIBC = _libc()
 
 
-def _futex_wake(address: int) -> None:
-    if _LIBC is not None:
-        _LIBC.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE),
-                      ctypes.c_int(0x7FFFFFFF), None, None, ctypes.c_int(0))
+def _futex_wake_args(address: int) -> tuple[Any, ...] | None:
+    """The arguments of ``syscall`` that wake every waiter on the futex at ``address`` (built
+    once per board; None without a futex)."""
+    if _LIBC is None:
+        return None
+    return (ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE),
+            ctypes.c_int(0x7FFFFFFF), None, None, ctypes.c_int(0))
 
 
 def _futex_wait(address: int, expected: int, seconds: float) -> bool:
@@ -135,37 +138,58 @@ class Board:
             os.unlink(self.path)
             raise
         os.close(fd)
-        self._words = np.frombuffer(self._map, dtype=np.uint64, count=2 * SLOTS)
-        self._seq = np.frombuffer(self._map, dtype=np.uint32, count=1, offset=_SEQ)
+        # Item assignment of a memoryview cast to "Q" is one 8-byte store into the mapping (an
+        # aligned word: whole for any reader); cheaper than numpy's scalar path, which matters
+        # because publish runs in the prefill's forward pass, often right after a sleep.
+        self._words: memoryview | None = memoryview(self._map).cast("Q")
+        self._seq: memoryview | None = memoryview(self._map)[_SEQ:_SEQ + 4].cast("I")
         anchor = ctypes.c_char.from_buffer(self._map)  # its address only; released at once
         self._seq_address = ctypes.addressof(anchor) + _SEQ
         del anchor
+        self._wake_args = _futex_wake_args(self._seq_address)
+        #: request id -> (slot, tag) of the requests written here (hashed once per request)
+        self._slots: dict[str, tuple[int, int]] = {}
+
+    def _slot_of(self, request_id: str) -> tuple[int, int]:
+        got = self._slots.get(request_id)
+        if got is None:
+            if len(self._slots) >= _SLOT_MEMO:  # ids nobody cleared (a bound, not a cache policy)
+                self._slots.clear()
+            got = self._slots[request_id] = _slot(self.salt, request_id)
+        return got
 
     def set(self, request_id: str, published: int, written: int) -> None:
         """Write a request's counts (layers published, layers whose writes finished), then
         advance the sequence and wake its waiters."""
-        if self._words is None or max(published, written) > _MAX_LAYERS:
+        words, seq = self._words, self._seq
+        if words is None or seq is None or max(published, written) > _MAX_LAYERS:
             return
-        slot, tag = _slot(self.salt, request_id)
-        self._words[2 * slot] = np.uint64(tag << 16 | published)
-        self._words[2 * slot + 1] = np.uint64(tag << 16 | written)
-        self._seq[0] += np.uint32(1)
-        _futex_wake(self._seq_address)
+        slot, tag = self._slot_of(request_id)
+        words[2 * slot] = tag << 16 | published
+        words[2 * slot + 1] = tag << 16 | written
+        seq[0] = (seq[0] + 1) & 0xFFFFFFFF
+        if self._wake_args is not None:
+            _LIBC.syscall(*self._wake_args)
 
     def clear(self, request_id: str) -> None:
         """Forget a released request (unless its slot now holds another's)."""
-        if self._words is None:
+        words = self._words
+        if words is None:
             return
-        slot, tag = _slot(self.salt, request_id)
-        if int(self._words[2 * slot]) >> 16 == tag:
-            self._words[2 * slot] = np.uint64(0)
-            self._words[2 * slot + 1] = np.uint64(0)
+        slot, tag = self._slots.pop(request_id, None) or _slot(self.salt, request_id)
+        if words[2 * slot] >> 16 == tag:
+            words[2 * slot] = 0
+            words[2 * slot + 1] = 0
 
     def close(self) -> None:
         if self._words is None:
             return
+        for view in (self._words, self._seq):
+            if view is not None:
+                view.release()
         self._words = None
         self._seq = None  # waiters end their waits by their own timeouts
+        self._slots.clear()
         try:
             self._map.close()
         except BufferError:  # a view still alive somewhere: the unmap waits for the process

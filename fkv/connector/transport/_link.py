@@ -250,8 +250,9 @@ class Link:
         return notification(request_id, engine.engine_id, engine.tp_rank)
 
     def notify(self, ranks: Any, request_id: str) -> None:
+        message = self.notif(request_id)
         for rank in ranks:
-            self.local.agent.notify(self.names[rank], self.notif(request_id))
+            self.local.agent.notify(self.names[rank], message)
 
     def close(self) -> None:
         agent = self.local.agent

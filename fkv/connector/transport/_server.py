@@ -231,12 +231,15 @@ class Server:
                 self._record_publish(event, layers_ready)  # first: ipc readers wait for it
             self._published[request_id] = layers_ready
             now = time.monotonic()
-            self._table.hold(request_id, None, None, now=now, lease=self.lease)  # renew
             if event is None or event.query():
                 self._events.pop(request_id, None)
-                self._due_release(self._table.publish(request_id, layers_ready, now))
-                self._board_set(request_id)
+                release = self._table.publish(request_id, layers_ready, now)
+                self._board_set(request_id)  # first: same-host readers go as soon as it is set
+                if release is None:
+                    self._table.hold(request_id, None, None, now=now, lease=self.lease)  # renew
+                self._due_release(release)
             else:
+                self._table.hold(request_id, None, None, now=now, lease=self.lease)  # renew
                 self._events.setdefault(request_id, []).append((layers_ready, event))
                 self._board_set(request_id)
                 if self._waiter is None:
