@@ -120,6 +120,9 @@ class Watch:
         which a board sleep then hears within ``BOARD_SLEEP`` s.)"""
         started = time.monotonic()
         while True:
+            # first the counts alone: after a wake-up this is all it takes to go
+            if self._heard(request_id, after, recorded):
+                return min(self._known.get(rank, 0) for rank in self.dealers)
             # the sequences before the counts: a count written after this read moves them
             seqs = {rank: board.sequence() for rank, board in self.boards.items()
                     if board.can_wait}
@@ -148,6 +151,20 @@ class Watch:
             elif now >= started + BOARD_SPIN and self._out:
                 rank = next(iter(self._out))
                 self._collect(rank, min(deadline, now + BOARD_NAP))
+
+    def _heard(self, request_id: str, after: int, recorded: bool) -> bool:
+        """Whether the boards alone show every rank past ``after`` (the counts they hold are
+        kept either way; the long polls are left for the full look)."""
+        heard = False
+        for rank, board in self.boards.items():
+            n = board.layers(request_id, recorded)
+            if n is not None and n > self._known.get(rank, 0):
+                self._known[rank] = n
+                heard = True
+        if all(self._known.get(rank, 0) > after for rank in self.dealers):
+            self.board_news += heard
+            return True
+        return False
 
     def _collect(self, rank: int, deadline: float | None) -> None:
         """Take rank's long-poll reply: waiting until ``deadline``, or (None) only if it is
