@@ -93,10 +93,15 @@ def _child() -> dict:
     return out
 
 
+def _path(tree: str) -> str:
+    """PYTHONPATH with ``tree`` first (what else is on it, e.g. installed wheels, after)."""
+    rest = os.environ.get("PYTHONPATH", "")
+    return os.path.abspath(tree) + (os.pathsep + rest if rest else "")
+
+
 def _tail(path: str) -> dict:
     """stream_tail_cpu.py of ``path``'s tree: its 16-block rows (tail, news, one layer)."""
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(path), "OUT": os.environ.get("TMPDIR",
-                                                                                   "/tmp")}
+    env = {**os.environ, "PYTHONPATH": _path(path), "OUT": os.environ.get("TMPDIR", "/tmp")}
     script = os.path.join(os.path.abspath(path), "bench", "experiments", "stream_tail_cpu.py")
     subprocess.run([sys.executable, script], env=env, check=True, capture_output=True)
     got = json.loads((pathlib.Path(env["OUT"]) / "stream-tail-cpu-exp.json").read_text())
@@ -117,7 +122,7 @@ def main() -> None:
     runs: dict[str, list] = {label: [] for label, _ in trees}
     for _ in range(ROUNDS):  # alternate the trees: the same machine state for both
         for label, path in trees:
-            env = {**os.environ, "PYTHONPATH": os.path.abspath(path)}
+            env = {**os.environ, "PYTHONPATH": _path(path)}
             got = subprocess.run([sys.executable, __file__, "--child"], env=env, check=True,
                                  capture_output=True, text=True).stdout
             run = json.loads(got.strip().splitlines()[-1])
