@@ -4,8 +4,11 @@ One prefill process (P TP=1) and one decode rank in this process (D TP=1), HND 8
 1024-block caches of 8 layers. Each request is held with 7 layers published; 30 ms later the
 prefill publishes the last one while the decode's streamed read waits for it. The tail is
 publish -> read returned; ``spans`` says, per step of the decode (the path's read, the READ's
-creation and post, its wait, the notification), where it started and how long it took after the
-last layer's news reached the decode. "one layer" is a non-streamed read of the same size / 8.
+creation and post, its wait, the notification, the result and its telemetry), where it started
+and how long it took after the last layer's news reached the decode; ``publish_call_ms`` is the
+prefill's own ``publish`` call, and ``woke_*`` split the news at the return of the decode's
+futex sleep. "one layer" is a non-streamed read of the same size / 8. ``--tree PATH`` is not an
+option: run it under ``PYTHONPATH=PATH`` to time another tree's fkv.
 
 Variants: ``ahead`` (the default: the awaited layer's READs are computed during the wait,
 ``PlanPath.layer_reads``) and ``at news`` (that step patched out: the READs are computed once the
@@ -61,7 +64,7 @@ def _prefill(conn) -> None:
                 time.sleep(0.03)  # the last layer's compute
                 t = time.perf_counter()
                 server.publish(msg[1], msg[2])
-                conn.send(t)
+                conn.send((t, time.perf_counter() - t))
 
 
 def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
@@ -88,13 +91,19 @@ def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
             return out
         setattr(owner, name, timed)
 
+    from fkv import telemetry
+    from fkv.connector.transport import _board, _client
+
     wrap(Watch, "beyond", "news")
+    wrap(_board, "_futex_wait", "futex wait")
+    wrap(_client.Client, "_result", "result")
+    wrap(telemetry.Telemetry, "record", "telemetry")
     wrap(_plan_path.PlanPath, "read", "path read")
     wrap(_agent.Agent, "read", "READ create + post")
     wrap(_plan_path, "wait_reads", "READ wait")
     wrap(_link.Link, "notify", "notify")
     wrap(_plan_path.PlanPath, "_run_staging", "staging move")
-    tails, news, steps = [], [], collections.defaultdict(list)
+    tails, news, pubs, wakes, steps = [], [], [], [], collections.defaultdict(list)
     try:
         for i in range(reps + 5):
             local = rng.permutation(BLOCKS)[:n].tolist()
@@ -111,15 +120,19 @@ def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
             th = threading.Thread(target=run)
             th.start()
             conn.send(("pub", rid, LAYERS))
-            published = conn.recv()
+            published, publish_s = conn.recv()
             th.join()
             assert box["r"].ok, box["r"].error
             if i >= 5:
                 tails.append(1e3 * (box["end"] - published))
                 news.append(1e3 * (heard[-1] - published))
+                pubs.append(1e3 * publish_s)
+                woke = [b for a, b in spans["futex wait"] if b <= heard[-1]]
+                if woke:  # when the last sleep before the news ended, after the publish began
+                    wakes.append((1e3 * (woke[-1] - published), 1e3 * (heard[-1] - woke[-1])))
                 for label, v in spans.items():
                     after = [(a, b) for a, b in v if a >= heard[-1]]
-                    if label != "news" and after:
+                    if label not in ("news", "futex wait") and after:
                         steps[label].append((1e3 * (after[0][0] - heard[-1]),
                                              1e3 * sum(b - a for a, b in after)))
             spans.clear()
@@ -139,7 +152,13 @@ def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
     med = statistics.median
     return {"variant": tag, "blocks": n, "reps": reps, "tail_ms": med(tails),
             "tail_p10_p90_ms": statistics.quantiles(tails, n=10)[::8],
-            "news_ms": med(news), "one_layer_ms": med(one), "tail_over_layer_x": med(tails) / med(one),
+            "news_ms": med(news), "publish_call_ms": med(pubs),
+            # the decode's last futex sleep before the news: it returned this long after the
+            # publish began, then this long before the news (None: the news came without a sleep)
+            "woke_after_publish_ms": med(w[0] for w in wakes) if wakes else None,
+            "woke_to_news_ms": med(w[1] for w in wakes) if wakes else None,
+            "one_layer_ms": med(one),
+            "tail_over_layer_x": med(tails) / med(one),
             "after_news_ms": {k: {"starts": med(x[0] for x in v), "takes": med(x[1] for x in v)}
                               for k, v in steps.items()}}
 
