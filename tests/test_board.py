@@ -226,6 +226,83 @@ def _streamed_read(pause: float) -> tuple[bool, int]:
             return bool(watch.boards), watch.board_news
 
 
+def _count_statuses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the request id of every Status a server handles (its long polls)."""
+    from fkv.connector.transport import _server, _side
+
+    seen: list[str] = []
+    real = _server.Server._handle
+
+    def handle(self: object, msg: object) -> object:
+        if isinstance(msg, _side.Status):
+            seen.append(msg.request_id)
+        return real(self, msg)
+
+    monkeypatch.setattr(_server.Server, "_handle", handle)
+    return seen
+
+
+def test_a_reader_on_the_board_asks_no_long_poll_and_publish_leaves_the_server_thread_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the board holds the request, a same-host reader sleeps on it and parks no Status
+    on the prefill rank, so a publish has nothing to wake the server thread for; without the
+    board the same read asks long polls, which publishes wake the server thread to answer."""
+    from fkv.connector.transport import _server
+
+    wakes: list[int] = []
+    real_wake = _server.Server._wake
+    monkeypatch.setattr(_server.Server, "_wake", lambda self: (wakes.append(1), real_wake(self)))
+    statuses = _count_statuses(monkeypatch)
+    monkeypatch.setenv("FKV_PUBLISH_BOARD", "1")
+    boards, news = _streamed_read(pause=0.05)
+    assert boards and news >= 1
+    assert statuses == []
+    assert len(wakes) == 2  # the hold's and the close's: the publishes found no poll parked
+    monkeypatch.setenv("FKV_PUBLISH_BOARD", "0")
+    wakes.clear()
+    boards, news = _streamed_read(pause=0.05)
+    assert not boards and news == 0
+    assert statuses and set(statuses) == {"s1"}
+    assert len(wakes) > 2  # publishes woke the server thread for parked polls
+
+
+def test_a_reader_whose_board_slot_is_taken_asks_the_long_poll(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """When another request takes the slot mid-read, the board no longer holds this one: the
+    reader falls back to the long poll and still lands every layer's bytes."""
+    monkeypatch.setenv("FKV_PUBLISH_BOARD", "1")
+    statuses = _count_statuses(monkeypatch)
+    caches = fkv.allocate(SPEC)
+    for i, layer in enumerate(caches):
+        layer.copy_(torch.arange(layer.numel()).view(layer.shape) % 251 + 1000 * i)
+    with serve(engine("p"), SPEC, caches) as server:
+        slot = _board._slot(server._board.salt, "s1")[0]
+        other = next(rid for rid in (f"other-{i}" for i in range(200000))
+                     if _board._slot(server._board.salt, rid)[0] == slot)
+        local = fkv.allocate(SPEC)
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            server.hold("s1", [3, 5], layers_ready=0)
+            out: dict[str, object] = {}
+            reader = threading.Thread(target=lambda: out.update(
+                r=client.read("s1", [1, 2], [3, 5], timeout=20, stream=True)))
+            reader.start()
+            time.sleep(0.1)
+            server.publish("s1", 1)
+            time.sleep(0.1)
+            assert statuses == []              # the board answered so far
+            server.hold(other, [6], layers_ready=0)  # takes s1's slot
+            time.sleep(0.1)
+            for n in range(2, SPEC.num_layers + 1):
+                server.publish("s1", n)
+                time.sleep(0.05)
+            reader.join(30)
+            result = out["r"]
+            assert result.ok, result.error
+            for mine, theirs in zip(local, caches, strict=True):
+                assert torch.equal(mine[1:3], theirs[[3, 5]])
+            assert "s1" in statuses            # the long poll took over
+
+
 def test_a_streaming_read_sleeps_on_the_board_between_layers(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A streaming read waiting for slow layers sleeps on the board's futex (it spins only

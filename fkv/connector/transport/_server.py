@@ -247,7 +247,13 @@ class Server:
                 self._waiter.put(event)
                 self._news = True  # readers counting published layers may go now
                 return
-        self._wake()
+            # the server thread has nothing to do for this publish unless a long poll is parked
+            # or a release is due (same-host readers read the board); otherwise its next turn
+            # (at most 2 ms) looks, as _news says
+            busy = bool(self._parked) or release is not None
+            self._news = True
+        if busy:
+            self._wake()
 
     def layers_ready(self, request_id: str) -> int | None:
         """Layers of ``request_id`` readers may read now (None: not held)."""

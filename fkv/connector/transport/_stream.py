@@ -69,7 +69,9 @@ class Watch:
     def ask(self, request_id: str, after: int, recorded: bool = False) -> None:
         """Start a long poll on every rank not known to have more than ``after`` layers of
         ``request_id`` published (a rank with a poll still out keeps that one): each answers as
-        soon as it has news, so the wait overlaps whatever the caller does next. ``recorded``:
+        soon as it has news, so the wait overlaps whatever the caller does next. A rank whose
+        board holds the request and can be slept on gets none (its server thread is left alone;
+        once the board stops holding it, the next look asks). ``recorded``:
         count layers published (writes enqueued before the rank's publish event), for a reader
         whose stream waits for that event."""
         if request_id != self._request:
@@ -78,6 +80,10 @@ class Watch:
             for rank, dealer in self.dealers.items():
                 if rank in self._out or self._known.get(rank, -1) > after:
                     continue
+                board = self.boards.get(rank)
+                if board is not None and board.can_wait and \
+                        board.layers(request_id, recorded) is not None:
+                    continue  # its board holds the request: the next count written wakes us
                 token = next(_tokens)
                 dealer.send(_side.Status(token=token, request_id=request_id, after=after,
                                          wait=LONG_POLL, recorded=recorded))
