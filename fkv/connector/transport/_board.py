@@ -46,7 +46,6 @@ import stat
 import sys
 from typing import Any
 
-
 from fkv.errors import FkvError
 
 __all__ = ["Board", "BoardView", "SLOTS"]

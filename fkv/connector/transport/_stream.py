@@ -7,8 +7,9 @@ own side-channel address with the layers readers may read now (on CUDA only afte
 ``after`` layers published (its server thread is woken by ``publish``, or by the thread that waits
 for the publish's event), so news reaches the decode rank one side-channel message after it
 happened, with no polling interval. :class:`Watch` asks every prefill rank a decode rank reads
-and returns the smallest answer: a layer is readable once every rank holding a part of it
-published it.
+(except a same-host rank whose publish board holds the request: the reader sleeps on the board
+instead, ``_board``) and returns the smallest answer: a layer is readable once every rank holding
+a part of it published it.
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ class Watch:
     def _beyond_boards(self, request_id: str, after: int, deadline: float,
                        recorded: bool) -> int:
         """``beyond`` reading the boards of the same-host ranks between non-blocking looks at
-        the long polls (still out on every rank: the answer of a rank without a board, or of a
-        slot another request took). When every rank still awaited has a board that can wait
+        the long polls (out on every rank whose board does not answer: a rank without a board,
+        a board that cannot be slept on, a slot another request took). When every rank still awaited has a board that can wait
         (a futex on its sequence, ``_board``): busy for ``BOARD_SPIN_FUTEX`` s, then asleep on
         the sequence of one such board until it moves (at most ``BOARD_SLEEP`` s at a time);
         otherwise busy for ``BOARD_SPIN`` s, then in naps of ``BOARD_NAP`` s on a long poll's
