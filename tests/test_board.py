@@ -386,3 +386,29 @@ def test_a_streaming_read_takes_its_news_from_the_board(monkeypatch: pytest.Monk
     assert boards is use_board
     # the board ended waits (the long poll may still win one on a loaded machine)
     assert (news >= 1) if use_board else news == 0, news
+
+
+def test_a_reads_seconds_count_the_whole_call_its_checks_included(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ReadResult.seconds`` is the whole call and ``layer_seconds`` count from its start: time
+    spent checking the block ids (here made 50 ms each) is in both, as a caller waits for it."""
+    from fkv.connector.transport import _client
+
+    real = _client.check_block_ids
+
+    def slow(*args: object, **kwargs: object) -> object:
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_client, "check_block_ids", slow)
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
+        with connect(engine("d"), SPEC, fkv.allocate(SPEC),
+                     remote_address=server.address) as client:
+            server.hold("w", [3, 5])
+            started = time.perf_counter()
+            result = client.read("w", [1, 2], [3, 5])
+            took = time.perf_counter() - started
+            assert result.ok, result.error
+            assert 0.1 <= result.seconds <= took
+            assert len(result.layer_seconds) == SPEC.num_layers
+            assert all(0.1 <= t <= took for t in result.layer_seconds)

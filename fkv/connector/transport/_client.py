@@ -166,6 +166,7 @@ class Client:
         ``ok=False`` at ``timeout`` naming the last layer received; nothing is reported as done
         and the prefill ranks are not notified.
         """
+        t0 = time.perf_counter()  # ``seconds`` and ``layer_seconds`` count the whole call
         if not isinstance(request_id, str) or not request_id:
             raise field_error("request_id", request_id, "a non-empty str")
         if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
@@ -183,7 +184,6 @@ class Client:
                                    "blocks of at least one token")
             except FkvError as e:
                 raise FkvError(f"{e}; nothing was transferred") from None
-            t0 = time.perf_counter()
             deadline = time.monotonic() + float(timeout)
             tally = Tally()
             path, rows = state.choose(local, remote, tokens)
