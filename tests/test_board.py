@@ -199,21 +199,33 @@ def test_a_wait_sleeps_until_a_count_is_written(board: Board) -> None:
         view.close()
 
 
+def _filled_caches() -> list[torch.Tensor]:
+    caches = fkv.allocate(SPEC)
+    for i, layer in enumerate(caches):
+        layer.copy_(torch.arange(layer.numel()).view(layer.shape) % 251 + 1000 * i)
+    return caches
+
+
+def _read_s1_in_a_thread(client: object) -> tuple[threading.Thread, dict[str, object]]:
+    """Start the streamed read of s1 (remote blocks 3, 5 into local 1, 2); ``out["r"]`` gets
+    its result."""
+    out: dict[str, object] = {}
+    reader = threading.Thread(target=lambda: out.update(
+        r=client.read("s1", [1, 2], [3, 5], timeout=20, stream=True)))
+    reader.start()
+    return reader, out
+
+
 def _streamed_read(pause: float) -> tuple[bool, int]:
     """A streaming read of request s1 (blocks 3, 5 -> 1, 2) started before the first publish,
     one layer published every ``pause`` s; checks every layer's bytes. Returns whether the
     client read a board and how many waits the board ended."""
-    caches = fkv.allocate(SPEC)
-    for i, layer in enumerate(caches):
-        layer.copy_(torch.arange(layer.numel()).view(layer.shape) % 251 + 1000 * i)
+    caches = _filled_caches()
     with serve(engine("p"), SPEC, caches) as server:
         local = fkv.allocate(SPEC)
         with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
             server.hold("s1", [3, 5], layers_ready=0)
-            out: dict[str, object] = {}
-            reader = threading.Thread(target=lambda: out.update(
-                r=client.read("s1", [1, 2], [3, 5], timeout=20, stream=True)))
-            reader.start()
+            reader, out = _read_s1_in_a_thread(client)
             for n in range(1, SPEC.num_layers + 1):
                 time.sleep(pause)
                 server.publish("s1", n)
@@ -272,9 +284,7 @@ def test_a_reader_whose_board_slot_is_taken_asks_the_long_poll(
     reader falls back to the long poll and still lands every layer's bytes."""
     monkeypatch.setenv("FKV_PUBLISH_BOARD", "1")
     statuses = _count_statuses(monkeypatch)
-    caches = fkv.allocate(SPEC)
-    for i, layer in enumerate(caches):
-        layer.copy_(torch.arange(layer.numel()).view(layer.shape) % 251 + 1000 * i)
+    caches = _filled_caches()
     with serve(engine("p"), SPEC, caches) as server:
         slot = _board._slot(server._board.salt, "s1")[0]
         other = next(rid for rid in (f"other-{i}" for i in range(200000))
@@ -282,10 +292,7 @@ def test_a_reader_whose_board_slot_is_taken_asks_the_long_poll(
         local = fkv.allocate(SPEC)
         with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
             server.hold("s1", [3, 5], layers_ready=0)
-            out: dict[str, object] = {}
-            reader = threading.Thread(target=lambda: out.update(
-                r=client.read("s1", [1, 2], [3, 5], timeout=20, stream=True)))
-            reader.start()
+            reader, out = _read_s1_in_a_thread(client)
             time.sleep(0.1)
             server.publish("s1", 1)
             time.sleep(0.1)

@@ -136,12 +136,7 @@ class Watch:
             self.ask(request_id, after, recorded)
             for rank in list(self._out):
                 self._collect(rank, None)
-            heard = False
-            for rank, board in self.boards.items():
-                n = board.layers(request_id, recorded)
-                if n is not None and n > self._known.get(rank, 0):
-                    self._known[rank] = n
-                    heard = True
+            heard = self._read_boards(request_id, recorded)
             least = min(self._known.get(rank, 0) for rank in self.dealers)
             now = time.monotonic()
             if least > after:
@@ -159,15 +154,20 @@ class Watch:
                 rank = next(iter(self._out))
                 self._collect(rank, min(deadline, now + BOARD_NAP))
 
-    def _heard(self, request_id: str, after: int, recorded: bool) -> bool:
-        """Whether the boards alone show every rank past ``after`` (the counts they hold are
-        kept either way; the long polls are left for the full look)."""
+    def _read_boards(self, request_id: str, recorded: bool) -> bool:
+        """Take the counts the boards hold for ``request_id``; whether one raised a count."""
         heard = False
         for rank, board in self.boards.items():
             n = board.layers(request_id, recorded)
             if n is not None and n > self._known.get(rank, 0):
                 self._known[rank] = n
                 heard = True
+        return heard
+
+    def _heard(self, request_id: str, after: int, recorded: bool) -> bool:
+        """Whether the boards alone show every rank past ``after`` (the counts they hold are
+        kept either way; the long polls are left for the full look)."""
+        heard = self._read_boards(request_id, recorded)
         if all(self._known.get(rank, 0) > after for rank in self.dealers):
             self.board_news += heard
             return True
