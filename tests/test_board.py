@@ -89,7 +89,8 @@ def test_words_are_whole_native_words_and_slots_are_remembered_within_a_bound(
     ``BoardView`` decodes) and bumps the sequence; the slot of each request is hashed once and
     remembered until its ``clear``, and never more than ``_SLOT_MEMO`` are remembered."""
     slot, tag = _board._slot(board.salt, "r1")
-    seq = int.from_bytes(pathlib.Path(board.path).read_bytes()[_board._SEQ:_board._SEQ + 4], "little")
+    raw = pathlib.Path(board.path).read_bytes()
+    seq = int.from_bytes(raw[_board._SEQ:_board._SEQ + 4], "little")
     board.set("r1", 7, 5)
     raw = pathlib.Path(board.path).read_bytes()
     assert int.from_bytes(raw[16 * slot:16 * slot + 8], sys.byteorder) == tag << 16 | 7

@@ -119,9 +119,10 @@ class Watch:
                        recorded: bool) -> int:
         """``beyond`` reading the boards of the same-host ranks between non-blocking looks at
         the long polls (out on every rank whose board does not answer: a rank without a board,
-        a board that cannot be slept on, a slot another request took). When every rank still awaited has a board that can wait
-        (a futex on its sequence, ``_board``): busy for ``BOARD_SPIN_FUTEX`` s, then asleep on
-        the sequence of one such board until it moves (at most ``BOARD_SLEEP`` s at a time);
+        a board that cannot be slept on, a slot another request took). When every rank still
+        awaited has a board that can wait (a futex on its sequence, ``_board``): busy for
+        ``BOARD_SPIN_FUTEX`` s, then asleep on the sequence of one such board until it moves
+        (at most ``BOARD_SLEEP`` s at a time);
         otherwise busy for ``BOARD_SPIN`` s, then in naps of ``BOARD_NAP`` s on a long poll's
         socket. (A rank whose board slot another request took answers only by its long poll,
         which a board sleep then hears within ``BOARD_SLEEP`` s.)"""
