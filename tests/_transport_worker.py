@@ -305,7 +305,9 @@ class Worker:
                 "packed": dict(packed.last) if packed is not None and
                 result.strategy == "packed" else None,
                 # direct/staging: layer ranges read from READs computed while awaiting the layer
-                "prepared_reads": getattr(plan_path, "prepared_reads", None)}
+                "prepared_reads": getattr(plan_path, "prepared_reads", None),
+                # ... and READs created during a wait that no read posted (released)
+                "discarded_reads": getattr(plan_path, "discarded_reads", None)}
 
     def cmd_read_async(self, cmd: dict[str, Any]) -> None:
         """Start a read in a thread (``read_wait`` collects it): the worker keeps answering."""

@@ -917,15 +917,17 @@ def test_streaming_layers_land_as_published(cluster: Any, case: str) -> None:
         results = [d.call("read_wait", name=pair.name) for d in pair.D]
         assert [r["result_ok"] for r in results] == [True] * dtp, results
         assert {r["path"] for r in results} == {path}
-        for r in results:
+        for r, c in zip(results, pair.connected, strict=True):
             landed = [r["started_at"] + t for t in r["layer_seconds"]]
             assert len(landed) == 4 and landed == sorted(landed)
             publish_of_layer = [published[0], published[1], published[2], published[2]]
             assert all(t >= p for t, p in zip(landed, publish_of_layer, strict=True)), (landed,
                                                                                       published)
             assert landed[0] < landed[1] < landed[2] == landed[3], landed  # 3 ranges, in order
-            if path in ("direct", "staging"):  # the single layers awaited: READs computed ahead
-                assert r["prepared_reads"] == 2, r
+            if path in ("direct", "staging"):  # the single layers awaited: READs created ahead
+                assert r["prepared_reads"] == 2, r  # layers 0 and 1
+                # layer 2's READs (one per prefill rank read), unposted: layers 2-3 came together
+                assert r["discarded_reads"] == len(c["remote_ranks"]), (r, c)
         if path == "packed":  # one READ per prefill rank read per chunk of each of the 3 ranges
             reads = [len(c["remote_ranks"]) for c in pair.connected]
             chunks = (2, 2, 4) if case.endswith("chunks") else (1, 1, 1)

@@ -4,7 +4,8 @@ One prefill process (P TP=1) and one decode rank in this process (D TP=1), HND 8
 1024-block caches of 8 layers. Each request is held with 7 layers published; 30 ms later the
 prefill publishes the last one while the decode's streamed read waits for it. The tail is
 publish -> read returned; ``spans`` says, per step of the decode (the path's read, the READ's
-creation and post, its wait, the notification, the result and its telemetry), where it started
+creation and post, its wait, the notification, the result and its telemetry; inside them NIXL's
+own calls and the notification's message), where it started
 and how long it took after the last layer's news reached the decode; ``publish_call_ms`` is the
 prefill's own ``publish`` call, and ``woke_*`` split the news at the return of the decode's
 futex sleep. "one layer" is a non-streamed read of the same size / 8. ``--tree PATH`` is not an
@@ -16,6 +17,7 @@ layer's news arrived, as before).
 
     python bench/experiments/stream_tail_cpu.py        # JSON to $OUT (or /tmp)
     python bench/experiments/stream_tail_cpu.py --staging   # decode NHD: the staging path
+    python bench/experiments/stream_tail_cpu.py --ahead-only   # the default variant only
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ HEADS = 8
 LAYERS = 8
 BLOCKS = 1024
 STAGING = "--staging" in sys.argv
+AHEAD_ONLY = "--ahead-only" in sys.argv  # two "ahead" rows per size, no "at news" rows
 
 
 def _spec(layout: str = "HND"):
@@ -108,6 +111,15 @@ def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
     wrap(_agent.Agent, "read", "READ create + post")
     wrap(_plan_path, "wait_reads", "READ wait")
     wrap(_link.Link, "notify", "notify")
+    wrap(_link.Link, "notif", "notify: message built")
+    # NIXL's own calls inside the steps above
+    from fkv.connector.transport._base import load_nixl
+
+    nixl_agent = load_nixl().nixl_agent
+    wrap(nixl_agent, "make_prepped_xfer", "READ create (NIXL)")
+    wrap(nixl_agent, "transfer", "READ post (NIXL)")
+    wrap(nixl_agent, "send_notif", "notify: send (NIXL)")
+    wrap(nixl_agent, "get_new_notifs", "notify: progress (NIXL)")
     wrap(_plan_path.PlanPath, "_run_staging", "staging move")
     tails, news, pubs, wakes, steps = [], [], [], [], collections.defaultdict(list)
     try:
@@ -187,7 +199,8 @@ def main() -> None:
     ahead = _plan_path.PlanPath.layer_reads
     try:
         for n in (16, 256):
-            for tag in ("ahead",) * 2 if STAGING else ("ahead", "at news", "ahead", "at news"):
+            for tag in ("ahead",) * 2 if STAGING or AHEAD_ONLY else ("ahead", "at news",
+                                                                       "ahead", "at news"):
                 _plan_path.PlanPath.layer_reads = ahead if tag == "ahead" else (
                     lambda self, rows, layer: None)
                 rows.append(_measure(client, a, n, 30, tag))

@@ -74,6 +74,8 @@ class Case:
     stream_tail_ms: float = 0.0  # streamed: last layer published -> every decode rank's read done
     stream_news_ms: float = 0.0  # ... -> the last layer's news reached every decode rank
     stream_landed_ms: float = 0.0  # ... -> the last layer landed on every decode rank
+    stream_return_ms: float = 0.0  # the last layer landed -> read returned, slowest decode rank
+    stream_profile: dict[str, list[float]] = field(default_factory=dict)  # streamed reads' stages
     stream_cpu_ms: float = 0.0   # CPU time of a decode rank's process during one streamed read
     layer_ms: float = 0.0        # one layer's share of the same request's non-streamed read
     # results
@@ -382,13 +384,16 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         if address is None:  # the prefill rank failed to start
             return
         from fkv.connector.transport._agent import Agent
+        from fkv.connector.transport._client import Client
         from fkv.connector.transport._ipc_path import IpcPath
         from fkv.connector.transport._packed_path import PackedPath
         from fkv.connector.transport._plan_path import PlanPath
+        from fkv.telemetry import Telemetry
 
         stats = _timers([(PackedPath, "_ask"), (Agent, "read_descs"), (Agent, "read"),
                          (Agent, "wait"), (PackedPath, "_scatter"), (PlanPath, "_run_staging"),
-                         (Agent, "notify"), (IpcPath, "read")])
+                         (Agent, "notify"), (IpcPath, "read"), (Client, "_result"),
+                         (Telemetry, "record")])
         packs = _trace_packs_decode()
         client = connect(_engine("bench-d", tp, rank), spec, caches, remote_address=address,
                          timeout=60.0, strategy=case["strategy"])
@@ -453,6 +458,7 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         stream_news: list[list[float]] = []    # when the last layer's news reached this rank
         stream_landed: list[list[float]] = []  # when the last layer landed
         stream_cpu: list[list[float]] = []     # the process's CPU seconds during each read
+        stream_stats: dict[int, Any] = {}       # the stages' timers during the streamed reads
         if cfg.get("stream"):
             from fkv.connector.transport._stream import Watch
 
@@ -468,6 +474,8 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
             for n in case["sizes"]:
                 local, remote = _stream_blocks(cfg, n)
                 ends, heard, landed, cpu = [], [], [], []
+                for seconds in stats.values():
+                    seconds.clear()
                 for rep in range(cfg["stream_reps"]):
                     sbarrier.wait()
                     news.clear()
@@ -484,9 +492,11 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
                 stream_news.append(heard)
                 stream_landed.append(landed)
                 stream_cpu.append(cpu)
+                stream_stats[n] = {k: list(v) for k, v in stats.items()}
         _send(conn, strategy=client.plan.strategy, runs=runs_by_size, ttfb=ttfb,
               stats=stats_by_size, packs=packs_by_size, first_read=first, stream_ends=stream_ends,
-              stream_news=stream_news, stream_landed=stream_landed, stream_cpu=stream_cpu)
+              stream_news=stream_news, stream_landed=stream_landed, stream_cpu=stream_cpu,
+              stream_stats=stream_stats)
         client.close()
     except Exception as e:
         barrier.abort()
@@ -571,6 +581,11 @@ def _run_case(cfg: dict[str, Any], case: Case) -> list[Case]:
                 c.stream_news_ms = after_last("stream_news")
                 c.stream_landed_ms = after_last("stream_landed")
                 c.stream_cpu_ms = 1e3 * max(statistics.median(o["stream_cpu"][k]) for o in outs)
+                c.stream_return_ms = 1e3 * statistics.median(
+                    max(o["stream_ends"][k][i] - o["stream_landed"][k][i] for o in outs)
+                    for i in reps)
+                c.stream_profile = _profile({}, [o["stream_stats"][str(n)] for o in outs],
+                                            cfg["stream_reps"])
                 c.layer_ms = c.ms / cfg["layers"]
             results.append(c)
         return results
@@ -813,7 +828,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row.ms:.3f} ms/read, first read {row.first_read_ms:.1f} ms"
                      + (f"; streamed tail {row.stream_tail_ms:.3f} ms (one layer "
                         f"{row.layer_ms:.3f} ms; news {row.stream_news_ms:.3f}, landed "
-                        f"{row.stream_landed_ms:.3f}; decode CPU {row.stream_cpu_ms:.1f} ms per "
+                        f"{row.stream_landed_ms:.3f}, returned +{row.stream_return_ms:.3f}; "
+                        f"decode CPU {row.stream_cpu_ms:.1f} ms per "
                         f"read)" if cfg["stream"] and not row.error
                         else "")),
                   flush=True)
@@ -864,12 +880,15 @@ def main(argv: list[str] | None = None) -> int:
                         "stream_news_ms": c.stream_news_ms,
                         "stream_landed_ms": c.stream_landed_ms,
                         "stream_cpu_ms": c.stream_cpu_ms,
+                        "stream_return_ms": c.stream_return_ms,
                         "tail_over_layer_x": c.stream_tail_ms / c.layer_ms if c.layer_ms else None,
                         "nonstreamed_over_tail_x": c.ms / c.stream_tail_ms
                         if c.stream_tail_ms else None} if cfg["stream"] else {})},
                 error=c.error,
                 extra={"rank_gbps": c.rank_gbps, "profile_ms_per_call": c.profile,
                        **({"pack_hops_ms": c.pack_hops} if c.pack_hops else {}),
+                       **({"stream_profile_ms_per_call": c.stream_profile}
+                          if c.stream_profile else {}),
                        "plan_strategy": c.plan_strategy, "nccl_note": link.get("nccl_note", "")})
     run.extra["env_transport"] = env
     run.extra["nixl_progress"] = progress

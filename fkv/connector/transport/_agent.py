@@ -269,13 +269,27 @@ class Agent:
     def read(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
              remote_name: str, nbytes: int, notif: bytes = b"") -> Xfer:
         """Create and post one READ (remote -> local descriptors, index for index)."""
+        return self._post(self.create_read(local, local_idx, remote, remote_idx, remote_name,
+                                           notif), remote_name, nbytes)
+
+    def create_read(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
+                    remote_name: str, notif: bytes = b"") -> Any:
+        """Create one READ without posting it (NIXL resolves its descriptors now; nothing
+        moves): a NIXL handle for :meth:`post`, or for :meth:`discard` if it is never posted."""
         try:
-            handle = self._agent.make_prepped_xfer("READ", local, local_idx, remote, remote_idx,
-                                                   notif)
+            return self._agent.make_prepped_xfer("READ", local, local_idx, remote, remote_idx,
+                                                 notif)
         except Exception as e:
             raise TransferFailed(f"could not create a READ from {remote_name!r}: "
                                  f"{type(e).__name__}: {e}") from e
+
+    def post(self, handle: Any, remote_name: str, nbytes: int) -> Xfer:
+        """Post a READ :meth:`create_read` made (on failure its handle is released)."""
         return self._post(handle, remote_name, nbytes)
+
+    def discard(self, handle: Any) -> None:
+        """Release a READ :meth:`create_read` made that was never posted."""
+        self.release(Xfer(handle, "", 0))
 
     def read_descs(self, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str,
                    remote_name: str, nbytes: int, notif: bytes = b"") -> Xfer:

@@ -182,6 +182,7 @@ class Client:
                 if tokens == 0:
                     raise FkvError("'local_block_ids' and 'remote_block_ids' are empty: pass the "
                                    "blocks of at least one token")
+                done = state.link.notif(request_id)  # made now: after the last byte it only goes
             except FkvError as e:
                 raise FkvError(f"{e}; nothing was transferred") from None
             deadline = time.monotonic() + float(timeout)
@@ -193,13 +194,13 @@ class Client:
                     layer_seconds = self._stream(state, path, request_id, local, remote, tokens,
                                                  deadline, tally, t0)
                     state.link.notify((*state.plan.remote_ranks, *state.plan.notify_only_ranks),
-                                      request_id)
+                                      done)
                 else:
                     if rows is not None:
                         path.read(request_id, local, remote, tokens, deadline, tally, rows)
                     else:
                         path.read(request_id, local, remote, tokens, deadline, tally)
-                    state.link.notify(state.notify_after(path), request_id)
+                    state.link.notify(state.notify_after(path), done)
             except (TransferFailed, SideChannelError) as e:
                 self.telemetry.failure(failure_kind(str(e)))
                 return self._result(False, request_id, tally, t0, path.name, str(e))
@@ -245,6 +246,16 @@ class Client:
                 tokens: int, deadline: float, tally: Tally, t0: float) -> tuple[float, ...]:
         """Move the layers of a streaming request as the prefill ranks publish them: a long
         poll asks for the next layers while the previous ones move."""
+        try:
+            return self._stream_layers(state, path, request_id, local, remote, tokens, deadline,
+                                       tally, t0)
+        finally:  # READs created ahead for a layer that came with others, or a read that failed
+            if hasattr(path, "discard_unposted"):
+                path.discard_unposted()
+
+    def _stream_layers(self, state: Connection, path: Any, request_id: str, local: Any,
+                       remote: Any, tokens: int, deadline: float, tally: Tally,
+                       t0: float) -> tuple[float, ...]:
         watch = state.watch()
         watch.start(request_id)
         total = state.remote_spec.num_layers
@@ -260,7 +271,7 @@ class Client:
             done = len(landed)
             got = f"layers 0..{done - 1} landed" if done else "no layer landed"
             after = done if layered else total - 1
-            ahead = None  # the READs of layer `done`, computed while it is awaited
+            ahead = None  # the READs of layer `done`, created while it is awaited
             try:
                 ready = watch.beyond(request_id, after, deadline, recorded, wait=False)
                 if ready <= after:

@@ -249,8 +249,8 @@ class Link:
         engine = self.local.engine
         return notification(request_id, engine.engine_id, engine.tp_rank)
 
-    def notify(self, ranks: Any, request_id: str) -> None:
-        message = self.notif(request_id)
+    def notify(self, ranks: Any, message: bytes) -> None:
+        """Send ``message`` (:meth:`notif`) to each of ``ranks``."""
         for rank in ranks:
             self.local.agent.notify(self.names[rank], message)
 

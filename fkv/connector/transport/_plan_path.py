@@ -2,9 +2,10 @@
 pages into the staging buffer, then ``fkv.ops.move`` rearranges them).
 
 A request becomes the plan's rows (``TransferPlan.segments``), the rows granule index runs (NIXL
-merges runs contiguous on both sides into one descriptor), one READ per prefill rank (the last
-chunk's carries the request notification), polled to DONE before the deadline, then the plan's
-staging moves. A staging read larger than the staging buffer goes in chunks.
+merges runs contiguous on both sides into one descriptor), one READ per prefill rank, polled to
+DONE before the deadline, then the plan's staging moves. A staging read larger than the staging
+buffer goes in chunks. The READs carry no notification: the client notifies once every READ of
+the request landed.
 """
 
 from __future__ import annotations
@@ -41,17 +42,25 @@ def staging_blocks(plan: Any, local_spec: Any, remote_spec: Any, staging_bytes_m
     return min(blocks, max(remote_spec.num_blocks, step // remote_spec.block_size))
 
 
-@attrs.frozen
+@attrs.define
 class LayerReads:
     """The READs of a request's remote ``layers`` (a range; None: every layer), ready to create:
     per prefill rank ``(rank, local descriptor indices, remote descriptor indices, bytes)``, for
     the descriptor ``granule`` they were computed with; ``rows``: plan rows (descriptors before
-    NIXL merges them)."""
+    NIXL merges them). ``created``: NIXL handles of ``reads`` already created, not posted (one
+    per read; :meth:`PlanPath.layer_reads`), owned by this value until a read posts them or
+    :meth:`PlanPath.discard_unposted` releases them."""
 
     layers: tuple[int, int] | None
     granule: int
     rows: int
     reads: tuple[tuple[int, np.ndarray, np.ndarray, int], ...]
+    created: list[Any] | None = None
+
+    def take(self) -> list[Any] | None:
+        """The created handles, now the caller's to post or release (None: none were made)."""
+        created, self.created = self.created, None
+        return created
 
 
 @attrs.define
@@ -85,6 +94,10 @@ class PlanPath:
         self.quarantine: list[Any] = []
         #: layer ranges read from READs computed ahead (layer_reads), since the connection began
         self.prepared_reads = 0
+        #: READs created ahead and released unposted (discard_unposted), since the connection
+        #: began; and the LayerReads values that may still hold created READs
+        self.discarded_reads = 0
+        self._ahead: list[LayerReads] = []
         self._staging_memo: _StagingMemo | None = None  # the last request's staging moves
 
     def describe(self) -> str:
@@ -108,23 +121,50 @@ class PlanPath:
     def read(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
              deadline: float, tally: Tally, rows: np.ndarray | None = None,
              layers: tuple[int, int] | None = None, prepared: LayerReads | None = None) -> None:
-        """Read the request (``layers=(a, b)``: only those remote layers, and the READs carry no
-        notification: the caller notifies once every layer landed). ``prepared``: the READs of
-        exactly ``layers``, from :meth:`layer_reads` (a one-chunk request)."""
+        """Read the request (``layers=(a, b)``: only those remote layers). ``prepared``: the
+        READs of exactly ``layers``, from :meth:`layer_reads` (a one-chunk request); the read
+        posts its created READs, or leaves them to :meth:`discard_unposted` when it cannot use
+        them (another range, a new granule)."""
         if layers is not None and not self.layered():
             raise FkvError("PlanPath.read: a layer range needs per-layer prefill caches")
         chunks = self.chunks(local, remote, tokens)
-        for k, (lc, rc, n_tok) in enumerate(chunks):
-            self._chunk(request_id, lc, rc, n_tok, False, deadline, tally,
+        for lc, rc, n_tok in chunks:
+            self._chunk(lc, rc, n_tok, deadline, tally,
                         rows if len(chunks) == 1 else None, layers,
                         prepared if len(chunks) == 1 else None)
 
     def layer_reads(self, rows: np.ndarray, layer: int) -> LayerReads:
-        """The READs of one remote layer of a one-chunk request, from its plan ``rows``: what a
-        streaming read computes while it waits for that layer, so that once the layer is
-        published only the READs are created and posted. Valid until the next read of another
-        request (the descriptor granule may change then)."""
-        return self._reads(rows, (layer, layer + 1))
+        """The READs of one remote layer of a one-chunk request, from its plan ``rows``, created
+        in NIXL but not posted: what a streaming read does while it waits for that layer, so
+        that once the layer is published the READs are only posted. Valid until the next read
+        of another request (the descriptor granule may change then); what no read posts is
+        released by :meth:`discard_unposted`. (Creating a READ resolves descriptors on this side
+        only: nothing moves and the prefill rank sees nothing until the post.)"""
+        reads = self._reads(rows, (layer, layer + 1))
+        link = self.link
+        agent = link.local.agent
+        created: list[Any] = []
+        try:
+            for rank, local_idx, remote_idx, _ in reads.reads:
+                created.append(agent.create_read(link.local_dlist, local_idx,
+                                                 link.remote_dlists[rank], remote_idx,
+                                                 link.names[rank]))
+        except TransferFailed:  # the post will create them again and say what failed
+            for handle in created:
+                agent.discard(handle)
+            return reads
+        reads.created = created
+        self._ahead.append(reads)
+        return reads
+
+    def discard_unposted(self) -> None:
+        """Release every READ :meth:`layer_reads` created that no read posted (a streaming read
+        calls it when it ends, landed or failed)."""
+        ahead, self._ahead = self._ahead, []
+        for reads in ahead:
+            for handle in reads.take() or ():
+                self.link.local.agent.discard(handle)
+                self.discarded_reads += 1
 
     def _reads(self, rows: np.ndarray, layers: tuple[int, int] | None) -> LayerReads:
         link = self.link
@@ -137,8 +177,8 @@ class PlanPath:
             reads.append((rank, *link.indices(mine), int(mine[:, 5].sum())))
         return LayerReads(layers, link.granule, int(rows.shape[0]), tuple(reads))
 
-    def _chunk(self, request_id: str, local: np.ndarray, remote: np.ndarray, tokens: int,
-               last: bool, deadline: float, tally: Tally, rows: np.ndarray | None,
+    def _chunk(self, local: np.ndarray, remote: np.ndarray, tokens: int,
+               deadline: float, tally: Tally, rows: np.ndarray | None,
                layers: tuple[int, int] | None = None,
                prepared: LayerReads | None = None) -> None:
         link = self.link
@@ -147,6 +187,7 @@ class PlanPath:
                                      or prepared.granule != link.granule):
             prepared = None  # another range, or the descriptors were prepared again since
         self._drain_quarantine(deadline)
+        created = None
         if prepared is None:
             if rows is None:
                 rows = plan.segments(local, remote, num_tokens=tokens)
@@ -154,16 +195,21 @@ class PlanPath:
         else:
             reads = prepared
             self.prepared_reads += 1
+            created = reads.take()
         tally.descriptors += reads.rows
         xfers: list[Any] = []
         ranks: list[int] = []
         t0 = time.perf_counter()
         try:
-            for rank, local_idx, remote_idx, nbytes in reads.reads:
-                notif = link.notif(request_id) if last else b""
+            for i, (rank, local_idx, remote_idx, nbytes) in enumerate(reads.reads):
                 try:
-                    xfers.append(agent.read(link.local_dlist, local_idx, link.remote_dlists[rank],
-                                            remote_idx, link.names[rank], nbytes, notif))
+                    if created is not None:
+                        handle, created[i] = created[i], None
+                        xfers.append(agent.post(handle, link.names[rank], nbytes))
+                    else:
+                        xfers.append(agent.read(link.local_dlist, local_idx,
+                                                link.remote_dlists[rank], remote_idx,
+                                                link.names[rank], nbytes))
                 except TransferFailed as e:
                     raise TransferFailed(f"prefill rank {rank} of engine {link.engine_id!r}: {e}; "
                                          f"the prefill process may have died: reconnect once it "
@@ -171,6 +217,9 @@ class PlanPath:
                 ranks.append(rank)
             wait_reads(agent, xfers, ranks, link.engine_id, deadline, link.spin)
         finally:
+            for handle in created or ():  # created ahead, not posted: a post before them failed
+                if handle is not None:
+                    agent.discard(handle)
             tally.bytes += sum(x.nbytes for x in xfers if x.state == "DONE")
             tally.transfer_seconds += time.perf_counter() - t0
             for x in xfers:
@@ -232,6 +281,7 @@ class PlanPath:
                      num_tokens=step.num_tokens)
 
     def close(self) -> None:
+        self.discard_unposted()
         for x in self.quarantine:  # the agent keeps handles NIXL cannot release yet
             self.link.local.agent.release(x)
         self.quarantine.clear()

@@ -1,0 +1,209 @@
+"""What a read prepares before its bytes can move: a streaming read creates the awaited layer's
+READs in NIXL while it waits (posting them is all that is left once the layer is published), and
+every read makes its done notification before the first READ. Each READ created is posted or
+released, whichever way the read ends. CPU, real NIXL, one process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import fkv
+from fkv.connector import EngineDesc, connect, serve
+from fkv.connector.transport import _agent
+from fkv.connector.transport._base import TransferFailed
+from fkv.errors import FkvError
+
+pytestmark = pytest.mark.transport
+
+SPEC = fkv.KVCacheSpec(layout="HND", num_blocks=8, block_size=4, num_kv_heads=2, head_size=8,
+                       num_layers=3)
+
+
+def engine(name: str) -> EngineDesc:
+    return EngineDesc(engine_id=name, tp_size=1, tp_rank=0, total_num_kv_heads=2)
+
+
+def _zeros() -> list[torch.Tensor]:
+    caches = fkv.allocate(SPEC)
+    for layer in caches:
+        layer.zero_()
+    return caches
+
+
+def _filled() -> list[torch.Tensor]:
+    caches = fkv.allocate(SPEC)
+    for i, layer in enumerate(caches):
+        layer.copy_(torch.arange(layer.numel()).view(layer.shape) % 251 + 1000 * i)
+    return caches
+
+
+class _Handles:
+    """Every READ the agents create, post, discard and release (by NIXL handle)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.created: list[Any] = []
+        self.posted: list[Any] = []
+        self.released: list[Any] = []
+        real_create, real_post, real_release = (_agent.Agent.create_read, _agent.Agent._post,
+                                                _agent.Agent.release)
+
+        def create_read(agent: Any, *args: Any, **kwargs: Any) -> Any:
+            handle = real_create(agent, *args, **kwargs)
+            self.created.append(handle)
+            return handle
+
+        def post(agent: Any, handle: Any, *args: Any) -> Any:
+            self.posted.append(handle)
+            return real_post(agent, handle, *args)
+
+        def release(agent: Any, xfer: Any) -> None:
+            self.released.append(xfer.handle)
+            real_release(agent, xfer)
+
+        monkeypatch.setattr(_agent.Agent, "create_read", create_read)
+        monkeypatch.setattr(_agent.Agent, "_post", post)
+        monkeypatch.setattr(_agent.Agent, "release", release)
+
+    def unreleased(self) -> list[Any]:
+        return [h for h in self.created if not any(h is r for r in self.released)]
+
+
+def _stream_in_a_thread(client: Any, timeout: float = 20.0) -> tuple[threading.Thread, dict]:
+    out: dict[str, Any] = {}
+    reader = threading.Thread(target=lambda: out.update(
+        r=client.read("s1", [1, 2], [3, 5], timeout=timeout, stream=True)))
+    reader.start()
+    return reader, out
+
+
+def _await_creates(handles: _Handles, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(handles.created) < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(handles.created) == n, handles.created
+
+
+def test_a_streamed_read_posts_the_read_it_made_during_the_wait_and_releases_the_rest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer 0 is published alone: the READ created while it was awaited is the one posted.
+    Layers 1 and 2 come together: the READ created for layer 1 alone is released unposted and
+    one READ of both layers moves them. Every byte lands; no created READ stays unreleased."""
+    handles = _Handles(monkeypatch)
+    caches = _filled()
+    with serve(engine("p"), SPEC, caches) as server:
+        local = fkv.allocate(SPEC)
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            server.hold("s1", [3, 5], layers_ready=0)
+            reader, out = _stream_in_a_thread(client)
+            _await_creates(handles, 1)  # layer 0's READ exists before layer 0 is published
+            assert handles.posted == []
+            server.publish("s1", 1)
+            _await_creates(handles, 2)  # then layer 1's, while layer 1 is awaited
+            first = handles.created[0]
+            assert len(handles.posted) == 1 and handles.posted[0] is first
+            server.publish("s1", 3)
+            reader.join(30)
+            result = out["r"]
+            assert result.ok, result.error
+            for mine, theirs in zip(local, caches, strict=True):
+                assert torch.equal(mine[1:3], theirs[[3, 5]])
+            path = client._state.plan_path
+            assert (path.prepared_reads, path.discarded_reads, path._ahead) == (1, 1, [])
+    # layer 0's READ posted as created; layer 1's released unposted; layers 1-2 read anew
+    assert len(handles.created) == 3 and len(handles.posted) == 2
+    assert handles.posted[1] is handles.created[2]
+    assert not any(handles.created[1] is p for p in handles.posted)
+    assert handles.unreleased() == []
+
+
+def test_a_streamed_read_that_times_out_releases_the_read_it_made_unposted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    handles = _Handles(monkeypatch)
+    with serve(engine("p"), SPEC, _filled()) as server:
+        local = _zeros()
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            server.hold("s1", [3, 5], layers_ready=0)
+            result = client.read("s1", [1, 2], [3, 5], timeout=0.5, stream=True)
+            assert not result.ok
+            assert "no layer landed, layer 0 of 3 was not published" in result.error
+            assert result.layer_seconds == () and result.bytes == 0
+            path = client._state.plan_path
+            assert (path.prepared_reads, path.discarded_reads, path._ahead) == (0, 1, [])
+            assert all(torch.count_nonzero(layer) == 0 for layer in local)
+    assert len(handles.created) == 1 and handles.posted == []
+    assert handles.unreleased() == []
+
+
+def test_a_created_read_whose_post_fails_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NIXL refuses the post of the READ created during the wait: the read fails naming the
+    prefill rank, the handle is released, and the next read of the connection works."""
+    handles = _Handles(monkeypatch)
+    caches = _filled()
+    with serve(engine("p"), SPEC, caches) as server:
+        local = fkv.allocate(SPEC)
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            nixl = client._agent._agent
+            real_transfer = nixl.transfer
+            calls = []
+
+            def transfer(handle: Any, *args: Any) -> str:
+                calls.append(handle)
+                if len(calls) == 1:
+                    raise RuntimeError("NIXL_ERR_BACKEND")
+                return real_transfer(handle, *args)
+
+            monkeypatch.setattr(nixl, "transfer", transfer)
+            server.hold("s1", [3, 5], layers_ready=0)
+            reader, out = _stream_in_a_thread(client)
+            _await_creates(handles, 1)
+            server.publish("s1", 3)
+            reader.join(30)
+            result = out["r"]
+            assert not result.ok
+            assert "prefill rank 0 of engine 'p'" in result.error
+            assert "could not post a READ" in result.error and "NIXL_ERR_BACKEND" in result.error
+            assert handles.unreleased() == []
+            server.hold("w", [3, 5])
+            again = client.read("w", [1, 2], [3, 5])
+            assert again.ok, again.error
+            for mine, theirs in zip(local, caches, strict=True):
+                assert torch.equal(mine[1:3], theirs[[3, 5]])
+
+
+def test_a_request_id_too_long_to_notify_fails_before_anything_moves() -> None:
+    """The done notification is made before the first READ: an id it cannot carry is refused
+    with nothing moved (it used to be refused after the bytes had landed)."""
+    with serve(engine("p"), SPEC, _filled()) as server:
+        local = _zeros()
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            with pytest.raises(FkvError) as e:
+                client.read("r" * 4097, [1, 2], [3, 5])
+            assert "'request_id'" in str(e.value) and "at most 4096 UTF-8 bytes" in str(e.value)
+            assert str(e.value).endswith("; nothing was transferred")
+            assert all(torch.count_nonzero(layer) == 0 for layer in local)
+            assert client.stats()["failures"] == {}
+
+
+def test_a_post_failure_is_a_transfer_failure() -> None:
+    """``Agent.post`` reports NIXL's refusal as TransferFailed naming the remote."""
+    class Refusing:
+        def transfer(self, handle: Any) -> str:
+            raise RuntimeError("no")
+
+    class Handle:
+        released = False
+
+        def release(self) -> None:
+            self.released = True
+
+    agent = object.__new__(_agent.Agent)
+    agent._agent, agent._leaked = Refusing(), []
+    handle = Handle()
+    with pytest.raises(TransferFailed, match="could not post a READ from 'peer': RuntimeError: no"):
+        agent.post(handle, "peer", 10)
+    assert handle.released
