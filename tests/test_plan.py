@@ -609,6 +609,40 @@ def test_staging_with_explicit_num_tokens(case):
     simulate(plan, local_ids, remote_ids, rng, num_tokens=int(rng.integers(low + 1, cap + 1)))
 
 
+@settings(max_examples=200)
+@given(accepted_pairs())
+def test_a_plan_reused_for_requests_of_one_shape_moves_each_exactly(case):
+    """The rows of a request shape are computed once with ids 0 and kept; each request adds its
+    ids: every later request of the shape moves exactly its bytes, and its rows equal those of a
+    plan that never saw a request."""
+    local, remote, local_ids, remote_ids, strategy, seed = case
+    plan = plan_of(local, remote, strategy=strategy)
+    rng = np.random.default_rng(seed)
+    for _ in range(3):
+        lids = rng.permutation(local[1].num_blocks)[:len(local_ids)].tolist()
+        rids = rng.permutation(remote[1].num_blocks)[:len(remote_ids)].tolist()
+        simulate(plan, lids, rids, rng)
+        fresh = plan_of(local, remote, strategy=strategy)
+        assert plan.segments(lids, rids).tolist() == fresh.segments(lids, rids).tolist()
+    assert len(plan._templates) == 1
+    assert plan == fresh and hash(plan) == hash(fresh)  # the cache is not part of the value
+
+
+def test_a_plan_keeps_a_bounded_number_of_request_shapes():
+    from fkv.connector import plan as plan_mod
+
+    plan = plan_of(rank(1, 0), rank(2, 1))
+    spec = plan.local_spec
+    for n in range(1, plan_mod._TEMPLATES + 40):
+        ids = list(range(n % spec.num_blocks + 1))
+        plan.segments(ids, ids)
+        tokens = len(ids) * spec.block_size - n % spec.block_size
+        plan.segments(ids, ids, num_tokens=tokens)
+        assert len(plan._templates) <= plan_mod._TEMPLATES
+    assert plan.segments([5, 2], [1, 0]).tolist() == plan_of(rank(1, 0), rank(2, 1)).segments(
+        [5, 2], [1, 0]).tolist()
+
+
 # -- rows: coalescing, validation, staging layout --------------------------------------------------
 
 def test_rows_coalesce_across_contiguous_blocks():

@@ -1,7 +1,8 @@
 """What a read prepares before its bytes can move: a streaming read creates the awaited layer's
 READs in NIXL while it waits (posting them is all that is left once the layer is published), and
 every read makes its done notification before the first READ. Each READ created is posted or
-released, whichever way the read ends. CPU, real NIXL, one process."""
+released, whichever way the read ends. The descriptor indices of a READ, both sides at once.
+CPU, real NIXL, one process."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fkv
 from fkv.connector import EngineDesc, connect, serve
@@ -207,3 +211,20 @@ def test_a_post_failure_is_a_transfer_failure() -> None:
     with pytest.raises(TransferFailed, match="could not post a READ from 'peer': RuntimeError: no"):
         agent.post(handle, "peer", 10)
     assert handle.released
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(st.integers(0, 2**20), st.integers(0, 2**20), st.integers(0, 9)),
+                max_size=40), st.booleans())
+def test_run_indices_are_every_run_concatenated_on_both_sides(runs: list, uniform: bool) -> None:
+    if uniform and runs:
+        runs = [(a, b, runs[0][2]) for a, b, _ in runs]
+    a = np.array([r[0] for r in runs], dtype=np.int64)
+    b = np.array([r[1] for r in runs], dtype=np.int64)
+    count = np.array([r[2] for r in runs], dtype=np.int64)
+    local, remote = _agent.run_indices((a, b), count)
+    want_a = [x + k for x, _, c in runs for k in range(c)]
+    want_b = [y + k for _, y, c in runs for k in range(c)]
+    assert local.dtype == remote.dtype == np.int32
+    assert (local.tolist(), remote.tolist()) == (want_a, want_b)
+    assert _agent.row_indices(a, count).tolist() == want_a

@@ -239,6 +239,11 @@ def build_plan(le: Any, ls: KVCacheSpec, re_: Any, rs: KVCacheSpec, strategy: st
 
 # -- the plan -----------------------------------------------------------------------------------
 
+#: Request shapes (remote blocks, local blocks, tokens) whose rows a plan keeps (then it forgets
+#: them all and starts again)
+_TEMPLATES = 256
+
+
 def check_block_ids(name: str, ids: Any, spec: KVCacheSpec, unique: bool) -> np.ndarray:
     """Block ids as int64 numpy, checked against ``spec`` (FkvError naming the first bad one).
 
@@ -341,6 +346,10 @@ class TransferPlan:
     moves: tuple[_Move, ...]
     cost: Cost
     alternative: Cost
+    #: (remote blocks, local blocks, tokens) -> the rows of such a request with every block id 0
+    #: (:meth:`rows`); a cache, not part of the plan's value
+    _templates: dict[tuple[int, int, int], Any] = attrs.field(
+        factory=dict, init=False, eq=False, hash=False, repr=False)
 
     @property
     def remote_ranks(self) -> tuple[int, ...]:
@@ -379,28 +388,67 @@ class TransferPlan:
         local = check_block_ids("local_block_ids", local_block_ids, ls, unique=True)
         remote = check_block_ids("remote_block_ids", remote_block_ids, rs, unique=False)
         tokens = request_tokens(local, remote, ls.block_size, rs.block_size, num_tokens)
+        return self.rows(local, remote, tokens)
+
+    def rows(self, local: np.ndarray, remote: np.ndarray, tokens: int) -> np.ndarray:
+        """:meth:`segments` of ids already checked: int64 arrays from :func:`check_block_ids`
+        and their :func:`request_tokens` (what a transport calls after its own checks).
+
+        Every byte offset is affine in the block ids, so the rows of a request shape (remote
+        blocks, local blocks, tokens) are computed once with every id 0 and kept; a request then
+        adds ``id x block stride`` on each side and merges what became contiguous.
+        """
         if tokens == 0:
             return np.empty((0, 6), dtype=np.int64)
-        n = remote.size
+        key = (remote.size, local.size, tokens)
+        template = self._templates.get(key)
+        if template is None:
+            template = self._template(*key)
+            if len(self._templates) >= _TEMPLATES:
+                self._templates.clear()
+            self._templates[key] = template
+        cols, r_block, r_step, d_block, d_step = template
+        out = cols.copy()
+        out[2] += remote[r_block] * r_step
+        if d_block is not None:
+            out[4] += local[d_block] * d_step
+        return _coalesce(out).T
+
+    def _template(self, n: int, n_local: int, tokens: int) -> tuple[Any, ...]:
+        """The rows of a request of ``n`` remote and ``n_local`` local blocks (``tokens``) whose
+        ids are all 0 (columns, 6 x M), each row's remote and local block (an index into the id
+        lists; None for staging rows, whose mini-caches do not depend on the ids) and the byte
+        stride of one block on each side."""
+        ls, rs = self.local_spec, self.remote_spec
         stage = rs.evolve(num_blocks=n) if self.strategy == "staging" else None
         mini = stage.region_bytes * stage.num_regions if stage else 0
         jobs = []
         for i, (read, move) in enumerate(zip(self.reads, self.moves, strict=True)):
             if stage is None:
-                job = (ls, local, read.local_heads[0], self.chunk_tokens, None)
+                job = (ls, np.zeros(n_local, dtype=np.int64), read.local_heads[0],
+                       self.chunk_tokens, None)
             else:
                 job = (stage, np.arange(n), move.heads[0], rs.block_size, i * mini)
             jobs.append((read, move, job, _layout_rows(rs, n, move, job[3], tokens)[3]))
         out = np.empty((6, sum(j[3] for j in jobs)), dtype=np.int64)  # columns contiguous
+        r_block = np.empty(out.shape[1], dtype=np.int64)
+        d_block = np.empty(out.shape[1], dtype=np.int64)
         keep, start = [], 0
+        zeros = np.zeros(n, dtype=np.int64)
         for read, move, (dst, dst_ids, dst_h0, chunk, base), rows in jobs:
-            mask = _fill_rows(out[:, start:start + rows], rs, remote, move, read.remote_rank, dst,
-                              dst_ids, dst_h0, chunk, tokens, base)
+            mask = _fill_rows(out[:, start:start + rows], rs, zeros, move, read.remote_rank, dst,
+                              dst_ids, dst_h0, chunk, tokens, base,
+                              r_block[start:start + rows], d_block[start:start + rows])
             keep.append(np.ones(rows, dtype=bool) if mask is None else mask)
             start += rows
         if any(m is not None and not m.all() for m in keep):
-            out = out[:, np.concatenate(keep)]
-        return _coalesce(out).T
+            kept = np.concatenate(keep)
+            out, r_block, d_block = out[:, kept], r_block[kept], d_block[kept]
+        r_step = rs.region_and_offset(block=1)[1] - rs.region_and_offset(block=0)[1]
+        if stage is not None:
+            return out, r_block, r_step, None, 0
+        d_step = ls.region_and_offset(block=1)[1] - ls.region_and_offset(block=0)[1]
+        return out, r_block, r_step, d_block, d_step
 
     def staging_steps(self, local_block_ids: Any, remote_block_ids: Any, *,
                       num_tokens: int | None = None) -> tuple[StagingStep, ...]:
@@ -496,8 +544,9 @@ def _layout_rows(rs: KVCacheSpec, nblocks: int, move: _Move, chunk: int, tokens:
 
 def _fill_rows(out: np.ndarray, rs: KVCacheSpec, remote: np.ndarray, move: _Move, rank: int,
                dst: KVCacheSpec, dst_ids: np.ndarray, dst_h0: int, chunk: int, tokens: int,
-               base: int | None) -> np.ndarray:
-    """Write one read's rows into ``out`` (6 x rows); returns the mask of rows to keep (or None).
+               base: int | None, r_index: np.ndarray, d_index: np.ndarray) -> np.ndarray:
+    """Write one read's rows into ``out`` (6 x rows) and each row's index into ``remote``
+    (``r_index``) and into ``dst_ids`` (``d_index``); returns the mask of rows to keep (or None).
 
     Offsets are affine in every index, so each side's offset is the sum of a per-block term, a
     per-token term and an in-page term, each from ``region_and_offset``: the full-size arrays are
@@ -523,10 +572,10 @@ def _fill_rows(out: np.ndarray, rs: KVCacheSpec, remote: np.ndarray, move: _Move
     dreg, d_page = dst.region_and_offset(layer=layer, kv=kv, head=dst_h0 + h)
     d_block = dst.region_and_offset(block=dst_ids)[1]
     d_tok = dst.region_and_offset(token=np.arange(n_d))[1]
-    if n_d == n_r:
-        d_bt = d_block[jb] + d_tok[pos]
-    else:
-        d_bt = d_block[np.minimum(tok // n_d, dst_ids.size - 1)] + d_tok[tok % n_d]
+    d_of = jb if n_d == n_r else np.minimum(tok // n_d, dst_ids.size - 1)  # each row's dst block
+    d_bt = d_block[d_of] + (d_tok[pos] if n_d == n_r else d_tok[tok % n_d])
+    r_index.reshape(shape)[...] = jb
+    d_index.reshape(shape)[...] = d_of
     if base is not None:  # staging mini-cache: regions laid one after another from ``base``
         d_page = d_page + (base + dreg * dst.region_bytes)
         dreg = -1

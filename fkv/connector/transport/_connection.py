@@ -140,7 +140,7 @@ class Connection:
         threshold = self.local.pack_threshold
         if self.plan.cost.descriptors * remote.size <= threshold:
             return self.plan_path, None
-        rows = self.plan.segments(local, remote, num_tokens=tokens)
+        rows = self.plan.rows(local, remote, tokens)
         if rows.shape[0] > threshold:
             return self.packed, None
         return self.plan_path, rows

@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 
 from fkv.connector.plan import TransferPlan
-from fkv.connector.transport._agent import Agent, Xfer, granule_table, row_indices
+from fkv.connector.transport._agent import Agent, Xfer, granule_table, run_indices
 from fkv.connector.transport._base import TransferFailed, spin_seconds
 from fkv.connector.wire import Peer
 from fkv.errors import FkvError
@@ -226,7 +226,13 @@ class Link:
 
     def ensure_granule(self, rows: np.ndarray) -> None:
         """Re-prepare with a finer granule if a row does not sit on the current one (rare)."""
-        if rows.size and (np.any(rows[:, 2:6:2] % self.granule) or np.any(rows[:, 5] % self.granule)):
+        g = self.granule
+        if not rows.size:
+            return
+        if g & (g - 1) == 0:  # a power of two: one mask of the offsets' and sizes' low bits
+            if not ((rows[:, 2] | rows[:, 4] | rows[:, 5]) & (g - 1)).any():
+                return
+        if np.any(rows[:, 2:6:2] % g) or np.any(rows[:, 5] % g):
             self._prep(math.gcd(self.granule, *rows[:, 2:6:2].ravel().tolist(),
                                 *rows[:, 5].tolist()))
 
@@ -235,8 +241,8 @@ class Link:
         g = self.granule
         count = rows[:, 5] // g
         local_base = np.where(rows[:, 3] < 0, self.staging_base, rows[:, 3] * self.local_per_region)
-        local = row_indices(local_base + rows[:, 4] // g, count)
-        remote = row_indices(rows[:, 1] * self.remote_per_region + rows[:, 2] // g, count)
+        local, remote = run_indices((local_base + rows[:, 4] // g,
+                                     rows[:, 1] * self.remote_per_region + rows[:, 2] // g), count)
         return local, remote
 
     # -- notifications -----------------------------------------------------------------------------

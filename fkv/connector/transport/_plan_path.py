@@ -172,8 +172,9 @@ class PlanPath:
             rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
         link.ensure_granule(rows)
         reads = []
-        for rank in link.plan.remote_ranks:
-            mine = rows[rows[:, 0] == rank]
+        ranks = link.plan.remote_ranks
+        for rank in ranks:
+            mine = rows if len(ranks) == 1 else rows[rows[:, 0] == rank]
             reads.append((rank, *link.indices(mine), int(mine[:, 5].sum())))
         return LayerReads(layers, link.granule, int(rows.shape[0]), tuple(reads))
 
@@ -190,7 +191,7 @@ class PlanPath:
         created = None
         if prepared is None:
             if rows is None:
-                rows = plan.segments(local, remote, num_tokens=tokens)
+                rows = plan.rows(local, remote, tokens)
             reads = self._reads(rows, layers)
         else:
             reads = prepared
