@@ -434,9 +434,8 @@ class TransferPlan:
         r_block = np.empty(out.shape[1], dtype=np.int64)
         d_block = np.empty(out.shape[1], dtype=np.int64)
         keep, start = [], 0
-        zeros = np.zeros(n, dtype=np.int64)
         for read, move, (dst, dst_ids, dst_h0, chunk, base), rows in jobs:
-            mask = _fill_rows(out[:, start:start + rows], rs, zeros, move, read.remote_rank, dst,
+            mask = _fill_rows(out[:, start:start + rows], rs, n, move, read.remote_rank, dst,
                               dst_ids, dst_h0, chunk, tokens, base,
                               r_block[start:start + rows], d_block[start:start + rows])
             keep.append(np.ones(rows, dtype=bool) if mask is None else mask)
@@ -542,17 +541,19 @@ def _layout_rows(rs: KVCacheSpec, nblocks: int, move: _Move, chunk: int, tokens:
     return axes, counts, grid, math.prod(counts[a] for a in axes)
 
 
-def _fill_rows(out: np.ndarray, rs: KVCacheSpec, remote: np.ndarray, move: _Move, rank: int,
+def _fill_rows(out: np.ndarray, rs: KVCacheSpec, n: int, move: _Move, rank: int,
                dst: KVCacheSpec, dst_ids: np.ndarray, dst_h0: int, chunk: int, tokens: int,
                base: int | None, r_index: np.ndarray, d_index: np.ndarray) -> np.ndarray:
-    """Write one read's rows into ``out`` (6 x rows) and each row's index into ``remote``
-    (``r_index``) and into ``dst_ids`` (``d_index``); returns the mask of rows to keep (or None).
+    """Write the rows of one read of ``n`` remote blocks, every remote id 0, into ``out`` (6 x
+    rows), and each row's remote block (``r_index``, an index into the request's remote ids) and
+    block of ``dst_ids`` (``d_index``); returns the mask of rows to keep (or None).
 
     Offsets are affine in every index, so each side's offset is the sum of a per-block term, a
     per-token term and an in-page term, each from ``region_and_offset``: the full-size arrays are
-    built with one or two broadcast adds instead of per-element index arithmetic.
+    built with one or two broadcast adds instead of per-element index arithmetic. The remote
+    per-block term is the request's to add (``TransferPlan.rows``).
     """
-    axes, counts, grid, _ = _layout_rows(rs, remote.size, move, chunk, tokens)
+    axes, counts, grid, _ = _layout_rows(rs, n, move, chunk, tokens)
     shape = tuple(counts[a] for a in axes)
     layer, jb = grid["L"], grid["B"]
     pos = grid["N"] if "N" in move.split else grid["N"] * chunk
@@ -565,10 +566,9 @@ def _fill_rows(out: np.ndarray, rs: KVCacheSpec, remote: np.ndarray, move: _Move
 
     col(0)[...] = rank
     rreg, r_page = rs.region_and_offset(layer=layer, kv=kv, head=move.heads[0] + h)
-    r_block = rs.region_and_offset(block=remote)[1]          # per remote block id
     r_tok = rs.region_and_offset(token=np.arange(n_r))[1]      # per slot
     col(1)[...] = rreg
-    np.add(r_block[jb] + r_tok[pos], r_page, out=col(2))
+    np.add(r_tok[pos], r_page, out=col(2))
     dreg, d_page = dst.region_and_offset(layer=layer, kv=kv, head=dst_h0 + h)
     d_block = dst.region_and_offset(block=dst_ids)[1]
     d_tok = dst.region_and_offset(token=np.arange(n_d))[1]
@@ -582,6 +582,6 @@ def _fill_rows(out: np.ndarray, rs: KVCacheSpec, remote: np.ndarray, move: _Move
     col(3)[...] = dreg
     np.add(d_bt, d_page, out=col(4))
     out[5] = _atom_bytes(rs, move.full, move.split)
-    if tokens < remote.size * n_r:
+    if tokens < n * n_r:
         return np.broadcast_to(tok < tokens, shape).reshape(-1)
     return None
