@@ -420,3 +420,127 @@ def test_a_reads_seconds_count_the_whole_call_its_checks_included(
             assert 0.1 <= result.seconds <= took
             assert len(result.layer_seconds) == SPEC.num_layers
             assert all(0.1 <= t <= took for t in result.layer_seconds)
+
+
+class _Clock:
+    """A fake ``time`` for ``_stream``: each ``monotonic`` read advances it by 1 us (a loop's
+    step), a board's ``wait`` by its sleep."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+class _PacedBoard:
+    """A board whose layers are published at fixed (fake) times; ``wait`` sleeps until the
+    next publish or its timeout, and records each sleep as ``(start, end)``."""
+
+    can_wait = True
+
+    def __init__(self, clock: _Clock, times: list[float]) -> None:
+        self.clock, self.times = clock, times
+        self.sleeps: list[tuple[float, float]] = []
+
+    def _count(self) -> int:
+        return sum(t <= self.clock.now for t in self.times)
+
+    def sequence(self) -> int:
+        return self._count()
+
+    def layers(self, request_id: str, recorded: bool) -> int:
+        return self._count()
+
+    def wait(self, sequence: int, seconds: float) -> bool:
+        start = self.clock.now
+        nxt = min((t for t in self.times if t > start), default=start + seconds)
+        self.clock.now = min(start + seconds, nxt) + 0.0001  # a futex wake-up takes 100 us
+        self.sleeps.append((start, self.clock.now))
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def _paced_watch(monkeypatch: pytest.MonkeyPatch, times: list[float]
+                 ) -> tuple[object, _Clock, _PacedBoard]:
+    import socket
+
+    import zmq
+
+    from fkv.connector.transport import _stream
+
+    clock = _Clock()
+    board = _PacedBoard(clock, times)
+    monkeypatch.setattr(_stream, "time", clock)
+    monkeypatch.setattr(_stream, "_yield", lambda: None)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    ctx = zmq.Context()
+    entry = type("Entry", (), {"address": "tcp://127.0.0.1:%d" % listener.getsockname()[1]})()
+    watch = _stream.Watch(ctx, [entry], (0,), "P", boards={0: board})
+
+    def cleanup() -> None:
+        watch.close()
+        ctx.term()
+        listener.close()
+
+    monkeypatch.setattr(watch, "cleanup", cleanup, raising=False)
+    return watch, clock, board
+
+
+def test_a_steady_stream_is_heard_spinning_ahead_of_each_predicted_publish(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers published every 10 ms: the first two news come through the futex (100 us late),
+    which gives the pace; from then on the wait sleeps until 1 ms (a tenth of the pace) before
+    the predicted publish, spins, and hears each layer within a spin's step of its publish."""
+    times = [100.010 + 0.010 * k for k in range(6)]
+    watch, clock, board = _paced_watch(monkeypatch, times)
+    try:
+        watch.start("r")
+        heard = []
+        for after in range(6):
+            assert watch.beyond("r", after, clock.now + 1.0) == after + 1
+            heard.append(clock.now)
+        late = [round((h - t) * 1e6) for h, t in zip(heard, times, strict=True)]
+        assert all(100 <= x <= 110 for x in late[:2]), late  # futex wake-ups
+        assert all(0 <= x <= 10 for x in late[2:]), late     # heard spinning: a few steps
+        assert watch.spun_news == 4
+        # the last sleep before each spun publish ends at the window, about 1 ms early (the
+        # window is dated from news that came 100 us late), not at the publish
+        ends = [round((max(end for _, end in board.sleeps if end < t) - t) * 1e6)
+                for t in times[2:]]
+        assert all(-1000 <= x <= -790 for x in ends), ends
+    finally:
+        watch.cleanup()
+
+
+def test_a_publish_late_for_its_window_is_heard_through_the_futex(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer that comes 5 ms after its predicted time: the spin gives up at the end of the
+    window (1 ms after the prediction) and the wait sleeps on the futex again; a stream that was
+    there at once gives no pace (the next request starts without one)."""
+    times = [100.010, 100.020, 100.030, 100.045]
+    watch, clock, board = _paced_watch(monkeypatch, times)
+    try:
+        watch.start("r")
+        for after in range(3):
+            watch.beyond("r", after, clock.now + 1.0)
+        spun = watch.spun_news
+        start = clock.now
+        assert watch.beyond("r", 3, clock.now + 1.0) == 4
+        assert watch.spun_news == spun
+        assert 0 <= round((clock.now - times[3]) * 1e6) <= 110  # a sleep heard it, not a spin
+        # the window, from the news of layer 3 (heard spinning at 100.030): 100.039 to 100.041;
+        # no sleep starts inside it (a spin), the next one starts at its end
+        starts = [a for a, _ in board.sleeps if a > start]
+        assert not [a for a in starts if 100.0393 < a < 100.0405], starts
+        assert [a for a in starts if 100.0405 <= a <= 100.0412], starts
+        watch.start("r2")
+        assert watch.beyond("r2", 0, clock.now + 1.0) == 4     # there at once: no pace
+        assert watch._pace is None and watch._last_news is None  # noqa: SLF001
+    finally:
+        watch.cleanup()

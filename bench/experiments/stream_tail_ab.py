@@ -8,6 +8,7 @@ of a process, then the second), and per tree the median over rounds of each seco
 news, one layer and step spans after the news.
 
     python bench/experiments/stream_tail_ab.py --tree before=PATH --tree after=. [--rounds 4]
+        [--paced]   # passed on to stream_tail_cpu.py (and the JSON named -paced-)
 """
 
 from __future__ import annotations
@@ -23,14 +24,19 @@ import tempfile
 HERE = pathlib.Path(__file__).resolve().parent
 
 
+PACED = "--paced" in sys.argv
+
+
 def _run(tree: str) -> list[dict]:
     rest = os.environ.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "OUT": out,
                "PYTHONPATH": os.path.abspath(tree) + (os.pathsep + rest if rest else "")}
-        subprocess.run([sys.executable, str(HERE / "stream_tail_cpu.py"), "--ahead-only"],
+        subprocess.run([sys.executable, str(HERE / "stream_tail_cpu.py"), "--ahead-only",
+                        *(["--paced"] if PACED else [])],
                        env=env, check=True, capture_output=True)
-        return json.loads((pathlib.Path(out) / "stream-tail-cpu-exp.json").read_text())["rows"]
+        name = "stream-tail-cpu-paced-exp.json" if PACED else "stream-tail-cpu-exp.json"
+        return json.loads((pathlib.Path(out) / name).read_text())["rows"]
 
 
 def _summary(rounds: list[list[dict]], blocks: int) -> dict:
@@ -62,11 +68,13 @@ def main() -> None:
             print(label, {k: round(last[k], 3) for k in ("tail_ms", "news_ms", "one_layer_ms")},
                   flush=True)
     out = {"experiment": "streamed read tail, two trees alternately (stream_tail_cpu.py)",
+           "paced": PACED,
            "cpus": os.cpu_count(), "rounds": rounds, "trees": dict(trees),
            "summary": {label: {str(n): _summary(reps, n) for n in (16, 256)}
                        for label, reps in runs.items()},
            "runs": runs}
-    path = pathlib.Path(os.environ.get("OUT", "/tmp")) / "stream-tail-ab-exp.json"
+    path = pathlib.Path(os.environ.get("OUT", "/tmp")) / (
+        "stream-tail-ab-paced-exp.json" if PACED else "stream-tail-ab-exp.json")
     path.write_text(json.dumps(out, indent=1))
     for label in runs:
         s = out["summary"][label]["16"]

@@ -11,6 +11,10 @@ prefill's own ``publish`` call, and ``woke_*`` split the news at the return of t
 futex sleep. "one layer" is a non-streamed read of the same size / 8. ``--tree PATH`` is not an
 option: run it under ``PYTHONPATH=PATH`` to time another tree's fkv.
 
+``--paced``: the request is held with 4 layers published and the prefill publishes the other 4
+one every 10 ms (a steady pace, which a reader on the board learns and spins ahead of); the tail
+is still from the last publish.
+
 Variants: ``ahead`` (the default: the awaited layer's READs are computed during the wait,
 ``PlanPath.layer_reads``) and ``at news`` (that step patched out: the READs are computed once the
 layer's news arrived, as before).
@@ -18,6 +22,7 @@ layer's news arrived, as before).
     python bench/experiments/stream_tail_cpu.py        # JSON to $OUT (or /tmp)
     python bench/experiments/stream_tail_cpu.py --staging   # decode NHD: the staging path
     python bench/experiments/stream_tail_cpu.py --ahead-only   # the default variant only
+    python bench/experiments/stream_tail_cpu.py --ahead-only --paced
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ LAYERS = 8
 BLOCKS = 1024
 STAGING = "--staging" in sys.argv
 AHEAD_ONLY = "--ahead-only" in sys.argv  # two "ahead" rows per size, no "at news" rows
+PACED = "--paced" in sys.argv  # 4 layers published at the hold, 4 more one every PACE_S
+PACE_S = 0.01
+# --spin-yield none|sleep0: what the reader does between two reads of a spin ahead (default: the
+# library's, sched_yield)
+SPIN_YIELD = sys.argv[sys.argv.index("--spin-yield") + 1] if "--spin-yield" in sys.argv else None
 
 
 def _spec(layout: str = "HND"):
@@ -69,9 +79,11 @@ def _prefill(conn) -> None:
                 server.hold(msg[1], msg[2], layers_ready=msg[3])
                 conn.send(True)
             else:
-                time.sleep(0.03)  # the last layer's compute
-                t = time.perf_counter()
-                server.publish(msg[1], msg[2])
+                first = msg[2] - (LAYERS // 2 if PACED else 1) + 1
+                for k in range(first, msg[2] + 1):
+                    time.sleep(PACE_S if PACED else 0.03)  # the layer's compute
+                    t = time.perf_counter()
+                    server.publish(msg[1], k)
                 conn.send((t, time.perf_counter() - t))
         conn.send(statistics.median(cpu) if cpu else None)
 
@@ -84,6 +96,7 @@ def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
 
     rng = np.random.default_rng(n)
     heard: list[float] = []
+    spins: list[bool] = []  # per news: heard while spinning ahead of the predicted publish
     spans: dict[str, list] = collections.defaultdict(list)
     saved = []
 
@@ -92,11 +105,13 @@ def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
         saved.append((owner, name, f))
 
         def timed(*a, **kw):
+            spun = getattr(a[0], "spun_news", 0) if label == "news" else 0
             t = time.perf_counter()
             out = f(*a, **kw)
             spans[label].append((t, time.perf_counter()))
             if label == "news":
                 heard.append(time.perf_counter())
+                spins.append(getattr(a[0], "spun_news", 0) > spun)
             return out
         setattr(owner, name, timed)
 
@@ -122,12 +137,13 @@ def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
     wrap(nixl_agent, "get_new_notifs", "notify: progress (NIXL)")
     wrap(_plan_path.PlanPath, "_run_staging", "staging move")
     tails, news, pubs, wakes, steps = [], [], [], [], collections.defaultdict(list)
+    last_spun: list[bool] = []
     try:
         for i in range(reps + 5):
             local = rng.permutation(BLOCKS)[:n].tolist()
             remote = rng.permutation(BLOCKS)[:n].tolist()
             rid = f"{tag}-{n}-{i}"
-            conn.send(("hold", rid, remote, LAYERS - 1))
+            conn.send(("hold", rid, remote, LAYERS // 2 if PACED else LAYERS - 1))
             conn.recv()
             box: dict = {}
 
@@ -144,6 +160,7 @@ def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
             if i >= 5:
                 tails.append(1e3 * (box["end"] - published))
                 news.append(1e3 * (heard[-1] - published))
+                last_spun.append(spins[-1])
                 pubs.append(1e3 * publish_s)
                 woke = [b for a, b in spans["futex wait"] if b <= heard[-1]]
                 if woke:  # when the last sleep before the news ended, after the publish began
@@ -168,9 +185,17 @@ def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
         assert client.read(rid, local, remote).ok
         one.append(1e3 * (time.perf_counter() - t) / LAYERS)
     med = statistics.median
-    return {"variant": tag, "blocks": n, "reps": reps, "tail_ms": med(tails),
+    watch = getattr(client._state, "_watch", None)  # noqa: SLF001 - an experiment's look inside
+    return {"spun_news": getattr(watch, "spun_news", None),  # news heard spinning ahead, so far
+            "variant": tag, "blocks": n, "reps": reps, "tail_ms": med(tails),
             "tail_p10_p90_ms": statistics.quantiles(tails, n=10)[::8],
             "news_ms": med(news), "publish_call_ms": med(pubs),
+            # the last layer's news heard spinning ahead: how often, and the news then / else
+            "last_news_spun": sum(last_spun),
+            "news_spun_ms": med(x for x, s in zip(news, last_spun, strict=True) if s)
+            if any(last_spun) else None,
+            "news_slept_ms": med(x for x, s in zip(news, last_spun, strict=True) if not s)
+            if not all(last_spun) else None,
             # the decode's last futex sleep before the news: it returned this long after the
             # publish began, then this long before the news (None: the news came without a sleep)
             "woke_after_publish_ms": med(w[0] for w in wakes) if wakes else None,
@@ -186,6 +211,10 @@ def main() -> None:
     from fkv.connector import connect
     from fkv.connector.transport import _plan_path
 
+    if SPIN_YIELD is not None:
+        from fkv.connector.transport import _stream
+
+        _stream._yield = {"none": lambda: None, "sleep0": lambda: time.sleep(0)}[SPIN_YIELD]
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     proc = ctx.Process(target=_prefill, args=(b,), daemon=True)
@@ -212,9 +241,14 @@ def main() -> None:
         prefill_cpu = a.recv()
         client.close()
     name = "stream-tail-cpu-staging-exp.json" if STAGING else "stream-tail-cpu-exp.json"
+    if PACED:
+        name = name.replace("-exp", "-paced-exp")
+    if SPIN_YIELD is not None:
+        name = name.replace("-exp", f"-{SPIN_YIELD}-exp")
     out = pathlib.Path(os.environ.get("OUT", "/tmp")) / name
     out.write_text(json.dumps({"experiment": "streamed read tail on the CPU: READs computed ahead",
-                               "strategy": strategy,
+                               "strategy": strategy, "paced": PACED,
+                               "spin_yield": SPIN_YIELD or "sched_yield",
                                "cpus": os.cpu_count(), "rows": rows,
                                # the prefill process (all its threads), one request to the next,
                                # median over every request of the run (streamed and whole)

@@ -15,6 +15,7 @@ a part of it published it.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from typing import Any
 
@@ -36,6 +37,41 @@ BOARD_NAP = 0.0002
 #: polls of ranks are looked at between sleeps).
 BOARD_SPIN_FUTEX = 0.0005
 BOARD_SLEEP = 0.002
+#: Spinning ahead of the next publish (boards with a futex): once a request's layers have come
+#: at a steady pace, the wait for the next layer sleeps until a lead before the time that pace
+#: predicts, then reads the boards without sleeping (yielding the GIL between reads) until the
+#: layer comes or as long after the predicted time as the lead. A futex wake-up costs the news
+#: 0.07-0.13 ms on the hosts measured (bench/NOTES.md); a read of the board in a loop, a few us.
+#: The lead: this fraction of the pace, within [SPIN_AHEAD_MIN, SPIN_AHEAD_MAX] seconds.
+SPIN_AHEAD_FRACTION = 0.1
+SPIN_AHEAD_MIN = 0.0002
+SPIN_AHEAD_MAX = 0.002
+
+#: Called between two reads of a spin: lets another thread take the GIL (``time.sleep(0)``
+#: would nap for the timer slack, ~50 us on Linux).
+_yield = os.sched_yield
+
+
+def spin_window(last_news: float | None, last_count: int, pace: float | None,
+                after: int) -> tuple[float, float] | None:
+    """``(start, end)`` (monotonic seconds) of the spin before layer ``after`` is expected, or
+    None: no pace known yet. ``last_news``: when the news of ``last_count`` layers came after a
+    wait; ``pace``: seconds per layer between such news.
+
+    >>> spin_window(10.0, 4, 0.01, 4)          # layer 4 (the 5th) due at 10.01, lead 1 ms
+    (10.009, 10.011)
+    >>> spin_window(10.0, 4, 0.03, 4)          # the lead at its 2 ms ceiling
+    (10.028, 10.032)
+    >>> spin_window(10.0, 4, 0.001, 5)         # two layers on, lead at its 0.2 ms floor
+    (10.0018, 10.0022)
+    >>> spin_window(None, 0, None, 0) is None
+    True
+    """
+    if last_news is None or pace is None or after < last_count:
+        return None
+    due = last_news + pace * (after + 1 - last_count)
+    lead = min(max(pace * SPIN_AHEAD_FRACTION, SPIN_AHEAD_MIN), SPIN_AHEAD_MAX)
+    return round(due - lead, 9), round(due + lead, 9)
 
 
 class Watch:
@@ -48,6 +84,12 @@ class Watch:
         #: rank -> the rank's publish board (``_board.BoardView``), for the ranks on this host
         self.boards: dict[int, Any] = dict(boards or {})
         self.board_news = 0   # waits the boards ended (for tests and the bench)
+        self.spun_news = 0    # ... of them heard while spinning ahead of a predicted publish
+        # the pace of the request's news: when the last news after a wait came, the layer count
+        # it brought, seconds per layer between such news (None: not known yet)
+        self._last_news: float | None = None
+        self._last_count = 0
+        self._pace: float | None = None
         self._out: dict[int, tuple[int, str]] = {}   # rank -> (token, request) of its long poll
         self._request = ""                            # the request _known counts layers of
         self._known: dict[int, int] = {}              # rank -> layers it said are published
@@ -64,8 +106,22 @@ class Watch:
 
     def start(self, request_id: str) -> None:
         """A new read of ``request_id``: forget what the ranks said before (a poll still out is
-        collected, not re-sent)."""
+        collected, not re-sent) and the pace of the last request's layers."""
         self._request, self._known = request_id, {}
+        self._last_news, self._last_count, self._pace = None, 0, None
+
+    def _paced(self, least: int, waited: bool, now: float) -> None:
+        """Note news of ``least`` layers: after a wait it dates the publish (within a wake-up)
+        and, against the previous such news, gives the pace (the faster of the last two
+        measures: spinning early costs a little CPU, late a wake-up). News that was there at
+        once says nothing about when it was published."""
+        if not waited:
+            self._last_news = None
+            return
+        if self._last_news is not None and least > self._last_count:
+            pace = (now - self._last_news) / (least - self._last_count)
+            self._pace = pace if self._pace is None else min(pace, self._pace * 0.5 + pace * 0.5)
+        self._last_news, self._last_count = now, least
 
     def ask(self, request_id: str, after: int, recorded: bool = False) -> None:
         """Start a long poll on every rank not known to have more than ``after`` layers of
@@ -125,12 +181,18 @@ class Watch:
         (at most ``BOARD_SLEEP`` s at a time);
         otherwise busy for ``BOARD_SPIN`` s, then in naps of ``BOARD_NAP`` s on a long poll's
         socket. (A rank whose board slot another request took answers only by its long poll,
-        which a board sleep then hears within ``BOARD_SLEEP`` s.)"""
+        which a board sleep then hears within ``BOARD_SLEEP`` s.) Once the request's news has a
+        pace (:func:`spin_window`), a futex wait sleeps through to the window instead of
+        spinning first, and spins through the window."""
         started = time.monotonic()
+        waited = False  # whether this call found the layer missing (its news then dates a publish)
+        window = spin_window(self._last_news, self._last_count, self._pace, after)
         while True:
             # first the counts alone: after a wake-up this is all it takes to go
             if self._heard(request_id, after, recorded):
-                return min(self._known.get(rank, 0) for rank in self.dealers)
+                least = min(self._known.get(rank, 0) for rank in self.dealers)
+                self._paced(least, waited, time.monotonic())
+                return least
             # the sequences before the counts: a count written after this read moves them
             seqs = {rank: board.sequence() for rank, board in self.boards.items()
                     if board.can_wait}
@@ -142,18 +204,43 @@ class Watch:
             now = time.monotonic()
             if least > after:
                 self.board_news += heard
+                self._paced(least, waited, now)
                 return least
             if now >= deadline:
                 return least
+            waited = True
             awaited = [rank for rank in self.dealers if self._known.get(rank, 0) <= after]
             sleeper = awaited[0] if all(seqs.get(r) is not None for r in awaited) else None
             if sleeper is not None:
-                if now >= started + BOARD_SPIN_FUTEX and not self.boards[sleeper].wait(
-                        seqs[sleeper], min(deadline - now, BOARD_SLEEP)):
+                if window is not None and window[0] <= now < window[1]:
+                    if self._spin(request_id, after, recorded, min(window[1], deadline)):
+                        self.spun_news += 1
+                        least = min(self._known.get(rank, 0) for rank in self.dealers)
+                        self._paced(least, True, time.monotonic())
+                        return least
+                    window = None  # not in the window: the futex from now on
+                    continue
+                sleep = min(deadline - now, BOARD_SLEEP)
+                if window is not None and now < window[0]:
+                    sleep = min(sleep, window[0] - now)  # wake for the spin
+                elif now < started + BOARD_SPIN_FUTEX:
+                    continue
+                if not self.boards[sleeper].wait(seqs[sleeper], sleep):
                     started = now - BOARD_SPIN  # that board cannot wait: nap on the sockets
+                    window = None
             elif now >= started + BOARD_SPIN and self._out:
                 rank = next(iter(self._out))
                 self._collect(rank, min(deadline, now + BOARD_NAP))
+
+    def _spin(self, request_id: str, after: int, recorded: bool, until: float) -> bool:
+        """Read the boards without sleeping until every rank is past ``after`` (True) or
+        ``until`` (False), yielding the GIL between reads."""
+        while True:
+            if self._heard(request_id, after, recorded):
+                return True
+            if time.monotonic() >= until:
+                return False
+            _yield()
 
     def _read_boards(self, request_id: str, recorded: bool) -> bool:
         """Take the counts the boards hold for ``request_id``; whether one raised a count."""
