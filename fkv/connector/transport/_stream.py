@@ -110,11 +110,17 @@ class Watch:
         self._request, self._known = request_id, {}
         self._last_news, self._last_count, self._pace = None, 0, None
 
+    def _news(self, waited: bool) -> int:
+        """The smallest count the ranks published (news past the awaited layer), its time
+        noted: after a wait it dates the publish (within a wake-up) and, against the previous
+        such news, gives the pace (the faster of the newest interval and its running mean:
+        spinning early costs a little CPU, late a wake-up). News that was there at once says
+        nothing about when it was published."""
+        least = min(self._known.get(rank, 0) for rank in self.dealers)
+        self._paced(least, waited, time.monotonic())
+        return least
+
     def _paced(self, least: int, waited: bool, now: float) -> None:
-        """Note news of ``least`` layers: after a wait it dates the publish (within a wake-up)
-        and, against the previous such news, gives the pace (the faster of the last two
-        measures: spinning early costs a little CPU, late a wake-up). News that was there at
-        once says nothing about when it was published."""
         if not waited:
             self._last_news = None
             return
@@ -190,9 +196,7 @@ class Watch:
         while True:
             # first the counts alone: after a wake-up this is all it takes to go
             if self._heard(request_id, after, recorded):
-                least = min(self._known.get(rank, 0) for rank in self.dealers)
-                self._paced(least, waited, time.monotonic())
-                return least
+                return self._news(waited)
             # the sequences before the counts: a count written after this read moves them
             seqs = {rank: board.sequence() for rank, board in self.boards.items()
                     if board.can_wait}
@@ -204,8 +208,7 @@ class Watch:
             now = time.monotonic()
             if least > after:
                 self.board_news += heard
-                self._paced(least, waited, now)
-                return least
+                return self._news(waited)
             if now >= deadline:
                 return least
             waited = True
@@ -215,9 +218,7 @@ class Watch:
                 if window is not None and window[0] <= now < window[1]:
                     if self._spin(request_id, after, recorded, min(window[1], deadline)):
                         self.spun_news += 1
-                        least = min(self._known.get(rank, 0) for rank in self.dealers)
-                        self._paced(least, True, time.monotonic())
-                        return least
+                        return self._news(True)
                     window = None  # not in the window: the futex from now on
                     continue
                 sleep = min(deadline - now, BOARD_SLEEP)
