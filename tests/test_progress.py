@@ -81,6 +81,7 @@ def test_the_prefill_agent_polls_and_a_dram_decode_agent_has_no_thread(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FKV_NIXL_PROGRESS_THREAD", raising=False)
     monkeypatch.delenv("FKV_NIXL_PROGRESS_DELAY_US", raising=False)
+    monkeypatch.setenv("FKV_OUTBOX", "0")  # the notification goes through NIXL, not the outbox
     caches = fkv.allocate(SPEC)
     for i, layer in enumerate(caches):
         layer.copy_(torch.arange(layer.numel()).view(layer.shape) + 1000 * i)

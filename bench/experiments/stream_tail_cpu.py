@@ -127,6 +127,12 @@ def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
     wrap(_plan_path, "wait_reads", "READ wait")
     wrap(_link.Link, "notify", "notify")
     wrap(_link.Link, "notif", "notify: message built")
+    try:  # trees with same-host outboxes: the notification written there instead of sent
+        from fkv.connector.transport import _outbox
+
+        wrap(_outbox.Outbox, "put", "notify: outbox write")
+    except ImportError:
+        pass
     # NIXL's own calls inside the steps above
     from fkv.connector.transport._base import load_nixl
 

@@ -91,16 +91,45 @@ class Connection:
         from fkv.connector.transport._base import SideChannelError
 
         engine = self.local.engine
-        hello = _side.Hello(engine_id=engine.engine_id, rank=engine.tp_rank,
-                            tp_size=engine.tp_size, agent=self.local.agent.name,
-                            secret=self.local.secret)
         for rank in (*self.plan.remote_ranks, *self.plan.notify_only_ranks):
-            reply = _side.request(self.local.zctx, entries[rank].address, hello,
-                                  max(0.05, deadline - time.monotonic()), curve=self.local.curve)
+            outbox = self._outbox_for(rank)
+            hello = _side.Hello(engine_id=engine.engine_id, rank=engine.tp_rank,
+                                tp_size=engine.tp_size, agent=self.local.agent.name,
+                                secret=self.local.secret,
+                                outbox=None if outbox is None else _side.OutboxInfo(
+                                    host=self.peers[rank].board.host, name=outbox.name,
+                                    token=outbox.token))
+            try:
+                reply = _side.request(self.local.zctx, entries[rank].address, hello,
+                                      max(0.05, deadline - time.monotonic()),
+                                      curve=self.local.curve)
+            except BaseException:
+                if outbox is not None:
+                    outbox.close()
+                raise
+            if outbox is not None:
+                if isinstance(reply, _side.Ok) and reply.outbox:
+                    self.link.outboxes[rank] = outbox
+                else:  # another host after all, or the rank refused it: NIXL notifications
+                    outbox.close()
             if not isinstance(reply, _side.Ok):
                 raise SideChannelError(f"prefill rank {rank} of engine {self.engine_id!r} refused "
                                        f"this decode rank's hello: "
                                        f"{getattr(reply, 'message', reply)}")
+
+    def _outbox_for(self, rank: int) -> Any:
+        """A new outbox (``_outbox``) for prefill rank ``rank`` when it runs on this host (its
+        publish board says so) and this process offers outboxes; else None."""
+        from fkv.connector.transport._ipc import host_identity
+        from fkv.connector.transport._outbox import Outbox, outbox_wanted
+
+        board = self.peers[rank].board
+        if board is None or board.host != host_identity() or not outbox_wanted():
+            return None
+        try:
+            return Outbox()
+        except OSError:  # no /dev/shm here: NIXL notifications
+            return None
 
     def _ipc_reason(self, strategy: str) -> str:
         if strategy not in ("auto", "ipc"):

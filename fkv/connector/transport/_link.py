@@ -91,6 +91,8 @@ class Link:
         self.engine_id = peers[0].engine.engine_id
         self.remote_spec = peers[0].spec
         self.names: dict[int, str] = {}
+        #: rank -> the outbox (``_outbox``) a same-host prefill rank accepted for notifications
+        self.outboxes: dict[int, Any] = {}
         self.remote_dlists: dict[int, Any] = {}
         self.local_dlist: Any = None
         self.staging: Any = None
@@ -256,11 +258,18 @@ class Link:
         return notification(request_id, engine.engine_id, engine.tp_rank)
 
     def notify(self, ranks: Any, message: bytes) -> None:
-        """Send ``message`` (:meth:`notif`) to each of ``ranks``."""
+        """Send ``message`` (:meth:`notif`) to each of ``ranks``: into the rank's outbox when it
+        accepted one and the outbox takes it, else through NIXL."""
+        outboxes = self.outboxes
         for rank in ranks:
-            self.local.agent.notify(self.names[rank], message)
+            box = outboxes.get(rank)
+            if box is None or not box.put(message):
+                self.local.agent.notify(self.names[rank], message)
 
     def close(self) -> None:
+        for box in self.outboxes.values():
+            box.close()
+        self.outboxes.clear()
         agent = self.local.agent
         if agent is None:
             return

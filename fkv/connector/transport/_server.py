@@ -66,6 +66,9 @@ _REFUSED_KINDS = ("duplicate", "unexpected_reader", "unknown_request", "late", "
 #: Status long polls a rank keeps waiting at once; more are answered at once (peers must not
 #: grow the list without end).
 MAX_PARKED = 256
+#: Same-host decode outboxes a rank reads at once (one per bound NIXL agent that announced one);
+#: a Hello past it is answered without (its notifications come through NIXL).
+MAX_OUTBOXES = 1024
 _PARK = object()  # _handle's answer to a Status that waits for news
 
 
@@ -118,6 +121,9 @@ class Server:
         self._ipc_stream: Any = None
         # same-host readers read each streaming request's layer counts here without asking
         self._board: Any = None
+        # bound NIXL agent name -> its same-host decode rank's outbox (``_outbox``); the server
+        # thread's alone
+        self._outboxes: dict[str, Any] = {}
         self._stop = threading.Event()
         self._sock: Any = None
         self._ranks: dict[int, _side.RankEntry] = {}
@@ -433,6 +439,8 @@ class Server:
         self._board.set(request_id, published, written)
 
     def _shutdown(self) -> None:
+        for agent in list(getattr(self, "_outboxes", ())):
+            self._drop_outbox(agent)
         if getattr(self, "_board", None) is not None:
             self._board.close()
         if self._sock is not None:
@@ -510,29 +518,81 @@ class Server:
             self._released_now(release)
 
     def _take_notifications(self) -> None:
+        """The notifications NIXL delivered, then those the same-host outboxes hold."""
         try:
             batch = self._agent.notifications()
         except UndecodableNotifications as e:
             self.errors.append(str(e))
             self.telemetry.refused("undecodable_notifications")
-            return
+            batch = []
         now = time.monotonic()
         for sender, message in batch:
-            if message.startswith(FREE_PREFIX):
-                if self._packer is None or not self._packer.free(message):
-                    self.errors.append(f"ignored a free of no held slot {message[:40]!r}")
-                    self.telemetry.refused("unknown_slot")
+            self._notified(sender, message, now)
+        if self._outboxes:
+            self._take_outboxes(now)
+
+    def _notified(self, sender: str, message: bytes, now: float) -> None:
+        """One peer notification from NIXL agent ``sender`` (or the outbox announced for it)."""
+        if message.startswith(FREE_PREFIX):
+            if self._packer is None or not self._packer.free(message):
+                self.errors.append(f"ignored a free of no held slot {message[:40]!r}")
+                self.telemetry.refused("unknown_slot")
+            return
+        self.telemetry.notification()
+        with self._lock:
+            before = self._table.stats()
+            release = self._table.notified(sender, message, now)
+            after = self._table.stats()
+        for kind in _REFUSED_KINDS:
+            if after[kind] > before[kind]:
+                self.telemetry.refused(kind)
+        if release is not None:
+            self._released_now(release)
+
+    # -- same-host outboxes (``_outbox``) ------------------------------------------------------------
+    def _open_outbox(self, agent: str, info: Any) -> bool:
+        """Read ``info``'s outbox as agent ``agent``'s notifications from now on (replacing the
+        one it had); False (its notifications come through NIXL) when there is none, it is on
+        another host, too many are open, or it fails its checks (counted refused ``outbox``)."""
+        from fkv.connector.transport._ipc import host_identity
+        from fkv.connector.transport._outbox import OutboxReader
+
+        self._drop_outbox(agent)
+        with self._lock:
+            gone = [a for a in self._outboxes if self._table.bound(a) is None]
+        for a in gone:  # agents unbound since (evicted, or replaced by a reconnect)
+            self._drop_outbox(a)
+        if info is None or info.host != host_identity():
+            return False
+        if len(self._outboxes) >= MAX_OUTBOXES:
+            self.telemetry.refused("outbox")
+            return False
+        try:
+            self._outboxes[agent] = OutboxReader(info.name, info.token)
+        except FkvError as e:
+            self.errors.append(f"hello from agent {agent[:64]!r}: {e}")
+            self.telemetry.refused("outbox")
+            return False
+        return True
+
+    def _drop_outbox(self, agent: str) -> None:
+        box = self._outboxes.pop(agent, None)
+        if box is not None:
+            box.close()
+
+    def _take_outboxes(self, now: float) -> None:
+        from fkv.connector.transport._outbox import OutboxCorrupt
+
+        for agent, box in list(self._outboxes.items()):
+            try:
+                messages = box.take()
+            except OutboxCorrupt as e:
+                self._drop_outbox(agent)
+                self.errors.append(f"agent {agent[:64]!r}: {e}")
+                self.telemetry.refused("outbox")
                 continue
-            self.telemetry.notification()
-            with self._lock:
-                before = self._table.stats()
-                release = self._table.notified(sender, message, now)
-                after = self._table.stats()
-            for kind in _REFUSED_KINDS:
-                if after[kind] > before[kind]:
-                    self.telemetry.refused(kind)
-            if release is not None:
-                self._released_now(release)
+            for message in messages:
+                self._notified(agent, message, now)
 
     def _answer_all(self, batch: list[tuple[Any, bytes | None]]) -> None:
         """Answer a batch of requests ``(envelope, payload)`` in order. A pack's reply goes out
@@ -634,7 +694,8 @@ class Server:
             with self._lock:
                 self._table.bind(msg.agent, (msg.engine_id, msg.rank), decode_tp=msg.tp_size,
                                  secret=msg.secret)
-            return _side.Ok(engine_id=self.engine.engine_id)
+            return _side.Ok(engine_id=self.engine.engine_id,
+                            outbox=self._open_outbox(msg.agent, msg.outbox))
         if isinstance(msg, _side.Pack):
             if self._packer is None:
                 return _side.Error(message=f"prefill rank {rank} serves no pack buffer "

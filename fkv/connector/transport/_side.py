@@ -33,7 +33,7 @@ from fkv.connector.transport._sidelimits import ADDRESS_PATTERN, MAX_ADDRESS_CHA
 from fkv.errors import FkvError
 
 __all__ = [
-    "Dealer", "Error", "MAX_STATUS_WAIT", "Fetch", "Hello", "Layers", "MAX_SIDE_MESSAGE_BYTES", "Ok", "Pack", "Packed", "Ping",
+    "Dealer", "Error", "MAX_STATUS_WAIT", "Fetch", "Hello", "OutboxInfo", "Layers", "MAX_SIDE_MESSAGE_BYTES", "Ok", "Pack", "Packed", "Ping",
     "Publish", "RankEntry", "Ranks", "Status", "SideChannelError", "decode_reply", "decode_request", "encode_message",
     "request",
 ]
@@ -110,6 +110,15 @@ class Pack(msgspec.Struct, tag="pack", forbid_unknown_fields=True, frozen=True,
                   Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]] | None = None
 
 
+class OutboxInfo(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Where a same-host decode rank writes its notifications for the prefill rank it says
+    Hello to (``_outbox``): its host identity, the file's name and the token at its start."""
+
+    host: Annotated[str, msgspec.Meta(max_length=1024)]
+    name: Annotated[str, msgspec.Meta(pattern=r"\Afkv-outbox-[0-9a-f]{32}\Z")]
+    token: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+
+
 class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, frozen=True):
     """A decode rank tells a prefill rank which NIXL agent speaks for it: notifications from
     ``agent`` count as reader ``(engine_id, rank)`` of an engine of ``tp_size`` ranks.
@@ -121,6 +130,8 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, frozen=True
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
     agent: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
     secret: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    #: the decode rank's outbox to this prefill rank (same host), or None: NIXL notifications
+    outbox: OutboxInfo | None = None
 
 
 #: The longest a prefill rank keeps a :class:`Status` request waiting for news (seconds).
@@ -169,6 +180,8 @@ class Packed(msgspec.Struct, tag="packed", forbid_unknown_fields=True, frozen=Tr
 
 class Ok(msgspec.Struct, tag="ok", forbid_unknown_fields=True, frozen=True):
     engine_id: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    #: answering a Hello: whether this prefill rank reads the outbox it announced
+    outbox: bool = False
 
 
 class Ranks(msgspec.Struct, tag="ranks", forbid_unknown_fields=True, frozen=True):

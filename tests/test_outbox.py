@@ -1,0 +1,314 @@
+"""The outbox: a same-host decode rank's notifications written into a file in /dev/shm that the
+prefill rank's server loop reads (``fkv.connector.transport._outbox``), the ring itself, the
+checks on what a peer announces and writes, and a real connection that uses it (CPU, NIXL)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fkv
+from fkv.connector import EngineDesc, connect, serve
+from fkv.connector.transport import _side
+from fkv.connector.transport._ipc import host_identity
+from fkv.connector.transport._outbox import (
+    MAX_MESSAGE,
+    RECORD_BYTES,
+    SLOTS,
+    Outbox,
+    OutboxCorrupt,
+    OutboxReader,
+)
+from fkv.errors import FkvError
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+
+_BYTES = 64 + SLOTS * RECORD_BYTES
+
+
+@pytest.fixture
+def box() -> Outbox:
+    b = Outbox()
+    yield b
+    b.close()
+
+
+def test_messages_arrive_in_order_across_the_ring_and_the_read_count_comes_back(
+        box: Outbox) -> None:
+    reader = OutboxReader(box.name, box.token)
+    try:
+        got = []
+        for i in range(3 * SLOTS + 5):
+            assert box.put(f"m{i}".encode())
+            if i % 7 == 6:
+                got += reader.take()
+        got += reader.take()
+        assert got == [f"m{i}".encode() for i in range(3 * SLOTS + 5)]
+        assert reader.take() == [] and reader.taken == box.sent == 3 * SLOTS + 5
+        with open(box.path, "rb") as f:
+            header = f.read(32)
+        assert header[:16] == box.token
+        assert int.from_bytes(header[16:24], "little") == 3 * SLOTS + 5  # written
+        assert int.from_bytes(header[24:32], "little") == 3 * SLOTS + 5  # read, by the reader
+    finally:
+        reader.close()
+
+
+def test_a_full_ring_or_a_long_message_is_refused_so_the_caller_uses_nixl(box: Outbox) -> None:
+    reader = OutboxReader(box.name, box.token)
+    try:
+        assert not box.put(b"x" * (MAX_MESSAGE + 1))
+        assert box.put(b"y" * MAX_MESSAGE)
+        for _ in range(SLOTS - 1):
+            assert box.put(b"z")
+        assert not box.put(b"one too many")  # the reader is SLOTS behind
+        got = reader.take()
+        assert got == [b"y" * MAX_MESSAGE] + [b"z"] * (SLOTS - 1)
+        assert box.put(b"room again") and reader.take() == [b"room again"]
+    finally:
+        reader.close()
+
+
+def test_a_reader_that_stops_says_so_and_the_writer_then_uses_nixl(box: Outbox) -> None:
+    reader = OutboxReader(box.name, box.token)
+    assert box.put(b"read") and reader.take() == [b"read"]
+    reader.close()  # a prefill server closing, or dropping the outbox
+    assert not box.put(b"after")
+    with open(box.path, "rb") as f:
+        assert f.read(40)[32:] == (1).to_bytes(8, "little")
+    with pytest.raises(FkvError) as e:  # and nobody reads it again
+        OutboxReader(box.name, box.token)
+    assert str(e.value) == (f"outbox {box.name}: announced with 1 records written, 1 read and "
+                            f"the closed flag 1 (expected an empty, open ring)")
+
+
+def test_a_closed_outbox_is_gone_and_takes_nothing() -> None:
+    b = Outbox()
+    path = b.path
+    b.close()
+    b.close()  # idempotent
+    assert not os.path.exists(path) and not b.put(b"m")
+
+
+@pytest.mark.parametrize(("name", "token", "why"), [
+    ("fkv-outbox-xyz", bytes(16), "outbox name 'fkv-outbox-xyz': expected 'fkv-outbox-' and 32 hex "
+                                  "digits"),
+    ("../etc/passwd", bytes(16), "outbox name '../etc/passwd': expected 'fkv-outbox-' and 32 hex "
+                                 "digits"),
+    (None, bytes(16), "outbox name 'None': expected 'fkv-outbox-' and 32 hex digits"),
+    ("fkv-outbox-" + "0" * 32, b"short", "outbox token: expected 16 bytes"),
+    ("fkv-outbox-" + "0" * 32, bytes(16), "outbox fkv-outbox-00000000000000000000000000000000: "
+                                          "cannot open it (No such file or directory)"),
+])
+def test_what_a_peer_announces_is_checked_before_anything_is_opened(name: object, token: object,
+                                                                   why: str) -> None:
+    with pytest.raises(FkvError) as e:
+        OutboxReader(name, token)
+    assert str(e.value) == why
+
+
+def test_an_announced_file_must_be_the_outbox_it_claims(box: Outbox) -> None:
+    with pytest.raises(FkvError) as e:
+        OutboxReader(box.name, bytes(16))
+    assert str(e.value) == f"outbox {box.name}: its token is not the one announced"
+    assert box.put(b"early")
+    with pytest.raises(FkvError) as e:
+        OutboxReader(box.name, box.token)
+    assert str(e.value) == (f"outbox {box.name}: announced with 1 records written, 0 read and "
+                            f"the closed flag 0 (expected an empty, open ring)")
+    os.truncate(box.path, 100)
+    with pytest.raises(FkvError) as e:
+        OutboxReader(box.name, box.token)
+    assert str(e.value) == (f"outbox {box.name}: expected a regular file of {_BYTES} bytes owned "
+                            f"by uid {os.getuid()} (got mode 0o100600, 100 bytes, uid "
+                            f"{os.getuid()})")
+
+
+def test_a_symlink_in_place_of_an_outbox_is_not_followed(tmp_path) -> None:
+    name = "fkv-outbox-" + os.urandom(16).hex()
+    target = tmp_path / "elsewhere"
+    target.write_bytes(bytes(_BYTES))
+    link = os.path.join("/dev/shm", name)
+    os.symlink(target, link)
+    try:
+        with pytest.raises(FkvError) as e:
+            OutboxReader(name, bytes(16))
+        assert str(e.value) == f"outbox {name}: cannot open it (Too many levels of symbolic links)"
+    finally:
+        os.unlink(link)
+
+
+def _poke(path: str, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(("written", "why"), [
+    (SLOTS + 1, f"{SLOTS + 1} records written with 0 read (expected 1 to {SLOTS} more)"),
+    (1 << 63, f"{1 << 63} records written with 0 read (expected 1 to {SLOTS} more)"),
+])
+def test_impossible_counts_close_the_outbox(box: Outbox, written: int, why: str) -> None:
+    reader = OutboxReader(box.name, box.token)
+    _poke(box.path, 16, written.to_bytes(8, "little"))
+    with pytest.raises(OutboxCorrupt) as e:
+        reader.take()
+    assert str(e.value) == f"outbox {box.name}: {why}; it is closed"
+    assert reader.take() == []  # closed: nothing more is read
+
+
+def test_a_count_going_back_closes_the_outbox(box: Outbox) -> None:
+    reader = OutboxReader(box.name, box.token)
+    assert box.put(b"a") and box.put(b"b") and reader.take() == [b"a", b"b"]
+    _poke(box.path, 16, (1).to_bytes(8, "little"))
+    with pytest.raises(OutboxCorrupt) as e:
+        reader.take()
+    assert str(e.value) == (f"outbox {box.name}: 1 records written with 2 read (expected 1 to "
+                            f"{SLOTS} more); it is closed")
+
+
+def test_a_record_longer_than_a_record_closes_the_outbox(box: Outbox) -> None:
+    reader = OutboxReader(box.name, box.token)
+    assert box.put(b"fine")
+    _poke(box.path, 64, (RECORD_BYTES - 1).to_bytes(2, "little"))
+    with pytest.raises(OutboxCorrupt) as e:
+        reader.take()
+    assert str(e.value) == (f"outbox {box.name}: record 0 is {RECORD_BYTES - 1} bytes long (at "
+                            f"most {MAX_MESSAGE}); it is closed")
+
+
+def test_a_truncated_outbox_reads_as_nothing_on_both_sides(box: Outbox) -> None:
+    reader = OutboxReader(box.name, box.token)
+    try:
+        assert box.put(b"before")
+        os.truncate(box.path, 20)
+        assert reader.take() == []  # short reads: no news, no fault
+        assert not box.put(b"after")  # the writer cannot read the read count: NIXL instead
+    finally:
+        reader.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(16, _BYTES - 1), st.binary(min_size=1, max_size=64)),
+                max_size=8),
+       st.integers(0, 2 * SLOTS))
+def test_any_bytes_a_peer_writes_give_messages_within_bounds_or_a_closed_outbox(
+        pokes: list[tuple[int, bytes]], before: int) -> None:
+    b = Outbox()
+    try:
+        reader = OutboxReader(b.name, b.token)
+        for i in range(before):
+            if not b.put(b"m%d" % i):
+                reader.take()
+        for offset, data in pokes:
+            _poke(b.path, offset, data[:_BYTES - offset])
+        taken = 0
+        for _ in range(3):
+            try:
+                got = reader.take()
+            except OutboxCorrupt:
+                assert reader.take() == []
+                break
+            assert len(got) <= SLOTS and all(len(m) <= MAX_MESSAGE for m in got)
+            taken += len(got)
+        reader.close()
+    finally:
+        b.close()
+
+
+# -- a real connection ------------------------------------------------------------------------------
+SPEC = fkv.KVCacheSpec(layout="HND", num_blocks=8, block_size=4, num_kv_heads=2, head_size=8,
+                       num_layers=2)
+
+
+def engine(name: str) -> EngineDesc:
+    return EngineDesc(engine_id=name, tp_size=1, tp_rank=0, total_num_kv_heads=2)
+
+
+def _released(server, request_id: str) -> dict[str, str]:
+    deadline = time.monotonic() + 10
+    while request_id in server.pending() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return server.released()
+
+
+@pytest.mark.transport
+@pytest.mark.parametrize("offered", ["1", "0"])
+def test_a_same_host_read_notifies_through_the_outbox_unless_turned_off(
+        monkeypatch: pytest.MonkeyPatch, offered: str) -> None:
+    monkeypatch.setenv("FKV_OUTBOX", offered)
+    caches = fkv.allocate(SPEC)
+    for i, layer in enumerate(caches):
+        layer.copy_(torch.arange(layer.numel()).view(layer.shape) + 1000 * i)
+    with serve(engine("p"), SPEC, caches) as server:
+        local = fkv.allocate(SPEC)
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            link = client._state.link
+            sent = []
+            monkeypatch.setattr(link.local.agent, "notify",
+                                lambda name, m: sent.append((name, m)) or
+                                type(link.local.agent).notify(link.local.agent, name, m))
+            server.hold("r1", [3, 5])
+            result = client.read("r1", [1, 2], [3, 5], timeout=20)
+            assert result.ok, result.error
+            for mine, theirs in zip(local, caches, strict=True):
+                assert torch.equal(mine[1:3], theirs[[3, 5]])
+            assert _released(server, "r1") == {"r1": "notified"}
+            if offered == "1":
+                assert list(link.outboxes) == [0] and link.outboxes[0].sent == 1
+                assert [b.taken for b in server._outboxes.values()] == [1]
+                assert sent == []  # nothing through NIXL
+                path = link.outboxes[0].path
+            else:
+                assert link.outboxes == {} and server._outboxes == {}
+                assert sent == [(link.names[0], link.notif("r1"))]
+                path = None
+            assert server.stats()["notifications"] == 1
+        if path is not None:  # the client closed: its outbox file is gone
+            assert not os.path.exists(path)
+
+
+def _hello(server, agent: str, outbox: object) -> object:
+    ctx = zmq.Context()
+    try:
+        return _side.request(ctx, server.address, _side.Hello(
+            engine_id="rogue", rank=0, tp_size=1, agent=agent, secret=os.urandom(16),
+            outbox=outbox), 5.0)
+    finally:
+        ctx.term()
+
+
+@pytest.mark.transport
+def test_a_hello_whose_outbox_fails_its_checks_is_answered_without_one_and_counted() -> None:
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
+        here = host_identity()
+        missing = _side.OutboxInfo(host=here, name="fkv-outbox-" + "ab" * 16, token=bytes(16))
+        reply = _hello(server, "agent-a", missing)
+        assert reply == _side.Ok(engine_id="p", outbox=False)
+        assert server.stats()["refused_messages"] == {"outbox": 1}
+        assert any("fkv-outbox-" + "ab" * 16 + ": cannot open it" in e for e in server.errors)
+        b = Outbox()
+        try:  # another host's outbox is not opened at all (nor counted: it is no offence)
+            far = _side.OutboxInfo(host="elsewhere", name=b.name, token=b.token)
+            assert _hello(server, "agent-b", far) == _side.Ok(engine_id="p", outbox=False)
+            ok = _side.OutboxInfo(host=here, name=b.name, token=b.token)
+            assert _hello(server, "agent-c", ok) == _side.Ok(engine_id="p", outbox=True)
+            # then the peer scribbles over its count: the server closes it and keeps serving
+            _poke(b.path, 16, (SLOTS + 7).to_bytes(8, "little"))
+            deadline = time.monotonic() + 10
+            while "agent-c" in server._outboxes and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert "agent-c" not in server._outboxes
+            assert server.stats()["refused_messages"] == {"outbox": 2}
+            assert any(f"outbox {b.name}: {SLOTS + 7} records written" in e for e in server.errors)
+            assert _hello(server, "agent-d", None) == _side.Ok(engine_id="p", outbox=False)
+        finally:
+            b.close()
