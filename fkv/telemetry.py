@@ -41,6 +41,8 @@ SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    0.5, 1.0, 2.5, 5.0, 10.0)
 BYTES_BUCKETS = tuple(float(4096 * 4**k) for k in range(11))   # 4 KiB .. 4 GiB, x4
 ROLES = ("client", "server")
+#: Records a Telemetry keeps before adding them up (reading it adds them up at once).
+_FOLD = 64
 
 
 class _Dist:
@@ -116,6 +118,7 @@ class Telemetry:
         self.role, self.engine_id = role, str(engine_id)
         self._lock = threading.Lock()
         self._paths: dict[str, _Path] = defaultdict(_Path)
+        self._pending: list[tuple[str, float, int, int, Mapping[str, float] | None]] = []
         self._failures: dict[str, int] = defaultdict(int)
         self._refused: dict[str, int] = defaultdict(int)
         self._leases = 0
@@ -134,9 +137,20 @@ class Telemetry:
         _non_negative("descriptors", descriptors, integer=True)
         for stage, s in (waits or {}).items():
             _non_negative(f"waits.{stage}", s)
+        # kept as is and added up when read (or every _FOLD records): a read's return is on the
+        # critical path of the request it landed, and right after its copy the caches are cold
         with self._lock:
+            self._pending.append((path, float(seconds), nbytes, descriptors,
+                                  dict(waits) if waits else None))
+            if len(self._pending) >= _FOLD:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Add the pending records into the distributions (under the lock)."""
+        pending, self._pending = self._pending, []
+        for path, seconds, nbytes, descriptors, waits in pending:
             p = self._paths[path]
-            p.seconds.add(float(seconds))
+            p.seconds.add(seconds)
             p.bytes.add(float(nbytes))
             p.descriptors.add(float(descriptors))
             if seconds > 0:
@@ -175,6 +189,7 @@ class Telemetry:
         bounds ``le`` and per-bucket ``counts``, one more count for values above the last
         bound), ``waits`` by stage; ``gbps.overall`` = bytes sum / seconds sum; counters."""
         with self._lock:
+            self._fold()
             total = _Path()
             for p in self._paths.values():
                 total.merge(p)
@@ -207,6 +222,7 @@ class Telemetry:
 
     def _snapshot(self) -> tuple[dict[str, _Path], dict[str, int], dict[str, int], int, int]:
         with self._lock:
+            self._fold()
             paths = {}
             for k, v in self._paths.items():
                 paths[k] = _Path()

@@ -180,3 +180,25 @@ def test_each_value_counts_in_the_first_bucket_whose_bound_holds_it(values: list
                       len(SECONDS_BUCKETS))] += 1
     got = t.stats()["paths"]["direct"]["seconds"]["histogram"]["counts"] if values else expected
     assert got == expected
+
+
+def test_records_kept_as_they_came_add_up_the_same_whenever_they_are_read() -> None:
+    """``record`` keeps each record as it came and adds them up when read or every 64: reading
+    after each record, after 150 or never in between gives the same stats."""
+    import fkv.telemetry as tm
+
+    assert tm._FOLD == 64
+    each, once = Telemetry("client"), Telemetry("client")
+    for i in range(150):
+        for t in (each, once):
+            t.record(path=("direct", "staging")[i % 2], seconds=0.001 * (1 + i % 7),
+                     nbytes=4096 * (1 + i), descriptors=i, waits={"transfer": 0.0001 * i})
+        if i % 10 == 0:
+            assert each.stats()["total"]["count"] == i + 1
+        if i == 63:  # the 64th record added the 64 up; none are left pending
+            assert once._pending == []
+    assert len(once._pending) == 150 - 128
+    assert once.stats() == each.stats() and once._pending == []
+    direct = once.stats()["paths"]["direct"]
+    assert direct["count"] == 75 and direct["bytes"]["sum"] == sum(4096 * (1 + i)
+                                                                 for i in range(0, 150, 2))
