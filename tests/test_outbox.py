@@ -126,8 +126,22 @@ def test_an_announced_file_must_be_the_outbox_it_claims(box: Outbox) -> None:
     with pytest.raises(FkvError) as e:
         OutboxReader(box.name, box.token)
     assert str(e.value) == (f"outbox {box.name}: expected a regular file of {_BYTES} bytes owned "
-                            f"by uid {os.getuid()} (got mode 0o100600, 100 bytes, uid "
-                            f"{os.getuid()})")
+                            f"by uid {os.getuid()} with one link (got mode 0o100600, 100 bytes, "
+                            f"uid {os.getuid()}, 1 links)")
+
+
+def test_a_hard_link_to_another_file_is_not_an_outbox(box: Outbox) -> None:
+    """A name that links to a file of the outbox's size (say, a prefill rank's own publish board)
+    is refused: the reader would write its counts into that file."""
+    name = "fkv-outbox-" + os.urandom(16).hex()
+    os.link(box.path, os.path.join("/dev/shm", name))
+    try:
+        with pytest.raises(FkvError) as e:
+            OutboxReader(name, box.token)
+        assert str(e.value).endswith(f"(got mode 0o100600, {_BYTES} bytes, uid {os.getuid()}, "
+                                     f"2 links)")
+    finally:
+        os.unlink(os.path.join("/dev/shm", name))
 
 
 def test_a_symlink_in_place_of_an_outbox_is_not_followed(tmp_path) -> None:
@@ -312,3 +326,33 @@ def test_a_hello_whose_outbox_fails_its_checks_is_answered_without_one_and_count
             assert _hello(server, "agent-d", None) == _side.Ok(engine_id="p", outbox=False)
         finally:
             b.close()
+
+
+@pytest.mark.transport
+def test_an_outbox_the_server_closed_sends_the_next_notification_through_nixl(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode rank scribbles over its own outbox's count: the prefill rank closes it (counted),
+    and the decode rank's next read still releases its blocks, its notification through NIXL."""
+    monkeypatch.setenv("FKV_OUTBOX", "1")
+    caches = fkv.allocate(SPEC)
+    with serve(engine("p"), SPEC, caches) as server:
+        with connect(engine("d"), SPEC, fkv.allocate(SPEC), remote_address=server.address) as client:
+            link = client._state.link
+            box = link.outboxes[0]
+            server.hold("r1", [1])
+            assert client.read("r1", [2], [1], timeout=20).ok
+            assert _released(server, "r1") == {"r1": "notified"} and box.sent == 1
+            _poke(box.path, 16, (1 + SLOTS + 1).to_bytes(8, "little"))
+            deadline = time.monotonic() + 10
+            while server._outboxes and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert server._outboxes == {}
+            assert server.stats()["refused_messages"] == {"outbox": 1}
+            sent = []
+            monkeypatch.setattr(link.local.agent, "notify",
+                                lambda name, m: sent.append(m) or
+                                type(link.local.agent).notify(link.local.agent, name, m))
+            server.hold("r2", [3])
+            assert client.read("r2", [4], [3], timeout=20).ok
+            assert _released(server, "r2") == {"r1": "notified", "r2": "notified"}
+            assert sent == [link.notif("r2")] and box.sent == 1

@@ -140,10 +140,12 @@ class OutboxReader:
             raise FkvError(f"outbox {name}: cannot open it ({e.strerror})") from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != _BYTES or st.st_uid != os.getuid():
+            if not stat.S_ISREG(st.st_mode) or st.st_size != _BYTES \
+                    or st.st_uid != os.getuid() or st.st_nlink != 1:
                 raise FkvError(f"outbox {name}: expected a regular file of {_BYTES} bytes owned "
-                               f"by uid {os.getuid()} (got mode 0o{st.st_mode:o}, "
-                               f"{st.st_size} bytes, uid {st.st_uid})")
+                               f"by uid {os.getuid()} with one link (got mode "
+                               f"0o{st.st_mode:o}, {st.st_size} bytes, uid {st.st_uid}, "
+                               f"{st.st_nlink} links)")
             if os.pread(fd, 16, 0) != token:
                 raise FkvError(f"outbox {name}: its token is not the one announced")
             raw = os.pread(fd, 24, _WRITTEN)
