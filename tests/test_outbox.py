@@ -281,11 +281,18 @@ def test_a_same_host_read_notifies_through_the_outbox_unless_turned_off(
                 assert [b.taken for b in server._outboxes.values()] == [1]
                 assert sent == []  # nothing through NIXL
                 path = link.outboxes[0].path
+                # nothing held now: the server still reads the outbox (every OUTBOX_IDLE_LOOK s)
+                assert server.pending() == frozenset()
+                assert link.outboxes[0].put(link.notif("ghost"))
+                deadline = time.monotonic() + 10
+                while not server.stats()["refused_messages"] and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                assert server.stats()["refused_messages"] == {"unknown_request": 1}
             else:
                 assert link.outboxes == {} and server._outboxes == {}
                 assert sent == [(link.names[0], link.notif("r1"))]
                 path = None
-            assert server.stats()["notifications"] == 1
+            assert server.stats()["notifications"] == (2 if offered == "1" else 1)
         if path is not None:  # the client closed: its outbox file is gone
             assert not os.path.exists(path)
 
@@ -294,7 +301,7 @@ def _hello(server, agent: str, outbox: object) -> object:
     ctx = zmq.Context()
     try:
         return _side.request(ctx, server.address, _side.Hello(
-            engine_id="rogue", rank=0, tp_size=1, agent=agent, secret=os.urandom(16),
+            engine_id=f"rogue-{agent}", rank=0, tp_size=1, agent=agent, secret=os.urandom(16),
             outbox=outbox), 5.0)
     finally:
         ctx.term()
@@ -315,13 +322,18 @@ def test_a_hello_whose_outbox_fails_its_checks_is_answered_without_one_and_count
             assert _hello(server, "agent-b", far) == _side.Ok(engine_id="p", outbox=False)
             ok = _side.OutboxInfo(host=here, name=b.name, token=b.token)
             assert _hello(server, "agent-c", ok) == _side.Ok(engine_id="p", outbox=True)
+            # the same outbox announced for another agent: one reader per outbox
+            assert _hello(server, "agent-e", ok) == _side.Ok(engine_id="p", outbox=False)
+            assert server.stats()["refused_messages"] == {"outbox": 2}
+            assert any(f"outbox {b.name} is read for another agent" in e for e in server.errors)
+            assert list(server._outboxes) == ["agent-c"]
             # then the peer scribbles over its count: the server closes it and keeps serving
             _poke(b.path, 16, (SLOTS + 7).to_bytes(8, "little"))
             deadline = time.monotonic() + 10
             while "agent-c" in server._outboxes and time.monotonic() < deadline:
                 time.sleep(0.005)
             assert "agent-c" not in server._outboxes
-            assert server.stats()["refused_messages"] == {"outbox": 2}
+            assert server.stats()["refused_messages"] == {"outbox": 3}
             assert any(f"outbox {b.name}: {SLOTS + 7} records written" in e for e in server.errors)
             assert _hello(server, "agent-d", None) == _side.Ok(engine_id="p", outbox=False)
         finally:

@@ -535,6 +535,10 @@ class Requests:
         """Request ids held now (a new set each call: use :meth:`holds` to ask about one)."""
         return frozenset(self._held)
 
+    def held(self) -> int:
+        """How many requests are held now."""
+        return len(self._held)
+
     def holds(self, request_id: str) -> bool:
         """Whether ``request_id`` is held now (constant time, whatever else is held)."""
         return request_id in self._held

@@ -69,6 +69,9 @@ MAX_PARKED = 256
 #: Same-host decode outboxes a rank reads at once (one per bound NIXL agent that announced one);
 #: a Hello past it is answered without (its notifications come through NIXL).
 MAX_OUTBOXES = 1024
+#: While nothing is held, the outboxes are read this often (seconds) rather than on every turn:
+#: a done names a held request, so only stray records (late, duplicate) wait for it.
+OUTBOX_IDLE_LOOK = 0.05
 _PARK = object()  # _handle's answer to a Status that waits for news
 
 
@@ -124,6 +127,7 @@ class Server:
         # bound NIXL agent name -> its same-host decode rank's outbox (``_outbox``); the server
         # thread's alone
         self._outboxes: dict[str, Any] = {}
+        self._outbox_due = 0.0  # the next look at the outboxes while nothing is held
         self._stop = threading.Event()
         self._sock: Any = None
         self._ranks: dict[int, _side.RankEntry] = {}
@@ -529,7 +533,11 @@ class Server:
         for sender, message in batch:
             self._notified(sender, message, now)
         if self._outboxes:
-            self._take_outboxes(now)
+            with self._lock:
+                held = self._table.held()
+            if held or now >= self._outbox_due:
+                self._outbox_due = now + OUTBOX_IDLE_LOOK
+                self._take_outboxes(now)
 
     def _notified(self, sender: str, message: bytes, now: float) -> None:
         """One peer notification from NIXL agent ``sender`` (or the outbox announced for it)."""
@@ -563,6 +571,12 @@ class Server:
         for a in gone:  # agents unbound since (evicted, or replaced by a reconnect)
             self._drop_outbox(a)
         if info is None or info.host != host_identity():
+            return False
+        if any(box.name == info.name for box in self._outboxes.values()):
+            # another agent's outbox: a second reader would take its records as this agent's
+            self.errors.append(f"hello from agent {agent[:64]!r}: outbox {info.name} is read "
+                               f"for another agent")
+            self.telemetry.refused("outbox")
             return False
         if len(self._outboxes) >= MAX_OUTBOXES:
             self.telemetry.refused("outbox")
