@@ -281,6 +281,7 @@ def test_a_same_host_read_notifies_through_the_outbox_unless_turned_off(
                 assert [b.taken for b in server._outboxes.values()] == [1]
                 assert sent == []  # nothing through NIXL
                 path = link.outboxes[0].path
+                assert not os.path.exists(path)  # its name went once the prefill rank opened it
                 # nothing held now: the server still reads the outbox (every OUTBOX_IDLE_LOOK s)
                 assert server.pending() == frozenset()
                 assert link.outboxes[0].put(link.notif("ghost"))
@@ -354,7 +355,8 @@ def test_an_outbox_the_server_closed_sends_the_next_notification_through_nixl(
             server.hold("r1", [1])
             assert client.read("r1", [2], [1], timeout=20).ok
             assert _released(server, "r1") == {"r1": "notified"} and box.sent == 1
-            _poke(box.path, 16, (1 + SLOTS + 1).to_bytes(8, "little"))
+            assert not os.path.exists(box.path)  # unlinked once the hello was answered
+            os.pwrite(box._fd, (1 + SLOTS + 1).to_bytes(8, "little"), 16)
             deadline = time.monotonic() + 10
             while server._outboxes and time.monotonic() < deadline:
                 time.sleep(0.005)

@@ -108,6 +108,7 @@ class Connection:
                     outbox.close()
                 raise
             if outbox is not None:
+                outbox.unlink()  # opened by now, or never: no name left for anyone to open
                 if isinstance(reply, _side.Ok) and reply.outbox:
                     self.link.outboxes[rank] = outbox
                 else:  # another host after all, or the rank refused it: NIXL notifications

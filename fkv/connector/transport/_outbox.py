@@ -66,7 +66,8 @@ class OutboxCorrupt(FkvError):
 
 class Outbox:
     """The decode rank's outbox to one prefill rank (created in ``/dev/shm``, readable by this
-    user only, removed at :meth:`close`). Call from one thread at a time (the client's lock)."""
+    user only, its name removed once the prefill rank answered the Hello that announced it).
+    Call from one thread at a time (the client's lock)."""
 
     def __init__(self) -> None:
         self.token = os.urandom(16)
@@ -111,15 +112,21 @@ class Outbox:
         self.sent += 1
         return True
 
+    def unlink(self) -> None:
+        """Remove the file's name (the prefill rank opened it, or never will): both sides keep
+        their descriptors, nothing is left behind if either process dies, and nobody else can
+        open it any more."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:  # removed already (by hand, or a peer of this user)
+            pass
+
     def close(self) -> None:
         if self._fd is None:
             return
         os.close(self._fd)
         self._fd = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:  # removed already (by hand, or a peer of this user)
-            pass
+        self.unlink()
 
 
 class OutboxReader:
