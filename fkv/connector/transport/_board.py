@@ -48,7 +48,7 @@ from typing import Any
 
 from fkv.errors import FkvError
 
-__all__ = ["Board", "BoardView", "SLOTS"]
+__all__ = ["Board", "BoardView", "SLOTS", "open_announced"]
 
 #: Slots per board (two 8-byte words each: 64 KiB), then the 32-bit sequence and padding.
 SLOTS = 4096
@@ -199,21 +199,28 @@ class Board:
             pass
 
 
+def open_announced(what: str, name: Any, pattern: re.Pattern[str], prefix: str,
+                   flags: int) -> int:
+    """A descriptor of ``/dev/shm/<name>``, a file a peer announced (its publish board, its
+    outbox): the name must match ``pattern`` (``prefix`` and 32 hex digits) before anything is
+    opened, and a symlink is not followed. FkvError naming ``what`` otherwise."""
+    if not isinstance(name, str) or not pattern.fullmatch(name):
+        raise FkvError(f"{what} name {str(name)[:64]!r}: expected '{prefix}' and 32 hex digits")
+    try:
+        return os.open(os.path.join(_DIR, name),
+                       flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise FkvError(f"{what} {name}: cannot open it ({e.strerror})") from None
+
+
 class BoardView:
     """A decode rank's read-only view of one prefill rank's board (see the module docstring)."""
 
     def __init__(self, name: str, salt: bytes) -> None:
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise FkvError(f"publish board name {str(name)[:64]!r}: expected "
-                           f"'fkv-board-' and 32 hex digits")
         if not isinstance(salt, bytes) or len(salt) != 16:
             raise FkvError("publish board salt: expected 16 bytes")
+        fd = open_announced("publish board", name, _NAME, "fkv-board-", os.O_RDONLY)
         self.name, self.salt = name, salt
-        path = os.path.join(_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            raise FkvError(f"publish board {name}: cannot open it ({e.strerror})") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != _BYTES:

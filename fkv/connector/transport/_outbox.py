@@ -37,6 +37,7 @@ import re
 import stat
 from typing import Any
 
+from fkv.connector.transport._board import open_announced
 from fkv.errors import FkvError
 
 __all__ = ["RECORD_BYTES", "SLOTS", "Outbox", "OutboxCorrupt", "OutboxReader", "outbox_wanted"]
@@ -134,17 +135,10 @@ class OutboxReader:
     peer's Hello: checked before anything is opened (FkvError naming what is wrong)."""
 
     def __init__(self, name: Any, token: Any) -> None:
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise FkvError(f"outbox name {str(name)[:64]!r}: expected 'fkv-outbox-' and 32 hex "
-                           f"digits")
         if not isinstance(token, bytes) or len(token) != 16:
             raise FkvError("outbox token: expected 16 bytes")
+        fd = open_announced("outbox", name, _NAME, "fkv-outbox-", os.O_RDWR)
         self.name = name
-        path = os.path.join(_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            raise FkvError(f"outbox {name}: cannot open it ({e.strerror})") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != _BYTES \
