@@ -84,8 +84,20 @@ def test_a_reader_that_stops_says_so_and_the_writer_then_uses_nixl(box: Outbox) 
         assert f.read(40)[32:] == (1).to_bytes(8, "little")
     with pytest.raises(FkvError) as e:  # and nobody reads it again
         OutboxReader(box.name, box.token)
-    assert str(e.value) == (f"outbox {box.name}: announced with 1 records written, 1 read and "
-                            f"the closed flag 1 (expected an empty, open ring)")
+    assert str(e.value) == (f"outbox {box.name}: announced with 1 records written, 1 read, the "
+                            f"closed flag 1 and the ended flag 0 (expected an empty, open ring)")
+
+
+def test_a_writer_that_closes_ends_the_outbox_once_its_records_were_taken() -> None:
+    b = Outbox()
+    reader = OutboxReader(b.name, b.token)
+    try:
+        assert b.put(b"one") and b.put(b"two")
+        b.close()  # the ended flag, after its records
+        assert reader.take() == [b"one", b"two"] and not reader.ended
+        assert reader.take() == [] and reader.ended  # the next look confirms: nothing came since
+    finally:
+        reader.close()
 
 
 def test_a_closed_outbox_is_gone_and_takes_nothing() -> None:
@@ -120,8 +132,8 @@ def test_an_announced_file_must_be_the_outbox_it_claims(box: Outbox) -> None:
     assert box.put(b"early")
     with pytest.raises(FkvError) as e:
         OutboxReader(box.name, box.token)
-    assert str(e.value) == (f"outbox {box.name}: announced with 1 records written, 0 read and "
-                            f"the closed flag 0 (expected an empty, open ring)")
+    assert str(e.value) == (f"outbox {box.name}: announced with 1 records written, 0 read, the "
+                            f"closed flag 0 and the ended flag 0 (expected an empty, open ring)")
     os.truncate(box.path, 100)
     with pytest.raises(FkvError) as e:
         OutboxReader(box.name, box.token)
@@ -294,8 +306,12 @@ def test_a_same_host_read_notifies_through_the_outbox_unless_turned_off(
                 assert sent == [(link.names[0], link.notif("r1"))]
                 path = None
             assert server.stats()["notifications"] == (2 if offered == "1" else 1)
-        if path is not None:  # the client closed: its outbox file is gone
+        if path is not None:  # the client closed: its outbox file is gone, the server drops it
             assert not os.path.exists(path)
+            deadline = time.monotonic() + 10
+            while server._outboxes and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert server._outboxes == {}
 
 
 def _hello(server, agent: str, outbox: object) -> object:
@@ -370,3 +386,33 @@ def test_an_outbox_the_server_closed_sends_the_next_notification_through_nixl(
             assert client.read("r2", [4], [3], timeout=20).ok
             assert _released(server, "r2") == {"r1": "notified", "r2": "notified"}
             assert sent == [link.notif("r2")] and box.sent == 1
+
+
+@pytest.mark.transport
+def test_past_the_most_outboxes_a_hello_evicts_the_least_recently_active(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outboxes of decode processes that died without closing are not kept forever: past
+    MAX_OUTBOXES the least recently active one is closed (its writer then uses NIXL)."""
+    from fkv.connector.transport import _server
+
+    monkeypatch.setattr(_server, "MAX_OUTBOXES", 2)
+    boxes = [Outbox() for _ in range(3)]
+    try:
+        with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
+            here = host_identity()
+            for i, b in enumerate(boxes[:2]):
+                info = _side.OutboxInfo(host=here, name=b.name, token=b.token)
+                assert _hello(server, f"agent-{i}", info) == _side.Ok(engine_id="p", outbox=True)
+            # agent-0 stays active (a stray record, taken at the next look); agent-1 does not
+            assert boxes[0].put(b"stray")
+            deadline = time.monotonic() + 10
+            while server._outboxes["agent-0"].taken == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            info = _side.OutboxInfo(host=here, name=boxes[2].name, token=boxes[2].token)
+            assert _hello(server, "agent-2", info) == _side.Ok(engine_id="p", outbox=True)
+            assert sorted(server._outboxes) == ["agent-0", "agent-2"]
+            assert not boxes[1].put(b"after")  # closed by the server: NIXL from now on
+            assert boxes[0].put(b"still")
+    finally:
+        for b in boxes:
+            b.close()

@@ -14,8 +14,10 @@ bytes 0-15 the outbox's token (random; the prefill rank opens an outbox only whe
 announced it carries the same token), 16-23 the count of records written (the decode rank's),
 24-31 the count of records read and 32-39 a closed flag (the prefill rank's: it sets the flag
 when it stops reading, its server closing included, so that the decode rank's next message
-goes through NIXL and fails there as it did before outboxes when the rank is gone). Record ``i``
-lives in slot ``i % SLOTS``: a 2-byte length, then the message.
+goes through NIXL and fails there as it did before outboxes when the rank is gone), 40-47 an
+ended flag (the decode rank's, set when it closes the outbox: the prefill rank takes what is
+left and drops it). Record ``i`` lives in slot ``i % SLOTS``: a 2-byte length, then the
+message.
 
 Both sides use ``pread``/``pwrite`` on a descriptor, never a mapping: a peer that truncates or
 scribbles over the file gives short reads, "full" or a refused outbox, never a fault in our
@@ -35,6 +37,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import time
 from typing import Any
 
 from fkv.connector.transport._board import open_announced
@@ -48,7 +51,7 @@ RECORD_BYTES = 256
 _HEADER = 64
 _BYTES = _HEADER + SLOTS * RECORD_BYTES
 _TOKEN = slice(0, 16)
-_WRITTEN, _READ, _CLOSED = 16, 24, 32
+_WRITTEN, _READ, _CLOSED, _ENDED = 16, 24, 32, 40
 _DIR = "/dev/shm"
 _NAME = re.compile(r"fkv-outbox-[0-9a-f]{32}")
 #: Longest message a record holds.
@@ -123,8 +126,13 @@ class Outbox:
             pass
 
     def close(self) -> None:
+        """Say the outbox ended (its reader drops it), close it, remove its name if still there."""
         if self._fd is None:
             return
+        try:
+            os.pwrite(self._fd, (1).to_bytes(8, "little"), _ENDED)
+        except OSError:  # the reader keeps it until the prefill rank closes or evicts it
+            pass
         os.close(self._fd)
         self._fd = None
         self.unlink()
@@ -149,17 +157,25 @@ class OutboxReader:
                                f"{st.st_nlink} links)")
             if os.pread(fd, 16, 0) != token:
                 raise FkvError(f"outbox {name}: its token is not the one announced")
-            raw = os.pread(fd, 24, _WRITTEN)
-            written, read, closed = (int.from_bytes(raw[i:i + 8], "little") for i in (0, 8, 16))
-            if len(raw) != 24 or written != read or written > 1 << 62 or closed:
+            raw = os.pread(fd, 32, _WRITTEN)
+            written, read, closed, ended = (int.from_bytes(raw[i:i + 8], "little")
+                                            for i in (0, 8, 16, 24))
+            if len(raw) != 32 or written != read or written > 1 << 62 or closed or ended:
                 raise FkvError(f"outbox {name}: announced with {written} records written, {read} "
-                               f"read and the closed flag {closed} (expected an empty, open ring)")
+                               f"read, the closed flag {closed} and the ended flag {ended} "
+                               f"(expected an empty, open ring)")
         except BaseException:
             os.close(fd)
             raise
         self._fd: int | None = fd
         self._read = read
         self.taken = 0  # messages read (tests, stats)
+        #: the writer closed the outbox and everything it wrote was taken: drop it
+        self.ended = False
+        self._ending = False  # the ended flag was seen once (the next look confirms it)
+        #: ``time.monotonic()`` of the opening or the last record taken (the server evicts the
+        #: least recently active outbox when it has too many)
+        self.active = time.monotonic()
 
     def take(self) -> list[bytes]:
         """The messages written since the last call (oldest first); [] when there are none or the
@@ -169,12 +185,17 @@ class OutboxReader:
         if fd is None:
             return []
         try:
-            raw = os.pread(fd, 8, _WRITTEN)
+            raw = os.pread(fd, 32, _WRITTEN)
         except OSError:
             return []
-        if len(raw) != 8:
+        if len(raw) != 32:
             return []
-        written = int.from_bytes(raw, "little")
+        written = int.from_bytes(raw[:8], "little")
+        if raw[24:] != bytes(8):
+            # ended: what it wrote before is visible by the next look, which starts after this
+            # one; a look that sees the flag again and no new record ends the outbox
+            self.ended = self._ending and written == self._read
+            self._ending = True
         if written == self._read:
             return []
         if not 0 < written - self._read <= SLOTS:
@@ -198,6 +219,7 @@ class OutboxReader:
         if out:
             self._read += len(out)
             self.taken += len(out)
+            self.active = time.monotonic()
             try:
                 os.pwrite(fd, self._read.to_bytes(8, "little"), _READ)
             except OSError:  # the writer then sees a full ring and uses NIXL

@@ -67,7 +67,8 @@ _REFUSED_KINDS = ("duplicate", "unexpected_reader", "unknown_request", "late", "
 #: grow the list without end).
 MAX_PARKED = 256
 #: Same-host decode outboxes a rank reads at once (one per bound NIXL agent that announced one);
-#: a Hello past it is answered without (its notifications come through NIXL).
+#: a Hello past it closes the least recently active one (whose notifications then come through
+#: NIXL), so that outboxes of decode processes that died without closing are not kept forever.
 MAX_OUTBOXES = 1024
 #: While nothing is held, the outboxes are read this often (seconds) rather than on every turn:
 #: a done names a held request, so only stray records (late, duplicate) wait for it.
@@ -561,7 +562,7 @@ class Server:
     def _open_outbox(self, agent: str, info: Any) -> bool:
         """Read ``info``'s outbox as agent ``agent``'s notifications from now on (replacing the
         one it had); False (its notifications come through NIXL) when there is none, it is on
-        another host, too many are open, or it fails its checks (counted refused ``outbox``)."""
+        another host, another agent's, or it fails its checks (counted refused ``outbox``)."""
         from fkv.connector.transport._ipc import host_identity
         from fkv.connector.transport._outbox import OutboxReader
 
@@ -579,8 +580,7 @@ class Server:
             self.telemetry.refused("outbox")
             return False
         if len(self._outboxes) >= MAX_OUTBOXES:
-            self.telemetry.refused("outbox")
-            return False
+            self._drop_outbox(min(self._outboxes, key=lambda a: self._outboxes[a].active))
         try:
             self._outboxes[agent] = OutboxReader(info.name, info.token)
         except FkvError as e:
@@ -607,6 +607,8 @@ class Server:
                 continue
             for message in messages:
                 self._notified(agent, message, now)
+            if box.ended:  # its decode rank closed it and everything it wrote was taken
+                self._drop_outbox(agent)
 
     def _answer_all(self, batch: list[tuple[Any, bytes | None]]) -> None:
         """Answer a batch of requests ``(envelope, payload)`` in order. A pack's reply goes out
