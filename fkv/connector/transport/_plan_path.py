@@ -92,6 +92,9 @@ class PlanPath:
         #: READs that outlived their read's deadline: NIXL may still land their bytes (in the
         #: staging buffer or the local blocks), so no read of this path starts before they end
         self.quarantine: list[Any] = []
+        #: READs that ended (DONE or ERR), released when the next chunk starts or at close: not
+        #: between a read's last byte and its return (a NIXL call per READ, on cold caches)
+        self.ended: list[Any] = []
         #: layer ranges read from READs computed ahead (layer_reads), since the connection began
         self.prepared_reads = 0
         #: READs created ahead and released unposted (discard_unposted), since the connection
@@ -170,6 +173,7 @@ class PlanPath:
         link = self.link
         if layers is not None:
             rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
+        self._release_ended()  # before the descriptor lists may be prepared again
         link.ensure_granule(rows)
         reads = []
         ranks = link.plan.remote_ranks
@@ -188,6 +192,7 @@ class PlanPath:
                                      or prepared.granule != link.granule):
             prepared = None  # another range, or the descriptors were prepared again since
         self._drain_quarantine(deadline)
+        self._release_ended()
         created = None
         if prepared is None:
             if rows is None:
@@ -227,9 +232,14 @@ class PlanPath:
                 if x.state == "PROC":  # may still land bytes: keep it until NIXL says it ended
                     self.quarantine.append(x)
                 else:
-                    agent.release(x)
+                    self.ended.append(x)
         if self.name == "staging":
             self._run_staging(local, remote, tokens, layers)
+
+    def _release_ended(self) -> None:
+        ended, self.ended = self.ended, []
+        for x in ended:
+            self.link.local.agent.release(x)
 
     def _drain_quarantine(self, deadline: float) -> None:
         """Release quarantined READs NIXL has finished; wait for the others until ``deadline``
@@ -283,6 +293,7 @@ class PlanPath:
 
     def close(self) -> None:
         self.discard_unposted()
+        self._release_ended()
         for x in self.quarantine:  # the agent keeps handles NIXL cannot release yet
             self.link.local.agent.release(x)
         self.quarantine.clear()
