@@ -77,6 +77,13 @@ class _Handles:
         return [h for h in self.created if not any(h is r for r in self.released)]
 
 
+@pytest.fixture(autouse=True)
+def _nixl_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about NIXL READs: same-host copies off, except where a test copies."""
+    if "copies" not in request.node.name:
+        monkeypatch.setenv("FKV_CMA", "0")
+
+
 def _stream_in_a_thread(client: Any, timeout: float = 20.0) -> tuple[threading.Thread, dict]:
     out: dict[str, Any] = {}
     reader = threading.Thread(target=lambda: out.update(
@@ -141,6 +148,46 @@ def test_a_streamed_read_that_times_out_releases_the_read_it_made_unposted(
             assert all(torch.count_nonzero(layer) == 0 for layer in local)
     assert len(handles.created) == 1 and handles.posted == []
     assert handles.unreleased() == []
+
+
+def test_same_host_copies_compute_the_awaited_layer_ahead_and_create_no_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With same-host copies (the CPU default on one host) a streamed read computes the awaited
+    layer's copy vectors while it waits, copies with them once the layer is published, and never
+    creates a NIXL READ; the bytes are those of the prefill cache."""
+    handles = _Handles(monkeypatch)
+    caches = _filled()
+    with serve(engine("p"), SPEC, caches) as server:
+        local = _zeros()
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            path = client._state.plan_path
+            assert path.copier is not None, client.describe()
+            # connect READ 64 bytes from the rank to finish NIXL's connection (notifications
+            # may need it); no READ after that
+            assert handles.created == [] and len(handles.posted) == 1
+            server.hold("s1", [3, 5], layers_ready=0)
+            reader, out = _stream_in_a_thread(client)
+            time.sleep(0.2)
+            assert all(torch.count_nonzero(layer) == 0 for layer in local)
+            server.publish("s1", 1)
+            deadline = time.monotonic() + 10
+            while not torch.equal(local[0][1:3], caches[0][[3, 5]]) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert torch.equal(local[0][1:3], caches[0][[3, 5]])
+            assert torch.count_nonzero(local[1]) == 0  # not published, not copied
+            server.publish("s1", 3)
+            reader.join(30)
+            result = out["r"]
+            assert result.ok, result.error
+            # layers x blocks x (K, V) x heads x tokens x head size x 2 bytes (bf16)
+            assert result.strategy == "direct" and result.bytes == 3 * 2 * 2 * 2 * 4 * 8 * 2
+            for mine, theirs in zip(local, caches, strict=True):
+                assert torch.equal(mine[1:3], theirs[[3, 5]])
+                assert torch.count_nonzero(mine[[0, 3, 4, 5, 6, 7]]) == 0
+            # layer 0 from the vectors computed while it was awaited; layers 1-2 came together
+            assert (path.prepared_reads, path.discarded_reads, path._ahead) == (1, 0, [])
+    assert handles.created == [] and len(handles.posted) == 1
 
 
 def test_a_created_read_whose_post_fails_is_released(monkeypatch: pytest.MonkeyPatch) -> None:

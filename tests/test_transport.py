@@ -31,8 +31,9 @@ WORKER = Path(__file__).with_name("_transport_worker.py")
 HEADS = 8
 SEED = 7
 # UCX over TCP on loopback: a stopped process cannot serve a READ (shared-memory transports read
-# a stopped process's memory directly), so the "killed during a read" case really is in flight.
-TCP_LO = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+# a stopped process's memory directly), so the "killed during a read" case really is in flight;
+# and NIXL READs rather than same-host copies, which read a stopped process's memory too.
+TCP_LO = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "FKV_CMA": "0"}
 
 
 class Proc:
@@ -270,14 +271,26 @@ VARIANTS = {
 }
 
 
-def _matrix_case(cluster: Any, ptp: int, dtp: int, variant: str, device: str = "cpu") -> None:
+def _matrix_case(cluster: Any, ptp: int, dtp: int, variant: str, device: str = "cpu",
+                 rows_by: str = "process_vm_readv") -> None:
+    """``rows_by``: who copies the plan's rows on CPU, the decode rank itself
+    (``process_vm_readv``, the same-host default) or NIXL READs (``FKV_CMA=0``)."""
     pover, dover, connect_kw, strategy = VARIANTS[variant]
     if strategy is None:  # NHD: a head slice is not contiguous, so heterogeneous TP stages
         strategy = "direct" if ptp == dtp else "staging"
     pspec, dspec = spec_dict(tp=ptp, **pover), spec_dict(tp=dtp, **dover)
-    pair = Pair(cluster, ptp, dtp, pspec, dspec, connect_kw=connect_kw, device=device)
+    pair = Pair(cluster, ptp, dtp, pspec, dspec, connect_kw=connect_kw, device=device,
+                d_env={"FKV_CMA": "0"} if rows_by == "nixl" else None)
     try:
         assert {c["strategy"] for c in pair.connected} == {strategy}
+        if device == "cpu":
+            said = [line for c in pair.connected for line in c["describe"].splitlines()
+                    if line.startswith("same")]
+            pids = ", ".join(f"P{r} pid {pair.P[r].pid}" for r in range(ptp))
+            assert said == ([f"same host: {strategy}: the plan's rows copied with "
+                             f"process_vm_readv from the prefill processes ({pids})"] * dtp
+                            if rows_by == "process_vm_readv" else
+                            ["same-host copies off (FKV_CMA=0): NIXL READs"] * dtp)
         tokens = 4 * 4 - 2  # a partial last block
         local, remote = request_blocks(pspec, dspec, tokens)
         for p in pair.P:
@@ -297,6 +310,13 @@ def _matrix_case(cluster: Any, ptp: int, dtp: int, variant: str, device: str = "
 @pytest.mark.parametrize("ptp,dtp", [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)])
 def test_matrix(cluster: Any, ptp: int, dtp: int, variant: str) -> None:
     _matrix_case(cluster, ptp, dtp, variant)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("ptp,dtp", [(1, 2), (2, 1)])
+def test_matrix_nixl_reads(cluster: Any, ptp: int, dtp: int, variant: str) -> None:
+    """The same pairs with the rows READ through NIXL (``FKV_CMA=0``), as between hosts."""
+    _matrix_case(cluster, ptp, dtp, variant, rows_by="nixl")
 
 
 @pytest.mark.gpu
@@ -778,6 +798,8 @@ STREAM = {
     # name: (P TP, D TP, prefill overrides, decode overrides, connect keywords, expected path[,
     #        Pair keywords])
     "direct-1-2": (1, 2, {}, {}, {"strategy": "direct"}, "direct"),
+    "direct-1-2-nixl": (1, 2, {}, {}, {"strategy": "direct"}, "direct",
+                        {"d_env": {"FKV_CMA": "0"}}),  # NIXL READs, as between hosts
     "staging-2-1": (2, 1, {"layout": "NHD"}, {"block_size": 8, "num_blocks": 8}, {}, "staging"),
     "packed-1-2": (1, 2, {}, {}, {"strategy": "packed"}, "packed"),
     # two prefill ranks packed per layer range; FKV_PACK_CHUNK_BYTES counts the range's bytes
@@ -926,8 +948,10 @@ def test_streaming_layers_land_as_published(cluster: Any, case: str) -> None:
             assert landed[0] < landed[1] < landed[2] == landed[3], landed  # 3 ranges, in order
             if path in ("direct", "staging"):  # the single layers awaited: READs created ahead
                 assert r["prepared_reads"] == 2, r  # layers 0 and 1
-                # layer 2's READs (one per prefill rank read), unposted: layers 2-3 came together
-                assert r["discarded_reads"] == len(c["remote_ranks"]), (r, c)
+                # layer 2's READs (one per prefill rank read), unposted: layers 2-3 came
+                # together (same-host copies create no READ: what they compute ahead is dropped)
+                nixl = case.endswith("nixl")
+                assert r["discarded_reads"] == (len(c["remote_ranks"]) if nixl else 0), (r, c)
         if path == "packed":  # one READ per prefill rank read per chunk of each of the 3 ranges
             reads = [len(c["remote_ranks"]) for c in pair.connected]
             chunks = (2, 2, 4) if case.endswith("chunks") else (1, 1, 1)
@@ -1474,6 +1498,63 @@ def test_prefill_killed_during_and_before_a_read_then_reconnect(cluster: Any) ->
             reborn.close()
 
 
+def test_same_host_copies_from_a_hung_killed_or_closed_prefill(cluster: Any) -> None:
+    """Same-host copies read the prefill process's memory: a hung (stopped) process still holds
+    its bytes, so the read lands them; a server that closed, or a process that was killed,
+    fails the read naming the rank and the way back; reconnected, reads work again."""
+    pspec = spec_dict(tp=1, num_blocks=64, block_size=16, head_size=64)
+    D = cluster["D"][0]
+    name = f"c{next(_counter)}"
+    victim = Proc("copy-victim", cluster["logdir"])
+    reborn = None
+    try:
+        address = victim.call("serve", name=name, spec=pspec, seed=SEED,
+                              engine=engine_dict(f"P-{name}", 1, 0), wait=120)["address"]
+        said = D.call("connect", name=name, spec=pspec, engine=engine_dict("D", 1, 0),
+                      address=address)["describe"]
+        assert f"process_vm_readv from the prefill processes (P0 pid {victim.pid})" in said
+        ids = list(range(64))
+        victim.kill(signal.SIGSTOP)
+        wait_stopped(victim.pid)
+        hung = D.call("read", name=name, request_id="hung", local=ids, remote=ids[::-1],
+                      timeout=5.0)
+        assert hung["result_ok"], hung
+        assert D.call("verify", name=name, local=ids, remote=ids[::-1], seed=SEED,
+                      remote_spec=pspec)["mismatch"] is None
+        victim.kill(signal.SIGCONT)
+        victim.call("stop", name=name)  # the server closes; the process and its caches stay
+        closed = D.call("read", name=name, request_id="closed", local=ids, remote=ids,
+                        timeout=3.0)
+        assert not closed["result_ok"], closed
+        assert (f"prefill rank 0 of engine 'P-{name}' (pid {victim.pid}) stopped serving "
+                f"(its publish board says so)") in closed["error"], closed
+        victim.kill(signal.SIGKILL)
+        victim.proc.wait()
+        dead = D.call("read", name=name, request_id="dead", local=ids, remote=ids, timeout=3.0)
+        assert not dead["result_ok"], dead
+        assert (f"prefill rank 0 of engine 'P-{name}' (pid {victim.pid}) exited: its bytes "
+                f"are not trusted") in dead["error"], dead
+        assert "reconnect" in dead["error"]
+        reborn = Proc("copy-reborn", cluster["logdir"])
+        address = reborn.call("serve", name=name, spec=pspec, seed=SEED,
+                              engine=engine_dict(f"P-{name}", 1, 0), wait=120)["address"]
+        D.call("reconnect", name=name, address=address)
+        local, remote = [5, 9, 2], [40, 1, 63]
+        assert D.call("read", name=name, request_id="again", local=local, remote=remote)[
+            "result_ok"]
+        assert D.call("verify", name=name, local=local, remote=remote, seed=SEED,
+                      remote_spec=pspec)["mismatch"] is None
+    finally:
+        D.call("stop", name=name, check=False)
+        try:
+            victim.kill(signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        victim.close()
+        if reborn is not None:
+            reborn.close()
+
+
 def _wait_stopped(pid: int, timeout: float) -> None:
     """Wait until process ``pid`` is stopped (SIGSTOP: state 'T' in /proc), so a kill that
     follows lands after whatever it did before stopping, however loaded the machine is."""
@@ -1650,7 +1731,7 @@ def test_two_hosts_over_veth(cluster: Any, two_hosts: Any) -> None:
     NIXL/UCX bytes (UCX_TLS=tcp on the veth) cross a real network interface."""
     (ns_a, dev_a, ip_a), (ns_b, dev_b, _) = two_hosts["A"], two_hosts["B"]
     env_a = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_a}
-    env_b = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_b}
+    env_b = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_b, "FKV_CMA": "0"}  # as between hosts
     logdir = cluster["logdir"]
     procs = [Proc("hostA-P0", logdir, ("ip", "netns", "exec", ns_a), env_a)]
     procs += [Proc(f"hostB-D{r}", logdir, ("ip", "netns", "exec", ns_b), env_b) for r in range(2)]

@@ -80,6 +80,7 @@ class Case:
     layer_ms: float = 0.0        # one layer's share of the same request's non-streamed read
     # results
     plan_strategy: str = ""
+    rows_by: str = ""  # who copies the plan's rows: "nixl" (READs) or "process_vm_readv"
     bytes_per_request: int = 0  # READ by all decode ranks (staging reads whole pages)
     payload_per_request: int = 0  # landed in the decode caches (what GB/s counts)
     descriptors_per_request: float = 0.0
@@ -493,7 +494,8 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
                 stream_landed.append(landed)
                 stream_cpu.append(cpu)
                 stream_stats[n] = {k: list(v) for k, v in stats.items()}
-        _send(conn, strategy=client.plan.strategy, runs=runs_by_size, ttfb=ttfb,
+        rows_by = "process_vm_readv" if "process_vm_readv" in client.describe() else "nixl"
+        _send(conn, strategy=client.plan.strategy, rows_by=rows_by, runs=runs_by_size, ttfb=ttfb,
               stats=stats_by_size, packs=packs_by_size, first_read=first, stream_ends=stream_ends,
               stream_news=stream_news, stream_landed=stream_landed, stream_cpu=stream_cpu,
               stream_stats=stream_stats)
@@ -508,6 +510,7 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
 def _summarize(case: Case, cfg: dict[str, Any], outs: list[dict[str, Any]], bye: dict[str, Any],
                dtp: int) -> None:
     case.plan_strategy = outs[0]["strategy"]
+    case.rows_by = outs[0].get("rows_by", "")
     reps = len(outs[0]["runs"])
     payload = case.request_blocks * 2 * 16 * (HEADS // dtp) * 128 * 2 * cfg["layers"]
     agg, wall, share, pack = [], [], [], []
@@ -798,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     request_bytes = cfg["request_blocks"] * page * cfg["layers"]
     ceiling = _copy_ceiling(cfg)
     links = _link_ceilings(cfg, sorted({n for c in cases for n in c.sizes}), page)
-    env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "FKV_NIXL_", "NIXL_"))}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "FKV_NIXL_", "NIXL_", "FKV_CMA"))}
     from fkv.connector.transport._agent import default_progress, progress_mode
 
     decode_default = default_progress("DRAM" if args.device == "cpu" else "VRAM")
@@ -889,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
                        **({"pack_hops_ms": c.pack_hops} if c.pack_hops else {}),
                        **({"stream_profile_ms_per_call": c.stream_profile}
                           if c.stream_profile else {}),
-                       "plan_strategy": c.plan_strategy, "nccl_note": link.get("nccl_note", "")})
+                       "plan_strategy": c.plan_strategy, "rows_by": c.rows_by, "nccl_note": link.get("nccl_note", "")})
     run.extra["env_transport"] = env
     run.extra["nixl_progress"] = progress
     results.save(run, args)

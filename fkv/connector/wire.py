@@ -105,6 +105,7 @@ class _Board(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
     name: Annotated[str, msgspec.Meta(pattern=r"\Afkv-board-[0-9a-f]{32}\Z")]
     salt: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+    pid: _int(0, (1 << 31) - 1) = 0  # type: ignore[valid-type]  # a positive C int, or 0
 
 
 class _Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -153,6 +154,9 @@ class BoardInfo:
     host: str
     name: str
     salt: bytes
+    #: the rank's process id (0: not said): a same-host reader with CPU DRAM caches copies the
+    #: rank's regions with ``process_vm_readv`` from it (``_cma``), after checking it can
+    pid: int = 0
 
 
 @attrs.frozen(repr=False)
@@ -246,7 +250,7 @@ def encode(engine: EngineDesc, spec: KVCacheSpec, regions: Any, *, device_id: in
                                           handles=list(ipc.handles), offsets=list(ipc.offsets),
                                           pid=ipc.pid, events=list(ipc.events)),
         board=None if board is None else _Board(host=board.host, name=board.name,
-                                                salt=bytes(board.salt)))
+                                                salt=bytes(board.salt), pid=board.pid))
     data = _ENCODER.encode(message)
     try:  # the limits live in one place: the decoder's types
         decode_untrusted(data)
@@ -307,7 +311,8 @@ def _decode(data: Any) -> Peer:
             if not (msg.board.host.isascii() and msg.board.host.isprintable()):
                 raise FkvError(f"'board.host' must be printable ASCII (got "
                                f"{msg.board.host[:64]!r})")
-            board = BoardInfo(host=msg.board.host, name=msg.board.name, salt=msg.board.salt)
+            board = BoardInfo(host=msg.board.host, name=msg.board.name, salt=msg.board.salt,
+                              pid=msg.board.pid)
     except FkvError as err:
         raise FkvWireError(f"peer message refused: {err}") from None
     return Peer(engine=engine, spec=spec, regions=regions, device_id=msg.device_id,

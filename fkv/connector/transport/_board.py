@@ -31,6 +31,11 @@ that address; Python never reads the mapping, and the kernel's own access to a p
 truncated away fails with ``EFAULT`` (then the view stops using the futex) instead of raising a
 fault. A peer can wake us spuriously; a wait then costs one more look at the counts.
 ``FKV_BOARD_FUTEX=0`` turns the futex off (waits nap on the side channel's sockets instead).
+
+Stopping: 8 bytes after the sequence hold a *stopped* flag, set first when the prefill rank's
+server closes. A decode rank that copies the rank's memory itself (``_cma``) reads it after each
+copy: bytes copied from a server that stopped meanwhile are not trusted (a NIXL READ fails
+there, the agent being gone).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ __all__ = ["Board", "BoardView", "SLOTS", "open_announced"]
 #: Slots per board (two 8-byte words each: 64 KiB), then the 32-bit sequence and padding.
 SLOTS = 4096
 _SEQ = SLOTS * 16
+_STOPPED = _SEQ + 8
 _BYTES = _SEQ + 64
 _DIR = "/dev/shm"
 _NAME = re.compile(r"fkv-board-[0-9a-f]{32}")
@@ -129,6 +135,7 @@ class Board:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, _BYTES)
+            os.pwrite(fd, bytes(8), _STOPPED)  # its page exists now: stop() needs no space
             import mmap
 
             self._map = mmap.mmap(fd, _BYTES)
@@ -136,7 +143,7 @@ class Board:
             os.close(fd)
             os.unlink(self.path)
             raise
-        os.close(fd)
+        self._fd: int | None = fd  # kept for the stopped flag (a pwrite cannot fault)
         # Item assignment of a memoryview cast to "Q" is one 8-byte store into the mapping (an
         # aligned word: whole for any reader); cheaper than numpy's scalar path, which matters
         # because publish runs in the prefill's forward pass, often right after a sleep.
@@ -180,9 +187,22 @@ class Board:
             words[2 * slot] = 0
             words[2 * slot + 1] = 0
 
+    def stop(self) -> None:
+        """Set the stopped flag (the server is closing; idempotent). Written with ``pwrite``,
+        not through the mapping: a file someone truncated gives no fault here."""
+        if self._fd is not None:
+            try:
+                os.pwrite(self._fd, (1).to_bytes(8, "little"), _STOPPED)
+            except OSError:  # an I/O error on a page that exists (allocated at creation): the
+                pass         # readers' exit check and their read's notification remain
+
     def close(self) -> None:
         if self._words is None:
             return
+        self.stop()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         for view in (self._words, self._seq):
             if view is not None:
                 view.release()
@@ -252,6 +272,16 @@ class BoardView:
         except OSError:
             return None
         return int.from_bytes(raw, "little") if len(raw) == 4 else None
+
+    def stopped(self) -> bool:
+        """Whether the board's server said it stopped (or the board cannot be read any more)."""
+        if self._fd is None:
+            return True
+        try:
+            raw = os.pread(self._fd, 8, _STOPPED)
+        except OSError:
+            return True
+        return len(raw) != 8 or raw != bytes(8)
 
     def wait(self, sequence: int, seconds: float) -> bool:
         """Sleep until the board's sequence is no longer ``sequence`` (a count was written), at

@@ -11,6 +11,10 @@ every path this connection can take:
 ``staging`` NIXL: the plan's rows fill a staging buffer, then a kernel rearranges
 ========== ================================================================================
 
+``direct`` and ``staging`` copy their rows with ``process_vm_readv`` instead of NIXL READs when
+every prefill rank read is a process of this host with CPU DRAM caches, as the decode rank's
+(``_cma``; ``strategy="nixl"`` and ``FKV_CMA=0`` keep NIXL READs).
+
 :meth:`Connection.choose` decides per request: a forced strategy is taken as is; ``"auto"``
 takes ``ipc`` whenever the connection could map the prefill caches, else ``packed`` for a request
 whose plan needs more descriptors than the client's ``pack_threshold`` (CUDA on both sides), else
@@ -73,7 +77,7 @@ class Connection:
                                                sizing.buffer_bytes if sizing else 0),
                              deadline=deadline)
             self._hello(entries, deadline)
-            self.plan_path = PlanPath(self.link, blocks)
+            self.plan_path = PlanPath(self.link, blocks, self._copier(strategy, deadline))
             if sizing is not None:
                 self.packed = PackedPath(self.link, sizing)
             if not self.ipc_reason:
@@ -132,6 +136,34 @@ class Connection:
         except OSError:  # no /dev/shm here: NIXL notifications
             return None
 
+    def _copier(self, strategy: str, deadline: float) -> Any:
+        """The same-host copier of the plan paths (``_cma``), or None with ``copy_reason``."""
+        from fkv.connector.transport._cma import SameHostCopy, cma_refusal
+
+        self.copy_reason = f"strategy {strategy!r} keeps NIXL READs" if strategy == "nixl" else ""
+        for rank in self.plan.remote_ranks:
+            self.copy_reason = self.copy_reason or cma_refusal(
+                self.peers[rank], rank, self.local.mem_type, self.link.mem_types[rank])
+        if self.copy_reason:
+            return None
+        link = self.link
+        staging = ((link.staging.data_ptr(), link.staging_path_bytes)
+                   if link.staging_path_bytes else None)
+        try:
+            copier = SameHostCopy(list(self.local.regions), staging,
+                                  {r: self.peers[r] for r in self.plan.remote_ranks},
+                                  self.engine_id)
+        except FkvError as e:
+            self.copy_reason = str(e)
+            return None
+        try:  # no READ will finish connecting NIXL to these ranks: notifications may need it
+            if self.local.agent.progress == "off":
+                link.wire_up(self.plan.remote_ranks, deadline)
+        except BaseException:
+            copier.close()
+            raise
+        return copier
+
     def _ipc_reason(self, strategy: str) -> str:
         if strategy not in ("auto", "ipc"):
             return f"strategy {strategy!r} forced"
@@ -181,6 +213,10 @@ class Connection:
         if self.ipc is not None:
             lines.append(f"every request: {self.ipc.describe()}")
             return "\n".join(lines)
+        if self.plan_path.copier is not None:
+            lines.append(f"same host: {self.plan_path.describe()}")
+        elif self.local.mem_type == "DRAM":
+            lines.append(f"same-host copies off ({self.copy_reason}): NIXL READs")
         if strategy in ("auto", "ipc"):
             lines.append(f"ipc: off ({self.ipc_reason})")
         if strategy == "packed":

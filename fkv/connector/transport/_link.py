@@ -116,13 +116,13 @@ class Link:
                                                    local.mem_type, local.device_id)
             self._prep(self.granule)
             if agent.progress == "off" and plan.notify_only_ranks:
-                self._wire_up(plan.notify_only_ranks, deadline)
+                self.wire_up(plan.notify_only_ranks, deadline)
         except BaseException:
             self.close()
             raise
 
-    def _wire_up(self, ranks: Any, deadline: float) -> None:
-        """Finish connecting to ranks this decode rank only notifies. An agent with no progress
+    def wire_up(self, ranks: Any, deadline: float) -> None:
+        """Finish connecting to ranks this decode rank only notifies (or never READs from). An agent with no progress
         thread moves UCX only while it polls its own READs, and a notification to a peer it never
         read from waits in UCX for a connection that never completes; one small READ from each
         such rank (into a private buffer) completes it now, or fails the connect naming it."""

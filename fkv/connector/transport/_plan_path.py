@@ -6,6 +6,10 @@ merges runs contiguous on both sides into one descriptor), one READ per prefill 
 DONE before the deadline, then the plan's staging moves. A staging read larger than the staging
 buffer goes in chunks. The READs carry no notification: the client notifies once every READ of
 the request landed.
+
+With a :class:`~fkv.connector.transport._cma.SameHostCopy` (CPU DRAM on both sides of one host)
+the rows are copied from the prefill processes with ``process_vm_readv`` instead of NIXL READs:
+the same rows, the same staging moves and notifications.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ def staging_blocks(plan: Any, local_spec: Any, remote_spec: Any, staging_bytes_m
 class LayerReads:
     """The READs of a request's remote ``layers`` (a range; None: every layer), ready to create:
     per prefill rank ``(rank, local descriptor indices, remote descriptor indices, bytes)``, for
-    the descriptor ``granule`` they were computed with; ``rows``: plan rows (descriptors before
+    the descriptor ``granule`` they were computed with (0: same-host copies, whose entries hold
+    the local and remote iovec arrays instead of indices); ``rows``: plan rows (descriptors before
     NIXL merges them). ``created``: NIXL handles of ``reads`` already created, not posted (one
     per read; :meth:`PlanPath.layer_reads`), owned by this value until a read posts them or
     :meth:`PlanPath.discard_unposted` releases them."""
@@ -85,8 +90,10 @@ class PlanPath:
 
     notifies_with_read = False  # the client notifies once every READ of the request landed
 
-    def __init__(self, link: Link, blocks: int) -> None:
+    def __init__(self, link: Link, blocks: int, copier: Any = None) -> None:
         self.link = link
+        #: the same-host copier (``_cma.SameHostCopy``) that replaces NIXL READs, or None
+        self.copier = copier
         self.name = link.plan.strategy
         self.staging_blocks = blocks   # remote blocks one staging-path chunk holds
         #: READs that outlived their read's deadline: NIXL may still land their bytes (in the
@@ -104,6 +111,8 @@ class PlanPath:
         self._staging_memo: _StagingMemo | None = None  # the last request's staging moves
 
     def describe(self) -> str:
+        if self.copier is not None:
+            return f"{self.name}: the plan's rows {self.copier.describe()}"
         return f"{self.name}: the plan's rows, one READ per prefill rank"
 
     def chunks(self, local: np.ndarray, remote: np.ndarray, tokens: int
@@ -143,6 +152,8 @@ class PlanPath:
         of another request (the descriptor granule may change then); what no read posts is
         released by :meth:`discard_unposted`. (Creating a READ resolves descriptors on this side
         only: nothing moves and the prefill rank sees nothing until the post.)"""
+        if self.copier is not None:  # the copy's vectors: a post is then one system call
+            return self._copies(rows, (layer, layer + 1))
         reads = self._reads(rows, (layer, layer + 1))
         link = self.link
         agent = link.local.agent
@@ -169,6 +180,34 @@ class PlanPath:
                 self.link.local.agent.discard(handle)
                 self.discarded_reads += 1
 
+    def _copies(self, rows: np.ndarray, layers: tuple[int, int] | None) -> LayerReads:
+        if layers is not None:
+            rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
+        ranks = self.link.plan.remote_ranks
+        reads = tuple((rank, *self.copier.vectors(rank, rows if len(ranks) == 1
+                                                  else rows[rows[:, 0] == rank]))
+                      for rank in ranks)
+        return LayerReads(layers, 0, int(rows.shape[0]), reads)
+
+    def _copy_chunk(self, local: np.ndarray, remote: np.ndarray, tokens: int, deadline: float,
+                    tally: Tally, rows: np.ndarray | None, layers: tuple[int, int] | None,
+                    prepared: LayerReads | None) -> None:
+        if prepared is None or prepared.granule != 0 or prepared.layers != layers:
+            if rows is None:
+                rows = self.link.plan.rows(local, remote, tokens)
+            prepared = self._copies(rows, layers)
+        else:
+            self.prepared_reads += 1
+        tally.descriptors += prepared.rows
+        t0 = time.perf_counter()
+        try:
+            for rank, local_iov, remote_iov, nbytes in prepared.reads:
+                if nbytes:
+                    self.copier.copy(rank, local_iov, remote_iov, nbytes, deadline)
+                    tally.bytes += nbytes
+        finally:
+            tally.transfer_seconds += time.perf_counter() - t0
+
     def _reads(self, rows: np.ndarray, layers: tuple[int, int] | None) -> LayerReads:
         link = self.link
         if layers is not None:
@@ -186,6 +225,11 @@ class PlanPath:
                deadline: float, tally: Tally, rows: np.ndarray | None,
                layers: tuple[int, int] | None = None,
                prepared: LayerReads | None = None) -> None:
+        if self.copier is not None:
+            self._copy_chunk(local, remote, tokens, deadline, tally, rows, layers, prepared)
+            if self.name == "staging":
+                self._run_staging(local, remote, tokens, layers)
+            return
         link = self.link
         agent, plan = link.local.agent, link.plan
         if prepared is not None and (prepared.layers != layers
@@ -292,6 +336,9 @@ class PlanPath:
                      num_tokens=step.num_tokens)
 
     def close(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
+            self.copier = None
         self.discard_unposted()
         self._release_ended()
         for x in self.quarantine:  # the agent keeps handles NIXL cannot release yet

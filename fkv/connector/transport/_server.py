@@ -389,6 +389,9 @@ class Server:
     def close(self) -> None:
         """Stop serving, release NIXL resources. Idempotent."""
         self._stop.set()
+        board = getattr(self, "_board", None)
+        if board is not None:  # first: a same-host reader copying now must not trust its bytes
+            board.stop()
         waiter = getattr(self, "_waiter", None)
         if waiter is not None:
             waiter.stop()
@@ -431,7 +434,8 @@ class Server:
         except OSError as e:
             self.errors.append(f"no publish board ({e}): same-host readers ask for every layer")
             return None
-        return BoardInfo(host=host_identity(), name=self._board.name, salt=self._board.salt)
+        return BoardInfo(host=host_identity(), name=self._board.name, salt=self._board.salt,
+                         pid=os.getpid())
 
     def _board_set(self, request_id: str) -> None:
         """Write a request's counts into the board, as a Status would answer them (under the

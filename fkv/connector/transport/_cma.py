@@ -1,0 +1,273 @@
+"""Same-host copies of CPU DRAM caches: the plan's rows read straight from the prefill process.
+
+When a decode rank's caches and a prefill rank's caches are both in CPU DRAM on one host, the
+bytes of a request can be copied by the kernel from the prefill process's memory into the decode
+caches with ``process_vm_readv`` (cross-memory attach): one system call moves up to 1024 rows.
+NIXL's UCX backend copies the same way over its ``cma`` transport, but one call per descriptor,
+with UCX's own bookkeeping around each; for a request of 16 KiB rows that per-row cost is most
+of the read (bench/NOTES.md, seventeenth session). The plan paths (``direct`` and ``staging``)
+then copy instead of posting NIXL READs; everything else stays: the plan's rows, the staging
+moves, the notifications, NIXL for other hosts and GPU memory.
+
+What a prefill rank says and what is checked before the first copy (:class:`SameHostCopy`):
+
+- its publish board (``wire.BoardInfo``) names its host identity (host name, boot id, PID
+  namespace: a pid names the same process here) and its process id, and this process can open
+  the board: a server that stops sets the board's stopped flag first, and a copy that ends
+  after it fails (as a NIXL READ fails once the server's agent is gone);
+- that process belongs to this process's user (a reader never copies from a process its user
+  could not read itself), and a pidfd is opened on it: the process that exits during a read
+  fails that read, and a recycled pid is never copied from afterwards;
+- the first and last bytes of every announced region are read from it: the regions are mapped
+  there, and the kernel lets this process read them (Yama's ``ptrace_scope`` or a missing
+  ``CAP_SYS_PTRACE`` refuse with ``EPERM``; the connection then uses NIXL and says why).
+
+Whatever a hostile peer announces, a copy writes only into this rank's own regions (or its
+staging buffer) at the plan's offsets, checked against their sizes before each call; what it
+reads is at the peer's word (a wrong region address reads other bytes of that same process, as
+a NIXL READ of a wrong address would). A short or failed call fails the read: nothing is
+reported as done. ``FKV_CMA=0`` turns these copies off (NIXL READs everywhere).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+import select
+import time
+from typing import Any
+
+import numpy as np
+
+from fkv.connector.transport._base import TransferFailed
+from fkv.errors import FkvError
+
+__all__ = ["IOV_MAX", "SameHostCopy", "cma_refusal", "cma_wanted", "iovecs"]
+
+#: Most rows one ``process_vm_readv`` takes (the kernel's ``UIO_MAXIOV``).
+IOV_MAX = 1024
+#: Bytes read from each end of every announced region when the connection is checked.
+_PROBE_BYTES = 8
+
+
+def cma_wanted() -> bool:
+    """Whether this process copies same-host DRAM rows itself (``FKV_CMA``, default on)."""
+    return os.environ.get("FKV_CMA", "1") != "0"
+
+
+@functools.cache
+def _readv() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.process_vm_readv
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
+                   ctypes.c_ulong, ctypes.c_ulong]
+    return fn
+
+
+def _call(pid: int, local: np.ndarray, remote: np.ndarray) -> tuple[int, int]:
+    """One ``process_vm_readv`` of ``len(local)`` rows (iovec arrays: address, length); the
+    bytes it read and the errno when it failed (0 otherwise)."""
+    got = _readv()(pid, local.ctypes.data, local.shape[0], remote.ctypes.data, remote.shape[0], 0)
+    return (got, 0) if got >= 0 else (0, ctypes.get_errno())
+
+
+def _why(code: int, pid: int) -> str:
+    name = errno.errorcode.get(code, str(code))
+    if code == errno.EPERM:
+        return (f"the kernel refused to let this process read process {pid}'s memory (EPERM: "
+                f"Yama's /proc/sys/kernel/yama/ptrace_scope above 0, or a container without "
+                f"CAP_SYS_PTRACE)")
+    if code == errno.ESRCH:
+        return f"process {pid} is gone (ESRCH)"
+    if code == errno.EFAULT:
+        return f"an announced region is not mapped in process {pid} (EFAULT)"
+    if code == errno.ENOSYS:
+        return "process_vm_readv is not available on this kernel (ENOSYS)"
+    return f"process_vm_readv failed ({name})"
+
+
+def cma_refusal(peer: Any, rank: int, local_mem_type: str, peer_mem_type: str) -> str:
+    """Why this decode rank cannot copy prefill rank ``rank``'s regions itself ("" if it may
+    try: :class:`SameHostCopy` then checks the process)."""
+    from fkv.connector.transport._ipc import host_identity
+
+    if not cma_wanted():
+        return "FKV_CMA=0"
+    if local_mem_type != "DRAM":
+        return "the decode caches are not in CPU DRAM"
+    if peer_mem_type != "DRAM":
+        return f"prefill rank {rank}'s caches are not in CPU DRAM"
+    board = peer.board
+    if board is None:
+        return f"prefill rank {rank} announced no publish board (no host identity)"
+    if board.host != host_identity():
+        return f"prefill rank {rank} runs on another host ({board.host!r})"
+    if board.pid <= 0:
+        return f"prefill rank {rank} announced no process id"
+    return ""
+
+
+def iovecs(rows: np.ndarray, bases: np.ndarray, sizes: np.ndarray, *, local: bool) -> np.ndarray:
+    """The iovec array (address, length per row, uint64) of one side of plan ``rows``: on the
+    local side region ``rows[:, 3]`` at offset ``rows[:, 4]`` (-1: the last entry of ``bases``,
+    the staging buffer, of size 0 when there is none), on the remote side region ``rows[:, 1]``
+    at ``rows[:, 2]``; length ``rows[:, 5]``. Every row must lie inside its region of ``sizes``
+    bytes (FkvError otherwise: nothing is copied)."""
+    region, offset = (rows[:, 3], rows[:, 4]) if local else (rows[:, 1], rows[:, 2])
+    length = rows[:, 5]
+    side, n = ("local", bases.shape[0] - 1) if local else ("remote", bases.shape[0])
+    if ((region < (-1 if local else 0)) | (region >= n)).any():
+        raise FkvError(f"a plan row names a {side} region outside 0..{n - 1}; nothing was copied")
+    index = np.where(region < 0, bases.shape[0] - 1, region)
+    if ((offset < 0) | (length <= 0) | (offset + length > sizes[index])).any():
+        raise FkvError(f"a plan row leaves its {side} region; nothing was copied")
+    out = np.empty((rows.shape[0], 2), dtype=np.uint64)
+    out[:, 0] = bases[index] + offset.astype(np.uint64)
+    out[:, 1] = length
+    return out
+
+
+class _Source:
+    """One prefill rank's process: its pid, a pidfd on it, its announced regions."""
+
+    def __init__(self, rank: int, peer: Any) -> None:
+        from fkv.connector.transport._board import open_board
+
+        pid, regions = peer.board.pid, peer.regions
+        self.rank, self.pid = rank, pid
+        self.bases = np.array([b for b, _ in regions], dtype=np.uint64)
+        self.sizes = np.array([n for _, n in regions], dtype=np.int64)
+        self.pidfd = -1
+        self._poll: Any = None
+        self.board = open_board(peer.board)
+        if self.board is None:
+            raise FkvError(f"prefill rank {rank}'s publish board {peer.board.name} cannot be "
+                           f"opened here (its stop could not be seen)")
+        try:
+            owner = os.stat(f"/proc/{pid}").st_uid
+        except OSError:
+            self.close()
+            raise FkvError(f"prefill rank {rank}'s process {pid} does not exist on this host "
+                           f"(no /proc/{pid})") from None
+        try:
+            if owner != os.getuid():
+                raise FkvError(f"prefill rank {rank}'s process {pid} belongs to uid {owner}, "
+                               f"not to this process's uid {os.getuid()}")
+            try:
+                self.pidfd = os.pidfd_open(pid)
+            except (OSError, AttributeError):  # no pidfds here: the exit check asks os.kill
+                self.pidfd = -1
+            if self.pidfd >= 0:
+                self._poll = select.poll()
+                self._poll.register(self.pidfd, select.POLLIN)
+            self._probe(regions)
+        except BaseException:
+            self.close()
+            raise
+
+    def _probe(self, regions: tuple[tuple[int, int], ...]) -> None:
+        remote = np.array([(b + off, _PROBE_BYTES) for b, n in regions
+                           for off in (0, n - _PROBE_BYTES)], dtype=np.uint64)
+        scratch = np.empty(remote.shape[0] * _PROBE_BYTES, dtype=np.uint8)
+        local = np.empty_like(remote)
+        local[:, 0] = scratch.ctypes.data + np.arange(remote.shape[0], dtype=np.uint64) * \
+            _PROBE_BYTES
+        local[:, 1] = _PROBE_BYTES
+        for start in range(0, remote.shape[0], IOV_MAX):
+            got, code = _call(self.pid, local[start:start + IOV_MAX],
+                              remote[start:start + IOV_MAX])
+            want = min(IOV_MAX, remote.shape[0] - start) * _PROBE_BYTES
+            if got != want:
+                raise FkvError(f"cannot copy from prefill rank {self.rank}'s process {self.pid}: "
+                               f"{_why(code or errno.EFAULT, self.pid)}")
+
+    def exited(self) -> bool:
+        if self._poll is not None:
+            return bool(self._poll.poll(0))
+        try:
+            os.kill(self.pid, 0)
+        except PermissionError:
+            return False
+        except (OSError, OverflowError):
+            return True
+        return False
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        self._poll = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+
+class SameHostCopy:
+    """The prefill processes one decode rank copies from, and its own regions to copy into.
+
+    ``local_regions``: the decode rank's ``(base, nbytes)`` regions; ``staging``: its staging
+    buffer's (rows whose local region is -1 land there), or None; ``peers``: rank ->
+    the prefill rank's wire ``Peer`` (its board says host and pid). Raises FkvError naming what
+    failed when a process cannot be copied from."""
+
+    def __init__(self, local_regions: list[tuple[int, int]], staging: tuple[int, int] | None,
+                 peers: dict[int, Any], engine_id: str) -> None:
+        self.engine_id = engine_id
+        regions = [*local_regions, staging or (0, 0)]
+        self.local_bases = np.array([b for b, _ in regions], dtype=np.uint64)
+        self.local_sizes = np.array([n for _, n in regions], dtype=np.int64)
+        self.sources: dict[int, _Source] = {}
+        try:
+            for rank, peer in peers.items():
+                self.sources[rank] = _Source(rank, peer)
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self) -> str:
+        pids = ", ".join(f"P{r} pid {s.pid}" for r, s in self.sources.items())
+        return f"copied with process_vm_readv from the prefill processes ({pids})"
+
+    def vectors(self, rank: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """The local and remote iovec arrays of one prefill rank's plan rows, and their bytes."""
+        src = self.sources[rank]
+        local = iovecs(rows, self.local_bases, self.local_sizes, local=True)
+        remote = iovecs(rows, src.bases, src.sizes, local=False)
+        return local, remote, int(rows[:, 5].sum())
+
+    def copy(self, rank: int, local: np.ndarray, remote: np.ndarray, nbytes: int,
+             deadline: float) -> None:
+        """Copy the rows of :meth:`vectors` (every byte, or TransferFailed naming the rank and,
+        first, a process that exited or a server that stopped, whatever the copy did)."""
+        src = self.sources[rank]
+        who = f"prefill rank {rank} of engine {self.engine_id!r} (pid {src.pid})"
+        n = local.shape[0]
+        failed = ""
+        for start in range(0, n, IOV_MAX):
+            stop = min(n, start + IOV_MAX)
+            want = nbytes if n <= IOV_MAX else int(local[start:stop, 1].sum())
+            got, code = _call(src.pid, local[start:stop], remote[start:stop])
+            if got != want:
+                failed = _why(code, src.pid) if code else f"it read {got} of {want} bytes"
+                break
+            if stop < n and time.monotonic() > deadline:
+                failed = "it did not finish before the read's timeout"
+                break
+        if src.exited():
+            raise TransferFailed(f"{who} exited: its bytes are not trusted; reconnect once it "
+                                 f"is back (client.reconnect())")
+        if src.board.stopped():
+            raise TransferFailed(f"{who} stopped serving (its publish board says so): its "
+                                 f"bytes are not trusted; reconnect once it is back "
+                                 f"(client.reconnect())")
+        if failed:
+            raise TransferFailed(f"copy from {who} failed: {failed}: the prefill process may "
+                                 f"have died: reconnect once it is back (client.reconnect())")
+
+    def close(self) -> None:
+        for src in self.sources.values():
+            src.close()
+        self.sources.clear()

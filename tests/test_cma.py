@@ -1,0 +1,245 @@
+"""Same-host copies of CPU DRAM rows (``fkv.connector.transport._cma``): a real second process
+holds the "prefill" memory; every check on it, the copy's bytes, and the failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fkv.connector.transport._base import TransferFailed
+from fkv.connector.transport._board import Board
+from fkv.connector.transport._cma import IOV_MAX, SameHostCopy, cma_refusal, iovecs
+from fkv.connector.transport._ipc import host_identity
+from fkv.connector.wire import BoardInfo
+from fkv.errors import FkvError
+
+PAGE = 4096
+# A process holding 2 regions of 16 pages (byte i of region r is (7 * i + r) % 251); with
+# "hole", the middle page of region 1 is unmapped afterwards (its ends stay readable).
+HOLDER = textwrap.dedent("""
+    import ctypes, json, mmap, sys
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = 16 * 4096
+    maps, out = [], []
+    for r in range(2):
+        m = mmap.mmap(-1, size)
+        m[:] = bytes((7 * i + r) % 251 for i in range(size))
+        maps.append(m)
+        out.append(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+    if sys.argv[1] == "hole":
+        assert libc.munmap(out[1] + 8 * 4096, 4096) == 0
+    print(json.dumps({"pid": __import__("os").getpid(), "bases": out, "size": size}), flush=True)
+    sys.stdin.read()
+""")
+
+
+def _pattern(region: int, size: int) -> np.ndarray:
+    return ((7 * np.arange(size) + region) % 251).astype(np.uint8)
+
+
+class Holder:
+    def __init__(self, mode: str = "plain") -> None:
+        self.board = Board()  # the "server's" publish board (this process writes it)
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, mode], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        info = json.loads(self.proc.stdout.readline())
+        self.pid, self.bases, self.size = info["pid"], info["bases"], info["size"]
+
+    def peer(self, pid: int | None = None, bases: list[int] | None = None) -> Any:
+        board = BoardInfo(host=host_identity(), name=self.board.name, salt=self.board.salt,
+                          pid=self.pid if pid is None else pid)
+        return types.SimpleNamespace(board=board, regions=tuple(
+            (b, self.size) for b in (self.bases if bases is None else bases)))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(10)
+        self.proc.stdout.close()
+        self.board.close()
+
+
+@pytest.fixture
+def holder() -> Any:
+    h = Holder()
+    yield h
+    h.close()
+
+
+def _rows(spec: list[tuple[int, int, int, int, int]]) -> np.ndarray:
+    """Plan rows (remote rank 0): (remote region, remote offset, local region, local offset,
+    length)."""
+    return np.array([(0, *r) for r in spec], dtype=np.int64)
+
+
+def test_rows_become_iovecs_and_rows_outside_a_region_are_refused() -> None:
+    bases = np.array([0x10000, 0x90000, 0x200000], dtype=np.uint64)  # two regions, staging
+    sizes = np.array([0x1000, 0x1000, 0x800], dtype=np.int64)
+    rows = _rows([(1, 0x40, 0, 0x100, 0x20), (0, 0, -1, 0x7E0, 0x20), (1, 0xFE0, 1, 0, 0x20)])
+    assert iovecs(rows, bases, sizes, local=True).tolist() == [
+        [0x10100, 0x20], [0x2007E0, 0x20], [0x90000, 0x20]]
+    assert iovecs(rows, bases[:2], sizes[:2], local=False).tolist() == [
+        [0x90040, 0x20], [0x10000, 0x20], [0x90FE0, 0x20]]
+    for bad, local, what in [
+        ([(0, 0, 0, 0xFF0, 0x20)], True, "leaves its local region"),
+        ([(0, 0, -1, 0x7F0, 0x20)], True, "leaves its local region"),   # past the staging end
+        ([(0, 0, 2, 0, 0x20)], True, "local region outside 0..1"),      # the staging slot
+        ([(0, 0, -2, 0, 0x20)], True, "local region outside 0..1"),
+        ([(0, -0x20, 0, 0, 0x20)], False, "leaves its remote region"),
+        ([(2, 0, 0, 0, 0x20)], False, "remote region outside 0..1"),
+        ([(-1, 0, 0, 0, 0x20)], False, "remote region outside 0..1"),
+        ([(0, 0, 0, 0, 0)], True, "leaves its local region"),           # empty rows are bugs
+    ]:
+        with pytest.raises(FkvError, match=what):
+            iovecs(_rows(bad), bases if local else bases[:2], sizes if local else sizes[:2],
+                   local=local)
+    # no staging buffer: its slot has size 0, so a staging row is refused
+    with pytest.raises(FkvError, match="leaves its local region"):
+        iovecs(_rows([(0, 0, -1, 0, 0x20)]), np.array([0x10000, 0], dtype=np.uint64),
+               np.array([0x1000, 0], dtype=np.int64), local=True)
+
+
+def test_copies_the_rows_bit_for_bit_in_one_call_or_many(holder: Holder) -> None:
+    local = np.zeros((2, holder.size), dtype=np.uint8)
+    staging = np.zeros(2 * PAGE, dtype=np.uint8)
+    copier = SameHostCopy([(local[i].ctypes.data, holder.size) for i in range(2)],
+                          (staging.ctypes.data, staging.size), {0: holder.peer()}, "p")
+    try:
+        rng = np.random.default_rng(0)
+        # 1500 rows of 32 B (two system calls of 1024 and 476), scattered both ways
+        n = 1500
+        src = rng.permutation(holder.size // 32 * 2)[:n]
+        dst = rng.permutation(holder.size // 32 * 2)[:n]
+        rows = _rows([(s // (holder.size // 32), s % (holder.size // 32) * 32,
+                       d // (holder.size // 32), d % (holder.size // 32) * 32, 32)
+                      for s, d in zip(src.tolist(), dst.tolist(), strict=True)]
+                     + [(1, 100, -1, 7, 333)])  # an odd row into the staging buffer
+        lv, rv, nbytes = copier.vectors(0, rows)
+        assert lv.shape == (n + 1, 2) and nbytes == n * 32 + 333 and n + 1 > IOV_MAX
+        copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        want = np.zeros_like(local)
+        ref = [_pattern(0, holder.size), _pattern(1, holder.size)]
+        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+            rr, ro = divmod(s, holder.size // 32)
+            lr, lo = divmod(d, holder.size // 32)
+            want[lr, lo * 32:lo * 32 + 32] = ref[rr][ro * 32:ro * 32 + 32]
+        assert np.array_equal(local, want)
+        assert np.array_equal(staging[7:340], ref[1][100:433])
+        assert not staging[:7].any() and not staging[340:].any()
+        assert "process_vm_readv" in copier.describe() and f"pid {holder.pid}" in \
+            copier.describe()
+    finally:
+        copier.close()
+
+
+def test_refusals_before_any_process_is_asked(holder: Holder, monkeypatch: Any) -> None:
+    peer = holder.peer()
+    assert cma_refusal(peer, 0, "DRAM", "DRAM") == ""
+    assert cma_refusal(peer, 1, "VRAM", "DRAM") == "the decode caches are not in CPU DRAM"
+    assert cma_refusal(peer, 1, "DRAM", "VRAM") == "prefill rank 1's caches are not in CPU DRAM"
+    elsewhere = types.SimpleNamespace(board=BoardInfo(host="other/boot/1", name=peer.board.name,
+                                                      salt=bytes(16), pid=holder.pid),
+                                      regions=peer.regions)
+    assert cma_refusal(elsewhere, 2, "DRAM", "DRAM") == \
+        "prefill rank 2 runs on another host ('other/boot/1')"
+    assert cma_refusal(holder.peer(pid=0), 0, "DRAM", "DRAM") == \
+        "prefill rank 0 announced no process id"
+    assert cma_refusal(types.SimpleNamespace(board=None), 3, "DRAM", "DRAM") == \
+        "prefill rank 3 announced no publish board (no host identity)"
+    monkeypatch.setenv("FKV_CMA", "0")
+    assert cma_refusal(peer, 0, "DRAM", "DRAM") == "FKV_CMA=0"
+
+
+def test_a_process_that_cannot_be_copied_from_is_refused_naming_why(holder: Holder,
+                                                                    monkeypatch: Any) -> None:
+    mine = np.zeros(holder.size, dtype=np.uint8)
+    regions = [(mine.ctypes.data, mine.size)] * 2
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(gone.stdout)
+    with pytest.raises(FkvError, match=rf"prefill rank 0's process {dead_pid} does not exist "
+                                       rf"on this host \(no /proc/{dead_pid}\)"):
+        SameHostCopy(regions, None, {0: holder.peer(pid=dead_pid)}, "p")
+    # a region the process does not map (its ends are read when the connection is checked)
+    with pytest.raises(FkvError, match=rf"cannot copy from prefill rank 1's process "
+                                       rf"{holder.pid}: an announced region is not mapped in "
+                                       rf"process {holder.pid} \(EFAULT\)"):
+        SameHostCopy(regions, None, {1: holder.peer(bases=[holder.bases[0], 4096])}, "p")
+    # a board this process cannot open (another host's name, or removed)
+    nowhere = types.SimpleNamespace(board=BoardInfo(host=host_identity(),
+                                                    name="fkv-board-" + "0" * 32,
+                                                    salt=bytes(16), pid=holder.pid),
+                                    regions=holder.peer().regions)
+    with pytest.raises(FkvError, match=rf"prefill rank 0's publish board fkv-board-0{{32}} "
+                                       rf"cannot be opened here \(its stop could not be seen\)"):
+        SameHostCopy(regions, None, {0: nowhere}, "p")
+    real = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: real + 1)
+    with pytest.raises(FkvError, match=rf"process {holder.pid} belongs to uid {real}, not to "
+                                       rf"this process's uid {real + 1}"):
+        SameHostCopy(regions, None, {0: holder.peer()}, "p")
+
+
+def test_a_short_copy_fails_the_read() -> None:
+    """Region 1's ends pass the check, its middle page is gone: a row across it fails."""
+    h = Holder("hole")
+    try:
+        local = np.zeros((2, h.size), dtype=np.uint8)
+        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
+                              {0: h.peer()}, "p")
+        rows = _rows([(0, 0, 0, 0, 64), (1, 7 * PAGE, 1, 0, 3 * PAGE)])
+        lv, rv, nbytes = copier.vectors(0, rows)
+        with pytest.raises(TransferFailed, match=rf"copy from prefill rank 0 of engine 'p' "
+                                                 rf"\(pid {h.pid}\) failed: it read "
+                                                 rf"{64 + PAGE} of {64 + 3 * PAGE} bytes"):
+            copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        copier.close()
+    finally:
+        h.close()
+
+
+def test_a_prefill_process_that_exited_fails_the_copy(holder: Holder) -> None:
+    local = np.zeros((2, holder.size), dtype=np.uint8)
+    copier = SameHostCopy([(local[i].ctypes.data, holder.size) for i in range(2)], None,
+                          {0: holder.peer()}, "p")
+    try:
+        lv, rv, nbytes = copier.vectors(0, _rows([(0, 0, 0, 0, PAGE)]))
+        copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        assert np.array_equal(local[0, :PAGE], _pattern(0, PAGE))
+        assert not copier.sources[0].exited()
+        holder.close()  # exits, and is reaped: the pid names nobody now
+        assert copier.sources[0].exited()  # its pidfd says so, whoever gets the pid next
+        local[:] = 0
+        with pytest.raises(TransferFailed, match=rf"prefill rank 0 of engine 'p' \(pid "
+                                                 rf"{holder.pid}\) exited: its bytes are not "
+                                                 rf"trusted; reconnect once it is back"):
+            copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        assert not local.any()
+    finally:
+        copier.close()
+
+
+def test_a_copy_that_ends_after_the_server_stopped_fails(holder: Holder) -> None:
+    local = np.zeros((2, holder.size), dtype=np.uint8)
+    copier = SameHostCopy([(local[i].ctypes.data, holder.size) for i in range(2)], None,
+                          {0: holder.peer()}, "p")
+    try:
+        lv, rv, nbytes = copier.vectors(0, _rows([(1, 0, 1, 0, PAGE)]))
+        copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        assert np.array_equal(local[1, :PAGE], _pattern(1, PAGE))
+        holder.board.stop()
+        with pytest.raises(TransferFailed, match=rf"prefill rank 0 of engine 'p' \(pid "
+                                                 rf"{holder.pid}\) stopped serving \(its "
+                                                 rf"publish board says so\)"):
+            copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+    finally:
+        copier.close()
