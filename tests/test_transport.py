@@ -286,9 +286,10 @@ def _matrix_case(cluster: Any, ptp: int, dtp: int, variant: str, device: str = "
         if device == "cpu":
             said = [line for c in pair.connected for line in c["describe"].splitlines()
                     if line.startswith("same")]
-            pids = ", ".join(f"P{r} pid {pair.P[r].pid}" for r in range(ptp))
+            pids = [", ".join(f"P{r} pid {pair.P[r].pid}" for r in c["remote_ranks"])
+                    for c in pair.connected]  # each decode rank names the ranks it reads
             assert said == ([f"same host: {strategy}: the plan's rows copied with "
-                             f"process_vm_readv from the prefill processes ({pids})"] * dtp
+                             f"process_vm_readv from the prefill processes ({p})" for p in pids]
                             if rows_by == "process_vm_readv" else
                             ["same-host copies off (FKV_CMA=0): NIXL READs"] * dtp)
         tokens = 4 * 4 - 2  # a partial last block

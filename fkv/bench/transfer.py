@@ -386,6 +386,7 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
             return
         from fkv.connector.transport._agent import Agent
         from fkv.connector.transport._client import Client
+        from fkv.connector.transport._cma import SameHostCopy
         from fkv.connector.transport._ipc_path import IpcPath
         from fkv.connector.transport._packed_path import PackedPath
         from fkv.connector.transport._plan_path import PlanPath
@@ -393,8 +394,8 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
 
         stats = _timers([(PackedPath, "_ask"), (Agent, "read_descs"), (Agent, "read"),
                          (Agent, "wait"), (PackedPath, "_scatter"), (PlanPath, "_run_staging"),
-                         (Agent, "notify"), (IpcPath, "read"), (Client, "_result"),
-                         (Telemetry, "record")])
+                         (Agent, "notify"), (IpcPath, "read"), (SameHostCopy, "copy"),
+                         (Client, "_result"), (Telemetry, "record")])
         packs = _trace_packs_decode()
         client = connect(_engine("bench-d", tp, rank), spec, caches, remote_address=address,
                          timeout=60.0, strategy=case["strategy"])
