@@ -5,7 +5,10 @@ last layer is cold: the prefill computed the layer in between. Here a child proc
 512 MiB (a cache of 8 layers x 1024 blocks x 64 KiB), this process copies N random rows into a
 512 MiB cache of its own with ``process_vm_readv``, split into K contiguous slices copied by K
 threads of a pool started beforehand (ctypes releases the GIL for the call), and 512 MiB of
-another buffer are written before each copy (cold caches) or not (warm). Median of 20.
+another buffer are written before each copy (cold caches) or not (warm). ``cold, primed``:
+cold, then (untimed, as a streamed read could while it waits for the layer) the destination
+rows are read and 8 bytes of every remote 4 KiB page are copied into a scratch buffer (``remote
+primed``, ``local primed``: one of the two). Median of 20.
 
     python bench/experiments/cma_threads.py      # JSON to $OUT (or /tmp)
 """
@@ -49,8 +52,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     for n, size in CASES:
-        for state in ("cold", "warm"):
-            for k in (1, 2, 4, 8):
+        for state in ("cold", "cold, primed", "cold, remote primed", "cold, local primed",
+                      "warm"):
+            for k in (1, 2, 4):
                 times = []
                 for _ in range(REPS):
                     src = rng.permutation(SIZE // size)[:n].astype(np.uint64)
@@ -62,6 +66,17 @@ def main() -> None:
                         _call(pid, local, remote)
                     else:
                         scratch += 1
+                    if state in ("cold, primed", "cold, remote primed"):
+                        pages = (remote[:, :1] + np.arange(0, size, 4096, dtype=np.uint64)).ravel()
+                        probe = np.stack([pages, np.full(pages.size, 8, np.uint64)], axis=1)
+                        mine = np.stack([scratch.ctypes.data + 8 * np.arange(pages.size,
+                                                                            dtype=np.uint64),
+                                         np.full(pages.size, 8, np.uint64)], axis=1)
+                        for i in range(0, pages.size, 1024):
+                            _call(pid, mine[i:i + 1024], probe[i:i + 1024])
+                    if state in ("cold, primed", "cold, local primed"):
+                        int(sum(int(dst[int(a - dst.ctypes.data):int(a - dst.ctypes.data)
+                                        + size].sum()) for a, _ in local))
                     parts = np.array_split(np.arange(n), k)
                     t = time.perf_counter()
                     if k == 1:
