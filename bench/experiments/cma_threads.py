@@ -8,7 +8,7 @@ threads of a pool started beforehand (ctypes releases the GIL for the call), and
 another buffer are written before each copy (cold caches) or not (warm). ``cold, primed``:
 cold, then (untimed, as a streamed read could while it waits for the layer) the destination
 rows are read and 8 bytes of every remote 4 KiB page are copied into a scratch buffer (``remote
-primed``, ``local primed``: one of the two). Median of 20.
+primed``, ``local primed``: one of the two). Median of 12.
 
     python bench/experiments/cma_threads.py      # JSON to $OUT (or /tmp)
 """
@@ -29,7 +29,7 @@ from _record import write  # noqa: E402
 
 from fkv.connector.transport._cma import _call  # noqa: E402
 
-SIZE, REPS = 512 << 20, 20
+SIZE, REPS = 512 << 20, 12
 CASES = [(32, 16 << 10), (32, 32 << 10), (512, 16 << 10), (256, 32 << 10)]  # (rows, row bytes)
 
 
