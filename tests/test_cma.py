@@ -243,25 +243,3 @@ def test_a_copy_that_ends_after_the_server_stopped_fails(holder: Holder) -> None
             copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
     finally:
         copier.close()
-
-
-def test_priming_changes_no_byte_and_never_raises(holder: Holder) -> None:
-    """A streamed read warms what its copy will touch while it waits: nothing is written on
-    either side, and a process that is gone makes priming do nothing (the copy then fails)."""
-    local = np.zeros((2, holder.size), dtype=np.uint8)
-    staging = np.zeros(2 * PAGE, dtype=np.uint8)
-    copier = SameHostCopy([(local[i].ctypes.data, holder.size) for i in range(2)],
-                          (staging.ctypes.data, staging.size), {0: holder.peer()}, "p")
-    try:
-        rows = _rows([(1, 100, 0, 4096, 3 * PAGE), (0, 0, -1, 64, PAGE), (0, 5 * PAGE, 1, 8, 64)])
-        lv, rv, nbytes = copier.vectors(0, rows)
-        copier.prime(0, rows)
-        assert not local.any() and not staging.any()
-        copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
-        assert np.array_equal(local[0, 4096:4096 + 3 * PAGE], _pattern(1, 100 + 3 * PAGE)[100:])
-        assert np.array_equal(staging[64:64 + PAGE], _pattern(0, PAGE))
-        assert np.array_equal(local[1, 8:72], _pattern(0, 6 * PAGE)[5 * PAGE:5 * PAGE + 64])
-        holder.close()
-        copier.prime(0, rows)
-    finally:
-        copier.close()

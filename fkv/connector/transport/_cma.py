@@ -50,9 +50,6 @@ __all__ = ["IOV_MAX", "SameHostCopy", "cma_refusal", "cma_wanted", "iovecs"]
 IOV_MAX = 1024
 #: Bytes read from each end of every announced region when the connection is checked.
 _PROBE_BYTES = 8
-#: Most remote pages one :meth:`SameHostCopy.prime` touches (16 MiB of rows at 4 KiB pages).
-_PRIME_PAGES = 4096
-_PAGE = 4096
 
 
 def cma_wanted() -> bool:
@@ -223,48 +220,12 @@ class SameHostCopy:
         self.local_bases = np.array([b for b, _ in regions], dtype=np.uint64)
         self.local_sizes = np.array([n for _, n in regions], dtype=np.int64)
         self.sources: dict[int, _Source] = {}
-        self._scratch = np.empty(0, dtype=np.uint8)
-        # the local regions as uint64 arrays (read by prime(); None: nothing to read)
-        self._words = [np.ctypeslib.as_array((ctypes.c_uint64 * (n // 8)).from_address(b))
-                       if b and n >= 8 else None for b, n in regions]
         try:
             for rank, peer in peers.items():
                 self.sources[rank] = _Source(rank, peer)
         except BaseException:
             self.close()
             raise
-
-    def prime(self, rank: int, rows: np.ndarray) -> None:
-        """Warm what a copy of ``rows`` (one prefill rank's, checked by :meth:`vectors`) will
-        touch, while nothing better is to be done: a streamed read calls it while it waits for
-        the layer. Reads 8 bytes of every remote page (the kernel walks the prefill process's
-        page tables as the copy will) and one word of every 64-byte line of the local rows
-        (cold destination lines cost the copy more than the copy itself: bench/NOTES.md).
-        Best effort: a failure here changes nothing, the copy says what went wrong."""
-        src = self.sources[rank]
-        length = rows[:, 5]
-        pages = (length + _PAGE - 1) // _PAGE
-        if not rows.shape[0] or int(pages.sum()) > _PRIME_PAGES:
-            return
-        within = np.arange(int(pages.sum())) - np.repeat(np.cumsum(pages) - pages, pages)
-        remote = (np.repeat(src.bases[rows[:, 1]] + rows[:, 2].astype(np.uint64), pages)
-                  + (within * _PAGE).astype(np.uint64))
-        n = remote.size
-        if self._scratch.size < n * 8:
-            self._scratch = np.empty(n * 8, dtype=np.uint8)
-        theirs = np.stack([remote, np.full(n, 8, dtype=np.uint64)], axis=1)
-        mine = np.stack([self._scratch.ctypes.data + 8 * np.arange(n, dtype=np.uint64),
-                         np.full(n, 8, dtype=np.uint64)], axis=1)
-        for start in range(0, n, IOV_MAX):
-            _call(src.pid, mine[start:start + IOV_MAX], theirs[start:start + IOV_MAX])
-        lines = length // 64
-        at = np.repeat(rows[:, 4], lines) + 64 * (np.arange(int(lines.sum()))
-                                                   - np.repeat(np.cumsum(lines) - lines, lines))
-        region = np.repeat(np.where(rows[:, 3] < 0, len(self._words) - 1, rows[:, 3]), lines)
-        for r in np.unique(region).tolist():
-            words = self._words[r]
-            if words is not None:
-                int(words[at[region == r] // 8].sum())
 
     def describe(self) -> str:
         pids = ", ".join(f"P{r} pid {s.pid}" for r, s in self.sources.items())

@@ -152,8 +152,8 @@ class PlanPath:
         of another request (the descriptor granule may change then); what no read posts is
         released by :meth:`discard_unposted`. (Creating a READ resolves descriptors on this side
         only: nothing moves and the prefill rank sees nothing until the post.)"""
-        if self.copier is not None:  # the copy's vectors, and what it will touch warmed
-            return self._copies(rows, (layer, layer + 1), prime=True)
+        if self.copier is not None:  # the copy's vectors: a post is then one system call
+            return self._copies(rows, (layer, layer + 1))
         reads = self._reads(rows, (layer, layer + 1))
         link = self.link
         agent = link.local.agent
@@ -180,18 +180,14 @@ class PlanPath:
                 self.link.local.agent.discard(handle)
                 self.discarded_reads += 1
 
-    def _copies(self, rows: np.ndarray, layers: tuple[int, int] | None,
-                prime: bool = False) -> LayerReads:
+    def _copies(self, rows: np.ndarray, layers: tuple[int, int] | None) -> LayerReads:
         if layers is not None:
             rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
         ranks = self.link.plan.remote_ranks
-        reads = []
-        for rank in ranks:
-            mine = rows if len(ranks) == 1 else rows[rows[:, 0] == rank]
-            reads.append((rank, *self.copier.vectors(rank, mine)))  # checks every row
-            if prime:
-                self.copier.prime(rank, mine)
-        return LayerReads(layers, 0, int(rows.shape[0]), tuple(reads))
+        reads = tuple((rank, *self.copier.vectors(rank, rows if len(ranks) == 1
+                                                  else rows[rows[:, 0] == rank]))
+                      for rank in ranks)
+        return LayerReads(layers, 0, int(rows.shape[0]), reads)
 
     def _copy_chunk(self, local: np.ndarray, remote: np.ndarray, tokens: int, deadline: float,
                     tally: Tally, rows: np.ndarray | None, layers: tuple[int, int] | None,
