@@ -22,21 +22,23 @@ from fkv.connector.wire import BoardInfo
 from fkv.errors import FkvError
 
 PAGE = 4096
-# A process holding 2 regions of 16 pages (byte i of region r is (7 * i + r) % 251); with
-# "hole", the middle page of region 1 is unmapped afterwards (its ends stay readable).
+# A process holding 2 regions of 16 pages, or 1024 with "big" (byte i of region r is
+# (7 * i + r) % 251); with "hole", the middle page of region 1 is unmapped afterwards (its ends
+# stay readable).
 HOLDER = textwrap.dedent("""
     import ctypes, json, mmap, sys
     libc = ctypes.CDLL(None, use_errno=True)
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    size = 16 * 4096
+    size = (1024 if sys.argv[2] == "big" else 16) * 4096
     maps, out = [], []
     for r in range(2):
         m = mmap.mmap(-1, size)
-        m[:] = bytes((7 * i + r) % 251 for i in range(size))
+        period = bytes((7 * i + r) % 251 for i in range(251))
+        m[:] = (period * (size // 251 + 1))[:size]
         maps.append(m)
         out.append(ctypes.addressof(ctypes.c_char.from_buffer(m)))
     if sys.argv[1] == "hole":
-        assert libc.munmap(out[1] + 8 * 4096, 4096) == 0
+        assert libc.munmap(out[1] + size // 2, 4096) == 0
     print(json.dumps({"pid": __import__("os").getpid(), "bases": out, "size": size}), flush=True)
     sys.stdin.read()
 """)
@@ -47,9 +49,9 @@ def _pattern(region: int, size: int) -> np.ndarray:
 
 
 class Holder:
-    def __init__(self, mode: str = "plain") -> None:
+    def __init__(self, mode: str = "plain", size: str = "small") -> None:
         self.board = Board()  # the "server's" publish board (this process writes it)
-        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, mode], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, mode, size], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         info = json.loads(self.proc.stdout.readline())
         self.pid, self.bases, self.size = info["pid"], info["bases"], info["size"]
@@ -243,3 +245,63 @@ def test_a_copy_that_ends_after_the_server_stopped_fails(holder: Holder) -> None
             copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
     finally:
         copier.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_a_large_copy_is_split_between_threads_and_lands_every_byte(threads: int) -> None:
+    """8 MiB of 64 KiB rows, reversed and crossed between the regions: copied by one thread,
+    or split into runs of about equal bytes copied by this thread and the pool's."""
+    h = Holder(size="big")
+    try:
+        local = np.zeros((2, h.size), dtype=np.uint8)
+        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
+                              {0: h.peer()}, "p", threads)
+        row = 64 << 10
+        per = h.size // row
+        rows = _rows([(i // per, i % per * row, 1 - i // per, (per - 1 - i % per) * row, row)
+                      for i in range(2 * per)])
+        lv, rv, nbytes = copier.vectors(0, rows)
+        assert nbytes == 8 << 20
+        copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        for r in range(2):
+            want = _pattern(r, h.size).reshape(per, row)[::-1].ravel()
+            assert np.array_equal(local[1 - r], want)
+        assert (copier._pool is None) == (threads == 1)
+        if threads > 1:
+            assert copier._pool._max_workers == threads - 1
+        copier.close()
+        assert copier._pool is None
+    finally:
+        h.close()
+
+
+def test_a_split_copy_with_a_short_run_fails_the_read() -> None:
+    h = Holder("hole", size="big")
+    try:
+        local = np.zeros((2, h.size), dtype=np.uint8)
+        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
+                              {0: h.peer()}, "p", threads=4)
+        rows = _rows([(r, 0, r, 0, h.size) for r in range(2)])  # region 1 holds the hole
+        lv, rv, nbytes = copier.vectors(0, rows)
+        with pytest.raises(TransferFailed, match=rf"copy from prefill rank 0 of engine 'p' "
+                                                 rf"\(pid {h.pid}\) failed: it read "
+                                                 rf"{h.size // 2} of {h.size} bytes"):
+            copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        assert np.array_equal(local[0], _pattern(0, h.size))  # the other run landed
+        copier.close()
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("raw", ["0", "65", "four", ""])
+def test_a_bad_thread_count_is_refused_naming_the_variable(raw: str, monkeypatch: Any) -> None:
+    from fkv.connector.transport._cma import copy_threads
+
+    monkeypatch.setenv("FKV_CMA_THREADS", raw)
+    with pytest.raises(FkvError, match=rf"FKV_CMA_THREADS={raw!r}: expected an integer from 1 "
+                                       rf"to 64"):
+        copy_threads()
+    monkeypatch.setenv("FKV_CMA_THREADS", "2")
+    assert copy_threads() == 2
+    monkeypatch.delenv("FKV_CMA_THREADS")
+    assert copy_threads() == 4

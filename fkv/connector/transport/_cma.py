@@ -31,6 +31,7 @@ reported as done. ``FKV_CMA=0`` turns these copies off (NIXL READs everywhere).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import ctypes
 import errno
 import functools
@@ -44,12 +45,31 @@ import numpy as np
 from fkv.connector.transport._base import TransferFailed
 from fkv.errors import FkvError
 
-__all__ = ["IOV_MAX", "SameHostCopy", "cma_refusal", "cma_wanted", "iovecs"]
+__all__ = ["IOV_MAX", "SameHostCopy", "cma_refusal", "cma_wanted", "copy_threads", "iovecs"]
 
 #: Most rows one ``process_vm_readv`` takes (the kernel's ``UIO_MAXIOV``).
 IOV_MAX = 1024
 #: Bytes read from each end of every announced region when the connection is checked.
 _PROBE_BYTES = 8
+#: A copy of at least this many bytes is split between threads (``FKV_CMA_THREADS``, default
+#: 4), each taking at least ``_SPLIT_BYTES // 2``: one thread copies cold rows at 4-5 GB/s on
+#: the H200 host, four at 7-8; under 1 MiB the hand-off costs more than it saves
+#: (bench/NOTES.md, seventeenth session).
+_SPLIT_BYTES = 4 << 20
+_DEFAULT_THREADS = 4
+
+
+def copy_threads() -> int:
+    """Threads one large copy is split between (``FKV_CMA_THREADS``, 1 to 64; default 4)."""
+    raw = os.environ.get("FKV_CMA_THREADS", str(_DEFAULT_THREADS))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 64:
+        raise FkvError(f"FKV_CMA_THREADS={raw!r}: expected an integer from 1 to 64 (threads one "
+                       f"large same-host copy is split between)")
+    return value
 
 
 def cma_wanted() -> bool:
@@ -128,6 +148,21 @@ def iovecs(rows: np.ndarray, bases: np.ndarray, sizes: np.ndarray, *, local: boo
     out[:, 0] = bases[index] + offset.astype(np.uint64)
     out[:, 1] = length
     return out
+
+
+def _copy_rows(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int,
+               deadline: float) -> str:
+    """Copy rows in calls of up to ``IOV_MAX``; "" when every byte came, else what failed."""
+    n = local.shape[0]
+    for start in range(0, n, IOV_MAX):
+        stop = min(n, start + IOV_MAX)
+        want = nbytes if n <= IOV_MAX else int(local[start:stop, 1].sum())
+        got, code = _call(pid, local[start:stop], remote[start:stop])
+        if got != want:
+            return _why(code, pid) if code else f"it read {got} of {want} bytes"
+        if stop < n and time.monotonic() > deadline:
+            return "it did not finish before the read's timeout"
+    return ""
 
 
 class _Source:
@@ -210,16 +245,19 @@ class SameHostCopy:
 
     ``local_regions``: the decode rank's ``(base, nbytes)`` regions; ``staging``: its staging
     buffer's (rows whose local region is -1 land there), or None; ``peers``: rank ->
-    the prefill rank's wire ``Peer`` (its board says host and pid). Raises FkvError naming what
-    failed when a process cannot be copied from."""
+    the prefill rank's wire ``Peer`` (its board says host and pid); ``threads``: how many
+    threads a large copy is split between. Raises FkvError naming what failed when a process
+    cannot be copied from."""
 
     def __init__(self, local_regions: list[tuple[int, int]], staging: tuple[int, int] | None,
-                 peers: dict[int, Any], engine_id: str) -> None:
+                 peers: dict[int, Any], engine_id: str, threads: int = 1) -> None:
         self.engine_id = engine_id
         regions = [*local_regions, staging or (0, 0)]
         self.local_bases = np.array([b for b, _ in regions], dtype=np.uint64)
         self.local_sizes = np.array([n for _, n in regions], dtype=np.int64)
         self.sources: dict[int, _Source] = {}
+        self.threads = threads  # a large copy is split between this many (copy_threads())
+        self._pool: cf.ThreadPoolExecutor | None = None  # made at the first large copy
         try:
             for rank, peer in peers.items():
                 self.sources[rank] = _Source(rank, peer)
@@ -241,21 +279,30 @@ class SameHostCopy:
     def copy(self, rank: int, local: np.ndarray, remote: np.ndarray, nbytes: int,
              deadline: float) -> None:
         """Copy the rows of :meth:`vectors` (every byte, or TransferFailed naming the rank and,
-        first, a process that exited or a server that stopped, whatever the copy did)."""
+        first, a process that exited or a server that stopped, whatever the copy did). A copy
+        of ``_SPLIT_BYTES`` or more is split into runs of rows of about equal bytes, copied at
+        once by this thread and up to ``threads - 1`` others."""
         src = self.sources[rank]
         who = f"prefill rank {rank} of engine {self.engine_id!r} (pid {src.pid})"
-        n = local.shape[0]
-        failed = ""
-        for start in range(0, n, IOV_MAX):
-            stop = min(n, start + IOV_MAX)
-            want = nbytes if n <= IOV_MAX else int(local[start:stop, 1].sum())
-            got, code = _call(src.pid, local[start:stop], remote[start:stop])
-            if got != want:
-                failed = _why(code, src.pid) if code else f"it read {got} of {want} bytes"
-                break
-            if stop < n and time.monotonic() > deadline:
-                failed = "it did not finish before the read's timeout"
-                break
+        parts = min(self.threads, nbytes // (_SPLIT_BYTES // 2), local.shape[0])
+        if parts < 2:
+            failed = _copy_rows(src.pid, local, remote, nbytes, deadline)
+        else:
+            bounds = np.searchsorted(np.cumsum(local[:, 1]),
+                                     np.arange(1, parts) * (nbytes / parts)).tolist()
+            edges = [0, *(b + 1 for b in bounds), local.shape[0]]
+            runs = [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(self.threads - 1,
+                                                   thread_name_prefix="fkv-copy")
+            others = [self._pool.submit(_copy_rows, src.pid, local[a:b], remote[a:b],
+                                        int(local[a:b, 1].sum()), deadline)
+                      for a, b in runs[1:]]
+            a, b = runs[0]
+            failed = _copy_rows(src.pid, local[a:b], remote[a:b], int(local[a:b, 1].sum()),
+                                deadline)
+            for future in others:  # every thread has finished before the read goes on
+                failed = future.result() or failed
         if src.exited():
             raise TransferFailed(f"{who} exited: its bytes are not trusted; reconnect once it "
                                  f"is back (client.reconnect())")
@@ -268,6 +315,9 @@ class SameHostCopy:
                                  f"have died: reconnect once it is back (client.reconnect())")
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for src in self.sources.values():
             src.close()
         self.sources.clear()

@@ -138,7 +138,7 @@ class Connection:
 
     def _copier(self, strategy: str, deadline: float) -> Any:
         """The same-host copier of the plan paths (``_cma``), or None with ``copy_reason``."""
-        from fkv.connector.transport._cma import SameHostCopy, cma_refusal
+        from fkv.connector.transport._cma import SameHostCopy, cma_refusal, copy_threads
 
         self.copy_reason = f"strategy {strategy!r} keeps NIXL READs" if strategy == "nixl" else ""
         for rank in self.plan.remote_ranks:
@@ -149,10 +149,11 @@ class Connection:
         link = self.link
         staging = ((link.staging.data_ptr(), link.staging_path_bytes)
                    if link.staging_path_bytes else None)
+        threads = copy_threads()  # a bad FKV_CMA_THREADS fails the connect, naming it
         try:
             copier = SameHostCopy(list(self.local.regions), staging,
                                   {r: self.peers[r] for r in self.plan.remote_ranks},
-                                  self.engine_id)
+                                  self.engine_id, threads)
         except FkvError as e:
             self.copy_reason = str(e)
             return None
