@@ -185,6 +185,14 @@ def test_a_process_that_cannot_be_copied_from_is_refused_naming_why(holder: Hold
                                        rf"cannot be opened here \(its stop could not be seen\)"):
         SameHostCopy(regions, None, {0: nowhere}, "p")
     real = os.getuid()
+    from fkv.connector.transport._board import BoardView
+
+    with monkeypatch.context() as m:  # a board another user created
+        m.setattr(BoardView, "owner", lambda self: real + 7)
+        with pytest.raises(FkvError, match=rf"prefill rank 0's publish board {holder.board.name} "
+                                           rf"belongs to uid {real + 7}, not to this process's "
+                                           rf"uid {real}"):
+            SameHostCopy(regions, None, {0: holder.peer()}, "p")
     monkeypatch.setattr(os, "getuid", lambda: real + 1)
     with pytest.raises(FkvError, match=rf"process {holder.pid} belongs to uid {real}, not to "
                                        rf"this process's uid {real + 1}"):

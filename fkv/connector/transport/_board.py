@@ -273,6 +273,12 @@ class BoardView:
             return None
         return int.from_bytes(raw, "little") if len(raw) == 4 else None
 
+    def owner(self) -> int | None:
+        """The uid owning the board's file (None: no longer open)."""
+        if self._fd is None:
+            return None
+        return os.fstat(self._fd).st_uid
+
     def stopped(self) -> bool:
         """Whether the board's server said it stopped (or the board cannot be read any more)."""
         if self._fd is None:

@@ -25,7 +25,10 @@ What a prefill rank says and what is checked before the first copy (:class:`Same
 Whatever a hostile peer announces, a copy writes only into this rank's own regions (or its
 staging buffer) at the plan's offsets, checked against their sizes before each call; what it
 reads is at the peer's word (a wrong region address reads other bytes of that same process, as
-a NIXL READ of a wrong address would). A short or failed call fails the read: nothing is
+a NIXL READ of a wrong address would). Both the named process and the board's file must belong
+to this process's user: a peer of another user (who cannot create a file owned by this user)
+cannot make this rank copy from any process at all, and a peer of this user could read those
+processes itself (the same permission ``process_vm_readv`` needs). A short or failed call fails the read: nothing is
 reported as done. ``FKV_CMA=0`` turns these copies off (NIXL READs everywhere).
 """
 
@@ -191,6 +194,10 @@ class _Source:
             if owner != os.getuid():
                 raise FkvError(f"prefill rank {rank}'s process {pid} belongs to uid {owner}, "
                                f"not to this process's uid {os.getuid()}")
+            board_owner = self.board.owner()
+            if board_owner != os.getuid():  # the announcer is this user too: see the docstring
+                raise FkvError(f"prefill rank {rank}'s publish board {peer.board.name} belongs "
+                               f"to uid {board_owner}, not to this process's uid {os.getuid()}")
             try:
                 self.pidfd = os.pidfd_open(pid)
             except (OSError, AttributeError):  # no pidfds here: the exit check asks os.kill
