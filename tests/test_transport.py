@@ -1444,6 +1444,18 @@ def test_garbage_on_the_side_channel_gets_an_error_reply(cluster: Any) -> None:
 
 # -- a prefill process dies ------------------------------------------------------------------------
 
+def _reborn_and_read(reborn: Proc, D: Proc, name: str, pspec: dict[str, Any]) -> None:
+    """The prefill engine back in a new process ``reborn`` (a new address): the decode rank
+    reconnects and reads correct bytes."""
+    address = reborn.call("serve", name=name, spec=pspec, seed=SEED,
+                          engine=engine_dict(f"P-{name}", 1, 0), wait=120)["address"]
+    D.call("reconnect", name=name, address=address)
+    local, remote = [5, 9, 2], [40, 1, 63]
+    assert D.call("read", name=name, request_id="again", local=local, remote=remote)["result_ok"]
+    assert D.call("verify", name=name, local=local, remote=remote, seed=SEED,
+                  remote_spec=pspec)["mismatch"] is None
+
+
 def test_prefill_killed_during_and_before_a_read_then_reconnect(cluster: Any) -> None:
     """Hung (stopped), killed while a READ is in flight, then dead before the next read:
     ``ok=False`` within the timeout each time, never success; once the engine is back the client
@@ -1483,15 +1495,7 @@ def test_prefill_killed_during_and_before_a_read_then_reconnect(cluster: Any) ->
         assert "prefill rank 0" in before["error"] and "reconnect" in before["error"], before
         # The engine comes back (new process, new address): reconnect and read.
         reborn = Proc("reborn", cluster["logdir"], env=TCP_LO)
-        address = reborn.call("serve", name=name, spec=pspec, seed=SEED,
-                              engine=engine_dict(f"P-{name}", 1, 0), wait=120)["address"]
-        D.call("reconnect", name=name, address=address)
-        local, remote = [5, 9, 2], [40, 1, 63]
-        assert D.call("read", name=name, request_id="again", local=local, remote=remote)[
-            "result_ok"]
-        mismatch = D.call("verify", name=name, local=local, remote=remote, seed=SEED,
-                          remote_spec=pspec)["mismatch"]
-        assert mismatch is None
+        _reborn_and_read(reborn, D, name, pspec)
     finally:
         D.call("stop", name=name, check=False)
         victim.close()
@@ -1537,14 +1541,7 @@ def test_same_host_copies_from_a_hung_killed_or_closed_prefill(cluster: Any) -> 
                 f"are not trusted") in dead["error"], dead
         assert "reconnect" in dead["error"]
         reborn = Proc("copy-reborn", cluster["logdir"])
-        address = reborn.call("serve", name=name, spec=pspec, seed=SEED,
-                              engine=engine_dict(f"P-{name}", 1, 0), wait=120)["address"]
-        D.call("reconnect", name=name, address=address)
-        local, remote = [5, 9, 2], [40, 1, 63]
-        assert D.call("read", name=name, request_id="again", local=local, remote=remote)[
-            "result_ok"]
-        assert D.call("verify", name=name, local=local, remote=remote, seed=SEED,
-                      remote_spec=pspec)["mismatch"] is None
+        _reborn_and_read(reborn, D, name, pspec)
     finally:
         D.call("stop", name=name, check=False)
         try:
