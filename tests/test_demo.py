@@ -171,6 +171,8 @@ def test_demo_default_run_matches_the_reference(tmp_path):
     assert s["transfer"]["ok"] and len(s["transfer"]["per_rank"]) == 2
     # P TP=1 -> D TP=2, HND both sides: each decode rank reads its 4 heads of 4 layers x 4 blocks.
     assert s["transfer"]["bytes"] == 4 * 4 * 2 * 16 * 8 * 64 * 4
+    assert s["transfer"]["moved_by"] == "NIXL"  # the demo shows NIXL unless told otherwise
+    assert "of which NIXL" in r.stdout
     assert s["tokens"]["generated"] == s["tokens"]["reference"]
     assert len(s["tokens"]["generated"]) == 16
     assert s["verification"]["ok"] and s["verification"]["first_divergence"] is None
@@ -184,10 +186,13 @@ def test_demo_default_run_matches_the_reference(tmp_path):
 @pytest.mark.transport
 @pytest.mark.interpreter
 def test_demo_tp2_nhd_to_tp1_hnd_matches_the_reference(tmp_path):
+    """With --same-host-copies: the decode rank copies both prefill processes' rows itself."""
     r, s = _run_demo(tmp_path, "--prefill-tp", "2", "--decode-tp", "1", "--prefill-layout", "NHD",
-                     "--decode-layout", "HND", "--new-tokens", "8")
+                     "--decode-layout", "HND", "--new-tokens", "8", "--same-host-copies")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert s["transfer"]["ok"] and len(s["transfer"]["per_rank"]) == 1
+    assert s["transfer"]["moved_by"] == "process_vm_readv"
+    assert "of which process_vm_readv" in r.stdout
     assert s["transfer"]["bytes"] == 4 * 4 * 2 * 16 * 8 * 64 * 4
     assert s["verification"]["ok"] and s["tokens"]["generated"] == s["tokens"]["reference"]
 

@@ -43,6 +43,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "(reading starts before the forward); the summary compares the time from the "
                    "prefill's last layer to the complete KV with a non-streamed read of the "
                    "same KV")
+    p.add_argument("--same-host-copies", action="store_true",
+                   help="on CPU, let the decode ranks copy the prefill caches themselves "
+                   "(process_vm_readv) instead of NIXL READs, as fkv.connector.connect does by "
+                   "default on one host (the demo shows NIXL moving the bytes unless this is "
+                   "given)")
     p.add_argument("--seed", type=int, default=0, help="weights, prompt and block tables (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
@@ -73,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
                          decode_block_size=args.decode_block_size, tokens=args.tokens,
                          new_tokens=args.new_tokens, device=args.device, dtype=args.dtype,
                          decode_head_size=args.decode_head_size, corrupt=args.corrupt,
-                         seed=args.seed, timeout=args.timeout, stream=args.stream)
+                         seed=args.seed, timeout=args.timeout, stream=args.stream,
+                         same_host_copies=args.same_host_copies)
         cfg.spec("prefill"), cfg.spec("decode")  # validates layouts and sizes
     except FkvError as e:
         console.print(f"[red]fkv demo: {e}[/]")

@@ -80,6 +80,7 @@ class DemoConfig:
     seed: int = 0
     timeout: float = 600.0
     stream: bool = False
+    same_host_copies: bool = False  # False: FKV_CMA=0 in the children (NIXL READs on CPU)
     model: ModelConfig = attrs.field(factory=ModelConfig)
 
     def to_json(self) -> str:

@@ -47,6 +47,8 @@ class _Children:
         if cfg.device == "cpu":
             self.env["TRITON_INTERPRET"] = "1"  # inherited before any triton import in a child
         self.env.setdefault("OMP_NUM_THREADS", "1")
+        if not cfg.same_host_copies:  # the demo shows NIXL moving the bytes (see --help)
+            self.env["FKV_CMA"] = "0"
 
     def start(self, role: str, rank: int) -> None:
         log = open(os.path.join(self.workdir, f"{role}{rank}.log"), "wb")  # noqa: SIM115

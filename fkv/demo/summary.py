@@ -58,8 +58,11 @@ def summary_dict(cfg: DemoConfig, handshakes: list[Any], state: dict[str, Any] |
         "descriptors": sum(t["descriptors"] for t in transfers),
         "seconds": max((t["seconds"] for t in transfers), default=None),
         "nixl_seconds": max((t["nixl_seconds"] for t in transfers), default=None),
+        "moved_by": " and ".join(sorted({t.get("moved_by") or "NIXL" for t in transfers}))
+        or "NIXL",
         "per_rank": [{k: t.get(k) for k in ("rank", "ok", "bytes", "descriptors", "seconds",
-                                            "nixl_seconds", "path", "stats", "error")}
+                                            "nixl_seconds", "path", "moved_by", "stats",
+                                            "error")}
                      for t in transfers],
     }
     if cfg.stream:
@@ -150,7 +153,8 @@ def print_summary(console: Console, s: dict[str, Any]) -> None:
         status = "[green]ok[/]" if t["ok"] else "[red]FAILED[/]"
         what = "streamed read (from before the forward)" if "stream" in s else "read"
         secs = "n/a" if t["seconds"] is None else (
-            f"{what} {t['seconds'] * 1e3:.1f} ms, of which NIXL {t['nixl_seconds'] * 1e3:.1f} ms "
+            f"{what} {t['seconds'] * 1e3:.1f} ms, of which {t.get('moved_by', 'NIXL')} "
+            f"{t['nixl_seconds'] * 1e3:.1f} ms "
             "(slowest rank)")
         table.add_row("transfer", f"{status}: {t['bytes']:,} bytes in {t['descriptors']:,} descriptors "
                       f"over {len(t['per_rank'])} read(s); {secs}")

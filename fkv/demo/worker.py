@@ -232,9 +232,12 @@ def run_decode(cfg: DemoConfig, rank: int, workdir: str, rep: Reporter) -> int:
             result = client.read(REQUEST_ID, local_ids[: cfg.decode_prompt_blocks()],
                                  cfg.block_ids("prefill"), timeout=cfg.timeout)
         stats = client.stats()
+        moved_by = ("the ipc kernels" if result.strategy == "ipc" else "process_vm_readv"
+                    if "process_vm_readv" in client.describe() else "NIXL")
     rep.send("transferred", ok=bool(result.ok), bytes=int(result.bytes),
              descriptors=int(result.descriptors), seconds=float(result.seconds),
              nixl_seconds=float(result.transfer_seconds), path=result.strategy,
+             moved_by=moved_by,
              stats={"reads": stats["total"]["count"], "failures": stats["failures"],
                     "gbps": stats["total"]["gbps"].get("overall")},
              error=None if result.error is None else str(result.error), **streamed)
