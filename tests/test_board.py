@@ -361,6 +361,14 @@ def test_the_wire_carries_the_board_and_refuses_bad_fields() -> None:
     good["board"]["name"] = "../../etc/passwd"
     with pytest.raises(FkvWireError, match="board"):
         wire.decode_untrusted(msgspec.msgpack.encode(good))
+    # the process id (same-host copies read from it): a positive C int or 0, nothing else
+    with_pid = BoardInfo(host="h/b/1", name=info.name, salt=info.salt, pid=4242)
+    assert decode_untrusted(encode(engine("p"), SPEC, regions, board=with_pid)).board.pid == 4242
+    for pid in (-1, 1 << 31, 1 << 63, "4242", 1.5, True):
+        bad = msgspec.msgpack.decode(encode(engine("p"), SPEC, regions, board=info))
+        bad["board"]["pid"] = pid
+        with pytest.raises(FkvWireError, match="board.pid"):
+            wire.decode_untrusted(msgspec.msgpack.encode(bad))
 
 
 def test_the_server_writes_holds_and_publishes_and_clears_releases() -> None:
@@ -544,3 +552,28 @@ def test_a_publish_late_for_its_window_is_heard_through_the_futex(
         assert watch._pace is None and watch._last_news is None  # noqa: SLF001
     finally:
         watch.cleanup()
+
+
+def test_a_closing_server_marks_its_board_stopped_and_a_cut_board_reads_stopped() -> None:
+    """Same-host copies read the flag after each copy: a server that closed (or a board file
+    someone truncated) must read as stopped, a serving one never."""
+    server = serve(engine("p"), SPEC, fkv.allocate(SPEC))
+    b = server._board
+    view = BoardView(b.name, b.salt)
+    other = BoardView(b.name, b.salt)
+    try:
+        server.hold("s1", [1], layers_ready=0)
+        server.publish("s1", 1)
+        assert not view.stopped() and not other.stopped()
+        os.truncate(b.path, 0)  # a peer of this user cutting the file: no fault, "stopped"
+        assert other.stopped()
+        from fkv.connector.transport._board import _BYTES
+
+        os.truncate(b.path, _BYTES)  # back, before the server's own mapping writes again
+    finally:
+        server.close()
+    assert view.stopped()  # the name is gone; the open file says the server stopped
+    assert server._board._fd is None
+    view.close()
+    other.close()
+    assert view.stopped()  # a closed view: nothing to trust
