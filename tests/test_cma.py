@@ -313,3 +313,21 @@ def test_a_bad_thread_count_is_refused_naming_the_variable(raw: str, monkeypatch
     assert copy_threads() == 2
     monkeypatch.delenv("FKV_CMA_THREADS")
     assert copy_threads() == 4
+
+
+def test_regions_smaller_than_the_probe_are_probed_whole() -> None:
+    """A spec whose region holds fewer than 8 bytes: the connection check reads what there is
+    (no negative offset, no error of another type)."""
+    h = Holder()
+    try:
+        local = np.zeros((2, 4), dtype=np.uint8)
+        tiny = types.SimpleNamespace(board=h.peer().board,
+                                     regions=((h.bases[0], 4), (h.bases[1] + 5, 4)))
+        copier = SameHostCopy([(local[i].ctypes.data, 4) for i in range(2)], None, {0: tiny},
+                              "p")
+        lv, rv, nbytes = copier.vectors(0, _rows([(1, 0, 0, 0, 4)]))
+        copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        assert local[0].tolist() == _pattern(1, 9)[5:].tolist()
+        copier.close()
+    finally:
+        h.close()

@@ -213,18 +213,17 @@ class _Source:
             raise
 
     def _probe(self, regions: tuple[tuple[int, int], ...]) -> None:
-        remote = np.array([(b + off, _PROBE_BYTES) for b, n in regions
-                           for off in (0, n - _PROBE_BYTES)], dtype=np.uint64)
+        """Read the first and last (up to) 8 bytes of every region from the process."""
+        remote = np.array([(b + off, min(_PROBE_BYTES, n)) for b, n in regions
+                           for off in (0, max(0, n - _PROBE_BYTES))], dtype=np.uint64)
         scratch = np.empty(remote.shape[0] * _PROBE_BYTES, dtype=np.uint8)
-        local = np.empty_like(remote)
+        local = remote.copy()
         local[:, 0] = scratch.ctypes.data + np.arange(remote.shape[0], dtype=np.uint64) * \
             _PROBE_BYTES
-        local[:, 1] = _PROBE_BYTES
         for start in range(0, remote.shape[0], IOV_MAX):
             got, code = _call(self.pid, local[start:start + IOV_MAX],
                               remote[start:start + IOV_MAX])
-            want = min(IOV_MAX, remote.shape[0] - start) * _PROBE_BYTES
-            if got != want:
+            if got != int(remote[start:start + IOV_MAX, 1].sum()):
                 raise FkvError(f"cannot copy from prefill rank {self.rank}'s process {self.pid}: "
                                f"{_why(code or errno.EFAULT, self.pid)}")
 
@@ -308,10 +307,12 @@ class SameHostCopy:
                                         int(local[a:b, 1].sum()), deadline)
                       for a, b in runs[1:]]
             a, b = runs[0]
-            failed = _copy_rows(src.pid, local[a:b], remote[a:b], int(local[a:b, 1].sum()),
-                                deadline)
-            for future in others:  # every thread has finished before the read goes on
-                failed = future.result() or failed
+            try:
+                failed = _copy_rows(src.pid, local[a:b], remote[a:b],
+                                    int(local[a:b, 1].sum()), deadline)
+            finally:  # every thread has finished before the read goes on, whatever happened
+                done = [future.result() for future in others]
+            failed = failed or next((f for f in done if f), "")
         if src.exited():
             raise TransferFailed(f"{who} exited: its bytes are not trusted; reconnect once it "
                                  f"is back (client.reconnect())")
