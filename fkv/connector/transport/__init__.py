@@ -30,6 +30,10 @@ anything moves and takes one of four paths (``ReadResult.strategy``):
 - ``staging``: the plan's rows read whole pages into a registered staging buffer, then
   ``fkv.ops.move`` rearranges them (layout, head slice, block size).
 
+On one host with CPU DRAM caches on both sides, ``direct`` and ``staging`` copy the plan's rows
+with ``process_vm_readv`` instead of NIXL READs (``_cma``; ``FKV_CMA=0`` or
+``strategy="nixl"`` keep NIXL READs).
+
 ``connect(..., strategy=)``: ``"auto"`` (default) takes ``ipc`` whenever it applies, else packs a
 request whose plan needs more than ``pack_threshold`` descriptors when both sides' caches are on
 CUDA, else follows the plan (direct or staging); ``"nixl"`` is ``"auto"`` without ``ipc``;
@@ -46,11 +50,14 @@ packing, between polls), the client under its lock.
 Environment knobs: ``FKV_TRANSPORT_SPIN`` (seconds; default 0) busy-polls the side channel, READ
 states and the server loop that long before sleeping (at the cost of a busy core per rank);
 ``FKV_PACK_DESCRIPTORS`` splits each pack READ in that many descriptors (default 1);
+``FKV_CMA=0`` turns same-host CPU copies off, ``FKV_CMA_THREADS`` (default 4) splits a large one;
+``FKV_OUTBOX=0`` turns same-host outboxes off;
 ``FKV_NIXL_PROGRESS_THREAD`` / ``FKV_NIXL_NUM_THREADS`` (see ``_agent.Agent``).
 
 Modules, bottom to top (each imports only those above it in this list): ``_base`` (errors,
 results, cache checks), ``_side`` (the ZMQ messages), ``_agent`` (the NIXL agent), ``_ipc`` (CUDA
-IPC export and mapping), ``_packer`` (prefill pack buffer), ``_link`` (a connection's NIXL state),
+IPC export and mapping), ``_cma`` (same-host CPU copies), ``_packer`` (prefill pack buffer),
+``_link`` (a connection's NIXL state),
 the paths ``_plan_path``, ``_packed_path``, ``_ipc_path``, then ``_connection`` (the one place that
 picks a request's path), ``_server`` (prefill ranks) and ``_client`` (decode ranks).
 
