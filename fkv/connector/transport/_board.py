@@ -40,6 +40,7 @@ there, the agent being gone).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -191,10 +192,10 @@ class Board:
         """Set the stopped flag (the server is closing; idempotent). Written with ``pwrite``,
         not through the mapping: a file someone truncated gives no fault here."""
         if self._fd is not None:
-            try:
+            # only an I/O error can fail here (the page exists since creation); readers then
+            # still have their exit check and their read's notification
+            with contextlib.suppress(OSError):
                 os.pwrite(self._fd, (1).to_bytes(8, "little"), _STOPPED)
-            except OSError:  # an I/O error on a page that exists (allocated at creation): the
-                pass         # readers' exit check and their read's notification remain
 
     def close(self) -> None:
         if self._words is None:
