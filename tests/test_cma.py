@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fkv.connector.transport._base import TransferFailed
 from fkv.connector.transport._board import Board
@@ -331,3 +333,28 @@ def test_regions_smaller_than_the_probe_are_probed_whole() -> None:
         copier.close()
     finally:
         h.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_iovecs_refuse_exactly_the_rows_that_leave_their_region(data: Any) -> None:
+    """Whatever the rows: refused when any row names a region that is not there or leaves its
+    region (the staging slot -1 on the local side only), else every address is base + offset."""
+    n = data.draw(st.integers(1, 4))
+    sizes = np.array(data.draw(st.lists(st.integers(0, 4096), min_size=n + 1, max_size=n + 1)),
+                     dtype=np.int64)
+    bases = np.array([(i + 1) << 20 for i in range(n + 1)], dtype=np.uint64)
+    local = data.draw(st.booleans())
+    rows = data.draw(st.lists(st.tuples(st.integers(-2, n + 1), st.integers(-64, 4200),
+                                        st.integers(-8, 4200)), min_size=1, max_size=8))
+    arr = np.array([(0, r, o, r, o, ln) for r, o, ln in rows], dtype=np.int64)
+    count = n if local else n + 1  # the local side's last entry is the staging slot (-1)
+    ok = all((-1 if local else 0) <= r < count
+             and o >= 0 and ln > 0 and o + ln <= sizes[r if r >= 0 else n]
+             for r, o, ln in rows)
+    if not ok:
+        with pytest.raises(FkvError, match="nothing was copied"):
+            iovecs(arr, bases, sizes, local=local)
+        return
+    out = iovecs(arr, bases, sizes, local=local)
+    assert out.tolist() == [[int(bases[r if r >= 0 else n]) + o, ln] for r, o, ln in rows]
