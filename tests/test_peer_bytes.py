@@ -17,7 +17,7 @@ from fkv.connector import EngineDesc, serve
 from fkv.connector import wire as W
 from fkv.connector.transport import _side
 from fkv.connector.transport._base import SideChannelError
-from fkv.connector.transport._ipc_path import _alive
+from fkv.connector.transport._base import process_alive as _alive
 from fkv.connector.transport._sidelimits import FrameClient, _split_address, frame_request
 from fkv.errors import FkvError
 

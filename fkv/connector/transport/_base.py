@@ -27,7 +27,7 @@ __all__ = [
     "DEFAULT_LEASE", "DEFAULT_PACK_BYTES", "DEFAULT_PACK_THRESHOLD", "DEFAULT_STAGING_BYTES",
     "HandshakeRejected", "ReadResult", "STRATEGIES", "SideChannelError", "Tally", "TransferFailed",
     "cache_regions", "check_engine", "kernels", "layer_views", "load_nixl", "on_device",
-    "spin_seconds",
+    "process_alive", "spin_seconds",
     "split_chunks", "tensor_memory", "zmq",
 ]
 
@@ -244,3 +244,15 @@ def split_chunks(local: Any, remote: Any, tokens: int, per: int, nl: int, nr: in
         out.append((local[start // nl: -(-(start + n) // nl)],
                     remote[start // nr: -(-(start + n) // nr)], n))
     return out
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (a peer's claim, checked by the wire decoder) still exists; one
+    that cannot be asked about (not a valid pid here) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True
+    except (OSError, OverflowError, ValueError):  # ProcessLookupError, out of range
+        return False
+    return True

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from fkv.connector.transport._base import TransferFailed
+from fkv.connector.transport._base import TransferFailed, process_alive
 from fkv.errors import FkvError
 
 __all__ = ["IOV_MAX", "SameHostCopy", "cma_refusal", "cma_wanted", "copy_threads", "iovecs"]
@@ -230,13 +230,7 @@ class _Source:
     def exited(self) -> bool:
         if self._poll is not None:
             return bool(self._poll.poll(0))
-        try:
-            os.kill(self.pid, 0)
-        except PermissionError:
-            return False
-        except (OSError, OverflowError):
-            return True
-        return False
+        return not process_alive(self.pid)
 
     def close(self) -> None:
         if self.pidfd >= 0:

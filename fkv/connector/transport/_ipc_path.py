@@ -13,29 +13,16 @@ processes share a PID namespace): the read fails and nothing is reported as done
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import numpy as np
 
-from fkv.connector.transport._base import Tally, TransferFailed
+from fkv.connector.transport._base import Tally, TransferFailed, process_alive
 from fkv.connector.transport._ipc import Mapping
 from fkv.connector.transport._link import Local
 
 __all__ = ["IpcPath"]
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` (a peer's claim, checked by the wire decoder) still exists; one
-    that cannot be asked about (not a valid pid here) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except PermissionError:
-        return True
-    except (OSError, OverflowError, ValueError):  # ProcessLookupError, out of range
-        return False
-    return True
 
 
 class IpcPath:
@@ -180,7 +167,7 @@ class IpcPath:
                     raise TransferFailed(f"the ipc copy from prefill engine {self.engine_id!r} "
                                          f"did not finish before the read's timeout")
         tally.transfer_seconds += time.perf_counter() - t0
-        dead = [rank for rank, pid in self.pids.items() if not _alive(pid)]
+        dead = [rank for rank, pid in self.pids.items() if not process_alive(pid)]
         if dead:
             raise TransferFailed(f"prefill rank(s) {dead} of engine {self.engine_id!r} exited "
                                  f"during the read: its bytes are not trusted; reconnect once "

@@ -34,6 +34,7 @@ the outbox was announced for: the request table parses and checks them the same 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -120,19 +121,16 @@ class Outbox:
         """Remove the file's name (the prefill rank opened it, or never will): both sides keep
         their descriptors, nothing is left behind if either process dies, and nobody else can
         open it any more."""
-        try:
+        with contextlib.suppress(FileNotFoundError):  # removed already (by hand, or a peer)
             os.unlink(self.path)
-        except FileNotFoundError:  # removed already (by hand, or a peer of this user)
-            pass
 
     def close(self) -> None:
         """Say the outbox ended (its reader drops it), close it, remove its name if still there."""
         if self._fd is None:
             return
-        try:
+        # on failure the reader keeps it until the prefill rank closes or evicts it
+        with contextlib.suppress(OSError):
             os.pwrite(self._fd, (1).to_bytes(8, "little"), _ENDED)
-        except OSError:  # the reader keeps it until the prefill rank closes or evicts it
-            pass
         os.close(self._fd)
         self._fd = None
         self.unlink()
@@ -220,18 +218,14 @@ class OutboxReader:
             self._read += len(out)
             self.taken += len(out)
             self.active = time.monotonic()
-            try:
+            with contextlib.suppress(OSError):  # else the writer sees a full ring: NIXL
                 os.pwrite(fd, self._read.to_bytes(8, "little"), _READ)
-            except OSError:  # the writer then sees a full ring and uses NIXL
-                pass
         return out
 
     def close(self) -> None:
         """Stop reading, and say so in the file (the writer then uses NIXL)."""
         if self._fd is not None:
-            try:
+            with contextlib.suppress(OSError):  # else the writer finds a full ring instead
                 os.pwrite(self._fd, (1).to_bytes(8, "little"), _CLOSED)
-            except OSError:  # the writer then finds a full ring instead
-                pass
             os.close(self._fd)
             self._fd = None
