@@ -526,6 +526,33 @@ def test_a_steady_stream_is_heard_spinning_ahead_of_each_predicted_publish(
         watch.cleanup()
 
 
+def test_the_wait_calls_ahead_once_as_each_spin_window_opens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ahead`` (a streamed read's prime of the awaited layer) runs once per wait that spins,
+    as the window opens, told the seconds until the predicted publish; what it spends (here
+    300 us) comes out of the spin, and each layer is still heard spinning. No pace, no call."""
+    times = [100.010 + 0.010 * k for k in range(6)]
+    watch, clock, board = _paced_watch(monkeypatch, times)
+    calls: list[tuple[int, float, float]] = []
+    try:
+        watch.start("r")
+        for after in range(6):
+            def ahead(seconds: float, after: int = after) -> None:
+                calls.append((after, clock.now, seconds))
+                clock.now += 0.0003
+            assert watch.beyond("r", after, clock.now + 1.0, ahead=ahead) == after + 1
+            assert 0 <= round((clock.now - times[after]) * 1e6) <= (110 if after < 2 else 10)
+        assert [a for a, _, _ in calls] == [2, 3, 4, 5]
+        for after, now, seconds in calls:
+            # the window opens 1 ms before the predicted publish and the sleep that ends there
+            # wakes 100 us into it; the prediction is off by the 100 us the first news were late
+            assert 790 <= round(seconds * 1e6) <= 1000, (after, seconds)
+            assert -110 <= round((now + seconds - times[after]) * 1e6) <= 110
+        assert watch.spun_news == 4
+    finally:
+        watch.cleanup()
+
+
 def test_a_publish_late_for_its_window_is_heard_through_the_futex(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A layer that comes 5 ms after its predicted time: the spin gives up at the end of the

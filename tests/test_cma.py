@@ -358,3 +358,63 @@ def test_iovecs_refuse_exactly_the_rows_that_leave_their_region(data: Any) -> No
         return
     out = iovecs(arr, bases, sizes, local=local)
     assert out.tolist() == [[int(bases[r if r >= 0 else n]) + o, ln] for r, o, ln in rows]
+
+
+def test_page_points_touch_each_page_of_a_row_once() -> None:
+    from fkv.connector.transport._cma import _PAGE, _page_points
+
+    iov = np.array([(0x10010, 2 * _PAGE), (0x40000, 5), (0x50000, _PAGE + 4)], dtype=np.uint64)
+    assert _page_points(iov).tolist() == [
+        [0x10010, 8], [0x10010 + _PAGE, 8],    # a row over two pages (not page-aligned)
+        [0x40000, 5],                          # a row shorter than a touch: all of it
+        [0x50000, 8], [0x50000 + _PAGE, 4]]    # a touch never reads past its row's end
+
+
+def test_prime_touches_each_page_on_both_sides_and_writes_no_cache_byte(
+        holder: Holder, monkeypatch: Any) -> None:
+    """What a streamed read does just before a layer is due: every page of the copy is read a
+    few bytes, remote and local, into the copier's scratch buffer only; the copy after it lands
+    the same bytes. Skipped over the byte cap, or when the last prime's rate says the budget is
+    too short."""
+    from fkv.connector.transport import _cma
+
+    local = np.full((2, holder.size), 5, dtype=np.uint8)
+    copier = SameHostCopy([(local[i].ctypes.data, holder.size) for i in range(2)], None,
+                          {0: holder.peer()}, "p")
+    try:
+        rows = _rows([(1, 3 * PAGE + 16, 0, 0, 2 * PAGE), (0, 100, 1, 7, 40)])
+        lv, rv, nbytes = copier.vectors(0, rows)
+        assert copier.prime(0, lv, rv, nbytes)
+        assert copier.primed == 1 and (local == 5).all()
+        ref = [_pattern(0, holder.size), _pattern(1, holder.size)]
+        got = copier._scratch[:8 * 6].reshape(6, 8)  # noqa: SLF001
+        # remote: region 1 at 3 pages + 16 and one page on, region 0 at 100; then local
+        assert got[0].tolist() == ref[1][3 * PAGE + 16:3 * PAGE + 24].tolist()
+        assert got[1].tolist() == ref[1][4 * PAGE + 16:4 * PAGE + 24].tolist()
+        assert got[2].tolist() == ref[0][100:108].tolist()
+        assert (got[3:] == 5).all()
+        copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        assert np.array_equal(local[0, :2 * PAGE], ref[1][3 * PAGE + 16:5 * PAGE + 16])
+        assert np.array_equal(local[1, 7:47], ref[0][100:140])
+        # the rate of that prime is known now: no time for it, no touch
+        assert not copier.prime(0, lv, rv, nbytes, budget=0.0)
+        assert copier.prime(0, lv, rv, nbytes, budget=10.0) and copier.primed == 2
+        monkeypatch.setattr(_cma, "_PRIME_BYTES", nbytes - 1)
+        assert not copier.prime(0, lv, rv, nbytes) and copier.primed == 2
+    finally:
+        copier.close()
+
+
+def test_a_prime_over_an_unmapped_page_leaves_the_failure_to_the_copy() -> None:
+    h = Holder("hole")
+    try:
+        local = np.zeros((2, h.size), dtype=np.uint8)
+        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
+                              {0: h.peer()}, "p")
+        lv, rv, nbytes = copier.vectors(0, _rows([(1, 7 * PAGE, 1, 0, 3 * PAGE)]))
+        assert copier.prime(0, lv, rv, nbytes)  # no error: the touch is best effort
+        with pytest.raises(TransferFailed, match=r"failed: it read 4096 of 12288 bytes"):
+            copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        copier.close()
+    finally:
+        h.close()

@@ -190,6 +190,50 @@ def test_same_host_copies_compute_the_awaited_layer_ahead_and_create_no_read(
     assert handles.created == [] and len(handles.posted) == 1
 
 
+def test_same_host_copies_prime_the_awaited_layer_as_the_wait_spins_ahead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a wait spins ahead of a predicted publish (here: the window is open), the
+    awaited layer's copy is primed first (its pages touched on both sides), then copied when
+    the layer comes: one prime per layer, each of that layer's vectors, and the bytes are the
+    prefill cache's."""
+    from fkv.connector.transport import _stream
+    from fkv.connector.transport._plan_path import PlanPath
+
+    end = time.monotonic() + 7200.0  # a window open from now on for two hours
+    monkeypatch.setattr(_stream, "spin_window", lambda *a: (0.0, end))
+    primed: list[tuple[int, int] | None] = []
+    real_prime = PlanPath.prime
+
+    def prime(path: Any, reads: Any, budget: float) -> None:
+        primed.append(reads.layers)
+        assert 3000 < budget < 3600  # until the middle of that window
+        real_prime(path, reads, budget)
+
+    monkeypatch.setattr(PlanPath, "prime", prime)
+    caches = _filled()
+    with serve(engine("p"), SPEC, caches) as server:
+        local = _zeros()
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            path = client._state.plan_path
+            assert path.copier is not None, client.describe()
+            server.hold("s1", [3, 5], layers_ready=0)
+            reader, out = _stream_in_a_thread(client)
+            for layer in range(3):
+                deadline = time.monotonic() + 10
+                while len(primed) <= layer and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                assert primed == [(n, n + 1) for n in range(layer + 1)]
+                assert torch.count_nonzero(local[layer]) == 0  # primed, not copied
+                server.publish("s1", layer + 1)
+            reader.join(30)
+            result = out["r"]
+            assert result.ok, result.error
+            for mine, theirs in zip(local, caches, strict=True):
+                assert torch.equal(mine[1:3], theirs[[3, 5]])
+                assert torch.count_nonzero(mine[[0, 3, 4, 5, 6, 7]]) == 0
+            assert path.copier.primed == 3 and path.prepared_reads == 3
+
+
 def test_a_created_read_whose_post_fails_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
     """NIXL refuses the post of the READ created during the wait: the read fails naming the
     prefill rank, the handle is released, and the next read of the connection works."""

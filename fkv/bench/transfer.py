@@ -304,17 +304,46 @@ def _compute(dev: Any, ms: float, where: str = "device") -> Any:
     return run
 
 
-def _prefill_stream(server: Any, conn: Any, cfg: dict[str, Any], dev: Any, sbarrier: Any
-                    ) -> list[list[float]]:
+def _stream_writer(spec: Any, caches: Any, dev: Any, blocks: list[int]) -> Any:
+    """The prefill's write of one layer of a streamed request, as a prefill writes each layer's
+    KV right before it publishes it: the request's K and V (gathered from the cache: the values
+    every read checks) written back with ``write_kv`` (the Triton kernel on a GPU, the
+    reference on the CPU). Returns a callable taking the layer."""
+    import torch
+
+    from fkv.ops import write_kv
+    from fkv.ops.reference import write_kv as write_kv_ref
+
+    write = write_kv if dev.type == "cuda" else write_kv_ref
+    if dev.type != "cuda":
+        # one thread: torch's worker threads would spin on every core for a while after each
+        # write, and the decode processes reading that layer share the host's cores
+        torch.set_num_threads(1)
+    ids = torch.as_tensor(blocks, device=dev)
+    bs = spec.block_size
+    slots = (ids[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
+
+    def run(layer: int) -> None:
+        kv = _canon(caches[layer], spec)[ids]  # (blocks, block_size, 2, heads, head_size)
+        kv = kv.reshape(-1, 2, spec.num_kv_heads, spec.head_size)
+        write(kv[:, 0], kv[:, 1], caches[layer], slots, spec)
+    return run
+
+
+def _prefill_stream(server: Any, conn: Any, cfg: dict[str, Any], dev: Any, sbarrier: Any,
+                    spec: Any = None, caches: Any = None) -> list[list[float]]:
     """Streaming phase, prefill side: per size and repetition hold a streaming request, wait for
-    the decode ranks, then compute and publish layer after layer (a CUDA event per publish);
-    returns the perf_counter time of each last publish."""
+    the decode ranks, then compute, write (``cfg["stream_write"]``: the layer's KV, see
+    :func:`_stream_writer`) and publish layer after layer (a CUDA event per publish); returns
+    the perf_counter time of each last publish."""
     import torch
 
     compute = _compute(dev, cfg["compute_ms"], cfg.get("compute_on", "device"))
     out = []
     for n in cfg["sizes"]:
         _, remote = _stream_blocks(cfg, n)
+        write = _stream_writer(spec, caches, dev, remote) \
+            if cfg.get("stream_write", "kv") == "kv" and caches is not None else None
         lasts = []
         for rep in range(cfg["stream_reps"]):
             rid = f"st-{n}-{rep}"
@@ -322,6 +351,8 @@ def _prefill_stream(server: Any, conn: Any, cfg: dict[str, Any], dev: Any, sbarr
             sbarrier.wait()
             for layer in range(cfg["layers"]):
                 compute()
+                if write is not None:
+                    write(layer)
                 event = None
                 if dev.type == "cuda":
                     event = torch.cuda.Event()
@@ -356,7 +387,8 @@ def _prefill_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any],
         packs = _trace_packs_prefill()
         with serve(_engine("bench-p", 1, 0), spec, caches, lease=600.0) as server:
             _send(conn, address=server.address)
-            lasts = _prefill_stream(server, conn, cfg, dev, sbarrier) if cfg.get("stream") else []
+            lasts = _prefill_stream(server, conn, cfg, dev, sbarrier, spec, caches) \
+                if cfg.get("stream") else []
             _recv(conn)  # stop
             _send(conn, pending=len(server.pending()), errors=list(server.errors)[-3:], stats=stats,
                   stream_lasts=lasts, packs=packs)
@@ -776,6 +808,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the streaming prefill computes: 'device' (matmuls on its GPU, which "
                         "the decode shares when both use one GPU) or 'host' (a sleep: the GPU "
                         "stays free, as when prefill and decode have a GPU each)")
+    p.add_argument("--stream-write", choices=("kv", "none"), default="kv",
+                   help="what the streaming prefill writes before each publish: 'kv' (the "
+                        "layer's KV of the request, with write_kv, as a prefill does: the "
+                        "decode then copies bytes just written) or 'none' (it only publishes: "
+                        "the bytes were written when the caches were filled)")
     p.add_argument("--cases", default="",
                    help="comma list of link,hnd-direct,nhd-staging,hnd-staging,hnd-packed,"
                         "nhd-packed,hnd-auto,link-packed,hnd-ipc,nhd-ipc,hnd2nhd-ipc,hnd-ipc-tp1 "
@@ -796,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
            "reps": args.reps or (6 if args.quick else 20), "warmup": 2,
            "ttfb_reps": 5 if args.quick else 20, "stream": args.stream,
            "compute_ms": args.compute_ms, "compute_on": args.compute_on,
-           "stream_reps": 3 if args.quick else 5}
+           "stream_write": args.stream_write, "stream_reps": 3 if args.quick else 5}
     cases = _cases(args)
     page = 2 * 16 * HEADS * 128 * 2
     request_bytes = cfg["request_blocks"] * page * cfg["layers"]
@@ -869,7 +906,8 @@ def main(argv: list[str] | None = None) -> int:
                         "decode_tp": c.decode_tp, "prefill_layout": c.prefill_layout,
                         "decode_layout": c.decode_layout, "devices": where,
                         "ucx_tls": c.ucx_tls,
-                        **({"compute_ms": cfg["compute_ms"], "compute_on": cfg["compute_on"]}
+                        **({"compute_ms": cfg["compute_ms"], "compute_on": cfg["compute_on"],
+                            "stream_write": cfg["stream_write"]}
                            if cfg["stream"] else {})},
                 metrics=None if c.error else {
                     "gbps": c.gbps, "repeat_gbps": c.repeat_gbps, "read_ms": c.ms,

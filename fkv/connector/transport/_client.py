@@ -13,6 +13,7 @@ used by one thread at a time even when several threads read concurrently.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -275,9 +276,12 @@ class Client:
             try:
                 ready = watch.beyond(request_id, after, deadline, recorded, wait=False)
                 if ready <= after:
+                    ready_for = None  # called as the wait starts spinning ahead of the layer
                     if rows is not None:
                         ahead = path.layer_reads(rows, done)
-                    ready = watch.beyond(request_id, after, deadline, recorded)
+                        ready_for = functools.partial(path.prime, ahead)
+                    ready = watch.beyond(request_id, after, deadline, recorded,
+                                         ahead=ready_for)
             except TransferFailed as e:
                 raise TransferFailed(f"streaming request {request_id!r}: {got} of {total}; {e}; "
                                      f"nothing is reported as done") from e

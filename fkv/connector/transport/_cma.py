@@ -40,6 +40,7 @@ import concurrent.futures as cf
 import ctypes
 import errno
 import functools
+import math
 import os
 import select
 import time
@@ -62,6 +63,13 @@ _PROBE_BYTES = 8
 #: (bench/NOTES.md, seventeenth session).
 _SPLIT_BYTES = 4 << 20
 _DEFAULT_THREADS = 4
+#: :meth:`SameHostCopy.prime` touches a copy's pages only when the copy is at most this many
+#: bytes: what it warms (page-table walks on both sides, a line per page) must still be in the
+#: caches when the copy runs; a copy of 8 MiB gained nothing from it (bench/NOTES.md,
+#: seventeenth session), one of 0.5-1 MiB copied in half the time.
+_PRIME_BYTES = 2 << 20
+#: The page size a prime steps by (the kernel's base page).
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def copy_threads() -> int:
@@ -152,6 +160,20 @@ def iovecs(rows: np.ndarray, bases: np.ndarray, sizes: np.ndarray, *, local: boo
     out = np.empty((rows.shape[0], 2), dtype=np.uint64)
     out[:, 0] = bases[index] + offset.astype(np.uint64)
     out[:, 1] = length
+    return out
+
+
+def _page_points(iov: np.ndarray) -> np.ndarray:
+    """An iovec array of up to 8 bytes at every ``_PAGE`` step of each row of ``iov`` (the row's
+    start, then one page on, ...): a touch of each page a copy of those rows reads or writes."""
+    lengths = iov[:, 1].astype(np.int64)
+    counts = (lengths + _PAGE - 1) // _PAGE
+    firsts = np.cumsum(counts) - counts
+    step = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(firsts, counts)
+    offset = step * _PAGE
+    out = np.empty((offset.shape[0], 2), dtype=np.uint64)
+    out[:, 0] = np.repeat(iov[:, 0], counts) + offset.astype(np.uint64)
+    out[:, 1] = np.minimum(np.repeat(lengths, counts) - offset, _PROBE_BYTES)
     return out
 
 
@@ -260,6 +282,9 @@ class SameHostCopy:
         self.sources: dict[int, _Source] = {}
         self.threads = threads  # a large copy is split between this many (copy_threads())
         self._pool: cf.ThreadPoolExecutor | None = None  # made at the first large copy
+        self._scratch = np.empty(0, dtype=np.uint8)  # where prime's touches land
+        self.primed = 0  # copies primed (prime), for tests and the bench
+        self._prime_rate = 0.0  # seconds per byte the last prime took (0: none yet)
         try:
             for rank, peer in peers.items():
                 self.sources[rank] = _Source(rank, peer)
@@ -277,6 +302,37 @@ class SameHostCopy:
         local = iovecs(rows, self.local_bases, self.local_sizes, local=True)
         remote = iovecs(rows, src.bases, src.sizes, local=False)
         return local, remote, int(rows[:, 5].sum())
+
+    def prime(self, rank: int, local: np.ndarray, remote: np.ndarray, nbytes: int,
+              budget: float = math.inf) -> bool:
+        """Touch every page the copy of these vectors (:meth:`vectors`) will read or write, a
+        few bytes each, without copying: the page-table walks of both processes and a line per
+        page are then in the caches when the copy runs (a streamed read calls it as it starts
+        spinning ahead of the layer's publish). On a cold host most of a small copy's time is
+        those walks, and touching the pages costs more than it saves in the copy, so it is
+        worth it only where it is hidden: skipped when the last prime's rate says these bytes
+        take longer than ``budget`` seconds, and for copies over ``_PRIME_BYTES``. The touched
+        bytes land in a scratch buffer (never in the caches); a failed touch is left for the
+        copy to report. Whether it touched."""
+        if not 0 < nbytes <= _PRIME_BYTES or rank not in self.sources or \
+                nbytes * self._prime_rate > budget:
+            return False
+        t0 = time.perf_counter()
+        far, near = _page_points(remote), _page_points(local)
+        n = far.shape[0] + near.shape[0]
+        if self._scratch.shape[0] < n * _PROBE_BYTES:
+            self._scratch = np.empty(n * _PROBE_BYTES, dtype=np.uint8)
+        # the remote touches land first in the scratch buffer, this process's after them
+        into = np.concatenate([far, near])
+        into[:, 0] = self._scratch.ctypes.data + np.arange(n, dtype=np.uint64) * _PROBE_BYTES
+        for pid, points, first in ((self.sources[rank].pid, far, 0),
+                                   (os.getpid(), near, far.shape[0])):
+            for start in range(0, points.shape[0], IOV_MAX):
+                _call(pid, into[first + start:first + min(start + IOV_MAX, points.shape[0])],
+                      points[start:start + IOV_MAX])
+        self._prime_rate = (time.perf_counter() - t0) / nbytes
+        self.primed += 1
+        return True
 
     def copy(self, rank: int, local: np.ndarray, remote: np.ndarray, nbytes: int,
              deadline: float) -> None:

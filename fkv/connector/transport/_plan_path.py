@@ -171,6 +171,16 @@ class PlanPath:
         self._ahead.append(reads)
         return reads
 
+    def prime(self, reads: LayerReads, budget: float) -> None:
+        """Get ready for the copies of ``reads`` (:meth:`layer_reads`) within about ``budget``
+        seconds: with same-host copies, touch their pages (``SameHostCopy.prime``); nothing for
+        NIXL READs, which are created ahead already."""
+        if self.copier is None or reads.granule != 0:
+            return
+        end = time.perf_counter() + budget
+        for rank, local_iov, remote_iov, nbytes in reads.reads:
+            self.copier.prime(rank, local_iov, remote_iov, nbytes, end - time.perf_counter())
+
     def discard_unposted(self) -> None:
         """Release every READ :meth:`layer_reads` created that no read posted (a streaming read
         calls it when it ends, landed or failed)."""

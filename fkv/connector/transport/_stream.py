@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fkv.connector.transport import _side
@@ -156,16 +157,20 @@ class Watch:
                 from e
 
     def beyond(self, request_id: str, after: int, deadline: float,
-               recorded: bool = False, wait: bool = True) -> int:
+               recorded: bool = False, wait: bool = True,
+               ahead: Callable[[float], Any] | None = None) -> int:
         """Block until every rank published more than ``after`` layers of ``request_id`` (the
         smallest count then), or until ``deadline`` (the smallest count known, maybe
         ``<= after``). Long polls, re-asked when a rank's wait ends without news. ``wait=False``:
-        only what is known now (the boards, replies already in; polls are still asked)."""
+        only what is known now (the boards, replies already in; polls are still asked).
+        ``ahead``: called once when the wait starts spinning ahead of the predicted publish,
+        with the seconds left until it (what the caller may spend getting ready for the
+        layer: the boards are read again right after it returns)."""
         if not wait:
             deadline = time.monotonic()
         try:
             if self.boards:
-                return self._beyond_boards(request_id, after, deadline, recorded)
+                return self._beyond_boards(request_id, after, deadline, recorded, ahead)
             while True:
                 self.ask(request_id, after, recorded)
                 for rank in list(self._out):
@@ -178,7 +183,7 @@ class Watch:
                 from e
 
     def _beyond_boards(self, request_id: str, after: int, deadline: float,
-                       recorded: bool) -> int:
+                       recorded: bool, ahead: Callable[[float], Any] | None = None) -> int:
         """``beyond`` reading the boards of the same-host ranks between non-blocking looks at
         the long polls (out on every rank whose board does not answer: a rank without a board,
         a board that cannot be slept on, a slot another request took). When every rank still
@@ -189,7 +194,7 @@ class Watch:
         socket. (A rank whose board slot another request took answers only by its long poll,
         which a board sleep then hears within ``BOARD_SLEEP`` s.) Once the request's news has a
         pace (:func:`spin_window`), a futex wait sleeps through to the window instead of
-        spinning first, and spins through the window."""
+        spinning first, calls ``ahead`` as the window opens and spins through it."""
         started = time.monotonic()
         waited = False  # whether this call found the layer missing (its news then dates a publish)
         window = spin_window(self._last_news, self._last_count, self._pace, after)
@@ -216,6 +221,10 @@ class Watch:
             sleeper = awaited[0] if all(seqs.get(r) is not None for r in awaited) else None
             if sleeper is not None:
                 if window is not None and window[0] <= now < window[1]:
+                    if ahead is not None:
+                        ahead, ready_for = None, ahead
+                        ready_for((window[0] + window[1]) / 2 - now)
+                        continue  # the boards first: the layer may have come meanwhile
                     if self._spin(request_id, after, recorded, min(window[1], deadline)):
                         self.spun_news += 1
                         return self._news(True)
