@@ -32,3 +32,63 @@ def test_pack_hops_match_both_sides_by_request_token_and_block():
 
 def test_pack_hops_empty_without_packs():
     assert _pack_hops([[["rep-0", 1, 7, 1.0, 2.0, "Error"]]], []) == {}
+
+
+def test_the_streaming_prefill_writes_each_layer_of_the_request_with_write_kv(monkeypatch):
+    """``--stream-write kv``: before each publish the prefill writes the layer's K and V of the
+    request's blocks (their slots, in order) with write_kv; the bytes are those already there
+    (what every read checks), so the cache is unchanged."""
+    import torch
+
+    import fkv
+    from fkv.bench.transfer import _canon, _stream_writer
+    from fkv.ops import reference
+
+    spec = fkv.KVCacheSpec(layout="HND", num_blocks=6, block_size=4, num_kv_heads=2,
+                           head_size=8, dtype="bfloat16", num_layers=2)
+    caches = fkv.allocate(spec)
+    for i, layer in enumerate(caches):
+        layer.copy_(torch.randn(layer.shape, generator=torch.Generator().manual_seed(i)))
+    before = [layer.clone() for layer in caches]
+    calls = []
+    real = reference.write_kv
+
+    def spy(key, value, cache, slots, spec_):
+        calls.append((cache.data_ptr(), slots.tolist(), key.clone(), value.clone()))
+        real(key, value, cache, slots, spec_)
+
+    monkeypatch.setattr(reference, "write_kv", spy)
+    threads = torch.get_num_threads()
+    try:
+        write = _stream_writer(spec, caches, torch.device("cpu"), [4, 1])
+        write(1)
+    finally:
+        torch.set_num_threads(threads)
+    (ptr, slots, key, value), = calls
+    assert ptr == caches[1].data_ptr() and slots == [16, 17, 18, 19, 4, 5, 6, 7]
+    canon = _canon(before[1], spec)  # (block, token, K/V, head, dim)
+    assert torch.equal(key, canon[[4, 1], :, 0].reshape(8, 2, 8))
+    assert torch.equal(value, canon[[4, 1], :, 1].reshape(8, 2, 8))
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+
+
+@pytest.mark.transport
+def test_the_transfer_bench_streams_a_request_on_the_cpu(tmp_path):
+    """The streaming bench end to end, small: a prefill process that writes and publishes each
+    layer, two decode ranks reading as it goes; the result file has the tail and its parts."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "t.json"
+    run = subprocess.run([sys.executable, "-m", "fkv", "bench", "transfer", "--device", "cpu",
+                          "--cases", "hnd-auto", "--blocks", "64", "--sizes", "2", "--layers",
+                          "3", "--reps", "2", "--stream", "--compute-ms", "5", "--json",
+                          str(out)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    case, = json.loads(out.read_text())["cases"]
+    assert case["params"]["stream_write"] == "kv" and case["params"]["layers"] == 3
+    m = case["metrics"]
+    assert m["stream_tail_ms"] > 0 and m["layer_ms"] > 0
+    assert m["stream_landed_ms"] <= m["stream_tail_ms"]
+    assert m["tail_over_layer_x"] == pytest.approx(m["stream_tail_ms"] / m["layer_ms"])
