@@ -6,8 +6,10 @@ CPU, real NIXL, one process."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -99,6 +101,18 @@ def _await_creates(handles: _Handles, n: int) -> None:
     assert len(handles.created) == n, handles.created
 
 
+@contextlib.contextmanager
+def _copying() -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor], Any, Any]]:
+    """A prefill server on filled caches and a client on zeroed ones that copies same-host
+    rows (``process_vm_readv``) instead of posting NIXL READs: (caches, local, server, client)."""
+    caches = _filled()
+    with serve(engine("p"), SPEC, caches) as server:
+        local = _zeros()
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            assert client._state.plan_path.copier is not None, client.describe()
+            yield caches, local, server, client
+
+
 def test_a_streamed_read_posts_the_read_it_made_during_the_wait_and_releases_the_rest(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Layer 0 is published alone: the READ created while it was awaited is the one posted.
@@ -156,37 +170,33 @@ def test_same_host_copies_compute_the_awaited_layer_ahead_and_create_no_read(
     layer's copy vectors while it waits, copies with them once the layer is published, and never
     creates a NIXL READ; the bytes are those of the prefill cache."""
     handles = _Handles(monkeypatch)
-    caches = _filled()
-    with serve(engine("p"), SPEC, caches) as server:
-        local = _zeros()
-        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
-            path = client._state.plan_path
-            assert path.copier is not None, client.describe()
-            # connect READ 64 bytes from the rank to finish NIXL's connection (notifications
-            # may need it); no READ after that
-            assert handles.created == [] and len(handles.posted) == 1
-            server.hold("s1", [3, 5], layers_ready=0)
-            reader, out = _stream_in_a_thread(client)
-            time.sleep(0.2)
-            assert all(torch.count_nonzero(layer) == 0 for layer in local)
-            server.publish("s1", 1)
-            deadline = time.monotonic() + 10
-            while not torch.equal(local[0][1:3], caches[0][[3, 5]]) and \
-                    time.monotonic() < deadline:
-                time.sleep(0.005)
-            assert torch.equal(local[0][1:3], caches[0][[3, 5]])
-            assert torch.count_nonzero(local[1]) == 0  # not published, not copied
-            server.publish("s1", 3)
-            reader.join(30)
-            result = out["r"]
-            assert result.ok, result.error
-            # layers x blocks x (K, V) x heads x tokens x head size x 2 bytes (bf16)
-            assert result.strategy == "direct" and result.bytes == 3 * 2 * 2 * 2 * 4 * 8 * 2
-            for mine, theirs in zip(local, caches, strict=True):
-                assert torch.equal(mine[1:3], theirs[[3, 5]])
-                assert torch.count_nonzero(mine[[0, 3, 4, 5, 6, 7]]) == 0
-            # layer 0 from the vectors computed while it was awaited; layers 1-2 came together
-            assert (path.prepared_reads, path.discarded_reads, path._ahead) == (1, 0, [])
+    with _copying() as (caches, local, server, client):
+        path = client._state.plan_path
+        # connect READ 64 bytes from the rank to finish NIXL's connection (notifications
+        # may need it); no READ after that
+        assert handles.created == [] and len(handles.posted) == 1
+        server.hold("s1", [3, 5], layers_ready=0)
+        reader, out = _stream_in_a_thread(client)
+        time.sleep(0.2)
+        assert all(torch.count_nonzero(layer) == 0 for layer in local)
+        server.publish("s1", 1)
+        deadline = time.monotonic() + 10
+        while not torch.equal(local[0][1:3], caches[0][[3, 5]]) and \
+                time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert torch.equal(local[0][1:3], caches[0][[3, 5]])
+        assert torch.count_nonzero(local[1]) == 0  # not published, not copied
+        server.publish("s1", 3)
+        reader.join(30)
+        result = out["r"]
+        assert result.ok, result.error
+        # layers x blocks x (K, V) x heads x tokens x head size x 2 bytes (bf16)
+        assert result.strategy == "direct" and result.bytes == 3 * 2 * 2 * 2 * 4 * 8 * 2
+        for mine, theirs in zip(local, caches, strict=True):
+            assert torch.equal(mine[1:3], theirs[[3, 5]])
+            assert torch.count_nonzero(mine[[0, 3, 4, 5, 6, 7]]) == 0
+        # layer 0 from the vectors computed while it was awaited; layers 1-2 came together
+        assert (path.prepared_reads, path.discarded_reads, path._ahead) == (1, 0, [])
     assert handles.created == [] and len(handles.posted) == 1
 
 
@@ -199,39 +209,35 @@ def test_same_host_copies_prime_the_awaited_layer_as_the_wait_spins_ahead(
     from fkv.connector.transport import _stream
     from fkv.connector.transport._plan_path import PlanPath
 
-    end = time.monotonic() + 7200.0  # a window open from now on for two hours
-    monkeypatch.setattr(_stream, "spin_window", lambda *a: (0.0, end))
+    start = time.monotonic()  # a window open from now on for two hours
+    monkeypatch.setattr(_stream, "spin_window", lambda *a: (start, start + 7200.0))
     primed: list[tuple[int, int] | None] = []
     real_prime = PlanPath.prime
 
     def prime(path: Any, reads: Any, budget: float) -> None:
         primed.append(reads.layers)
-        assert 3000 < budget < 3600  # until the middle of that window
+        assert 3500 < budget < 3600  # until the middle of that window
         real_prime(path, reads, budget)
 
     monkeypatch.setattr(PlanPath, "prime", prime)
-    caches = _filled()
-    with serve(engine("p"), SPEC, caches) as server:
-        local = _zeros()
-        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
-            path = client._state.plan_path
-            assert path.copier is not None, client.describe()
-            server.hold("s1", [3, 5], layers_ready=0)
-            reader, out = _stream_in_a_thread(client)
-            for layer in range(3):
-                deadline = time.monotonic() + 10
-                while len(primed) <= layer and time.monotonic() < deadline:
-                    time.sleep(0.005)
-                assert primed == [(n, n + 1) for n in range(layer + 1)]
-                assert torch.count_nonzero(local[layer]) == 0  # primed, not copied
-                server.publish("s1", layer + 1)
-            reader.join(30)
-            result = out["r"]
-            assert result.ok, result.error
-            for mine, theirs in zip(local, caches, strict=True):
-                assert torch.equal(mine[1:3], theirs[[3, 5]])
-                assert torch.count_nonzero(mine[[0, 3, 4, 5, 6, 7]]) == 0
-            assert path.copier.primed == 3 and path.prepared_reads == 3
+    with _copying() as (caches, local, server, client):
+        path = client._state.plan_path
+        server.hold("s1", [3, 5], layers_ready=0)
+        reader, out = _stream_in_a_thread(client)
+        for layer in range(3):
+            deadline = time.monotonic() + 10
+            while len(primed) <= layer and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert primed == [(n, n + 1) for n in range(layer + 1)]
+            assert torch.count_nonzero(local[layer]) == 0  # primed, not copied
+            server.publish("s1", layer + 1)
+        reader.join(30)
+        result = out["r"]
+        assert result.ok, result.error
+        for mine, theirs in zip(local, caches, strict=True):
+            assert torch.equal(mine[1:3], theirs[[3, 5]])
+            assert torch.count_nonzero(mine[[0, 3, 4, 5, 6, 7]]) == 0
+        assert path.copier.primed == 3 and path.prepared_reads == 3
 
 
 def test_a_created_read_whose_post_fails_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
