@@ -79,6 +79,13 @@ def holder() -> Any:
     h.close()
 
 
+def _copier(h: Holder, threads: int = 1) -> tuple[np.ndarray, SameHostCopy]:
+    """Two zeroed local regions of the holder's size, and a copier from its process into them."""
+    local = np.zeros((2, h.size), dtype=np.uint8)
+    return local, SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
+                               {0: h.peer()}, "p", threads)
+
+
 def _rows(spec: list[tuple[int, int, int, int, int]]) -> np.ndarray:
     """Plan rows (remote rank 0): (remote region, remote offset, local region, local offset,
     length)."""
@@ -205,9 +212,7 @@ def test_a_short_copy_fails_the_read() -> None:
     """Region 1's ends pass the check, its middle page is gone: a row across it fails."""
     h = Holder("hole")
     try:
-        local = np.zeros((2, h.size), dtype=np.uint8)
-        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
-                              {0: h.peer()}, "p")
+        local, copier = _copier(h)
         rows = _rows([(0, 0, 0, 0, 64), (1, 7 * PAGE, 1, 0, 3 * PAGE)])
         lv, rv, nbytes = copier.vectors(0, rows)
         with pytest.raises(TransferFailed, match=rf"copy from prefill rank 0 of engine 'p' "
@@ -220,9 +225,7 @@ def test_a_short_copy_fails_the_read() -> None:
 
 
 def test_a_prefill_process_that_exited_fails_the_copy(holder: Holder) -> None:
-    local = np.zeros((2, holder.size), dtype=np.uint8)
-    copier = SameHostCopy([(local[i].ctypes.data, holder.size) for i in range(2)], None,
-                          {0: holder.peer()}, "p")
+    local, copier = _copier(holder)
     try:
         lv, rv, nbytes = copier.vectors(0, _rows([(0, 0, 0, 0, PAGE)]))
         copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
@@ -241,9 +244,7 @@ def test_a_prefill_process_that_exited_fails_the_copy(holder: Holder) -> None:
 
 
 def test_a_copy_that_ends_after_the_server_stopped_fails(holder: Holder) -> None:
-    local = np.zeros((2, holder.size), dtype=np.uint8)
-    copier = SameHostCopy([(local[i].ctypes.data, holder.size) for i in range(2)], None,
-                          {0: holder.peer()}, "p")
+    local, copier = _copier(holder)
     try:
         lv, rv, nbytes = copier.vectors(0, _rows([(1, 0, 1, 0, PAGE)]))
         copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
@@ -408,9 +409,7 @@ def test_prime_touches_each_page_on_both_sides_and_writes_no_cache_byte(
 def test_a_prime_over_an_unmapped_page_leaves_the_failure_to_the_copy() -> None:
     h = Holder("hole")
     try:
-        local = np.zeros((2, h.size), dtype=np.uint8)
-        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
-                              {0: h.peer()}, "p")
+        local, copier = _copier(h)
         lv, rv, nbytes = copier.vectors(0, _rows([(1, 7 * PAGE, 1, 0, 3 * PAGE)]))
         assert copier.prime(0, lv, rv, nbytes)  # no error: the touch is best effort
         with pytest.raises(TransferFailed, match=r"failed: it read 4096 of 12288 bytes"):

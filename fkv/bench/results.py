@@ -28,6 +28,7 @@ ratio, ``pct_``/``_pct`` percent, ``_count``, ``_tflops``, ``_err`` an absolute 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import platform
@@ -328,12 +329,10 @@ def _nvidia_smi(field: str) -> str | None:
 
 
 def _cpu_name() -> str:
-    try:
+    with contextlib.suppress(OSError):  # no /proc/cpuinfo here: the platform's name below
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine()
 
 

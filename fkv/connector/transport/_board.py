@@ -210,14 +210,11 @@ class Board:
         self._words = None
         self._seq = None  # waiters end their waits by their own timeouts
         self._slots.clear()
-        try:
+        # a view still alive somewhere: the unmap waits for the process
+        with contextlib.suppress(BufferError):
             self._map.close()
-        except BufferError:  # a view still alive somewhere: the unmap waits for the process
-            pass
-        try:
+        with contextlib.suppress(FileNotFoundError):  # removed already (earlier close, by hand)
             os.unlink(self.path)
-        except FileNotFoundError:  # removed already (by an earlier close or by hand)
-            pass
 
 
 def open_announced(what: str, name: Any, pattern: re.Pattern[str], prefix: str,

@@ -163,6 +163,20 @@ def iovecs(rows: np.ndarray, bases: np.ndarray, sizes: np.ndarray, *, local: boo
     return out
 
 
+def _read_points(pid: int, points: np.ndarray, scratch: np.ndarray) -> int:
+    """Read ``points`` (an iovec array, at most ``_PROBE_BYTES`` each) from process ``pid``
+    into ``scratch``, ``_PROBE_BYTES`` apart, in calls of up to ``IOV_MAX``; stops at the first
+    short call and returns its errno (``EFAULT`` if it set none), 0 when every byte came."""
+    into = points.copy()
+    into[:, 0] = scratch.ctypes.data + np.arange(points.shape[0], dtype=np.uint64) * _PROBE_BYTES
+    for start in range(0, points.shape[0], IOV_MAX):
+        stop = start + IOV_MAX
+        got, code = _call(pid, into[start:stop], points[start:stop])
+        if got != int(points[start:stop, 1].sum()):
+            return code or errno.EFAULT
+    return 0
+
+
 def _page_points(iov: np.ndarray) -> np.ndarray:
     """An iovec array of up to 8 bytes at every ``_PAGE`` step of each row of ``iov`` (the row's
     start, then one page on, ...): a touch of each page a copy of those rows reads or writes."""
@@ -238,16 +252,11 @@ class _Source:
         """Read the first and last (up to) 8 bytes of every region from the process."""
         remote = np.array([(b + off, min(_PROBE_BYTES, n)) for b, n in regions
                            for off in (0, max(0, n - _PROBE_BYTES))], dtype=np.uint64)
-        scratch = np.empty(remote.shape[0] * _PROBE_BYTES, dtype=np.uint8)
-        local = remote.copy()
-        local[:, 0] = scratch.ctypes.data + np.arange(remote.shape[0], dtype=np.uint64) * \
-            _PROBE_BYTES
-        for start in range(0, remote.shape[0], IOV_MAX):
-            got, code = _call(self.pid, local[start:start + IOV_MAX],
-                              remote[start:start + IOV_MAX])
-            if got != int(remote[start:start + IOV_MAX, 1].sum()):
-                raise FkvError(f"cannot copy from prefill rank {self.rank}'s process {self.pid}: "
-                               f"{_why(code or errno.EFAULT, self.pid)}")
+        code = _read_points(self.pid, remote,
+                            np.empty(remote.shape[0] * _PROBE_BYTES, dtype=np.uint8))
+        if code:
+            raise FkvError(f"cannot copy from prefill rank {self.rank}'s process {self.pid}: "
+                           f"{_why(code, self.pid)}")
 
     def exited(self) -> bool:
         if self._poll is not None:
@@ -319,17 +328,13 @@ class SameHostCopy:
             return False
         t0 = time.perf_counter()
         far, near = _page_points(remote), _page_points(local)
-        n = far.shape[0] + near.shape[0]
-        if self._scratch.shape[0] < n * _PROBE_BYTES:
-            self._scratch = np.empty(n * _PROBE_BYTES, dtype=np.uint8)
-        # the remote touches land first in the scratch buffer, this process's after them
-        into = np.concatenate([far, near])
-        into[:, 0] = self._scratch.ctypes.data + np.arange(n, dtype=np.uint64) * _PROBE_BYTES
-        for pid, points, first in ((self.sources[rank].pid, far, 0),
-                                   (os.getpid(), near, far.shape[0])):
-            for start in range(0, points.shape[0], IOV_MAX):
-                _call(pid, into[first + start:first + min(start + IOV_MAX, points.shape[0])],
-                      points[start:start + IOV_MAX])
+        split = far.shape[0] * _PROBE_BYTES
+        if self._scratch.shape[0] < split + near.shape[0] * _PROBE_BYTES:
+            self._scratch = np.empty(split + near.shape[0] * _PROBE_BYTES, dtype=np.uint8)
+        # the remote touches land first in the scratch buffer, this process's after them; what
+        # fails is left for the copy to report
+        _read_points(self.sources[rank].pid, far, self._scratch[:split])
+        _read_points(os.getpid(), near, self._scratch[split:])
         self._prime_rate = (time.perf_counter() - t0) / nbytes
         self.primed += 1
         return True

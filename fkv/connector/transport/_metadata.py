@@ -44,6 +44,7 @@ fkv.errors.FkvError: peer NIXL agent metadata refused (nothing was added): the b
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import math
 import os
@@ -427,7 +428,7 @@ class MetadataProbeTimeout(FkvError):
 # whose memory section failed) and stops: the next blob gets a fresh child, so no verdict depends
 # on what an earlier blob left behind.
 _CHILD = r"""
-import os, sys, importlib, uuid, time
+import contextlib, os, sys, importlib, uuid, time
 out = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
@@ -470,17 +471,15 @@ while True:
                                                          []))
         time.sleep(0.002)
     except Exception as e:
-        try:  # best effort: the failure itself is what this probe reports
+        # best effort: the failure itself is what this probe reports
+        with contextlib.suppress(Exception):
             agent.invalidateRemoteMD(name)
-        except Exception:
-            pass
         time.sleep(0.002)
         out.write(f"E {type(e).__name__}: {str(e)[:200]!r}\n")
         break
-    try:  # best effort: the probe accepted the metadata whether or not NIXL forgets it cleanly
+    # best effort: the probe accepted the metadata whether or not NIXL forgets it cleanly
+    with contextlib.suppress(Exception):
         agent.invalidateRemoteMD(got)
-    except Exception:
-        pass
     time.sleep(0.002)
     out.write("A\n")
 """
@@ -609,13 +608,11 @@ class _Child:
         meta = parse_agent_metadata(blob)
         name = meta.name.encode()
         secs = _encode_sections(meta) if prep is None else prep
-        try:
+        with contextlib.suppress(BrokenPipeError):  # it died; reading says so
             self.proc.stdin.write(len(blob).to_bytes(8, "little") + blob
                                   + len(name).to_bytes(8, "little") + name
                                   + len(secs).to_bytes(8, "little") + secs)
             self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass  # it died; reading says so
         got = self.line(deadline, what)
         if got == "T":
             got = self.line(deadline, what)

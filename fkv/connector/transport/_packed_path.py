@@ -51,6 +51,7 @@ quarantine yet).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -610,10 +611,10 @@ class PackedPath:
                     self.quarantine[chunk.area] = self.quarantine.get(chunk.area, []) + busy
                 chunk.xfers = []
         self._drain()
-        try:  # no scatter of this read writes the cache after it returned
+        # no scatter of this read writes the cache after it returned; a device error here
+        # fails the read anyway
+        with contextlib.suppress(Exception):
             self._finish()
-        except Exception:  # a device error: the read fails anyway
-            pass
 
     def _free(self, rank: int, pack: _side.Packed) -> None:
         """Free a slot whose READ will never come (best effort: the rank may be gone)."""
@@ -664,10 +665,8 @@ class PackedPath:
             self._reclaim()
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # closing anyway: leases free what is left
             self._drain()
-        except Exception:  # closing anyway: leases free what is left
-            pass
         agent = self.conn.local.agent
         for xfers in self.quarantine.values():
             for x in xfers:  # NIXL cancels or keeps it (and the staging memory) until close

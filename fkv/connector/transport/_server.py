@@ -27,6 +27,7 @@ in ``poll``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import hmac
 import os
@@ -868,10 +869,8 @@ class _EventWaiter:
             event = self._queue.get()
             if event is None:
                 return
-            try:
+            with contextlib.suppress(Exception):  # the server loop's query() sees it too
                 event.synchronize()
-            except Exception:  # the server loop's query() sees the same failure
-                pass
             try:
                 self._done()
             except Exception as e:  # keep waiting for the next events; the error stays visible

@@ -41,6 +41,7 @@ Two ways to bound it, both here:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import re
 import selectors
@@ -300,10 +301,8 @@ class FrameServer:
         c = self._conns.pop(conn, None)
         if c is not None:
             self._reserved -= c.reserved
-            try:
+            with contextlib.suppress(KeyError, ValueError):  # not registered (any more)
                 self._sel.unregister(c.sock)
-            except (KeyError, ValueError):
-                pass
             c.sock.close()
 
     def stats(self) -> dict[str, int]:
@@ -315,10 +314,8 @@ class FrameServer:
     def close(self) -> None:
         for cid in list(self._conns):
             self.close_connection(cid)
-        try:
+        with contextlib.suppress(KeyError, ValueError):  # not registered (any more)
             self._sel.unregister(self._listen)
-        except (KeyError, ValueError):
-            pass
         self._listen.close()
         self._waker.close()
         self._sel.close()
