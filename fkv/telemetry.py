@@ -137,11 +137,17 @@ class Telemetry:
         _non_negative("descriptors", descriptors, integer=True)
         for stage, s in (waits or {}).items():
             _non_negative(f"waits.{stage}", s)
-        # kept as is and added up when read (or every _FOLD records): a read's return is on the
-        # critical path of the request it landed, and right after its copy the caches are cold
+        self.record_read(path, float(seconds), nbytes, descriptors,
+                         tuple(waits.items()) if waits else ())
+
+    def record_read(self, path: str, seconds: float, nbytes: int, descriptors: int,
+                    waits: tuple[tuple[str, float], ...] = ()) -> None:
+        """:meth:`record` without its checks, for values fkv computed itself (a client's read):
+        kept as they are and added up when read (or every ``_FOLD`` records). A read's return
+        is on the critical path of the request it landed, and right after its copy the caches
+        are cold."""
         with self._lock:
-            self._pending.append((path, float(seconds), nbytes, descriptors,
-                                  dict(waits) if waits else None))
+            self._pending.append((path, seconds, nbytes, descriptors, waits))
             if len(self._pending) >= _FOLD:
                 self._fold()
 
@@ -155,7 +161,7 @@ class Telemetry:
             p.descriptors.add(float(descriptors))
             if seconds > 0:
                 p.gbps.add(nbytes / seconds / 1e9)
-            for stage, s in (waits or {}).items():
+            for stage, s in waits:
                 p.waits[stage].add(float(s))
 
     def failure(self, reason: str) -> None:

@@ -5,6 +5,10 @@ This module imports torch; ``import fkv`` reaches it lazily (``fkv.allocate``, `
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from fkv.errors import FkvError, field_error
@@ -30,6 +34,56 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, canonical_dtype(name))
 
 
+#: ``madvise`` advice for transparent huge pages (Linux).
+_MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _huge_page_bytes() -> int:
+    """The PMD huge page size when this kernel has transparent huge pages, else 0."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+def huge_pages_wanted() -> bool:
+    """Whether :func:`allocate` asks for transparent huge pages for CPU caches
+    (``FKV_HUGE_PAGES=0`` turns it off)."""
+    return os.environ.get("FKV_HUGE_PAGES", "1") != "0" and _huge_page_bytes() > 0
+
+
+def _cpu_empty(torch: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """``torch.empty(shape, dtype)`` in CPU memory; at least one huge page's worth starts on a
+    huge page boundary and is marked ``MADV_HUGEPAGE`` before anything touches it.
+
+    A same-host reader copies a cache's rows with ``process_vm_readv``, which walks both
+    processes' page tables page by page; with 4 KiB pages most of a small cold copy is those
+    walks (bench/NOTES.md, nineteenth session). The advice is best effort: a kernel that refuses
+    it leaves ordinary pages, and the bytes and strides are the same either way. The storage is
+    one huge page larger than the tensor (the tensor starts at the boundary inside it).
+    """
+    count = 1
+    for n in shape:
+        count *= n
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = count * itemsize
+    huge = _huge_page_bytes()
+    if not huge_pages_wanted() or nbytes < huge:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + huge, dtype=torch.uint8)
+    skip = -raw.data_ptr() % huge
+    buf = raw[skip:skip + nbytes]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes - nbytes % huge),
+                 _MADV_HUGEPAGE)  # best effort: ordinary pages when refused
+    return buf.view(dtype).view(shape)
+
+
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(order.index(i) for i in range(len(order)))
 
@@ -51,12 +105,17 @@ def allocate(spec: KVCacheSpec, device: Any = "cpu") -> list[torch.Tensor]:
         raise field_error("spec", spec, "a KVCacheSpec")
     dtype = torch_dtype(spec.dtype)
     inv = _inverse(spec.stride_order)
+    cpu = torch.device(device).type == "cpu"
+
+    def empty() -> Any:
+        if cpu:
+            return _cpu_empty(torch, spec.physical_shape, dtype)
+        return torch.empty(spec.physical_shape, dtype=dtype, device=device)
+
     if spec.cross_layer:
-        buffer = torch.empty(spec.physical_shape, dtype=dtype, device=device)
-        full = buffer.permute(inv)
+        full = empty().permute(inv)
         return [full[layer] for layer in range(spec.num_layers)]
-    return [torch.empty(spec.physical_shape, dtype=dtype, device=device).permute(inv)
-            for _ in range(spec.num_layers)]
+    return [empty().permute(inv) for _ in range(spec.num_layers)]
 
 
 def _matches(expected: tuple[int, ...], shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:

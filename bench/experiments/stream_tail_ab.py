@@ -9,6 +9,8 @@ news, one layer and step spans after the news.
 
     python bench/experiments/stream_tail_ab.py --tree before=PATH --tree after=. [--rounds 4]
         [--paced]   # passed on to stream_tail_cpu.py (and the JSON named -paced-)
+        [--env LABEL:NAME=VALUE]   # an environment variable for one tree's runs (repeatable;
+                                   # the same path may appear under two labels)
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 PACED = "--paced" in sys.argv
 
 
-def _run(tree: str) -> list[dict]:
+def _run(tree: str, extra: dict[str, str]) -> list[dict]:
     rest = os.environ.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, "OUT": out,
+        env = {**os.environ, **extra, "OUT": out,
                "PYTHONPATH": os.path.abspath(tree) + (os.pathsep + rest if rest else "")}
         subprocess.run([sys.executable, str(HERE / "stream_tail_cpu.py"), "--ahead-only",
                         *(["--paced"] if PACED else [])],
@@ -58,18 +60,24 @@ def main() -> None:
     args = sys.argv[1:]
     trees = [args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "--tree"]
     rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 4
+    envs: dict[str, dict[str, str]] = {label: {} for label, _ in trees}
+    for i, a in enumerate(args):
+        if a == "--env":
+            label, pair = args[i + 1].split(":", 1)
+            name, value = pair.split("=", 1)
+            envs[label][name] = value
     if len(trees) < 2:
         raise SystemExit(__doc__)
     runs: dict[str, list] = {label: [] for label, _ in trees}
     for _ in range(rounds):
         for label, path in trees:
-            runs[label].append(_run(path))
+            runs[label].append(_run(path, envs[label]))
             last = [r for r in runs[label][-1] if r["blocks"] == 16][1]
             print(label, {k: round(last[k], 3) for k in ("tail_ms", "news_ms", "one_layer_ms")},
                   flush=True)
     out = {"experiment": "streamed read tail, two trees alternately (stream_tail_cpu.py)",
            "paced": PACED,
-           "cpus": os.cpu_count(), "rounds": rounds, "trees": dict(trees),
+           "cpus": os.cpu_count(), "rounds": rounds, "trees": dict(trees), "env": envs,
            "summary": {label: {str(n): _summary(reps, n) for n in (16, 256)}
                        for label, reps in runs.items()},
            "runs": runs}

@@ -121,7 +121,8 @@ def _measure(client, conn, n: int, reps: int, tag: str) -> dict:
     wrap(Watch, "beyond", "news")
     wrap(_board, "_futex_wait", "futex wait")
     wrap(_client.Client, "_result", "result")
-    wrap(telemetry.Telemetry, "record", "telemetry")
+    wrap(telemetry.Telemetry, "record_read" if hasattr(telemetry.Telemetry, "record_read")
+         else "record", "telemetry")  # an older tree records through record
     wrap(_plan_path.PlanPath, "read", "path read")
     wrap(_agent.Agent, "read", "READ create + post")
     wrap(_plan_path, "wait_reads", "READ wait")

@@ -427,7 +427,7 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         stats = _timers([(PackedPath, "_ask"), (Agent, "read_descs"), (Agent, "read"),
                          (Agent, "wait"), (PackedPath, "_scatter"), (PlanPath, "_run_staging"),
                          (Agent, "notify"), (IpcPath, "read"), (SameHostCopy, "copy"),
-                         (Client, "_result"), (Telemetry, "record")])
+                         (Client, "_result"), (Telemetry, "record_read")])
         packs = _trace_packs_decode()
         client = connect(_engine("bench-d", tp, rank), spec, caches, remote_address=address,
                          timeout=60.0, strategy=case["strategy"])

@@ -206,10 +206,10 @@ class Client:
                 self.telemetry.failure(failure_kind(str(e)))
                 return self._result(False, request_id, tally, t0, path.name, str(e))
             result = self._result(True, request_id, tally, t0, path.name, None, layer_seconds)
-            self.telemetry.record(path=path.name, seconds=result.seconds, nbytes=result.bytes,
-                                  descriptors=result.descriptors,
-                                  waits={"transfer": tally.transfer_seconds,
-                                         "pack": tally.pack_seconds})
+            self.telemetry.record_read(path.name, result.seconds, result.bytes,
+                                       result.descriptors,
+                                       (("transfer", tally.transfer_seconds),
+                                        ("pack", tally.pack_seconds)))
             return result
 
     def close(self) -> None:
