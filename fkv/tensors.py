@@ -57,31 +57,28 @@ def huge_pages_wanted() -> bool:
 
 
 def _cpu_empty(torch: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-    """``torch.empty(shape, dtype)`` in CPU memory; at least one huge page's worth starts on a
-    huge page boundary and is marked ``MADV_HUGEPAGE`` before anything touches it.
+    """``torch.empty(shape, dtype)`` in CPU memory, with every whole huge page inside it marked
+    ``MADV_HUGEPAGE`` before anything touches it.
 
     A same-host reader copies a cache's rows with ``process_vm_readv``, which walks both
-    processes' page tables page by page; with 4 KiB pages most of a small cold copy is those
-    walks (bench/NOTES.md, nineteenth session). The advice is best effort: a kernel that refuses
-    it leaves ordinary pages, and the bytes and strides are the same either way. The storage is
-    one huge page larger than the tensor (the tensor starts at the boundary inside it).
+    processes' page tables page by page; with 4 KiB pages much of a small copy is those walks
+    (bench/NOTES.md, nineteenth session). Nothing is allocated beyond the tensor: the bytes
+    before its first huge page boundary and after its last keep ordinary pages. The advice is
+    best effort (a kernel that refuses it leaves ordinary pages); the bytes, strides and storage
+    are those of ``torch.empty`` either way.
     """
-    count = 1
-    for n in shape:
-        count *= n
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = count * itemsize
+    buf = torch.empty(shape, dtype=dtype)
     huge = _huge_page_bytes()
-    if not huge_pages_wanted() or nbytes < huge:
-        return torch.empty(shape, dtype=dtype)
-    raw = torch.empty(nbytes + huge, dtype=torch.uint8)
-    skip = -raw.data_ptr() % huge
-    buf = raw[skip:skip + nbytes]
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes - nbytes % huge),
-                 _MADV_HUGEPAGE)  # best effort: ordinary pages when refused
-    return buf.view(dtype).view(shape)
+    if not huge_pages_wanted():
+        return buf
+    start = buf.data_ptr()
+    first = -(-start // huge) * huge
+    last = (start + buf.untyped_storage().nbytes()) // huge * huge
+    if last > first:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE)
+    return buf
 
 
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
