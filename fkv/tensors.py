@@ -50,6 +50,14 @@ def _huge_page_bytes() -> int:
         return 0
 
 
+@functools.cache
+def _madvise() -> Any:
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def huge_pages_wanted() -> bool:
     """Whether :func:`allocate` asks for transparent huge pages for CPU caches
     (``FKV_HUGE_PAGES=0`` turns it off)."""
@@ -75,9 +83,7 @@ def _cpu_empty(torch: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     first = -(-start // huge) * huge
     last = (start + buf.untyped_storage().nbytes()) // huge * huge
     if last > first:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE)
+        _madvise()(first, last - first, _MADV_HUGEPAGE)  # best effort: ignore a refusal
     return buf
 
 
