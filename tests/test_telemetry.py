@@ -202,3 +202,16 @@ def test_records_kept_as_they_came_add_up_the_same_whenever_they_are_read() -> N
     direct = once.stats()["paths"]["direct"]
     assert direct["count"] == 75 and direct["bytes"]["sum"] == sum(4096 * (1 + i)
                                                                  for i in range(0, 150, 2))
+
+
+def test_record_read_is_record_without_its_checks() -> None:
+    """A client's read records through ``record_read`` (its values are fkv's own): the same
+    stats as ``record`` with the waits as a mapping."""
+    checked, trusted = Telemetry("client"), Telemetry("client")
+    for i in range(70):
+        checked.record(path="direct", seconds=0.001 * (1 + i % 5), nbytes=4096 * i,
+                       descriptors=i, waits={"transfer": 0.0001 * i, "pack": 0.0})
+        trusted.record_read("direct", 0.001 * (1 + i % 5), 4096 * i, i,
+                            (("transfer", 0.0001 * i), ("pack", 0.0)))
+    assert trusted.stats() == checked.stats()
+    assert trusted.stats()["paths"]["direct"]["waits"]["transfer"]["count"] == 70
