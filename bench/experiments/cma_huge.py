@@ -14,40 +14,22 @@ prefill just wrote sees), ``warm`` (the same rows copied once before). Median of
 
 from __future__ import annotations
 
-import mmap
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _holder import anonymous, holder  # noqa: E402
 from _record import write  # noqa: E402
 
-from fkv.connector.transport._board import Board  # noqa: E402
 from fkv.connector.transport._cma import SameHostCopy  # noqa: E402
-from fkv.connector.transport._ipc import host_identity  # noqa: E402
-from fkv.connector.wire import BoardInfo  # noqa: E402
 
 SIZE, REPS = 512 << 20, 15
 CASES = [(32, 16 << 10), (32, 32 << 10), (256, 32 << 10)]  # (rows, row bytes)
-
-
-def _buffer(huge: bool) -> tuple[mmap.mmap, np.ndarray]:
-    m = mmap.mmap(-1, SIZE + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    else:
-        m.madvise(mmap.MADV_NOHUGEPAGE)
-    arr = np.frombuffer(m, dtype=np.uint8)
-    skip = (-arr.ctypes.data) % (2 << 20)
-    arr = arr[skip:skip + SIZE]
-    arr[:] = 1
-    return m, arr
 
 
 def _huge_kib(pid: int | str = "self") -> int:
@@ -59,7 +41,7 @@ def _huge_kib(pid: int | str = "self") -> int:
 
 
 def _hold(conn, huge: bool) -> None:
-    m, buf = _buffer(huge)
+    m, buf = anonymous(SIZE, huge)
     conn.send((os.getpid(), buf.ctypes.data, _huge_kib()))
     while (msg := conn.recv()) is not None:
         src, size = msg  # rewrite these rows now, then answer
@@ -71,55 +53,48 @@ def _hold(conn, huge: bool) -> None:
 
 
 def _case(src_huge: bool, dst_huge: bool, rng: np.random.Generator) -> list[dict]:
-    a, b = mp.Pipe()
-    child = mp.Process(target=_hold, args=(b, src_huge))
-    child.start()
-    pid, base, child_huge = a.recv()
-    board = Board()
-    peer = types.SimpleNamespace(board=BoardInfo(host=host_identity(), name=board.name,
-                                                 salt=board.salt, pid=pid),
-                                 regions=((base, SIZE),))
-    mdst, dst = _buffer(dst_huge)
-    mscratch, scratch = _buffer(False)
-    copier = SameHostCopy([(dst.ctypes.data, SIZE)], None, {0: peer}, "exp")
-    copier.threads = 1
     rows = []
-    try:
-        for n, size in CASES:
-            for state in ("cold", "just written", "warm"):
-                times = []
-                for _ in range(REPS):
-                    src = rng.permutation(SIZE // size)[:n]
-                    to = rng.permutation(SIZE // size)[:n]
-                    plan = np.zeros((n, 6), dtype=np.int64)
-                    plan[:, 2], plan[:, 4], plan[:, 5] = src * size, to * size, size
-                    local, remote, nbytes = copier.vectors(0, plan)
-                    scratch += 1
-                    if state == "warm":
-                        copier.copy(0, local, remote, nbytes, float("inf"))
-                    if state == "just written":
-                        a.send((src.tolist(), size))
-                        a.recv()
-                    t = time.perf_counter()
-                    copier.copy(0, local, remote, nbytes, float("inf"))
-                    times.append(time.perf_counter() - t)
-                row = {"src_pages": "huge" if src_huge else "4k",
-                       "dst_pages": "huge" if dst_huge else "4k",
-                       "rows": n, "row_bytes": size, "state": state,
-                       "copy_ms": 1e3 * statistics.median(times),
-                       "copy_ms_min": 1e3 * min(times),
-                       "src_anon_huge_kib": child_huge, "dst_anon_huge_kib": _huge_kib()}
-                print(row, flush=True)
-                rows.append(row)
-    finally:
-        copier.close()
-        board.close()
-        a.send(None)
-        child.join()
-        del dst, scratch
-        mdst.close()
-        mscratch.close()
+    with holder(_hold, src_huge, size=SIZE) as (a, peer, (_, _, child_huge)):
+        mdst, dst = anonymous(SIZE, dst_huge)
+        mscratch, scratch = anonymous(SIZE, False)
+        copier = SameHostCopy([(dst.ctypes.data, SIZE)], None, {0: peer}, "exp")
+        copier.threads = 1
+        try:
+            for n, size in CASES:
+                for state in ("cold", "just written", "warm"):
+                    rows.append(_row(copier, a, rng, n, size, state, src_huge, dst_huge,
+                                     child_huge, scratch))
+        finally:
+            copier.close()
+            del dst, scratch
+            mdst.close()
+            mscratch.close()
     return rows
+
+
+def _row(copier, conn, rng, n, size, state, src_huge, dst_huge, child_huge, scratch) -> dict:
+    times = []
+    for _ in range(REPS):
+        src = rng.permutation(SIZE // size)[:n]
+        to = rng.permutation(SIZE // size)[:n]
+        plan = np.zeros((n, 6), dtype=np.int64)
+        plan[:, 2], plan[:, 4], plan[:, 5] = src * size, to * size, size
+        local, remote, nbytes = copier.vectors(0, plan)
+        scratch += 1
+        if state == "warm":
+            copier.copy(0, local, remote, nbytes, float("inf"))
+        if state == "just written":
+            conn.send((src.tolist(), size))
+            conn.recv()
+        t = time.perf_counter()
+        copier.copy(0, local, remote, nbytes, float("inf"))
+        times.append(time.perf_counter() - t)
+    row = {"src_pages": "huge" if src_huge else "4k", "dst_pages": "huge" if dst_huge else "4k",
+           "rows": n, "row_bytes": size, "state": state,
+           "copy_ms": 1e3 * statistics.median(times), "copy_ms_min": 1e3 * min(times),
+           "src_anon_huge_kib": child_huge, "dst_anon_huge_kib": _huge_kib()}
+    print(row, flush=True)
+    return row
 
 
 def main() -> None:

@@ -12,23 +12,19 @@ the layer's publish) before the copy; ``warm``: the same rows copied once before
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _holder import holder  # noqa: E402
 from _record import write  # noqa: E402
 
-from fkv.connector.transport._board import Board  # noqa: E402
 from fkv.connector.transport._cma import SameHostCopy  # noqa: E402
-from fkv.connector.transport._ipc import host_identity  # noqa: E402
-from fkv.connector.wire import BoardInfo  # noqa: E402
 
 SIZE, REPS = 512 << 20, 15
 CASES = [(32, 16 << 10), (32, 32 << 10), (128, 16 << 10)]  # (rows, row bytes)
@@ -41,53 +37,43 @@ def _hold(conn) -> None:
 
 
 def main() -> None:
-    a, b = mp.Pipe()
-    child = mp.Process(target=_hold, args=(b,))
-    child.start()
-    pid, base = a.recv()
-    board = Board()
-    peer = types.SimpleNamespace(board=BoardInfo(host=host_identity(), name=board.name,
-                                                 salt=board.salt, pid=pid),
-                                 regions=((base, SIZE),))
-    dst = np.ones(SIZE, dtype=np.uint8)
-    scratch = np.ones(SIZE, dtype=np.uint8)
-    copier = SameHostCopy([(dst.ctypes.data, SIZE)], None, {0: peer}, "exp")
     rng = np.random.default_rng(0)
     rows = []
-    try:
-        for n, size in CASES:
-            for state in ("cold", "primed", "primed, 2 ms spin", "warm"):
-                times, primes = [], []
-                for _ in range(REPS):
-                    src = rng.permutation(SIZE // size)[:n]
-                    to = rng.permutation(SIZE // size)[:n]
-                    plan = np.zeros((n, 6), dtype=np.int64)  # plan rows: rank, region, offset..
-                    plan[:, 2], plan[:, 4], plan[:, 5] = src * size, to * size, size
-                    local, remote, nbytes = copier.vectors(0, plan)
-                    scratch += 1
-                    if state == "warm":
-                        copier.copy(0, local, remote, nbytes, float("inf"))
-                    if state.startswith("primed"):
+    with holder(_hold, size=SIZE) as (_, peer, _hello):
+        dst = np.ones(SIZE, dtype=np.uint8)
+        scratch = np.ones(SIZE, dtype=np.uint8)
+        copier = SameHostCopy([(dst.ctypes.data, SIZE)], None, {0: peer}, "exp")
+        try:
+            for n, size in CASES:
+                for state in ("cold", "primed", "primed, 2 ms spin", "warm"):
+                    times, primes = [], []
+                    for _ in range(REPS):
+                        src = rng.permutation(SIZE // size)[:n]
+                        to = rng.permutation(SIZE // size)[:n]
+                        plan = np.zeros((n, 6), dtype=np.int64)  # plan rows: rank, region, offset..
+                        plan[:, 2], plan[:, 4], plan[:, 5] = src * size, to * size, size
+                        local, remote, nbytes = copier.vectors(0, plan)
+                        scratch += 1
+                        if state == "warm":
+                            copier.copy(0, local, remote, nbytes, float("inf"))
+                        if state.startswith("primed"):
+                            t = time.perf_counter()
+                            assert copier.prime(0, local, remote, nbytes)
+                            primes.append(time.perf_counter() - t)
+                            if "spin" in state:
+                                end = time.perf_counter() + 0.002
+                                while time.perf_counter() < end:
+                                    os.sched_yield()
                         t = time.perf_counter()
-                        assert copier.prime(0, local, remote, nbytes)
-                        primes.append(time.perf_counter() - t)
-                        if "spin" in state:
-                            end = time.perf_counter() + 0.002
-                            while time.perf_counter() < end:
-                                os.sched_yield()
-                    t = time.perf_counter()
-                    copier.copy(0, local, remote, nbytes, float("inf"))
-                    times.append(time.perf_counter() - t)
-                row = {"rows": n, "row_bytes": size, "state": state,
-                       "copy_ms": 1e3 * statistics.median(times),
-                       "prime_ms": 1e3 * statistics.median(primes) if primes else None}
-                print(row, flush=True)
-                rows.append(row)
-    finally:
-        copier.close()
-        board.close()
-        a.send(None)
-        child.join()
+                        copier.copy(0, local, remote, nbytes, float("inf"))
+                        times.append(time.perf_counter() - t)
+                    row = {"rows": n, "row_bytes": size, "state": state,
+                           "copy_ms": 1e3 * statistics.median(times),
+                           "prime_ms": 1e3 * statistics.median(primes) if primes else None}
+                    print(row, flush=True)
+                    rows.append(row)
+        finally:
+            copier.close()
     write(f"cma-prime-exp-{time.strftime('%Y%m%dT%H%M', time.gmtime())}.json",
           "SameHostCopy.copy of cold rows, primed (SameHostCopy.prime) or not", rows)
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import ctypes
-import mmap
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -35,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _holder import anonymous, holder  # noqa: E402
 from _record import write  # noqa: E402
 
 from fkv.connector.transport._cma import _call  # noqa: E402
@@ -43,18 +42,8 @@ SIZE, REPS, ROW = 256 << 20, 25, 16 << 10
 CASES = (32, 64, 128)  # rows of 16 KiB: 0.5, 1 and 2 MiB
 
 
-def _buffer() -> tuple[mmap.mmap, np.ndarray]:
-    m = mmap.mmap(-1, SIZE + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
-    arr = np.frombuffer(m, dtype=np.uint8)
-    skip = (-arr.ctypes.data) % (2 << 20)
-    arr = arr[skip:skip + SIZE]
-    arr[:] = 1
-    return m, arr
-
-
 def _hold(conn) -> None:
-    m, buf = _buffer()
+    m, buf = anonymous(SIZE, True)
     conn.send((os.getpid(), buf.ctypes.data))
     while (msg := conn.recv()) is not None:
         for s in msg:
@@ -107,63 +96,60 @@ class _Spinner:
         self.thread.join()
 
 
+def _mode(mode: str, n: int, conn, pid: int, base: int, dst: np.ndarray, pool, spinner,
+          rng: np.random.Generator) -> dict:
+    times, spans = [], []
+    for _ in range(REPS):
+        src = rng.permutation(SIZE // ROW)[:n]
+        to = rng.permutation(SIZE // ROW)[:n]
+        local = np.ascontiguousarray(np.stack([dst.ctypes.data + to * ROW, np.full(n, ROW)], 1),
+                                     dtype=np.uint64)
+        remote = np.ascontiguousarray(np.stack([base + src * ROW, np.full(n, ROW)], 1),
+                                      dtype=np.uint64)
+        conn.send(src.tolist())
+        conn.recv()
+        h = n // 2
+        t = time.perf_counter()
+        if mode == "one thread":
+            assert _call(pid, local, remote)[0] == n * ROW
+        elif mode == "pool":
+            fut = pool.submit(_call, pid, local[h:], remote[h:])
+            assert _call(pid, local[:h], remote[:h])[0] + fut.result()[0] == n * ROW
+        else:
+            spinner.hand((pid, local[h:], remote[h:]))
+            t1 = time.perf_counter()
+            _call(pid, local[:h], remote[:h])
+            t2 = time.perf_counter()
+            spinner.wait()
+            s0, s1 = spinner.span
+            spans.append(max(t2, s1) - min(t1, s0))
+        times.append(time.perf_counter() - t)
+        assert np.array_equal(dst[to[0] * ROW:to[0] * ROW + 64],
+                              np.full(64, dst[to[0] * ROW], np.uint8))
+    row = {"rows": n, "row_bytes": ROW, "mode": mode, "us": 1e6 * statistics.median(times),
+           "us_p10_p90": [1e6 * q for q in statistics.quantiles(times, n=10)[::8]]}
+    if spans:
+        row["copy_only_us"] = 1e6 * statistics.median(spans)
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
-    a, b = mp.Pipe()
-    child = mp.Process(target=_hold, args=(b,))
-    child.start()
-    pid, base = a.recv()
-    mdst, dst = _buffer()
     rng = np.random.default_rng(0)
-    pool = cf.ThreadPoolExecutor(1)
-    spinner = _Spinner()
     rows = []
-    try:
-        for n in CASES:
-            for mode in ("one thread", "pool", "spinning helper"):
-                times, spans = [], []
-                for _ in range(REPS):
-                    src = rng.permutation(SIZE // ROW)[:n]
-                    to = rng.permutation(SIZE // ROW)[:n]
-                    local = np.stack([dst.ctypes.data + to * ROW, np.full(n, ROW)], 1)
-                    remote = np.stack([base + src * ROW, np.full(n, ROW)], 1)
-                    local = np.ascontiguousarray(local, dtype=np.uint64)
-                    remote = np.ascontiguousarray(remote, dtype=np.uint64)
-                    a.send(src.tolist())
-                    a.recv()
-                    h = n // 2
-                    t = time.perf_counter()
-                    if mode == "one thread":
-                        got = _call(pid, local, remote)[0]
-                        assert got == n * ROW
-                    elif mode == "pool":
-                        fut = pool.submit(_call, pid, local[h:], remote[h:])
-                        got = _call(pid, local[:h], remote[:h])[0] + fut.result()[0]
-                        assert got == n * ROW
-                    else:
-                        spinner.hand((pid, local[h:], remote[h:]))
-                        t1 = time.perf_counter()
-                        _call(pid, local[:h], remote[:h])
-                        t2 = time.perf_counter()
-                        spinner.wait()
-                        s0, s1 = spinner.span
-                        spans.append(max(t2, s1) - min(t1, s0))
-                    times.append(time.perf_counter() - t)
-                    assert np.array_equal(dst[to[0] * ROW:to[0] * ROW + 64],
-                                          np.full(64, dst[to[0] * ROW], np.uint8))
-                row = {"rows": n, "row_bytes": ROW, "mode": mode,
-                       "us": 1e6 * statistics.median(times),
-                       "us_p10_p90": [1e6 * q for q in statistics.quantiles(times, n=10)[::8]]}
-                if spans:
-                    row["copy_only_us"] = 1e6 * statistics.median(spans)
-                print(row, flush=True)
-                rows.append(row)
-    finally:
-        spinner.close()
-        pool.shutdown()
-        a.send(None)
-        child.join()
-        del dst
-        mdst.close()
+    with holder(_hold, size=SIZE) as (conn, _, (pid, base)):
+        mdst, dst = anonymous(SIZE, True)
+        pool = cf.ThreadPoolExecutor(1)
+        spinner = _Spinner()
+        try:
+            for n in CASES:
+                for mode in ("one thread", "pool", "spinning helper"):
+                    rows.append(_mode(mode, n, conn, pid, base, dst, pool, spinner, rng))
+        finally:
+            spinner.close()
+            pool.shutdown()
+            del dst
+            mdst.close()
     write(f"cma-split-exp-{time.strftime('%Y%m%dT%H%M', time.gmtime())}.json",
           "a copy of just-written rows on one thread, split with a pool, or with a spinning helper",
           rows)

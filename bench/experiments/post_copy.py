@@ -13,25 +13,21 @@ once before (``warm copy``); a 10 ms sleep (``sleep``). Then the three steps, ea
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _holder import holder  # noqa: E402
 from _record import write  # noqa: E402
 
 from fkv.connector.transport._base import ReadResult, Tally  # noqa: E402
-from fkv.connector.transport._board import Board  # noqa: E402
 from fkv.connector.transport._cma import SameHostCopy  # noqa: E402
-from fkv.connector.transport._ipc import host_identity  # noqa: E402
 from fkv.connector.transport._outbox import Outbox  # noqa: E402
-from fkv.connector.wire import BoardInfo  # noqa: E402
 from fkv.telemetry import Telemetry  # noqa: E402
 
 SIZE, ROWS, ROW = 256 << 20, 32, 16 << 10
@@ -47,66 +43,60 @@ def _hold(conn) -> None:
         conn.send(True)
 
 
-def main() -> None:
-    a, b = mp.Pipe()
-    child = mp.Process(target=_hold, args=(b,))
-    child.start()
-    pid, base = a.recv()
-    board = Board()
-    peer = types.SimpleNamespace(board=BoardInfo(host=host_identity(), name=board.name,
-                                                 salt=board.salt, pid=pid),
-                                 regions=((base, SIZE),))
-    dst = np.ones(SIZE, dtype=np.uint8)
-    copier = SameHostCopy([(dst.ctypes.data, SIZE)], None, {0: peer}, "exp")
-    box, telemetry = Outbox(), Telemetry("client", "exp")
+def _state(state: str, conn, copier, box, telemetry, rng) -> dict:
     message = b"fkv1|request-000123|decode-engine|0|done"
-    rng = np.random.default_rng(0)
+    steps: dict[str, list[float]] = {"notify": [], "result": [], "record": [], "all": []}
+    for i in range(40):
+        src = rng.permutation(SIZE // ROW)[:ROWS]
+        plan = np.zeros((ROWS, 6), dtype=np.int64)
+        plan[:, 2] = src * ROW
+        plan[:, 4] = rng.permutation(SIZE // ROW)[:ROWS] * ROW
+        plan[:, 5] = ROW
+        local, remote, nbytes = copier.vectors(0, plan)
+        if state == "warm copy":
+            copier.copy(0, local, remote, nbytes, float("inf"))
+        if state == "just written copy":
+            conn.send(src.tolist())
+            conn.recv()
+        end = time.perf_counter() + 0.002
+        while time.perf_counter() < end:
+            os.sched_yield()
+        if state == "sleep":
+            time.sleep(0.01)
+        if "copy" in state:
+            copier.copy(0, local, remote, nbytes, float("inf"))
+        t0 = time.perf_counter()
+        box.put(message)
+        t1 = time.perf_counter()
+        tally = Tally()
+        result = ReadResult(True, "request-000123", nbytes, ROWS, t1 - t0, None, 0.0,
+                            "direct", 0.0, (t1 - t0,) * 8)
+        t2 = time.perf_counter()
+        telemetry.record_read("direct", result.seconds, result.bytes, result.descriptors,
+                              (("transfer", tally.transfer_seconds), ("pack", 0.0)))
+        t3 = time.perf_counter()
+        if i >= 5:
+            for k, v in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):
+                steps[k].append(1e6 * v)
+        os.pwrite(box._fd, box._written.to_bytes(8, "little"), 24)  # the reader's count
+    row = {"state": state, **{f"{k}_us": statistics.median(v) for k, v in steps.items()}}
+    print(row, flush=True)
+    return row
+
+
+def main() -> None:
     rows = []
-    try:
-        for state in STATES:
-            steps: dict[str, list[float]] = {"notify": [], "result": [], "record": [], "all": []}
-            for i in range(40):
-                src = rng.permutation(SIZE // ROW)[:ROWS]
-                plan = np.zeros((ROWS, 6), dtype=np.int64)
-                plan[:, 2] = src * ROW
-                plan[:, 4] = rng.permutation(SIZE // ROW)[:ROWS] * ROW
-                plan[:, 5] = ROW
-                local, remote, nbytes = copier.vectors(0, plan)
-                if state == "warm copy":
-                    copier.copy(0, local, remote, nbytes, float("inf"))
-                if state == "just written copy":
-                    a.send(src.tolist())
-                    a.recv()
-                end = time.perf_counter() + 0.002
-                while time.perf_counter() < end:
-                    os.sched_yield()
-                if state == "sleep":
-                    time.sleep(0.01)
-                if "copy" in state:
-                    copier.copy(0, local, remote, nbytes, float("inf"))
-                t0 = time.perf_counter()
-                box.put(message)
-                t1 = time.perf_counter()
-                tally = Tally()
-                result = ReadResult(True, "request-000123", nbytes, ROWS, t1 - t0, None, 0.0,
-                                    "direct", 0.0, (t1 - t0,) * 8)
-                t2 = time.perf_counter()
-                telemetry.record_read("direct", result.seconds, result.bytes, result.descriptors,
-                                      (("transfer", tally.transfer_seconds), ("pack", 0.0)))
-                t3 = time.perf_counter()
-                if i >= 5:
-                    for k, v in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):
-                        steps[k].append(1e6 * v)
-                os.pwrite(box._fd, box._written.to_bytes(8, "little"), 24)  # the reader's count
-            row = {"state": state, **{f"{k}_us": statistics.median(v) for k, v in steps.items()}}
-            print(row, flush=True)
-            rows.append(row)
-    finally:
-        box.close()
-        copier.close()
-        board.close()
-        a.send(None)
-        child.join()
+    with holder(_hold, size=SIZE) as (conn, peer, _):
+        dst = np.ones(SIZE, dtype=np.uint8)
+        copier = SameHostCopy([(dst.ctypes.data, SIZE)], None, {0: peer}, "exp")
+        box, telemetry = Outbox(), Telemetry("client", "exp")
+        rng = np.random.default_rng(0)
+        try:
+            for state in STATES:
+                rows.append(_state(state, conn, copier, box, telemetry, rng))
+        finally:
+            box.close()
+            copier.close()
     write(f"post-copy-exp-{time.strftime('%Y%m%dT%H%M', time.gmtime())}.json",
           "a read's last steps after its copy, against after other work", rows)
 
