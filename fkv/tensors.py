@@ -75,7 +75,7 @@ def _cpu_empty(torch: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     best effort (a kernel that refuses it leaves ordinary pages); the bytes, strides and storage
     are those of ``torch.empty`` either way.
     """
-    buf = torch.empty(shape, dtype=dtype)
+    buf = torch.empty(shape, dtype=dtype, device="cpu")  # whatever torch's default device is
     huge = _huge_page_bytes()
     if not huge_pages_wanted():
         return buf
@@ -108,7 +108,7 @@ def allocate(spec: KVCacheSpec, device: Any = "cpu") -> list[torch.Tensor]:
         raise field_error("spec", spec, "a KVCacheSpec")
     dtype = torch_dtype(spec.dtype)
     inv = _inverse(spec.stride_order)
-    cpu = torch.device(device).type == "cpu"
+    cpu = device is not None and torch.device(device).type == "cpu"
 
     def empty() -> Any:
         if cpu:

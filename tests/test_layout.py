@@ -351,6 +351,18 @@ def test_cpu_caches_are_marked_for_huge_pages(monkeypatch, cross_layer):
     assert _vma_flags(inner(plain))[0] == (1 if mode == "always" else 0)
 
 
+def test_cpu_caches_stay_on_the_cpu_under_another_default_device():
+    """``device="cpu"`` (the default) allocates in CPU memory whatever torch's default device is;
+    ``device=None`` still means torch's default device."""
+    spec = _spec(num_blocks=512, block_size=16, num_kv_heads=2, head_size=128)
+    torch.set_default_device("meta")
+    try:
+        assert fkv.allocate(spec)[0].device == torch.device("cpu")
+        assert fkv.allocate(spec, None)[0].device == torch.device("meta")
+    finally:
+        torch.set_default_device(None)
+
+
 def test_infer_spec_errors_name_the_strides():
     spec = _spec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
     view = fkv.allocate(spec)[0]
