@@ -79,12 +79,22 @@ def _cpu_empty(torch: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     huge = _huge_page_bytes()
     if not huge_pages_wanted():
         return buf
-    start = buf.data_ptr()
-    first = -(-start // huge) * huge
-    last = (start + buf.untyped_storage().nbytes()) // huge * huge
+    first, last = huge_span(buf.data_ptr(), buf.untyped_storage().nbytes(), huge)
     if last > first:
         _madvise()(first, last - first, _MADV_HUGEPAGE)  # best effort: ignore a refusal
     return buf
+
+
+def huge_span(start: int, nbytes: int, huge: int) -> tuple[int, int]:
+    """``(first, last)``: the longest run of whole ``huge``-byte pages inside the ``nbytes`` at
+    address ``start`` (``first == last`` when no whole page fits).
+
+    >>> huge_span(0x1000, 5 << 20, 2 << 20)
+    (2097152, 4194304)
+    """
+    first = -(-start // huge) * huge
+    last = (start + nbytes) // huge * huge
+    return first, max(first, last)
 
 
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:

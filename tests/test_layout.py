@@ -322,7 +322,8 @@ def _vma_flags(address: int) -> tuple[int, int]:
 def test_cpu_caches_are_marked_for_huge_pages(monkeypatch, cross_layer):
     """Every whole huge page inside a CPU cache lies in a mapping marked MADV_HUGEPAGE
     (THPeligible), nothing is allocated beyond the tensor, and bytes and strides are those of a
-    plain allocation; FKV_HUGE_PAGES=0 leaves the kernel's default ('madvise' here: not eligible)."""
+    plain allocation; FKV_HUGE_PAGES=0 leaves the kernel's default ('madvise' here: not
+    eligible)."""
     from fkv.tensors import _huge_page_bytes
 
     huge = _huge_page_bytes()
@@ -349,6 +350,21 @@ def test_cpu_caches_are_marked_for_huge_pages(monkeypatch, cross_layer):
     plain = fkv.allocate(spec)[0]
     assert plain.untyped_storage().nbytes() == spec.region_bytes
     assert _vma_flags(inner(plain))[0] == (1 if mode == "always" else 0)
+
+
+@given(st.integers(0, 1 << 40), st.integers(0, 1 << 30), st.sampled_from([4096, 2 << 20, 1 << 30]))
+def test_huge_span_is_the_longest_run_of_whole_pages_inside(start, nbytes, huge):
+    from fkv.tensors import huge_span
+
+    first, last = huge_span(start, nbytes, huge)
+    assert first % huge == 0 and last % huge == 0
+    assert start <= first <= last
+    if last > first:
+        assert last <= start + nbytes
+    assert first - huge < start  # no whole page starts earlier inside
+    assert last + huge > start + nbytes or last == first  # none ends later
+    if last == first:  # nothing fits: no aligned page lies wholly inside
+        assert -(-start // huge) * huge + huge > start + nbytes
 
 
 def test_cpu_caches_stay_on_the_cpu_under_another_default_device():
