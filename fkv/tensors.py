@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -34,14 +35,10 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, canonical_dtype(name))
 
 
-#: ``madvise`` advice for transparent huge pages (Linux).
-_MADV_HUGEPAGE = 14
-
-
 @functools.cache
 def _huge_page_bytes() -> int:
     """The PMD huge page size when this kernel has transparent huge pages, else 0."""
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return 0
     try:
         with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
@@ -76,12 +73,11 @@ def _cpu_empty(torch: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     are those of ``torch.empty`` either way.
     """
     buf = torch.empty(shape, dtype=dtype, device="cpu")  # whatever torch's default device is
-    huge = _huge_page_bytes()
     if not huge_pages_wanted():
         return buf
-    first, last = huge_span(buf.data_ptr(), buf.untyped_storage().nbytes(), huge)
+    first, last = huge_span(buf.data_ptr(), buf.untyped_storage().nbytes(), _huge_page_bytes())
     if last > first:
-        _madvise()(first, last - first, _MADV_HUGEPAGE)  # best effort: ignore a refusal
+        _madvise()(first, last - first, mmap.MADV_HUGEPAGE)  # best effort: ignore a refusal
     return buf
 
 
