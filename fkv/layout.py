@@ -114,6 +114,19 @@ _FOREIGN_ALIASES = {
     "heads, tokens, channels) and convert with fkv.ops.convert",
 }
 _ALIAS_HELP = "('NHD', 'HND', 'LBNHC', 'LBHNC', 'BLNHC', 'BHLNC')"
+#: Aliases that name one buffer of all layers: a spec takes them only with ``cross_layer=True``
+#: (the alias alone cannot say it to ``Layout``, which has no layers).
+_CROSS_LAYER_ALIASES = {"BLNHC": "LBNHC", "BHLNC": "LBHNC"}
+
+
+def names_cross_layer(value: Any) -> bool:
+    """Whether ``value`` is an engine alias naming one buffer of all layers (``BLNHC``,
+    ``BHLNC``): a :class:`KVCacheSpec` takes it only with ``cross_layer=True``.
+
+    >>> names_cross_layer("BLNHC"), names_cross_layer("LBNHC"), names_cross_layer(Layout.NHD)
+    (True, False, False)
+    """
+    return isinstance(value, str) and value.strip().upper() in _CROSS_LAYER_ALIASES
 
 # Logical axes of one layer, per backend family (the docs/layouts.md table).
 _LOGICAL_AXES = {
@@ -221,6 +234,16 @@ class KVCacheSpec:
     dtype: str = attrs.field(default="bfloat16", converter=_normalize_dtype, validator=_check_dtype)
     num_layers: int = attrs.field(default=1, validator=_check_positive_int)
     cross_layer: bool = attrs.field(default=False, validator=_check_bool)
+
+    def __attrs_pre_init__(self, *, layout: Any, cross_layer: Any, **_: Any) -> None:
+        # a cross-layer alias with per-layer buffers is two answers to one question: refuse it
+        if cross_layer is not True and names_cross_layer(layout):
+            per_layer = _CROSS_LAYER_ALIASES[layout.strip().upper()]
+            raise field_error(
+                "cross_layer", cross_layer, f"True with the layout alias {layout!r}, which names "
+                f"one buffer of all layers",
+                f"pass cross_layer=True, or layout={Layout.parse(layout).value!r} (alias "
+                f"{per_layer!r}) for a buffer per layer")
 
     def __attrs_post_init__(self) -> None:
         if self.backend == "mla" and self.num_kv_heads != 1:

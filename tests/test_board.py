@@ -6,9 +6,12 @@ from it. CPU, real NIXL."""
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -18,7 +21,7 @@ import torch
 import fkv
 from fkv.connector import EngineDesc, connect, serve
 from fkv.connector.transport import _board
-from fkv.connector.transport._board import Board, BoardView, open_board
+from fkv.connector.transport._board import Board, BoardView, open_beneath, open_board
 from fkv.connector.wire import BoardInfo, decode_untrusted, encode
 from fkv.errors import FkvError, FkvWireError
 
@@ -604,3 +607,66 @@ def test_a_closing_server_marks_its_board_stopped_and_a_cut_board_reads_stopped(
     view.close()
     other.close()
     assert view.stopped()  # a closed view: nothing to trust
+
+
+def test_a_server_whose_board_was_truncated_stops_writing_it_without_a_fault() -> None:
+    """A process of this user truncating the board's file: the server's next ``set`` or
+    ``clear`` would store into a page that is gone (SIGBUS). It checks the size first and stops
+    writing the board (readers then ask through the side channel). Run in a child: a fault
+    would kill the process."""
+    code = textwrap.dedent("""
+        import os
+        from fkv.connector.transport._board import Board, BoardView
+        board = Board()
+        view = BoardView(board.name, board.salt)
+        board.set("r1", 1, 1)
+        assert view.layers("r1", True) == 1
+        os.truncate(board.path, 0)
+        board.set("r1", 2, 2)
+        board.clear("r1")
+        os.truncate(board.path, 65600)  # grown back: the board stays unwritten
+        board.set("r1", 3, 3)
+        print(view.layers("r1", True))
+        board.close()
+        view.close()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split()[0] == "None"
+
+
+def test_the_board_vouches_for_exactly_the_process_and_regions_its_server_announced(
+        board: Board) -> None:
+    view = BoardView(board.name, board.salt)
+    try:
+        regions = ((0x7F0000001000, 4096), (0x7F0000100000, 8192))
+        assert not view.vouches(1234, regions)  # nothing vouched yet
+        board.vouch_for(1234, regions)
+        assert view.vouches(1234, regions)
+        assert view.vouches(1234, list(regions))
+        for pid, other in [(1235, regions), (1234, regions[::-1]), (1234, regions[:1]),
+                           (1234, ((0x7F0000001000, 4097), regions[1])), (1234, ()),
+                           (1234, ((-1, 4096),)), (1234, ((1 << 64, 1),))]:
+            assert not view.vouches(pid, other), (pid, other)
+    finally:
+        view.close()
+
+
+def test_an_announced_name_crosses_no_mount_point_and_no_link(tmp_path: pathlib.Path) -> None:
+    """A peer could mount a file system that never answers (FUSE) on the name it announces; the
+    open refuses a mount point before asking it anything (``openat2``, ``RESOLVE_NO_XDEV``).
+    ``/proc`` is a mount point on every Linux host."""
+    with pytest.raises(OSError) as e:
+        open_beneath("/", "proc", os.O_RDONLY)
+    assert e.value.errno == errno.EXDEV
+    (tmp_path / "real").write_bytes(b"x")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(OSError) as e:
+        open_beneath(str(tmp_path), "link", os.O_RDONLY)
+    assert e.value.errno == errno.ELOOP
+    fd = open_beneath(str(tmp_path), "real", os.O_RDONLY)
+    try:
+        assert os.read(fd, 8) == b"x"
+    finally:
+        os.close(fd)

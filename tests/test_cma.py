@@ -58,11 +58,17 @@ class Holder:
         info = json.loads(self.proc.stdout.readline())
         self.pid, self.bases, self.size = info["pid"], info["bases"], info["size"]
 
-    def peer(self, pid: int | None = None, bases: list[int] | None = None) -> Any:
+    def peer(self, pid: int | None = None, bases: list[int] | None = None,
+             vouched: bool = True) -> Any:
+        """What a server announces for the holder's process (``pid``, ``bases``: something
+        else); the board vouches for it unless ``vouched`` is False (metadata relayed under
+        another pid or other addresses)."""
         board = BoardInfo(host=host_identity(), name=self.board.name, salt=self.board.salt,
                           pid=self.pid if pid is None else pid)
-        return types.SimpleNamespace(board=board, regions=tuple(
-            (b, self.size) for b in (self.bases if bases is None else bases)))
+        regions = tuple((b, self.size) for b in (self.bases if bases is None else bases))
+        self.board.vouch_for(board.pid if vouched else self.pid,
+                             regions if vouched else tuple((b, self.size) for b in self.bases))
+        return types.SimpleNamespace(board=board, regions=regions)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -193,6 +199,15 @@ def test_a_process_that_cannot_be_copied_from_is_refused_naming_why(holder: Hold
     with pytest.raises(FkvError, match=rf"prefill rank 0's publish board fkv-board-0{{32}} "
                                        rf"cannot be opened here \(its stop could not be seen\)"):
         SameHostCopy(regions, None, {0: nowhere}, "p")
+    # an honest server's board relayed with another process of this user, or other addresses
+    for pid, bases in ((os.getpid(), None), (None, holder.bases[::-1])):
+        relayed = holder.peer(pid=pid, bases=bases, vouched=False)
+        with pytest.raises(FkvError) as e:
+            SameHostCopy(regions, None, {0: relayed}, "p")
+        assert str(e.value) == (
+            f"prefill rank 0's publish board {holder.board.name} does not vouch for process "
+            f"{relayed.board.pid} and the 2 region(s) announced with it: its server announced "
+            f"others (metadata relayed with another pid or other addresses)")
     real = os.getuid()
     from fkv.connector.transport._board import BoardView
 
@@ -326,6 +341,7 @@ def test_regions_smaller_than_the_probe_are_probed_whole() -> None:
         local = np.zeros((2, 4), dtype=np.uint8)
         tiny = types.SimpleNamespace(board=h.peer().board,
                                      regions=((h.bases[0], 4), (h.bases[1] + 5, 4)))
+        h.board.vouch_for(h.pid, tiny.regions)
         copier = SameHostCopy([(local[i].ctypes.data, 4) for i in range(2)], None, {0: tiny},
                               "p")
         lv, rv, nbytes = copier.vectors(0, _rows([(1, 0, 0, 0, 4)]))

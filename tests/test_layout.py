@@ -78,7 +78,25 @@ def test_worked_strides_and_page_bytes():
 ])
 def test_layout_aliases(alias, layout):
     assert Layout.parse(alias) is layout
-    assert _spec(layout=alias).layout is layout
+    cross = alias in ("BLNHC", "BHLNC")
+    spec = _spec(layout=alias, num_layers=2, cross_layer=cross)
+    assert spec == _spec(layout=layout, num_layers=2, cross_layer=cross)
+
+
+@pytest.mark.parametrize(("alias", "plain"), [("BLNHC", "'NHD' (alias 'LBNHC')"),
+                                              (" bhlnc", "'HND' (alias 'LBHNC')")])
+def test_a_cross_layer_alias_needs_cross_layer(alias, plain):
+    """The alias names one buffer of all layers: per-layer buffers with it are refused, never
+    read as the per-layer layout of the same letters."""
+    message = (f"'cross_layer' must be True with the layout alias {alias!r}, which names one "
+               f"buffer of all layers (got False); pass cross_layer=True, or layout={plain} for a "
+               f"buffer per layer")
+    with pytest.raises(FkvError) as e:
+        _spec(layout=alias)
+    assert str(e.value) == message
+    with pytest.raises(FkvError) as e:
+        _spec(layout="NHD").evolve(layout=alias)
+    assert str(e.value) == message
 
 
 def test_normalization_makes_equal_specs_equal_and_hashable():

@@ -270,3 +270,15 @@ def test_snapshot_value_of_handshake_outcomes():
     assert snapshot_value(prefill[0]) == snapshot(
         {"engine_id": "p", "tp_size": 1, "tp_rank": 0, "total_num_kv_heads": 8, "model": "",
          "model_dtype": "", "protocol": 1})
+
+
+
+@pytest.mark.parametrize(("alias", "cross"), [("BLNHC", True), ("BHLNC", True), ("LBNHC", False)])
+def test_specs_take_cross_layer_from_an_alias_that_names_it(alias, cross):
+    @settings(max_examples=20)
+    @given(specs(backend="triton", layout=alias, cross_layer=False))
+    def check(spec):
+        assert spec.cross_layer is cross
+        assert spec.layout is fkv.Layout.parse(alias)
+
+    check()

@@ -44,6 +44,7 @@ def holder(target: Callable[..., None], *args: Any, size: int
     child.start()
     hello = a.recv()
     board = Board()
+    board.vouch_for(hello[0], ((hello[1], size),))
     peer = types.SimpleNamespace(board=BoardInfo(host=host_identity(), name=board.name,
                                                  salt=board.salt, pid=hello[0]),
                                  regions=((hello[1], size),))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from fkv.errors import FkvError
-from fkv.layout import BACKENDS, DTYPES, KVCacheSpec, Layout
+from fkv.layout import BACKENDS, DTYPES, KVCacheSpec, Layout, names_cross_layer
 
 __all__ = ["EnginePair", "engine_pairs", "specs"]
 
@@ -57,7 +57,9 @@ def specs(*, max_bytes: int | None = 1 << 20, **constraints: Any) -> Any:
     Keywords are the spec's fields (``backend``, ``layout``, ``num_blocks``, ``block_size``,
     ``num_kv_heads``, ``head_size``, ``dtype``, ``num_layers``, ``cross_layer``); each takes a fixed
     value, a collection of allowed values or a strategy. Unconstrained fields draw small values
-    (see ``_DEFAULTS``). ``num_kv_heads`` is 1 whenever the backend drawn is ``"mla"``.
+    (see ``_DEFAULTS``). ``num_kv_heads`` is 1 whenever the backend drawn is ``"mla"``, and
+    ``cross_layer`` is True whenever the layout drawn is an alias naming one buffer of all layers
+    (``"BLNHC"``, ``"BHLNC"``).
     ``max_bytes`` (default 1 MiB, ``None`` for no limit) bounds the whole cache, so tests that
     allocate and run kernels stay fast under the Triton interpreter.
 
@@ -77,6 +79,7 @@ def specs(*, max_bytes: int | None = 1 << 20, **constraints: Any) -> Any:
         values = {k: draw(s) for k, s in fields.items()}
         if values["backend"] == "mla":
             values["num_kv_heads"] = 1
+        values["cross_layer"] = values["cross_layer"] or names_cross_layer(values["layout"])
         spec = KVCacheSpec(**values)
         if max_bytes is not None:
             from hypothesis import assume
@@ -172,7 +175,8 @@ def engine_pairs(*, total_num_kv_heads: Any = (1, 2, 4, 8), prefill_tp: Any = (1
                                block_size=v[f"{side}_block_size"],
                                num_kv_heads=1 if mla else heads_per_rank(total, tp),
                                head_size=v["head_size"], dtype=dtype_, num_layers=v["num_layers"],
-                               cross_layer=v[f"{side}_cross_layer"])
+                               cross_layer=v[f"{side}_cross_layer"]
+                               or names_cross_layer(v[f"{side}_layout"]))
             sides.append((engine, spec))
         return EnginePair(prefill=sides[0], decode=sides[1])
 

@@ -36,6 +36,18 @@ Stopping: 8 bytes after the sequence hold a *stopped* flag, set first when the p
 server closes. A decode rank that copies the rank's memory itself (``_cma``) reads it after each
 copy: bytes copied from a server that stopped meanwhile are not trusted (a NIXL READ fails
 there, the agent being gone).
+
+Vouching: the 32 bytes after the stopped flag hold a digest of the process id and the cache
+regions the server announced (:func:`vouch`, written once before the board is announced). The
+board's name and salt travel in public metadata, so anyone can *name* a board; only this user
+can write one. A decode rank copies a process's memory only where the board it opened vouches
+for exactly that process and those regions, so a peer that relays an honest server's board with
+another pid or other addresses gets NIXL READs, not copies from a process of its choosing.
+
+The server's own stores go through its mapping (one 8-byte store per word, which readers need
+whole); a same-user process that truncates the file would turn the next store into a fault, so
+:meth:`Board.set` checks the file's size first and stops writing the board when it shrank
+(readers then ask through the side channel, which always works).
 """
 
 from __future__ import annotations
@@ -54,12 +66,13 @@ from typing import Any
 
 from fkv.errors import FkvError
 
-__all__ = ["Board", "BoardView", "SLOTS", "open_announced"]
+__all__ = ["Board", "BoardView", "SLOTS", "open_announced", "open_beneath", "vouch"]
 
 #: Slots per board (two 8-byte words each: 64 KiB), then the 32-bit sequence and padding.
 SLOTS = 4096
 _SEQ = SLOTS * 16
 _STOPPED = _SEQ + 8
+_VOUCH = _SEQ + 16  # 32 bytes: vouch(pid, regions) of the server that made the board
 _BYTES = _SEQ + 64
 _DIR = "/dev/shm"
 _NAME = re.compile(r"fkv-board-[0-9a-f]{32}")
@@ -116,6 +129,16 @@ def _futex_wait(address: int, expected: int, seconds: float) -> bool:
     return r == 0 or ctypes.get_errno() in (errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT)
 
 
+def vouch(pid: int, regions: Any) -> bytes:
+    """The digest a board holds of what its server announced: its process id and its cache
+    regions ``((base, nbytes), ...)``, in order."""
+    h = hashlib.blake2b(digest_size=32, person=b"fkv-board-vouch")
+    h.update(pid.to_bytes(8, "little", signed=True))
+    for base, nbytes in regions:
+        h.update(base.to_bytes(8, "little") + nbytes.to_bytes(8, "little"))
+    return h.digest()
+
+
 def _slot(salt: bytes, request_id: str) -> tuple[int, int]:
     """``(slot, tag)`` of a request: a keyed hash, 48 bits of tag (never 0: 0 is an empty word)
     and the slot from the other 16."""
@@ -165,11 +188,33 @@ class Board:
             got = self._slots[request_id] = _slot(self.salt, request_id)
         return got
 
+    def vouch_for(self, pid: int, regions: Any) -> None:
+        """Write :func:`vouch` of the process and regions the server announces with this board
+        (before the board's name is sent anywhere)."""
+        if self._fd is not None:
+            os.pwrite(self._fd, vouch(pid, regions), _VOUCH)
+
+    def _intact(self) -> bool:
+        """Whether the file still has the board's size (a store into a page someone truncated
+        away would be a fault); once it shrank, the board is written no more."""
+        fd = self._fd
+        try:
+            if fd is not None and os.fstat(fd).st_size >= _BYTES:
+                return True
+        except OSError:
+            pass
+        for view in (self._words, self._seq):
+            if view is not None:
+                view.release()
+        self._words = self._seq = None
+        return False
+
     def set(self, request_id: str, published: int, written: int) -> None:
         """Write a request's counts (layers published, layers whose writes finished), then
         advance the sequence and wake its waiters."""
         words, seq = self._words, self._seq
-        if words is None or seq is None or max(published, written) > _MAX_LAYERS:
+        if words is None or seq is None or max(published, written) > _MAX_LAYERS \
+                or not self._intact():
             return
         slot, tag = self._slot_of(request_id)
         words[2 * slot] = tag << 16 | published
@@ -181,7 +226,7 @@ class Board:
     def clear(self, request_id: str) -> None:
         """Forget a released request (unless its slot now holds another's)."""
         words = self._words
-        if words is None:
+        if words is None or not self._intact():
             return
         slot, tag = self._slots.pop(request_id, None) or _slot(self.salt, request_id)
         if words[2 * slot] >> 16 == tag:
@@ -217,18 +262,54 @@ class Board:
             os.unlink(self.path)
 
 
+# openat2(2) (Linux 5.6; the same number on x86-64 and aarch64) and its resolve flags
+_SYS_OPENAT2 = 437 if sys.platform == "linux" else None
+_RESOLVE_NO_XDEV, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x01, 0x04, 0x08
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]
+
+
+def open_beneath(directory: str, name: str, flags: int) -> int:
+    """``os.open(directory/name, flags)`` that never crosses a mount point or follows a link:
+    with ``openat2`` and ``RESOLVE_NO_XDEV``, a name someone mounted a file system on is refused
+    (``EXDEV``) before that file system is asked anything, so an announced name cannot make the
+    open wait on a FUSE server that never answers. Where the kernel has no ``openat2``
+    (``ENOSYS``; a sandbox may say ``EPERM``), a plain ``O_NOFOLLOW`` open. OSError as
+    ``os.open``."""
+    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    if _LIBC is not None and _SYS_OPENAT2 is not None:
+        dirfd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            how = _OpenHow(flags, 0, _RESOLVE_NO_XDEV | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH)
+            fd = _LIBC.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dirfd),
+                               ctypes.c_char_p(os.fsencode(name)), ctypes.byref(how),
+                               ctypes.c_size_t(ctypes.sizeof(how)))
+            code = ctypes.get_errno() if fd < 0 else 0
+        finally:
+            os.close(dirfd)
+        if fd >= 0:
+            return int(fd)
+        if code not in (errno.ENOSYS, errno.EPERM):
+            raise OSError(code, os.strerror(code))
+    return os.open(os.path.join(directory, name), flags)
+
+
 def open_announced(what: str, name: Any, pattern: re.Pattern[str], prefix: str,
                    flags: int) -> int:
     """A descriptor of ``/dev/shm/<name>``, a file a peer announced (its publish board, its
     outbox): the name must match ``pattern`` (``prefix`` and 32 hex digits) before anything is
-    opened, and a symlink is not followed. FkvError naming ``what`` otherwise."""
+    opened, and neither a symlink nor a mount point there is followed (:func:`open_beneath`).
+    FkvError naming ``what`` otherwise."""
     if not isinstance(name, str) or not pattern.fullmatch(name):
         raise FkvError(f"{what} name {str(name)[:64]!r}: expected '{prefix}' and 32 hex digits")
     try:
-        return os.open(os.path.join(_DIR, name),
-                       flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return open_beneath(_DIR, name, flags)
     except OSError as e:
-        raise FkvError(f"{what} {name}: cannot open it ({e.strerror})") from None
+        why = "a file system is mounted there" if e.errno == errno.EXDEV else e.strerror
+        raise FkvError(f"{what} {name}: cannot open it ({why})") from None
 
 
 class BoardView:
@@ -276,6 +357,16 @@ class BoardView:
         if self._fd is None:
             return None
         return os.fstat(self._fd).st_uid
+
+    def vouches(self, pid: int, regions: Any) -> bool:
+        """Whether the board's server announced exactly this process and these regions
+        (:func:`vouch`)."""
+        if self._fd is None:
+            return False
+        try:
+            return os.pread(self._fd, 32, _VOUCH) == vouch(pid, regions)
+        except (OSError, OverflowError, TypeError):
+            return False
 
     def stopped(self) -> bool:
         """Whether the board's server said it stopped (or the board cannot be read any more)."""

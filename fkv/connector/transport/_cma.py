@@ -18,20 +18,30 @@ What a prefill rank says and what is checked before the first copy (:class:`Same
   stopped flag first, and a copy that ends after it fails (as a NIXL READ fails once the
   server's agent is gone);
 - that process belongs to this process's user (a reader never copies from a process its user
-  could not read itself), and a pidfd is opened on it: the process that exits during a read
-  fails that read, and a recycled pid is never copied from afterwards;
+  could not read itself), and a pidfd is opened on it before that check: the process that exits
+  during a read fails that read, and a recycled pid is never copied from afterwards;
+- the board vouches for that process id and exactly the announced regions (``_board.vouch``,
+  written by the server that made the board): a board's name is public, its contents are
+  this user's;
 - the first and last bytes of every announced region are read from it: the regions are mapped
   there, and the kernel lets this process read them (Yama's ``ptrace_scope`` or a missing
   ``CAP_SYS_PTRACE`` refuse with ``EPERM``; the connection then uses NIXL and says why).
 
 Whatever a hostile peer announces, a copy writes only into this rank's own regions (or its
 staging buffer) at the plan's offsets, checked against their sizes before each call; what it
-reads is at the peer's word (a wrong region address reads other bytes of that same process, as
-a NIXL READ of a wrong address would). Both the named process and the board's file must belong
-to this process's user: a peer of another user (who cannot create a file owned by this user)
-cannot make this rank copy from any process at all, and a peer of this user could read those
-processes itself (the same permission ``process_vm_readv`` needs). A short or failed call fails the read: nothing is
+reads is at the server's word (a wrong region address reads other bytes of that same process,
+as a NIXL READ of a wrong address would). Both the named process and the board's file must belong
+to this process's user, and the board must vouch for the process and the regions: a peer of
+another user (who can neither create nor write a file owned by this user) cannot make this rank
+copy from any process at all, not even by relaying an honest server's board under another pid
+or other addresses, and a peer of this user could read those processes itself (the same
+permission ``process_vm_readv`` needs). A short or failed call fails the read: nothing is
 reported as done. ``FKV_CMA=0`` turns these copies off (NIXL READs everywhere).
+
+What is left to a prefill process of this same user, which could as well stop or trace ours:
+a call in flight is not cut by the read's timeout, so a region it backs with memory whose
+faults are never served (a file system that does not answer, a ``userfaultfd`` it does not
+serve) holds the read until that process lets go or exits.
 """
 
 from __future__ import annotations
@@ -223,19 +233,9 @@ class _Source:
             raise FkvError(f"prefill rank {rank}'s publish board {peer.board.name} cannot be "
                            f"opened here (its stop could not be seen)")
         try:
-            owner = os.stat(f"/proc/{pid}").st_uid
-        except OSError:
-            self.close()
-            raise FkvError(f"prefill rank {rank}'s process {pid} does not exist on this host "
-                           f"(no /proc/{pid})") from None
-        try:
-            if owner != os.getuid():
-                raise FkvError(f"prefill rank {rank}'s process {pid} belongs to uid {owner}, "
-                               f"not to this process's uid {os.getuid()}")
-            board_owner = self.board.owner()
-            if board_owner != os.getuid():  # the announcer is this user too: see the docstring
-                raise FkvError(f"prefill rank {rank}'s publish board {peer.board.name} belongs "
-                               f"to uid {board_owner}, not to this process's uid {os.getuid()}")
+            # the pidfd first: the owner checked below is then the process it names (a pid
+            # recycled before the open names the new process in both; one recycled after it
+            # shows as an exit)
             try:
                 self.pidfd = os.pidfd_open(pid)
             except (OSError, AttributeError):  # no pidfds here: the exit check asks os.kill
@@ -243,6 +243,25 @@ class _Source:
             if self.pidfd >= 0:
                 self._poll = select.poll()
                 self._poll.register(self.pidfd, select.POLLIN)
+            try:
+                owner = os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                raise FkvError(f"prefill rank {rank}'s process {pid} does not exist on this "
+                               f"host (no /proc/{pid})") from None
+            if owner != os.getuid():
+                raise FkvError(f"prefill rank {rank}'s process {pid} belongs to uid {owner}, "
+                               f"not to this process's uid {os.getuid()}")
+            if self.exited():
+                raise FkvError(f"prefill rank {rank}'s process {pid} exited while it was checked")
+            board_owner = self.board.owner()
+            if board_owner != os.getuid():  # the announcer is this user too: see the docstring
+                raise FkvError(f"prefill rank {rank}'s publish board {peer.board.name} belongs "
+                               f"to uid {board_owner}, not to this process's uid {os.getuid()}")
+            if not self.board.vouches(pid, regions):
+                raise FkvError(f"prefill rank {rank}'s publish board {peer.board.name} does not "
+                               f"vouch for process {pid} and the {len(regions)} region(s) "
+                               f"announced with it: its server announced others (metadata "
+                               f"relayed with another pid or other addresses)")
             self._probe(regions)
         except BaseException:
             self.close()

@@ -164,7 +164,7 @@ class Server:
                     ipc = attrs.evolve(ipc, events=self._publish_events(device))
             else:
                 self.ipc_reason = "the caches are not on CUDA"
-            board = self._make_board()
+            board = self._make_board(regions)
             wire = encode(engine, spec, regions, device_id=device_id,
                           agent_metadata=self._agent.metadata(), ipc=ipc, board=board)
             own = self._bind(host, port)
@@ -423,16 +423,20 @@ class Server:
                                       curve=self._curve)
         return self._sock.address
 
-    def _make_board(self) -> Any:
-        """The publish board (``_board``), or None where ``/dev/shm`` cannot hold one (readers
-        then only ask through the side channel)."""
+    def _make_board(self, regions: Any) -> Any:
+        """The publish board (``_board``, vouching for this process and ``regions``), or None
+        where ``/dev/shm`` cannot hold one (readers then only ask through the side channel)."""
         from fkv.connector.transport._board import Board
         from fkv.connector.transport._ipc import host_identity
         from fkv.connector.wire import BoardInfo
 
         try:
             self._board = Board()
+            self._board.vouch_for(os.getpid(), regions)
         except OSError as e:
+            if self._board is not None:
+                self._board.close()
+                self._board = None
             self.errors.append(f"no publish board ({e}): same-host readers ask for every layer")
             return None
         return BoardInfo(host=host_identity(), name=self._board.name, salt=self._board.salt,
