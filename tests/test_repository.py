@@ -58,3 +58,38 @@ def test_no_tracked_file_references_a_path_outside_the_repository() -> None:
                     if not resolved.is_relative_to(ROOT) or not resolved.exists():
                         problems.append(f"{rel}:{n}: link to {target}, not in the repository")
     assert not problems, "\n".join(problems)
+
+
+_COMMANDS = (["show"], ["plan"], ["demo"], *(["bench", name] for name in
+                                            ("write", "convert", "attention", "transfer", "plan",
+                                             "report")))
+
+
+def _help(argv: list[str]) -> str:
+    """What ``fkv ARGV --help`` prints (the benchmarks' own parsers for ``bench NAME``)."""
+    import contextlib
+    import importlib
+    import io
+
+    from fkv.cli import build_parser
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        if argv[0] == "bench":
+            importlib.import_module(f"fkv.bench.{argv[1]}").main(["--help"])
+        else:
+            build_parser().parse_args([*argv, "--help"])
+    return out.getvalue()
+
+
+def test_every_flag_of_every_command_is_in_the_cli_doc(monkeypatch) -> None:
+    """docs/cli.md lists each flag ``--help`` knows, so a new flag cannot go undocumented."""
+    monkeypatch.setenv("COLUMNS", "1000")  # no flag broken over two lines
+    doc = (ROOT / "docs" / "cli.md").read_text()
+    missing = []
+    for argv in _COMMANDS:
+        flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", _help(argv))) - {"--help"}
+        assert flags, argv  # the help was printed
+        missing += [f"fkv {' '.join(argv)} {flag}" for flag in sorted(flags)
+                    if f"`{flag}" not in doc]
+    assert not missing, f"flags missing from docs/cli.md: {missing}"

@@ -362,7 +362,8 @@ def _relative(target: Path, start: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fkv bench report", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="fkv bench report",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     root = results._repo_root() or Path.cwd()
     parser.add_argument("--results", metavar="DIR", type=Path,
                         default=None, help="result files (default: the checkout's bench/results)")

@@ -785,19 +785,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1024 blocks, fewer repetitions")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the caches live (default: cuda when available)")
-    p.add_argument("--p-gpu", type=int, default=0, help="CUDA device of the prefill rank")
-    p.add_argument("--d-gpu", type=int, default=0, help="CUDA device of the decode ranks")
+    p.add_argument("--p-gpu", type=int, default=0, help="CUDA device of the prefill rank (default 0)")
+    p.add_argument("--d-gpu", type=int, default=0, help="CUDA device of the decode ranks (default 0)")
     p.add_argument("--d-gpus", default="",
                    help="comma list of CUDA devices, one per decode rank in turn (e.g. 1,0: "
                         "decode rank 0 on GPU 1, rank 1 on GPU 0); overrides --d-gpu")
     p.add_argument("--blocks", type=int, default=None, help="blocks per cache (default 4096)")
     p.add_argument("--request-blocks", type=int, default=None,
                    help="blocks per request (default: half the cache)")
-    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--layers", type=int, default=1, help="layers per cache (default 1)")
     p.add_argument("--sizes", default="",
                    help="comma list of request sizes in blocks, each case run at each (e.g. "
                         "1,16,256,2048); overrides --request-blocks")
-    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed reads per case (default 20, 6 with --quick)")
     p.add_argument("--stream", action="store_true",
                    help="also stream each request: the prefill computes (--compute-ms per layer) "
                         "and publishes layer after layer while the decode ranks read; reports the "

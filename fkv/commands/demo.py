@@ -26,8 +26,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--decode-layout", default="HND", help="NHD, HND or an alias (default HND)")
     p.add_argument("--backend", default="triton", choices=[b for b in BACKENDS if b != "mla"],
                    help="cache backend layout family of both engines (default triton)")
-    p.add_argument("--prefill-block-size", type=int, default=16)
-    p.add_argument("--decode-block-size", type=int, default=16)
+    p.add_argument("--prefill-block-size", type=int, default=16,
+                   help="tokens per prefill block (default 16)")
+    p.add_argument("--decode-block-size", type=int, default=16,
+                   help="tokens per decode block (default 16)")
     p.add_argument("--tokens", type=int, default=64, help="prompt length (default 64)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens to generate (default 16)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -49,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "default on one host (the demo shows NIXL moving the bytes unless this is "
                    "given)")
     p.add_argument("--seed", type=int, default=0, help="weights, prompt and block tables (default 0)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (default 600)")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     return p
 

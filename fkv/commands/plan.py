@@ -41,9 +41,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         epilog="example: fkv plan --local tp=2,rank=1,layout=HND --remote tp=1,layout=HND")
     p.add_argument("--local", required=True, metavar="K=V,...", help="the reading (decode) rank")
     p.add_argument("--remote", required=True, metavar="K=V,...", help="the prefill engine (rank 0)")
-    p.add_argument("--strategy", default="auto", choices=("auto", "direct", "staging"))
-    p.add_argument("--blocks", type=int, default=4, help="remote blocks in the example request")
-    p.add_argument("--rows", type=int, default=12, help="rows of the example to print")
+    p.add_argument("--strategy", default="auto", choices=("auto", "direct", "staging"),
+                   help="the plan's strategy (default auto: the handshake picks)")
+    p.add_argument("--blocks", type=int, default=4, help="remote blocks in the example request (default 4)")
+    p.add_argument("--rows", type=int, default=12, help="rows of the example to print (default 12)")
     return p
 
 

@@ -13,15 +13,17 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        description="Print a spec's logical shape, stride order, physical shape, "
                        "page bytes and element strides, and the einops pattern to every other "
                        "layout of the same geometry.")
-    p.add_argument("--backend", default="triton", choices=BACKENDS)
-    p.add_argument("--layout", default="NHD", help="NHD, HND or an alias (LBNHC, LBHNC, ...)")
-    p.add_argument("--blocks", type=int, default=32768, help="num_blocks")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--heads", type=int, default=8, help="KV heads held by this rank")
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--cross-layer", action="store_true")
+    p.add_argument("--backend", default="triton", choices=BACKENDS, help="(default triton)")
+    p.add_argument("--layout", default="NHD", help="NHD, HND or an alias (LBNHC, LBHNC, ...; default NHD)")
+    p.add_argument("--blocks", type=int, default=32768, help="num_blocks (default 32768)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--heads", type=int, default=8, help="KV heads held by this rank (default 8)")
+    p.add_argument("--head-size", type=int, default=128, help="(default 128)")
+    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES),
+                   help="(default bfloat16; the engine names fp8, fp8_e4m3, fp8_e5m2 too)")
+    p.add_argument("--layers", type=int, default=1, help="num_layers (default 1)")
+    p.add_argument("--cross-layer", action="store_true",
+                   help="one buffer for all layers (cross_layer=True)")
     return p
 
 
