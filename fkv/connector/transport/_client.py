@@ -158,7 +158,9 @@ class Client:
         lands in local block ``local_block_ids[i // N_local]``. ``num_tokens`` defaults to what
         both lists hold; each list must hold exactly the blocks of those tokens. Bad ids raise
         FkvError before anything moves; a dead, hung or unreachable prefill rank gives
-        ``ok=False`` with ``error`` within ``timeout`` seconds.
+        ``ok=False`` with ``error`` within ``timeout`` seconds. (One exception, on one host: a
+        prefill process of this same user that backs its cache with memory whose faults it never
+        serves holds a same-host copy in flight; docs/transport.md, "Trust model".)
 
         ``stream=True`` reads a *streaming* request (the prefill ranks hold it with
         ``layers_ready=`` and ``publish`` layers as they are written): each layer moves as soon
