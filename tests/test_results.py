@@ -178,3 +178,17 @@ def test_a_test_run_leaves_a_summary_in_fkv_results_dir(tmp_path: Path) -> None:
     assert case.metrics["deselected_count"] == total - 2 > 20
     assert 0 < case.metrics["duration_s"] < 600
     assert f.env["device"] in ("cpu", "cuda") and f.env["git_commit"]
+
+
+def test_a_copy_of_a_tree_names_its_commit_through_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("FKV_GIT_COMMIT", commit)
+    env = results.environment("cpu")
+    assert (env["git_commit"], env["git_dirty"]) == (commit, None)
+    assert "FKV_GIT_COMMIT" not in env["env_vars"]
+    monkeypatch.setenv("FKV_GIT_COMMIT", "8e4c2b1")
+    with pytest.raises(FkvError) as e:
+        results.environment("cpu")
+    assert str(e.value) == ("'FKV_GIT_COMMIT' must be a commit id of 40 lowercase hex digits "
+                            "(got '8e4c2b1')")

@@ -280,7 +280,8 @@ def environment(device: str = "cpu") -> dict[str, Param]:
     env |= _versions()
     env |= _cuda(device)
     env["env_vars"] = {k: v for k, v in sorted(os.environ.items())
-                       if k.startswith(("UCX_", "NIXL_", "FKV_")) and k != "FKV_RESULTS_DIR"}
+                       if k.startswith(("UCX_", "NIXL_", "FKV_"))
+                       and k not in ("FKV_RESULTS_DIR", "FKV_GIT_COMMIT")}
     env |= _git()
     return env
 
@@ -343,6 +344,14 @@ def _repo_root() -> Path | None:
 
 
 def _git() -> dict[str, Param]:
+    """The checkout's commit and dirty flag; ``FKV_GIT_COMMIT`` names the commit instead where
+    the checkout cannot (a copy of a committed tree whose ``.git`` is not that commit's, as on a
+    machine the tree was copied to): the dirty flag is then unknown (None)."""
+    told = os.environ.get("FKV_GIT_COMMIT", "").strip()
+    if told:
+        if len(told) != 40 or any(c not in "0123456789abcdef" for c in told):
+            raise field_error("FKV_GIT_COMMIT", told, "a commit id of 40 lowercase hex digits")
+        return {"git_commit": told, "git_dirty": None}
     root = _repo_root()
     if root is None:
         return {"git_commit": None, "git_dirty": None}
