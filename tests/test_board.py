@@ -647,7 +647,9 @@ def test_the_board_vouches_for_exactly_the_process_and_regions_its_server_announ
         assert view.vouches(1234, list(regions))
         for pid, other in [(1235, regions), (1234, regions[::-1]), (1234, regions[:1]),
                            (1234, ((0x7F0000001000, 4097), regions[1])), (1234, ()),
-                           (1234, ((-1, 4096),)), (1234, ((1 << 64, 1),))]:
+                           (1234, ((-1, 4096),)), (1234, ((1 << 64, 1),)),
+                           (1234, ((float(0x7F0000001000), 4096), regions[1])),
+                           (1234, ((1, 2, 3),))]:
             assert not view.vouches(pid, other), (pid, other)
     finally:
         view.close()

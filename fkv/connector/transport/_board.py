@@ -57,6 +57,7 @@ import ctypes
 import errno
 import hashlib
 import mmap
+import operator
 import os
 import platform
 import re
@@ -133,9 +134,10 @@ def vouch(pid: int, regions: Any) -> bytes:
     """The digest a board holds of what its server announced: its process id and its cache
     regions ``((base, nbytes), ...)``, in order."""
     h = hashlib.blake2b(digest_size=32, person=b"fkv-board-vouch")
-    h.update(pid.to_bytes(8, "little", signed=True))
+    h.update(operator.index(pid).to_bytes(8, "little", signed=True))
     for base, nbytes in regions:
-        h.update(base.to_bytes(8, "little") + nbytes.to_bytes(8, "little"))
+        h.update(operator.index(base).to_bytes(8, "little")
+                 + operator.index(nbytes).to_bytes(8, "little"))
     return h.digest()
 
 
@@ -365,7 +367,7 @@ class BoardView:
             return False
         try:
             return os.pread(self._fd, 32, _VOUCH) == vouch(pid, regions)
-        except (OSError, OverflowError, TypeError):
+        except (OSError, OverflowError, TypeError, ValueError):  # a region not (int, int)
             return False
 
     def stopped(self) -> bool:
