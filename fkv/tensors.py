@@ -112,9 +112,10 @@ def allocate(spec: KVCacheSpec, device: Any = "cpu") -> list[torch.Tensor]:
     torch = require_torch()
     if not isinstance(spec, KVCacheSpec):
         raise field_error("spec", spec, "a KVCacheSpec")
+    device = _device(torch, device)
     dtype = torch_dtype(spec.dtype)
     inv = _inverse(spec.stride_order)
-    cpu = device is not None and torch.device(device).type == "cpu"
+    cpu = device is not None and device.type == "cpu"
 
     def empty() -> Any:
         if cpu:
@@ -125,6 +126,28 @@ def allocate(spec: KVCacheSpec, device: Any = "cpu") -> list[torch.Tensor]:
         full = empty().permute(inv)
         return [full[layer] for layer in range(spec.num_layers)]
     return [empty().permute(inv) for _ in range(spec.num_layers)]
+
+
+def _device(torch: Any, device: Any) -> Any:
+    """``device`` as a ``torch.device`` of this machine (None: torch's default device)."""
+    if device is None:
+        return None
+    no_cuda = "CUDA is not available; allocate on device='cpu'"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        if type(device) is int and not torch.cuda.is_available():  # an accelerator's index
+            raise field_error("device", device, "a device of this machine", no_cuda) from None
+        raise field_error("device", device, "a torch.device or a device string such as 'cpu', "
+                          "'cuda' or 'cuda:0'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise field_error("device", device, "a device of this machine", no_cuda)
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise field_error("device", device, f"a CUDA device of this machine (indices 0 to "
+                              f"{count - 1})")
+    return dev
 
 
 def _matches(expected: tuple[int, ...], shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
@@ -145,7 +168,10 @@ def infer_spec(tensor: torch.Tensor, *, backend: str, dtype: Any = None,
     >>> infer_spec(allocate(spec)[0], backend="triton").layout
     Layout.HND
     """
-    require_torch()
+    torch = require_torch()
+    if not isinstance(tensor, torch.Tensor):
+        raise field_error("tensor", type(tensor).__name__, "a torch.Tensor (one layer's cache "
+                          "view, or a cross-layer buffer's view with its layers dim)")
     probe = KVCacheSpec(backend=backend, num_blocks=1, block_size=1,
                         num_kv_heads=1, head_size=1)  # validates the backend name
     shape, strides = tuple(tensor.shape), tuple(tensor.stride())

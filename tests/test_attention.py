@@ -957,6 +957,80 @@ def test_empty_batch() -> None:
                              query_start_loc=qsl).shape == (0, 4, 32)
 
 
+def _spaced(t: torch.Tensor, fill: int = 99) -> torch.Tensor:
+    """The values of 1-D ``t`` as a view with stride 2 (``fill`` in between)."""
+    return torch.stack([t, torch.full_like(t, fill)], 1).reshape(-1)[::2]
+
+
+def _strided_table(t: torch.Tensor, how: str) -> torch.Tensor:
+    """The values of block table ``t`` as a view whose columns are not one element apart."""
+    if how == "transposed":
+        return t.t().contiguous().t()
+    wide = torch.full((t.shape[0], 2 * t.shape[1]), 1 << 20, dtype=t.dtype, device=t.device)
+    wide[:, ::2] = t
+    return wide[:, ::2]
+
+
+STRIDED = {
+    "seq-lens-step-2": lambda c: {"seq_lens": _spaced(c.seq_lens)},
+    # one element expanded (stride 0) from a storage whose next elements differ
+    "seq-lens-expanded": lambda c: {"seq_lens": _spaced(c.seq_lens, 1)[:1].expand(
+        c.seq_lens.shape[0])},
+    "block-table-transposed": lambda c: {"block_table": _strided_table(c.block_table,
+                                                                       "transposed")},
+    "block-table-columns-step-2": lambda c: {"block_table": _strided_table(c.block_table, "step")},
+    "qsl-step-2": lambda c: {"query_start_loc": _spaced(c.query_start_loc)},
+}
+
+
+@pytest.mark.parametrize("name", list(STRIDED))
+def test_strided_index_tensors_read_their_values(device: str, name: str) -> None:
+    """seq_lens, query_start_loc and block tables of any strides (a step, a transpose, an
+    expanded one-element tensor) give the contiguous tensors' bytes and the reference's values,
+    also after a call with contiguous ones of the same shapes."""
+    lens = (6, 6, 6, 6) if name == "seq-lens-expanded" else (6, 9, 3, 13)
+    case = Case(device, dtype="float32", seq_lens=lens,
+                q_lens=(6, 4, 0, 1) if name.startswith("qsl") else None)
+    plain = dict(block_table=case.block_table, seq_lens=case.seq_lens,
+                 query_start_loc=case.query_start_loc)
+    strided = {**plain, **STRIDED[name](case)}
+    changed = next(k for k in strided if strided[k] is not plain[k])
+    assert not strided[changed].is_contiguous()
+    assert torch.equal(strided[changed], plain[changed])
+    want = paged_attention(case.q, case.cache, case.spec, **plain).cpu()
+    got = paged_attention(case.q, case.cache, case.spec, **strided).cpu()
+    assert torch.equal(got, want)
+    ref = R.paged_attention(case.q, case.cache, case.spec, **plain).cpu()
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [math.nan, 0.0, -1.0, math.inf])
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+def test_fp8_scales_must_be_finite_and_positive(which: str, value: float) -> None:
+    """A NaN, zero, negative or infinite scale would dequantize to NaN, inf or flipped signs:
+    refused as a float always, as a tensor when validating (the CPU default)."""
+    case = Case("cpu", dtype="float8_e4m3fn")
+    message = f"'{which}' must be a finite scale > 0 (got {value!r})"
+    out = torch.full_like(case.q, float("nan"))
+    for fn in (paged_attention, R.paged_attention):
+        with pytest.raises(FkvError) as e:
+            fn(*case.args(), **{**case.kw, which: value}, out=out)
+        assert str(e.value) == message
+    with pytest.raises(FkvError) as e:
+        paged_attention(*case.args(), **{**case.kw, which: torch.tensor([value])}, out=out)
+    assert str(e.value) == message
+    assert out.isnan().all(), "nothing may be written before the error"
+
+
+@pytest.mark.parametrize("validate", ["no", 0, 1.0])
+def test_validate_must_be_a_bool_or_none(validate: Any) -> None:
+    case = Case("cpu")
+    with pytest.raises(FkvError) as e:
+        paged_attention(*case.args(), validate=validate)
+    assert str(e.value) == (f"'validate' must be True, False or None (None: the default) "
+                            f"(got {validate!r})")
+
+
 # -- GPU: the benchmark's shapes, scaled down, with the default configuration ---------------------
 
 @pytest.mark.gpu

@@ -557,6 +557,104 @@ def test_bad_block_ids(small):
     assert torch.equal(_bits(cache[1]), before)
 
 
+REPEAT = ("{name!r} repeats block {b}: two tokens would land in one slot (the last write wins); "
+          "pass each destination block once")
+
+
+def _raises(message: str, fn, *args, **kw) -> None:
+    with pytest.raises(FkvError) as e:
+        fn(*args, **kw)
+    assert str(e.value) == message
+
+
+def test_destination_blocks_written_twice_are_refused(small):
+    """scatter and move refuse a destination block listed twice among the blocks they write (the
+    last write would win, racing on a GPU); a repeat past num_tokens' blocks writes nothing."""
+    spec, cache = small
+    dev = cache[0].device
+    staging = C.gather(cache[0], spec, [1, 2])
+    before = [_bits(c).clone() for c in cache]
+    for scatter in (C.scatter, RC.scatter):
+        _raises(REPEAT.format(name="block_ids", b=1), scatter, staging, cache[1], spec, [1, 1])
+    good, bad = torch.tensor([4, 6], device=dev), torch.tensor([6, 6], device=dev)
+    C.scatter(staging, cache[1], spec, good, validate=True)  # the signature's fast path
+    before[1] = _bits(cache[1]).clone()
+    _raises(REPEAT.format(name="block_ids", b=6), C.scatter, staging, cache[1], spec, bad,
+            validate=True)
+    good[0] = 6  # an in-place edit is checked again
+    _raises(REPEAT.format(name="block_ids", b=6), C.scatter, staging, cache[1], spec, good,
+            validate=True)
+    for move in (C.move, RC.move):
+        _raises(REPEAT.format(name="dst_block_ids", b=5), move, cache[0], spec, [1, 3], cache[1],
+                spec, [5, 5])
+    assert all(torch.equal(_bits(c), b) for c, b in zip(cache, before))
+    expected = _clone(cache, spec)
+    C.move(cache[0], spec, [1, 3], cache[1], spec, [5, 5], num_tokens=spec.block_size)
+    RC.move(cache[0], spec, [1], expected[1], spec, [5])
+    assert all(_equal(x, y) for x, y in zip(cache, expected))
+
+
+def test_move_within_one_cache_refuses_blocks_it_reads(small):
+    """A move whose dst is src itself must not write a block it reads (the same heads): the copy
+    would read tokens it has already overwritten. Other heads of the same blocks may move."""
+    spec, cache = small
+    before = _bits(cache[0]).clone()
+    message = ("'dst_block_ids' holds block 2, which 'src_block_ids' also holds, and 'dst' is 'src' "
+               "itself: the move would overwrite tokens it still reads; move into blocks that are "
+               "not sources (or through a separate buffer)")
+    for move in (C.move, RC.move):
+        _raises(message, move, cache[0], spec, [1, 2, 3], cache[0], spec, [2, 3, 4])
+        _raises(message.replace("block 2", "block 1"), move, cache[0], spec, [1], cache[0], spec,
+                [1], src_heads=(0, 2), dst_heads=(1, 3))
+    assert torch.equal(_bits(cache[0]), before)
+    expected = _clone(cache, spec)
+    C.move(cache[0], spec, [1, 2], cache[0], spec, [2, 1], src_heads=(0, 2), dst_heads=(2, 4))
+    RC.move(expected[0].clone(), spec, [1, 2], expected[0], spec, [2, 1], src_heads=(0, 2),
+            dst_heads=(2, 4))
+    assert all(_equal(x, y) for x, y in zip(cache, expected))
+
+
+def test_staging_that_overlaps_the_cache_is_refused(small):
+    """gather's out and scatter's staging must not be memory of the cache (always checked, on the
+    fast path of a repeated signature too)."""
+    spec, cache = small
+    dev = cache[0].device
+    shape = (1, 2, spec.num_kv_heads, spec.block_size, spec.head_size)
+    alias = cache[0].as_strided(shape, torch.empty(shape).stride(), cache[0].storage_offset())
+    ids = torch.tensor([2], device=dev)
+    C.gather(cache[0], spec, ids, out=torch.empty_like(alias))  # the signature's fast path
+    before = _bits(cache[0]).clone()
+    gather = ("gather: 'out' overlaps 'cache' in memory; gather writes a staging copy of the "
+              "cache's tokens, so it cannot run in place: pass a separate out (or none)")
+    for fn in (C.gather, RC.gather):
+        _raises(gather, fn, cache[0], spec, ids, out=alias)
+    scatter = ("scatter: 'staging' overlaps 'cache' in memory; scatter reads staging while it "
+               "writes the cache: pass a separate staging buffer")
+    C.scatter(torch.empty_like(alias), cache[1], spec, ids)  # the signature's fast path
+    for fn in (C.scatter, RC.scatter):
+        _raises(scatter, fn, alias, cache[0], spec, ids)
+    assert torch.equal(_bits(cache[0]), before)
+
+
+def test_ids_on_another_device_and_validate_flags_are_refused(small):
+    spec, cache = small
+    dev = cache[0].device
+    _raises(f"'block_ids' is on meta but the cache is on {dev}; pass the ids on the CPU or on the "
+            f"cache's device", C.gather, cache[0], spec, torch.tensor([1], device="meta"))
+    _raises(f"'dst_block_ids' is on meta but the cache is on {dev}; pass the ids on the CPU or on "
+            f"the cache's device", C.move, cache[0], spec, [1], cache[1], spec,
+            torch.tensor([1], device="meta"))
+    staging = C.gather(cache[0], spec, [1])
+    message = "'validate' must be True, False or None (None: the default) (got 'no')"
+    _raises(message, C.gather, cache[0], spec, [1], validate="no")
+    _raises(message, C.scatter, staging, cache[1], spec, [1], validate="no")
+    _raises(message, C.move, cache[0], spec, [1], cache[1], spec, [1], validate="no")
+    out = fkv.allocate(spec.evolve(layout="HND"), device=dev)
+    _raises(message, C.convert, cache, spec, spec.evolve(layout="HND"), out=out, validate="no")
+    _raises(message.replace("'no'", "1"), C.convert, cache, spec, spec.evolve(layout="HND"),
+            validate=1)
+
+
 def test_bad_geometry(small):
     spec, cache = small
     with pytest.raises(FkvError, match=r"convert: src and dst must have the same geometry; they "

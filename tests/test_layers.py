@@ -57,8 +57,8 @@ def test_layer_move_of_a_layer_range_leaves_the_others(device: str) -> None:
     fkv.ops.reference.move(host[2], a, [5, 1], ref[2], b, [2, 0], num_tokens=8)
     for layer in range(3):
         assert torch.equal(dst[layer].cpu().nan_to_num(7.0), ref[layer].nan_to_num(7.0)), layer
-    with pytest.raises(FkvError, match=r"'layers' must be \(start, stop\) with 0 <= start <= stop"
-                                       r" <= 3 \(got \(2, 4\)\)"):
+    with pytest.raises(FkvError, match=r"'layers' must be \(start, stop\) ints with 0 <= start <= "
+                                       r"stop <= 3 \(got \(2, 4\)\)"):
         LayerMove(src, a, dst, b)([5], [2], layers=(2, 4))
 
 
@@ -71,3 +71,52 @@ def test_layer_move_refuses_mismatched_sides() -> None:
         LayerMove(src, a, fkv.allocate(b), b, src_heads=(0, 2))
     with pytest.raises(FkvError, match="LayerMove: src and dst must agree on head_size"):
         LayerMove(src, a, fkv.allocate(b.evolve(head_size=16)), b.evolve(head_size=16))
+
+
+@pytest.mark.parametrize("layers", [(0.5, 1), (1,), "ab", 1, (False, True), (0, 1, 2), (2, 1)])
+def test_layer_move_refuses_a_bad_layer_range(layers: object) -> None:
+    a, b = CASES["NHD-HND"]
+    dst = fkv.allocate(b)
+    before = [d.clone() for d in dst]
+    with pytest.raises(FkvError) as e:
+        LayerMove(fkv.allocate(a), a, dst, b)([5], [2], layers=layers)
+    assert str(e.value) == (f"'layers' must be (start, stop) ints with 0 <= start <= stop <= 3 "
+                            f"(got {layers!r})")
+    assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(dst, before))
+
+
+def test_layer_move_refuses_repeated_and_aliased_destination_blocks() -> None:
+    """A destination block listed twice, or (when a dst view is a src view itself, heads
+    overlapping) one that is also a source block, is refused when validating; other heads of the
+    same blocks of one cache may move."""
+    a, b = CASES["NHD-HND"]
+    src, dst = fkv.allocate(a), fkv.allocate(b)
+    for v in src:
+        v.copy_(torch.randn(v.shape))
+    dst_before = [d.clone() for d in dst]
+    with pytest.raises(FkvError) as e:
+        LayerMove(src, a, dst, b)([3, 1], [0, 0])
+    assert str(e.value) == ("'dst_block_ids' repeats block 0: two tokens would land in one slot "
+                            "(the last write wins); pass each destination block once")
+    assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(dst, dst_before))
+    src_before = [v.clone() for v in src]
+    with pytest.raises(FkvError) as e:
+        LayerMove(src, a, src, a)([1, 2], [2, 3])
+    assert str(e.value) == ("'dst_block_ids' holds block 2, which 'src_block_ids' also holds, and "
+                            "'dst' is 'src' itself: the move would overwrite tokens it still "
+                            "reads; move into blocks that are not sources (or through a separate "
+                            "buffer)")
+    assert all(torch.equal(x, y) for x, y in zip(src, src_before))
+    LayerMove(src, a, src, a, src_heads=(0, 2), dst_heads=(2, 4))([1, 2], [2, 1])
+    for layer in range(a.num_layers):
+        expected = src_before[layer].clone()
+        fkv.ops.reference.move(src_before[layer], a, [1, 2], expected, a, [2, 1],
+                               src_heads=(0, 2), dst_heads=(2, 4))
+        assert torch.equal(src[layer], expected), layer
+
+
+def test_layer_move_validate_must_be_a_bool_or_none() -> None:
+    a, b = CASES["NHD-HND"]
+    with pytest.raises(FkvError) as e:
+        LayerMove(fkv.allocate(a), a, fkv.allocate(b), b)([5], [2], validate="no")
+    assert str(e.value) == "'validate' must be True, False or None (None: the default) (got 'no')"

@@ -413,6 +413,32 @@ def test_infer_spec_errors_name_the_strides():
     assert fkv.infer_spec(view, backend="triton", dtype=torch.bfloat16) == spec
 
 
+@pytest.mark.parametrize(("device", "expected"), [
+    ("gpu", "a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:0'"),
+    (1.5, "a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:0'"),
+    pytest.param("cuda", "a device of this machine; CUDA is not available; allocate on "
+                 "device='cpu'", marks=pytest.mark.interpreter),
+    pytest.param(0, "a device of this machine; CUDA is not available; allocate on device='cpu'",
+                 marks=pytest.mark.interpreter),
+], ids=["gpu", "float", "cuda-without-cuda", "index-without-cuda"])
+def test_allocate_refuses_a_device_it_cannot_use(device, expected):
+    spec = _spec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
+    with pytest.raises(FkvError) as e:
+        fkv.allocate(spec, device=device)
+    field, _, fix = expected.partition("; ")
+    assert str(e.value) == f"'device' must be {field} (got {device!r})" + (f"; {fix}" if fix else "")
+
+
+def test_infer_spec_refuses_what_is_not_a_tensor():
+    spec = _spec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
+    view = fkv.allocate(spec)[0]
+    for value, name in ((view.float().numpy(), "ndarray"), ([view], "list")):
+        with pytest.raises(FkvError) as e:
+            fkv.infer_spec(value, backend="triton")
+        assert str(e.value) == (f"'tensor' must be a torch.Tensor (one layer's cache view, or a "
+                                f"cross-layer buffer's view with its layers dim) (got {name!r})")
+
+
 def test_wrap_views_existing_memory():
     spec = _spec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8, layout="HND",
                  num_layers=2, dtype="float32")

@@ -363,7 +363,8 @@ def test_fp8_division_is_torch_division_for_every_bf16_and_random_fp32(
     an fma correction on the GPU (``_div_rn_by_scalar``), div_rn under the interpreter: for every
     bf16 bit pattern (NaNs, infinities, subnormals, both zeros) or 65536 fp32 values of random
     exponent and mantissa, and scales at and past the fast path's edges, the bytes are the
-    reference's (torch's division, clamp and cast)."""
+    reference's (torch's division, clamp and cast). ``validate=False``: the scales a validating
+    call refuses (negative, zero, infinite) still divide like torch."""
     if in_dtype == "bfloat16":
         x = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     else:
@@ -395,7 +396,7 @@ def test_fp8_division_is_torch_division_for_every_bf16_and_random_fp32(
                   "v_scale": torch.tensor([v_s], device=device)}
         with warnings.catch_warnings():  # the interpreter's numpy warns on 0 / 0 and inf / inf
             warnings.simplefilter("ignore", RuntimeWarning)
-            write_kv(x, x, out[0], slots, spec, **scales)
+            write_kv(x, x, out[0], slots, spec, **scales, validate=False)
         reference.write_kv(x, x, ref[0], slots, spec, **scales)
         assert_same_bytes(out, ref)
         (prep,) = write_mod._PREPARED.values()
@@ -845,6 +846,36 @@ def test_bad_fp8_inputs(fn) -> None:
     with pytest.raises(FkvError, match=r"'key' has dtype 'float8_e5m2' but spec.dtype is "
                                        r"'float8_e4m3fn'; an fp8 cache takes"):
         fn(*e5, caches[0], slots, spec, **scales)
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.0, -1.0, float("inf")])
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+def test_fp8_scales_must_be_finite_and_positive(which: str, value: float) -> None:
+    """A NaN, zero, negative or infinite scale stores NaN, saturated, sign-flipped or zero bytes:
+    refused when validating (the CPU default), before anything is written (repeat calls too)."""
+    spec = make_spec("triton", "HND", dtype="float8_e4m3fn")
+    caches, untouched = poisoned(spec, "cpu"), poisoned(spec, "cpu")
+    key, value_in, scales = inputs(spec, 5, "cpu")
+    slots = torch.arange(5)
+    write_kv(key, value_in, poisoned(spec, "cpu")[0], slots, spec, **scales)  # a checked signature
+    bad = {**scales, which: torch.tensor([value])}
+    for _ in range(2):
+        with pytest.raises(FkvError) as e:
+            write_kv(key, value_in, caches[0], slots, spec, **bad)
+        assert str(e.value) == f"'{which}' must be a finite scale > 0 (got {value!r})"
+    assert_same_bytes(caches, untouched)
+
+
+@pytest.mark.parametrize("validate", ["no", 0, 1.0])
+def test_validate_must_be_a_bool_or_none(validate: Any) -> None:
+    spec = make_spec("triton", "NHD")
+    caches, untouched = poisoned(spec, "cpu"), poisoned(spec, "cpu")
+    key, value, _ = inputs(spec, 5, "cpu")
+    with pytest.raises(FkvError) as e:
+        write_kv(key, value, caches[0], torch.arange(5), spec, validate=validate)
+    assert str(e.value) == (f"'validate' must be True, False or None (None: the default) "
+                            f"(got {validate!r})")
+    assert_same_bytes(caches, untouched)
 
 
 def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:

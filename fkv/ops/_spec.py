@@ -9,13 +9,15 @@ layout algebra (``spec.axis_strides``); nothing here branches on a layout string
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
-from fkv.errors import FkvError
+from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 from fkv.tensors import require_torch
 
-__all__ = ["CacheStrides", "cache_constexprs", "cache_strides", "check_cache", "join_kv_views"]
+__all__ = ["CacheStrides", "cache_constexprs", "cache_strides", "check_cache", "check_scale_values",
+           "check_validate", "join_kv_views"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,6 +87,27 @@ def check_cache(cache: Any, spec: KVCacheSpec, name: str = "cache") -> None:
             f"{expected}; the tensor's real layout differs from the spec (use fkv.infer_spec "
             f"to read its layout, or fkv.ops.convert)"
         )
+
+
+def check_validate(validate: Any) -> None:
+    """Raise FkvError unless ``validate`` is True, False or None (each op's default)."""
+    if validate is not None and validate is not True and validate is not False:
+        raise field_error("validate", validate, "True, False or None (None: the default)")
+
+
+def check_scale_values(**scales: Any) -> None:
+    """Raise FkvError naming the first fp8 scale (a one-element tensor, or None: skipped) that is
+    not finite and > 0: a NaN, zero, negative or infinite scale stores NaN, saturated, sign-flipped
+    or zero bytes, and reads them back as such. One device sync for tensors on a GPU (callers run
+    it only when validating)."""
+    torch = require_torch()
+    named = [(name, s) for name, s in scales.items() if s is not None]
+    if not named:
+        return
+    values = torch.cat([s.reshape(1).to(torch.float32) for _, s in named]).tolist()
+    for (name, _), value in zip(named, values):
+        if not (math.isfinite(value) and value > 0):
+            raise field_error(name, value, "a finite scale > 0")
 
 
 def _kv_pair_help(spec: KVCacheSpec) -> str:

@@ -28,7 +28,8 @@ import torch
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 from fkv.ops._launch import KernelLauncher, LaunchSite, cuda_capability, pdl_capable
-from fkv.ops._spec import cache_constexprs, cache_strides, check_cache
+from fkv.ops._spec import (cache_constexprs, cache_strides, check_cache, check_scale_values,
+                           check_validate)
 
 __all__ = ["AttentionConfig", "attention_config", "check_attention_inputs", "model_context",
            "paged_attention"]
@@ -402,6 +403,8 @@ def _check_index(name: str, t: Any, ndim: int, device: torch.device) -> None:
 
 def _check_scale_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not (math.isfinite(value) and value > 0):
+            raise field_error(name, value, "a finite scale > 0")
         value = torch.full((1,), float(value), dtype=torch.float32, device=device)
     if not _is_tensor(value) or value.numel() != 1 or value.dtype != torch.float32:
         raise field_error(name, value if not _is_tensor(value) else
@@ -594,8 +597,9 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
       (like None); fp8 caches need ``k_scale``/``v_scale`` (float32, one element).
     - MLA: multi-query attention over the latent, which is both key and value (module docstring).
     - ``validate``: check the values of ``block_table`` (the entries each sequence uses),
-      ``seq_lens`` and ``query_start_loc`` and raise FkvError naming the first bad one. Default, as
-      in ``write_kv``: on for CPU tensors, off for CUDA (checking needs one device sync); always
+      ``seq_lens``, ``query_start_loc`` and fp8 ``k_scale``/``v_scale`` tensors (finite, > 0;
+      a float scale is always checked) and raise FkvError naming the first bad one. Default, as
+      in ``write_kv``: on for CPU tensors, off for CUDA (checking needs a device sync); always
       skipped during CUDA graph capture. Unvalidated bad values never fault nor write outside
       ``out``: the kernel reads block 0 for an id outside ``[0, num_blocks)``, clamps ``seq_lens``
       to the block table's capacity and masks query rows outside ``q``; the affected outputs are
@@ -626,12 +630,15 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
         raise field_error("config", config, "an AttentionConfig or None")
     if pdl is not False and pdl is not True:
         raise field_error("pdl", pdl, "True or False")
+    check_validate(validate)
     device = q.device
     if spec.is_fp8:
         k_scale = _check_scale_tensor("k_scale", k_scale, device)
         v_scale = _check_scale_tensor("v_scale", v_scale, device)
     if device.type == "cpu" if validate is None else validate:
         check_attention_values(spec, block_table, seq_lens, query_start_loc, prob.num_q_tokens)
+        if spec.is_fp8 and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            check_scale_values(k_scale=k_scale, v_scale=v_scale)
     if out is None:
         out = torch.empty_like(q)
     if prob.num_q_tokens == 0 or prob.num_seqs == 0:
@@ -644,10 +651,21 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
         config = attention_config(**shapes)
         if _CONFIG_OVERRIDE is not None:
             config = _overridden(config, shapes)
+    # The kernels step one element along seq_lens, query_start_loc and a block-table row (the
+    # table's row stride is an argument): other strides take a copy (none for engines' tensors).
+    block_table, seq_lens = _unit_stride(block_table), _unit_stride(seq_lens)
+    if query_start_loc is not None:
+        query_start_loc = _unit_stride(query_start_loc)
     _launch(q, cache, spec, block_table, seq_lens, query_start_loc, prob, config,
             prob.window, prob.softcap, k_scale, v_scale, out,
             pdl and not _interpreted(device) and pdl_capable(device))
     return out
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy when its last dim has more than one element and a stride other
+    than 1 (a slice with a step, a transposed or an expanded tensor)."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
 def gluon_prefill_refusal(q: torch.Tensor, spec: KVCacheSpec, out: torch.Tensor, *,

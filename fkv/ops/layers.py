@@ -26,6 +26,7 @@ True
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
@@ -60,11 +61,14 @@ class LayerMove:
     addresses). ``src_heads``/``dst_heads``: contiguous head ranges of equal length (as for
     ``fkv.ops.move``). Call with ``(src_block_ids, dst_block_ids, num_tokens=None)``; ids are
     int tensors on the device (or sequences), ids outside a cache move nothing (masked).
+    ``validate`` as in ``fkv.ops.move``: range-checks the ids and refuses a destination block
+    listed twice, or (when a ``dst`` view is a ``src`` view itself) one that is also a source
+    block.
     """
 
     def __init__(self, src: Any, src_spec: KVCacheSpec, dst: Any, dst_spec: KVCacheSpec, *,
                  src_heads: Any = None, dst_heads: Any = None) -> None:
-        from fkv.ops.relayout import _heads
+        from fkv.ops.relayout import _heads, _same_view
 
         torch = require_torch()
         for name, spec in (("src_spec", src_spec), ("dst_spec", dst_spec)):
@@ -90,6 +94,10 @@ class LayerMove:
             raise FkvError(f"'src_heads' {(sa, sb)} selects {sb - sa} heads but 'dst_heads' "
                            f"{(da, db)} selects {db - da}; both ranges must have the same length")
         self.src_heads, self.dst_heads = (sa, sb), (da, db)
+        # A dst view that is a src view itself (heads overlapping): its destination blocks must
+        # not be source blocks (checked per call with the ids' values).
+        self._aliased = sa < db and da < sb and any(_same_view(a, b) for a in self.src
+                                                    for b in self.dst)
         self.triton = self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
         self._tables = []
         for views, spec in ((self.src, src_spec), (self.dst, dst_spec)):
@@ -103,10 +111,27 @@ class LayerMove:
     def num_layers(self) -> int:
         return len(self.src)
 
+    def _layer_range(self, layers: Any) -> tuple[int, int]:
+        """``(start, stop)`` of ``layers``: None (every layer) or a pair of ints (not bools) with
+        ``0 <= start <= stop <= num_layers`` (an empty range moves nothing)."""
+        if layers is None:
+            return 0, self.num_layers
+        expected = f"(start, stop) ints with 0 <= start <= stop <= {self.num_layers}"
+        try:
+            if (not isinstance(layers, (tuple, list)) or len(layers) != 2
+                    or any(isinstance(v, bool) for v in layers)):
+                raise TypeError
+            start, stop = (operator.index(v) for v in layers)
+        except TypeError:
+            raise field_error("layers", layers, expected) from None
+        if not 0 <= start <= stop <= self.num_layers:
+            raise field_error("layers", layers, expected)
+        return start, stop
+
     def __call__(self, src_block_ids: Any, dst_block_ids: Any, num_tokens: int | None = None,
                  *, validate: bool | None = None, layers: tuple[int, int] | None = None) -> None:
         """Move the tokens of layers ``layers = (start, stop)`` (default: every layer)."""
-        from fkv.ops.relayout import _block_ids, _num_tokens
+        from fkv.ops.relayout import _block_ids, _check_dst_ids, _num_tokens
 
         s, d = self.src_spec, self.dst_spec
         sids = _block_ids(src_block_ids, s, "src_block_ids", self.device, validate)
@@ -114,10 +139,9 @@ class LayerMove:
         cap_s, cap_d = sids.count * s.block_size, dids.count * d.block_size
         n = _num_tokens(num_tokens, cap_s, {f"the {sids.count} src_block_ids": cap_s,
                                             f"the {dids.count} dst_block_ids": cap_d})
-        start, stop = (0, self.num_layers) if layers is None else layers
-        if not 0 <= start <= stop <= self.num_layers:
-            raise field_error("layers", layers, f"(start, stop) with 0 <= start <= stop <= "
-                              f"{self.num_layers}")
+        start, stop = self._layer_range(layers)
+        _check_dst_ids(sids, s.block_size, dids, d.block_size, n,
+                       ("src_block_ids", "dst_block_ids"), self._aliased)
         if n <= 0 or start == stop:
             return
         heads = self.src_heads[1] - self.src_heads[0]

@@ -15,10 +15,13 @@ Shapes (one layer's logical view, as ``fkv.allocate`` returns it):
 
 Every input is checked before anything launches or is written; bad input raises
 :class:`fkv.FkvError` naming the argument, the value and what was expected. Block ids may be a
-sequence, a numpy array or an int tensor on the CPU or the cache's device. ``validate=`` (every op)
-range-checks them: by default only host-side ids (free); ids already on a GPU are checked only with
-``validate=True`` (one device sync, cached per tensor until it is modified in place). Unchecked ids
-outside ``0..num_blocks-1`` move nothing: the kernel masks their tokens (neither read nor written).
+sequence, a numpy array or an int tensor on the CPU or the cache's device. ``validate=`` (every op;
+True, False or None) range-checks them and refuses a destination block that the call writes twice
+(``scatter``, ``move``) or, in a ``move`` whose ``dst`` is ``src`` itself, that it also reads: by
+default only host-side ids (free); ids already on a GPU are checked only with ``validate=True``
+(a device sync, cached per tensor until it is modified in place). Unchecked ids outside
+``0..num_blocks-1`` move nothing: the kernel masks their tokens (neither read nor written).
+``gather``'s ``out`` and ``scatter``'s ``staging`` must not overlap the cache (always checked).
 
 Launch cost: ``gather``/``scatter`` remember each input signature they have checked (spec, tensor
 shapes/strides/dtypes/devices, heads, counts); a repeat with int32/int64 ids already on the cache's
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec, Layout, check_same_geometry
-from fkv.ops._spec import check_cache
+from fkv.ops._spec import check_cache, check_validate
 from fkv.tensors import _inverse, allocate, require_torch, torch_dtype
 
 if TYPE_CHECKING:
@@ -63,8 +66,10 @@ def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
 
     ``src``, ``dst``: one layer's logical view each (e.g. ``(NB, 2, N, H, D)`` for triton,
     ``(2, NB, N, H, D)`` for flash_attn, ``(NB, N, D)`` for mla). ``dst`` must not overlap the
-    source tokens. ``validate``: range-check the ids (default: host-side ids only; see the module
-    docstring).
+    source tokens: with ``validate`` on, a ``dst`` that is ``src`` itself (the same view) takes no
+    destination block that is also a source block (heads overlapping). ``validate``: range-check
+    the ids, and refuse a destination block listed twice (default: host-side ids only; see the
+    module docstring).
 
     >>> import torch, fkv
     >>> a = fkv.KVCacheSpec(layout="NHD", num_blocks=4, block_size=4, num_kv_heads=2, head_size=8)
@@ -136,6 +141,7 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
     >>> tuple(st.shape), torch.equal(st[0, 1, 0], cache[5, 1, :, 2])
     ((2, 2, 2, 4, 8), True)
     """
+    check_validate(validate)
     heads = _plain_heads(heads)
     sig = _staging_signature("gather", cache, spec, block_ids, heads, out, num_tokens, block_size)
     fast = _FAST.get(sig) if sig is not None else None
@@ -144,6 +150,8 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
             _check_range(block_ids, spec, "block_ids")
         if out is None:
             out = fast.alloc(fast.shape, dtype=fast.dtype, device=cache.device)
+        else:
+            _check_no_overlap([cache], [out], "gather", _GATHER_OVERLAP)
         # per-call arguments as launch_move passes them (the src tensor fills unused pointers)
         fast.site(fast.grid, (cache, out, block_ids, cache, cache, cache, fast.num_tokens))
         return out
@@ -173,6 +181,7 @@ def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block
     >>> torch.equal(cache[1, 0, :, 1], staging[1, 0, 1])
     True
     """
+    check_validate(validate)
     heads = _plain_heads(heads)
     sig = _staging_signature("scatter", cache, spec, block_ids, heads, staging, num_tokens,
                              block_size)
@@ -180,6 +189,8 @@ def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block
     if fast is not None:
         if fast.host_ids if validate is None else validate:
             _check_range(block_ids, spec, "block_ids")
+            _check_distinct(block_ids, -(-fast.num_tokens // spec.block_size), "block_ids")
+        _check_no_overlap([cache], [staging], "scatter", _SCATTER_OVERLAP)
         fast.site(fast.grid, (staging, cache, staging, block_ids, staging, staging, fast.num_tokens))
         return
     m = _check_scatter(staging, cache, spec, block_ids, heads, num_tokens, block_size,
@@ -213,6 +224,8 @@ def staging_spec(spec: KVCacheSpec, num_blocks: int, *, num_heads: int | None = 
 class _Ids:
     tensor: Any  # int tensor on the cache's device, or None for the identity 0..count-1
     count: int
+    checked: bool = False  # the values were validated (range), so repeats are checked too
+    source: Any = None     # the int tensor as given (CPU or the cache's device): memo key
 
 
 @dataclass(frozen=True)
@@ -320,29 +333,93 @@ def _plain_heads(heads: Any) -> Any:
     return heads
 
 
-# Range checks of ids that live on a GPU need a device sync; remember the bounds of each id tensor
+# Value checks of ids that live on a GPU need a device sync; remember their results per id tensor
 # until it is freed or modified in place (its version counter moves).
-_BOUNDS: dict[int, tuple[Any, int, int, int]] = {}
+_BOUNDS: dict[tuple[int, Any], tuple[Any, int, Any]] = {}
+
+
+def _memo(t: Any, what: Any, compute: Any) -> Any:
+    """``compute()``, cached per tensor object, version and ``what`` (no re-sync on reuse)."""
+    try:
+        version = t._version
+    except RuntimeError:  # inference-mode tensors track no version: check every time
+        version = None
+    key = (id(t), what)
+    hit = _BOUNDS.get(key)
+    if version is not None and hit is not None and hit[0]() is t and hit[1] == version:
+        return hit[2]
+    value = compute()
+    if version is not None:
+        if len(_BOUNDS) > 1024:
+            _BOUNDS.clear()
+        ref = weakref.ref(t, lambda _r, key=key: _BOUNDS.pop(key, None))
+        _BOUNDS[key] = (ref, version, value)
+    return value
 
 
 def _bounds(t: Any) -> tuple[int, int]:
     """(min, max) of an int tensor; cached per tensor object and version (no re-sync on reuse)."""
     torch = require_torch()
-    try:
-        version = t._version
-    except RuntimeError:  # inference-mode tensors track no version: check every time
-        version = None
-    key = id(t)
-    hit = _BOUNDS.get(key)
-    if version is not None and hit is not None and hit[0]() is t and hit[1] == version:
-        return hit[2], hit[3]
-    lo, hi = (int(v) for v in torch.stack(torch.aminmax(t)).tolist())
-    if version is not None:
-        if len(_BOUNDS) > 1024:
-            _BOUNDS.clear()
-        ref = weakref.ref(t, lambda _r, key=key: _BOUNDS.pop(key, None))
-        _BOUNDS[key] = (ref, version, lo, hi)
-    return lo, hi
+    return _memo(t, "bounds", lambda: tuple(int(v) for v in
+                                            torch.stack(torch.aminmax(t)).tolist()))
+
+
+def _first_repeat(t: Any) -> int | None:
+    """The smallest id that the 1-D int tensor ``t`` holds more than once, or None (one sync)."""
+    torch = require_torch()
+    if t.numel() < 2:
+        return None
+    s = torch.sort(t).values
+    same = s[1:] == s[:-1]
+    hit, value = torch.stack([same.any().to(s.dtype), s[1:][same.to(torch.int8).argmax()]]).tolist()
+    return int(value) if hit else None
+
+
+def _check_distinct(t: Any, used: int, name: str) -> None:
+    """Raise FkvError when the first ``used`` ids of ``t`` (the destination blocks a call writes)
+    repeat a block: its tokens would be written twice, the last write winning (racy on a GPU)."""
+    first = _memo(t, ("repeat", used), lambda: _first_repeat(t[:used]))
+    if first is not None:
+        raise FkvError(f"{name!r} repeats block {first}: two tokens would land in one slot (the "
+                       f"last write wins); pass each destination block once")
+
+
+def _same_view(a: Any, b: Any) -> bool:
+    """Whether two tensors are the same view of the same memory (same address, shape, strides)."""
+    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
+def _check_dst_ids(sids: _Ids, src_block_size: int, dids: _Ids, dst_block_size: int, n: int,
+                   names: tuple[str, str], aliased: bool) -> None:
+    """The value checks of a move's destination ids (those that were validated): no destination
+    block written twice and, when ``aliased`` (dst is src itself, heads overlapping), no
+    destination block that is also a source block (the copy would overwrite tokens it reads)."""
+    if n == 0:
+        return
+    used = -(-n // dst_block_size)
+    if dids.checked:
+        _check_distinct(dids.source, used, names[1])
+    known = [ids.checked or ids.tensor is None for ids in (sids, dids)]  # None: 0, 1, ...
+    if not (aliased and all(known)):
+        return
+    torch = require_torch()
+    given = sids.tensor if sids.tensor is not None else dids.tensor
+    device = None if given is None else given.device
+
+    def blocks(ids: _Ids, count: int) -> Any:
+        if ids.tensor is None:
+            return torch.arange(count, device=device)
+        return ids.tensor[:count].to(torch.int64)
+
+    dst_used = blocks(dids, used)
+    shared = torch.isin(dst_used, blocks(sids, -(-n // src_block_size)))
+    hit, i = torch.stack([shared.any().to(torch.int64), shared.to(torch.int8).argmax()]).tolist()
+    if hit:
+        raise FkvError(f"{names[1]!r} holds block {int(dst_used[i])}, which {names[0]!r} also "
+                       f"holds, and 'dst' is 'src' itself: the move would overwrite tokens it "
+                       f"still reads; move into blocks that are not sources (or through a "
+                       f"separate buffer)")
 
 
 def _block_ids(ids: Any, spec: KVCacheSpec, name: str, device: Any,
@@ -352,6 +429,7 @@ def _block_ids(ids: Any, spec: KVCacheSpec, name: str, device: Any,
     ``validate``: range-check against ``spec.num_blocks`` (True), or only ids that are not on a GPU
     already (None: free on the host, a device sync otherwise), or not at all (False).
     """
+    check_validate(validate)
     if isinstance(ids, _Ids):
         return ids
     torch = require_torch()
@@ -370,12 +448,16 @@ def _block_ids(ids: Any, spec: KVCacheSpec, name: str, device: Any,
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.dim() != 1:
         shown = ids if not isinstance(ids, torch.Tensor) else f"tensor {t.dtype} {tuple(t.shape)}"
         raise field_error(name, shown, expected)
+    if t.device.type != "cpu" and t.device != device:
+        raise FkvError(f"{name!r} is on {t.device} but the cache is on {device}; pass the ids on "
+                       f"the CPU or on the cache's device")
     if t.dtype not in (torch.int32, torch.int64):
         t = t.to(torch.int64)
     n = t.numel()
-    if n and (t.device.type == "cpu" if validate is None else validate):
+    checked = bool(n) and (t.device.type == "cpu" if validate is None else validate)
+    if checked:
         _check_range(t, spec, name)
-    return _Ids(t.to(device).contiguous(), n)
+    return _Ids(t.to(device).contiguous(), n, checked, t)
 
 
 def _check_range(t: Any, spec: KVCacheSpec, name: str) -> None:
@@ -436,6 +518,8 @@ def _check_move(src: Any, src_spec: Any, src_block_ids: Any, dst: Any, dst_spec:
     cap_src, cap_dst = sids.count * src_spec.block_size, dids.count * dst_spec.block_size
     n = _num_tokens(num_tokens, cap_src, {f"the {sids.count} {names[0]}": cap_src,
                                           f"the {dids.count} {names[1]}": cap_dst})
+    _check_dst_ids(sids, src_spec.block_size, dids, dst_spec.block_size, n, names,
+                   _same_view(src, dst) and sa < db and da < sb)
     return _Move(src, src_spec, sids.tensor, sa, dst, dst_spec, dids.tensor, da, sb - sa, n)
 
 
@@ -445,13 +529,20 @@ def _extent(t: Any) -> tuple[int, int]:
     return start, start + span * t.element_size()
 
 
-def _check_no_overlap(a: list[Any], b: list[Any], what: str) -> None:
+_CONVERT_OVERLAP = ("'out' overlaps 'src' in memory; a layout conversion permutes elements, so "
+                    "it cannot run in place: pass a separate out")
+_GATHER_OVERLAP = ("'out' overlaps 'cache' in memory; gather writes a staging copy of the cache's "
+                   "tokens, so it cannot run in place: pass a separate out (or none)")
+_SCATTER_OVERLAP = ("'staging' overlaps 'cache' in memory; scatter reads staging while it writes "
+                    "the cache: pass a separate staging buffer")
+
+
+def _check_no_overlap(a: list[Any], b: list[Any], what: str, why: str = _CONVERT_OVERLAP) -> None:
     spans = sorted([(*_extent(t), 0) for t in a if t.numel()] + [(*_extent(t), 1) for t in b if t.numel()])
     reach = [0, 0]  # furthest end seen so far per side
     for start, end, side in spans:
         if start < reach[1 - side]:
-            raise FkvError(f"{what}: 'out' overlaps 'src' in memory; a layout conversion permutes "
-                           f"elements, so it cannot run in place: pass a separate out")
+            raise FkvError(f"{what}: {why}")
         reach[side] = max(reach[side], end)
 
 
@@ -529,6 +620,7 @@ def _check_gather(cache: Any, spec: Any, block_ids: Any, heads: Any, out: Any, n
         _check_empty(out, shape, "out")
         return _Move(cache, spec, ids.tensor, a, cache, spec, None, 0, b - a, 0), out
     view = _check_staging(out, stage, "out", cache.device, (a, b), "gathering into")
+    _check_no_overlap([cache], [out], "gather", _GATHER_OVERLAP)
     return _Move(cache, spec, ids.tensor, a, view, stage, None, 0, b - a, n), out
 
 
@@ -540,6 +632,9 @@ def _check_scatter(staging: Any, cache: Any, spec: Any, block_ids: Any, heads: A
         _check_empty(staging, (0, *stage.physical_shape[1:]), "staging")
         return _Move(cache, spec, None, a, cache, spec, ids.tensor, a, b - a, 0)
     view = _check_staging(staging, stage, "staging", cache.device, (a, b), "scattering from")
+    _check_no_overlap([cache], [staging], "scatter", _SCATTER_OVERLAP)
+    if ids.checked:
+        _check_distinct(ids.source, -(-n // spec.block_size), "block_ids")
     return _Move(view, stage, None, 0, cache, spec, ids.tensor, a, b - a, n)
 
 

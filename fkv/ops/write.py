@@ -31,7 +31,8 @@ import triton.language as tl
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 from fkv.ops._launch import KernelLauncher, LaunchSite, pdl_capable
-from fkv.ops._spec import cache_constexprs, cache_strides, join_kv_views
+from fkv.ops._spec import (cache_constexprs, cache_strides, check_scale_values, check_validate,
+                           join_kv_views)
 from fkv.ops.reference._write import check_slots, check_token_counts, check_write_inputs
 
 if TYPE_CHECKING:
@@ -590,7 +591,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
     - fp8 ``spec.dtype`` fed with bf16/fp16/fp32: stored value is ``x / k_scale`` (``v_scale``),
       saturated to the fp8 range; ``k_scale``/``v_scale`` are float32 tensors of one element.
       Input already in the cache's fp8 dtype is stored unchanged.
-    - ``validate``: raise FkvError naming the first slot ``>= num_blocks * block_size``. Default:
+    - ``validate``: raise FkvError naming the first slot ``>= num_blocks * block_size``, or an
+      fp8 ``k_scale``/``v_scale`` that is not finite and > 0. Default:
       on for CPU tensors, off for CUDA (checking needs a device sync). Such slots are never written
       either way (masked in the kernel); with ``validate=False`` the call is CUDA-graph capturable.
     - ``pdl``: launch with programmatic dependent launch (sm_90 or newer; ignored elsewhere and on
@@ -618,6 +620,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
     """
     if pdl is not False and pdl is not True:
         raise field_error("pdl", pdl, "True or False")
+    check_validate(validate)
     if type(cache) is tuple or type(cache) is list:
         cache = join_kv_views(cache, spec)
     try:
@@ -639,6 +642,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
             check_token_counts(key, None if prep.is_mla else value, slot_mapping)
     if prep.cpu_slots if validate is None else validate:
         check_slots(slot_mapping, spec)
+        if prep.quantize:
+            check_scale_values(k_scale=k_scale, v_scale=None if prep.is_mla else v_scale)
     if num_tokens == 0:
         return
     if prep.is_mla:
