@@ -12,6 +12,7 @@ for a block (kernels launch on the current device, and the server packs from its
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -26,8 +27,8 @@ from fkv.layout import KVCacheSpec
 __all__ = [
     "DEFAULT_LEASE", "DEFAULT_PACK_BYTES", "DEFAULT_PACK_THRESHOLD", "DEFAULT_STAGING_BYTES",
     "HandshakeRejected", "ReadResult", "STRATEGIES", "SideChannelError", "Tally", "TransferFailed",
-    "cache_regions", "check_engine", "kernels", "layer_views", "load_nixl", "on_device",
-    "process_alive", "spin_seconds",
+    "cache_regions", "check_curve", "check_engine", "check_seconds", "kernels", "layer_views",
+    "load_nixl", "on_device", "process_alive", "spin_seconds",
     "split_chunks", "tensor_memory", "zmq",
 ]
 
@@ -151,6 +152,33 @@ def check_engine(engine: Any) -> EngineDesc:
     if not isinstance(engine, EngineDesc):
         raise field_error("engine", type(engine).__name__, "an fkv.connector.EngineDesc")
     return engine
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """``value`` as float seconds: a finite number > 0 (a NaN or infinite deadline never expires,
+    so nothing bounded by it could be promised to end)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not (math.isfinite(value) and value > 0):
+        raise field_error(name, value, "a finite positive number of seconds")
+    return float(value)
+
+
+def check_curve(curve: Any, *, client: bool) -> Any:
+    """``curve`` for the side channel: None (plain-TCP frames) or a ``CurveKeys``; a ``client``
+    (one that connects: a decode rank, a prefill rank > 0 publishing to rank 0) also needs
+    ``curve.server``. Only the type is named, never the value: it may hold secret keys."""
+    from fkv.connector.transport._sidelimits import CurveKeys
+
+    if curve is None:
+        return None
+    if not isinstance(curve, CurveKeys):
+        raise field_error("curve", type(curve).__name__,
+                          "None (plain TCP) or an fkv.connector.CurveKeys",
+                          "make keys with fkv.connector.curve_keypair()")
+    if client and curve.server is None:
+        raise field_error("curve.server", None, "the server's public key (Z85, 40 bytes)",
+                          "pass CurveKeys(public, secret, server=<server public key>)")
+    return curve
 
 
 def zmq() -> Any:

@@ -33,7 +33,9 @@ from fkv.connector.transport._base import (
     Tally,
     TransferFailed,
     cache_regions,
+    check_curve,
     check_engine,
+    check_seconds,
     layer_views,
     zmq,
 )
@@ -66,7 +68,7 @@ class Client:
                  staging_bytes: int = DEFAULT_STAGING_BYTES, telemetry: bool = False,
                  pack_threshold: int = DEFAULT_PACK_THRESHOLD, curve: Any = None) -> None:
         self.engine = check_engine(engine)
-        self._curve = curve
+        self._curve = check_curve(curve, client=True)
         self.spec = spec
         self._views = layer_views(spec, caches)
         regions, self._mem_type, self._device_id, self._device = cache_regions(spec, caches)
@@ -79,6 +81,9 @@ class Client:
             raise field_error("pack_threshold", pack_threshold, "a non-negative int")
         if strategy not in STRATEGIES:
             raise field_error("strategy", strategy, f"one of {STRATEGIES}")
+        if not isinstance(telemetry, bool):
+            raise field_error("telemetry", telemetry, "a bool")
+        timeout = check_seconds("timeout", timeout)
         self._staging_bytes_max = staging_bytes
         self._pack_threshold = pack_threshold
         self._expected_engine, self._strategy, self._telemetry = expected_engine, strategy, telemetry
@@ -145,6 +150,7 @@ class Client:
     def reconnect(self, remote_address: str | None = None, *, timeout: float = 10.0) -> None:
         """Drop the current prefill engine's state and connect again (e.g. after it restarted),
         to ``remote_address`` or the previous address; the local registration is kept."""
+        timeout = check_seconds("timeout", timeout)
         with self._lock:
             self._disconnect()
             self._connect(remote_address or self.address, timeout)
@@ -172,8 +178,7 @@ class Client:
         t0 = time.perf_counter()  # ``seconds`` and ``layer_seconds`` count the whole call
         if not isinstance(request_id, str) or not request_id:
             raise field_error("request_id", request_id, "a non-empty str")
-        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
-            raise field_error("timeout", timeout, "a positive number of seconds")
+        timeout = check_seconds("timeout", timeout)
         with self._lock:
             state = self._connected()
             try:  # the plan's checks, before anything moves

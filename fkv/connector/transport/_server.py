@@ -38,19 +38,23 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import numpy as np
 
+from fkv.connector.plan import check_block_ids
 from fkv.connector.transport import _side
 from fkv.connector.transport._base import (
     DEFAULT_LEASE,
     DEFAULT_PACK_BYTES,
     cache_regions,
+    check_curve,
     check_engine,
+    check_seconds,
     layer_views,
     spin_seconds,
     zmq,
 )
 from fkv.connector.transport._agent import Agent, UndecodableNotifications
-from fkv.connector.transport._lifecycle import Requests
+from fkv.connector.transport._lifecycle import Requests, _blocks_text
 from fkv.connector.transport._base import SideChannelError
 from fkv.connector.transport._packer import FREE_PREFIX, Packer
 from fkv.connector.handshake import EngineDesc
@@ -88,22 +92,32 @@ class Server:
                  on_release: Callable[[str, Any, str], None] | None = None,
                  pack_bytes: int | None = None, curve: Any = None) -> None:
         self.engine = check_engine(engine)
-        self._curve = curve
+        # a prefill rank > 0 is also a client: it publishes to rank 0 through the side channel
+        self._curve = check_curve(curve, client=engine.tp_rank > 0)
         self.spec = spec
         if engine.tp_rank == 0 and join is not None:
             raise field_error("join", join, "None on rank 0 (rank 0 answers the side channel)")
         if engine.tp_rank > 0 and not isinstance(join, str):
             raise field_error("join", join, f"rank 0's address (a str) on rank {engine.tp_rank}",
                               "pass join=<the address rank 0's server reports>")
-        if not isinstance(lease, int | float) or isinstance(lease, bool) or lease <= 0:
-            raise field_error("lease", lease, "a positive number of seconds")
+        if not isinstance(host, str) or not host:
+            raise field_error("host", host, "a non-empty str: the interface to bind, like "
+                              "'127.0.0.1'")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise field_error("port", port, "an int in [0, 65535] (0: any free port)")
+        lease = check_seconds("lease", lease)
+        join_timeout = check_seconds("join_timeout", join_timeout)
+        if on_release is not None and not callable(on_release):
+            raise field_error("on_release", on_release,
+                              "None or a callable on_release(request_id, block_ids, why)")
         if pack_bytes is not None and (isinstance(pack_bytes, bool)
                                        or not isinstance(pack_bytes, int) or pack_bytes < 0):
             raise field_error("pack_bytes", pack_bytes, "None (default) or a non-negative int")
         regions, mem_type, device_id, device = cache_regions(spec, caches)
         if pack_bytes is None:
             pack_bytes = min(DEFAULT_PACK_BYTES, spec.region_bytes * spec.num_regions)
-        self.lease = float(lease)
+        self.lease = lease
+        self._device = device
         self._on_release = on_release
         self._lock = threading.Lock()
         # the request table (release by reader identity), fed under self._lock
@@ -145,8 +159,9 @@ class Server:
 
         self.telemetry = Telemetry("server", engine_id=engine.engine_id)
         self._ctx = zmq().Context()
-        self._agent = Agent("prefill")
+        self._agent: Any = None
         try:
+            self._agent = Agent("prefill")
             self._agent.register(regions, mem_type, device_id)
             if pack_bytes:
                 self._packer = Packer(spec, layer_views(spec, caches), device, pack_bytes,
@@ -191,6 +206,9 @@ class Server:
              decode_tp: int | None = None) -> None:
         """Hold ``request_id``'s blocks until every expected decode reader notified once, or
         until the lease (default: the server's) runs out. Calling it again renews the lease.
+        ``block_ids``: this rank's blocks of the request (1-D ints in ``[0, spec.num_blocks)``,
+        each once; ``on_release`` gets them back), or None; others raise FkvError before anything
+        is recorded.
 
         Readers are decode ranks (engine id, rank). With ``decode_engine_id`` and ``decode_tp``
         the readers of this rank are fixed now (the plan's rule); without, the first decode rank
@@ -207,12 +225,14 @@ class Server:
         if (decode_engine_id is None) != (decode_tp is None):
             raise field_error("decode_engine_id/decode_tp", (decode_engine_id, decode_tp),
                               "both or neither")
+        if block_ids is not None:
+            self._check_blocks(block_ids)
         readers = None if decode_engine_id is None else expected_readers(
             decode_engine_id, decode_tp, self.engine.tp_size, self.engine.tp_rank)
         with self._lock:
             renew = self._table.holds(request_id)
             self._table.hold(request_id, block_ids, readers, now=time.monotonic(),
-                             lease=float(lease), layers_ready=layers_ready)
+                             lease=lease, layers_ready=layers_ready)
             if not renew:  # a new hold: nothing of an earlier hold of this id carries over
                 self._events.pop(request_id, None)
                 self._published.pop(request_id, None)
@@ -228,8 +248,9 @@ class Server:
         CUDA pass ``event``, a ``torch.cuda.Event`` recorded after the last of those layers'
         writes: readers see the layers only once it has completed (a thread of the server waits
         for it, so no reader's copy can overtake the writes; ipc readers wait for the
-        interprocess event recorded after it instead). Renews the lease and wakes the readers'
-        long polls."""
+        interprocess event recorded after it instead); anything else is refused (FkvError)
+        before the request changes. Renews the lease and wakes the readers' long polls."""
+        self._check_event(event)
         with self._lock:
             published = self._published.get(request_id)
             if published is None or not self._table.holds(request_id):
@@ -239,11 +260,12 @@ class Server:
                                f"this rank ({why}); start it with server.hold(request_id, "
                                f"block_ids, layers_ready=0)")
             self._check_layers(layers_ready, published)
+            done = event is None or event.query()  # before any change: it may raise
             if self._ipc_events and layers_ready > 0:
                 self._record_publish(event, layers_ready)  # first: ipc readers wait for it
             self._published[request_id] = layers_ready
             now = time.monotonic()
-            if event is None or event.query():
+            if done:
                 self._events.pop(request_id, None)
                 release = self._table.publish(request_id, layers_ready, now)
                 self._board_set(request_id)  # first: same-host readers go as soon as it is set
@@ -280,6 +302,34 @@ class Server:
             raise field_error("layers_ready", value,
                               f"an int in [{lo}, {top}] (layers only move forward, up to "
                               f"spec.num_layers={top})")
+
+    def _check_blocks(self, block_ids: Any) -> None:
+        """Refuse block ids that are not this rank's: 1-D ints in ``[0, spec.num_blocks)``, each
+        once (``hold`` frees them once per release)."""
+        ids = check_block_ids("block_ids", block_ids, self.spec, False)
+        if ids.size > 1:
+            values, counts = np.unique(ids, return_counts=True)
+            if counts.max() > 1:
+                raise field_error("block_ids", _blocks_text(block_ids), "distinct block ids",
+                                  f"block {int(values[counts > 1][0])} is listed more than once")
+
+    def _check_event(self, event: Any) -> None:
+        """``publish``'s event: None or a ``torch.cuda.Event``, or anything with the methods of
+        one this rank calls: ``query()`` (the server thread), ``synchronize()`` (the event
+        waiter) and, where ipc readers wait on this rank's interprocess events, ``wait(stream)``
+        (``stream.wait_event``)."""
+        if event is None:
+            return
+        methods = ("query", "synchronize", *(("wait",) if self._ipc_events else ()))
+        if not all(callable(getattr(event, name, None)) for name in methods):
+            fix = ("this rank's caches are on CPU: pass None once the host wrote the layers, an "
+                   "event only when asynchronous CUDA copies write them"
+                   if self._device.type != "cuda" else
+                   "record one after the layers' writes: event = torch.cuda.Event(); "
+                   "event.record()")
+            calls = ", ".join(f"{name}()" for name in methods[:-1]) + f" and {methods[-1]}()"
+            raise field_error("event", event, f"None or a torch.cuda.Event (an object with its "
+                              f"{calls} methods)", fix)
 
     def _publish_events(self, device: Any) -> tuple[bytes, ...]:
         """Make the interprocess publish events (one per layer, at most MAX_PUBLISH_EVENTS);
@@ -466,7 +516,9 @@ class Server:
             self._agent = None
         self._packer = None
         if self._ctx is not None:
-            self._ctx.term()
+            # destroy, not term: a socket still open (a set-up step that failed before its
+            # owner could close it) is closed with linger 0 instead of blocking term() for ever
+            self._ctx.destroy(linger=0)
             self._ctx = None
 
     def _publish(self, address: str, entry: _side.RankEntry, timeout: float) -> None:

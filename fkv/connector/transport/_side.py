@@ -442,15 +442,19 @@ class SideServer:
 
         self._waker = Waker()
         self._router = ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self._auth = harden_server(self._router, max_frame=MAX_SIDE_MESSAGE_BYTES, curve=curve)
-        try:
-            self._router.bind(f"tcp://{host}:{port or '*'}")
-        except zmq.ZMQError as e:
+        try:  # whatever fails here, the socket is closed (an open one blocks ctx.term())
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            self._auth = harden_server(self._router, max_frame=MAX_SIDE_MESSAGE_BYTES,
+                                       curve=curve)
+            try:
+                self._router.bind(f"tcp://{host}:{port or '*'}")
+            except zmq.ZMQError as e:
+                raise FkvError(f"'host/port' must be an address to bind (got {host}:{port}): "
+                               f"{e}") from None
+        except BaseException:
             self.close()
-            raise FkvError(f"'host/port' must be an address to bind (got {host}:{port}): "
-                           f"{e}") from None
+            raise
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
