@@ -121,6 +121,10 @@ def serve(engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, host: str = "12
     (default: 256 MiB or the caches' size, whichever is smaller; 0: no packed reads). Every rank
     with one also binds ``host`` (any free port) to answer pack requests.
 
+    ``curve``: None (plain-TCP frames) or a :class:`CurveKeys` for a CURVE-authenticated ZMQ side
+    channel (ranks ``1..tp-1`` also need ``server=``, rank 0's public key). Bad arguments raise
+    FkvError before anything is bound or registered.
+
     >>> import fkv
     >>> from fkv.connector import EngineDesc
     >>> spec = fkv.KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=1, head_size=8)
@@ -147,7 +151,9 @@ def connect(engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, remote_addres
     ``strategy``: ``"auto"``, ``"nixl"`` (auto without ipc), or force ``"ipc"``, ``"packed"``,
     ``"direct"`` or ``"staging"`` (see the module docstring); ``pack_threshold``: ``"auto"`` packs requests needing more descriptors than this
     (CUDA on both sides); ``staging_bytes`` caps the registered staging buffer (staging and packed
-    reads; larger reads go in chunks); ``telemetry`` turns on NIXL's transfer telemetry.
+    reads; larger reads go in chunks); ``telemetry`` (a bool) turns on NIXL's transfer telemetry;
+    ``curve``: None (plain-TCP frames) or a :class:`CurveKeys` with ``server=``, the prefill side
+    channel's public key. ``timeout`` must be finite and positive.
     ``client.describe()`` says what the client will do.
 
     >>> import fkv
