@@ -86,6 +86,46 @@ def test_save_follows_the_command_line(tmp_path: Path, capsys: pytest.CaptureFix
     assert parser.parse_args(["--plot", "p.png"]).plot == "p.png"
 
 
+def test_output_options_are_checked_when_parsed_and_a_missing_results_dir_is_created(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--json and --plot write into an existing folder; --results-dir is created when missing
+    (docs/benchmarks.md), a file there is refused; all before any benchmark runs."""
+    parser = argparse.ArgumentParser(prog="b")
+    results.add_output_arguments(parser)
+    (tmp_path / "x.json").touch()
+    for argv, message in (
+            (["--json", str(tmp_path / "no" / "x.json")],
+             f"argument --json: must be a file in an existing folder (got '{tmp_path}/no/x.json': "
+             f"'{tmp_path}/no' does not exist)"),
+            (["--plot", str(tmp_path / "no" / "p.png")],
+             f"argument --plot: must be a file in an existing folder (got '{tmp_path}/no/p.png': "
+             f"'{tmp_path}/no' does not exist)"),
+            (["--results-dir", str(tmp_path / "x.json")],
+             f"argument --results-dir: must be a folder (got '{tmp_path}/x.json': a file)")):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"b: error: {message}"
+    assert not (tmp_path / "no").exists()
+    args = parser.parse_args(["--results-dir", str(tmp_path / "new" / "dir")])
+    assert args.results_dir == str(tmp_path / "new" / "dir")
+    assert not (tmp_path / "new").exists()  # created when the result is written, not before
+    path = results.save(_run(), args)
+    assert path == tmp_path / "new" / "dir" / "write-20261201T102030Z.json" and path.is_file()
+
+
+def test_load_paths_refuses_a_folder_that_is_not_there(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(FkvError, match=r"^'folder' must be an existing folder of result files "
+                       rf"\(got '{tmp_path}/nope'\); no such folder$"):
+        results.load_paths(tmp_path / "nope")
+    (tmp_path / "f.json").write_text("{}")
+    with pytest.raises(FkvError, match=r"\(got '.*f.json'\); a file$"):
+        results.load_all(tmp_path / "f.json")
+    monkeypatch.setenv("FKV_RESULTS_DIR", str(tmp_path / "nope"))
+    assert results.load_paths() == []  # the default folder: no results yet
+
+
 def test_unit_of_reads_the_suffix_and_refuses_names_without_one() -> None:
     assert [results.unit_of(m) for m in ("gbps", "sdpa_ms", "eager_us", "wall_s", "request_bytes",
                                          "ratio_to_link_x", "pct_of_copy", "tflops")] == [

@@ -203,12 +203,84 @@ def test_bad_inputs_name_the_field():
         assert_kv_equal(a, spec, a, spec.evolve(num_kv_heads=4))
     with pytest.raises(FkvError, match=r"'block_ids_b' must be a block id in \[0, 2\) \(got 7\)"):
         assert_kv_equal(a, spec, a, spec, block_ids_a=[0], block_ids_b=[7])
-    with pytest.raises(FkvError, match=r"'heads_a' must be a range \(lo, hi\) inside \[0, 2\]"):
+    with pytest.raises(FkvError, match=r"'heads_a' must be a slice\(start, stop\) or a \(start, "
+                       r"stop\) pair of ints with 0 <= start < stop <= 2 .*\(got \(1, 3\)\)"):
         assert_kv_equal(a, spec, a, spec, heads_a=(1, 3))
     with pytest.raises(FkvError, match=r"'num_tokens' must be at most 4"):
         assert_kv_equal(a, spec, a, spec, block_ids_a=[0], block_ids_b=[1], num_tokens=5)
     # A single layer view is accepted for a one-layer spec.
     assert_kv_equal(a[0], spec, a, spec)
+
+
+_HEADS = ("slice(start, stop) or a (start, stop) pair of ints with 0 <= start < stop <= 2 (a "
+          "contiguous range of this rank's 2 heads)")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(a=None), "'a' must be a list of layer views (as fkv.allocate returns) or one "
+                   "torch.Tensor when num_layers == 1 (got 'NoneType')"),
+    (dict(a=5), "'a' must be a list of layer views (as fkv.allocate returns) or one "
+                "torch.Tensor when num_layers == 1 (got 'int')"),
+    (dict(b=[[1]]), "'b[0]' must be a torch.Tensor (one layer's view from fkv.allocate) "
+                    "(got 'list'); convert it with torch.as_tensor"),
+    (dict(block_ids_a=1), "'block_ids_a' must be a 1-D sequence or tensor of int block ids (got 1)"),
+    (dict(block_ids_a=[[1]]),
+     "'block_ids_a' must be a 1-D sequence or tensor of int block ids (got [[1]])"),
+    (dict(block_ids_a=[1.7]),
+     "'block_ids_a' must be a 1-D sequence or tensor of int block ids (got [1.7])"),
+    (dict(block_ids_b=[True]),
+     "'block_ids_b' must be a 1-D sequence or tensor of int block ids (got [True])"),
+    (dict(block_ids_a="1"), "'block_ids_a' must be a 1-D sequence or tensor of int block ids "
+                            "(got '1')"),
+    (dict(heads_a=(0, 1, 2)), f"'heads_a' must be a {_HEADS} (got (0, 1, 2))"),
+    (dict(heads_a=(0.5, 1.5)), f"'heads_a' must be a {_HEADS} (got (0.5, 1.5))"),
+    (dict(heads_b=1), f"'heads_b' must be a {_HEADS} (got 1)"),
+    (dict(heads_a=slice(0, 2, 2)), f"'heads_a' must be a {_HEADS} (got slice(0, 2, 2)); heads "
+                                   f"are one contiguous range: drop the step (e.g. slice(0, 2))"),
+    (dict(num_tokens=2.9), "'num_tokens' must be None or an int >= 0 (got 2.9)"),
+    (dict(num_tokens="2"), "'num_tokens' must be None or an int >= 0 (got '2')"),
+    (dict(num_tokens=-1), "'num_tokens' must be None or an int >= 0 (got -1)"),
+    (dict(atol=float("nan")), "'atol' must be a finite number >= 0 (got nan)"),
+    (dict(atol=-1.0), "'atol' must be a finite number >= 0 (got -1.0)"),
+    (dict(atol="0.1"), "'atol' must be a finite number >= 0 (got '0.1')"),
+    (dict(atol=None), "'atol' must be a finite number >= 0 (got None)"),
+    (dict(rtol=float("inf")), "'rtol' must be a finite number >= 0 (got inf)"),
+], ids=lambda v: ",".join(v) if isinstance(v, dict) else None)
+def test_bad_arguments_are_fkv_errors_naming_the_argument(kwargs, message):
+    import re
+
+    spec = KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+    a = _filled(spec)
+    args = {"a": a, "b": [a[0].clone()], "block_ids_a": [0], "block_ids_b": [0]} | kwargs
+    with pytest.raises(FkvError, match="^" + re.escape(message) + "$"):
+        assert_kv_equal(args.pop("a"), spec, args.pop("b"), spec, **args)
+
+
+def test_caches_must_hold_values_as_torch_tensors():
+    spec = KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+    a = _filled(spec)
+    with pytest.raises(FkvError, match=r"^'a\[0\]' must be a torch.Tensor \(one layer's view from "
+                       r"fkv.allocate\) \(got 'ndarray'\); convert it with torch.as_tensor$"):
+        assert_kv_equal([a[0].numpy()], spec, a, spec)
+    with pytest.raises(FkvError, match=r"^'b\[0\]' must be a tensor with values \(on cpu or cuda\) "
+                       r"\(got 'a tensor on meta'\); a meta tensor holds no contents to compare$"):
+        assert_kv_equal(a, spec, [a[0].to("meta")], spec)
+
+
+def test_a_head_slice_is_taken_as_the_ops_take_it():
+    spec = KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=4, head_size=8, dtype="float32")
+    a = _filled(spec)
+    b = [a[0].clone()]
+    b[0][:, :, :, 3] += 1  # head 3 differs
+    assert_kv_equal(a, spec, b, spec, heads_a=slice(0, 3), heads_b=slice(None, 3))
+    assert_kv_equal(a, spec, b, spec, heads_a=(0, 3), heads_b=slice(0, 3, 1))
+    with pytest.raises(AssertionError, match=r", head 3, channel 0: "):
+        assert_kv_equal(a, spec, b, spec, heads_a=slice(0, None), heads_b=slice(0, 4))
+    # numpy ints and id tensors are ints too
+    import numpy as np
+
+    assert_kv_equal(a, spec, b, spec, block_ids_a=np.array([1, 0]), block_ids_b=torch.tensor([1, 0]),
+                    num_tokens=np.int64(5), heads_a=(np.int64(0), 3), heads_b=(0, 3))
 
 
 # -- snapshot_value -----------------------------------------------------------------------------

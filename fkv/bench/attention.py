@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 from fkv.bench import results
+from fkv.cli import non_negative_int
 from fkv.bench._common import read_ceiling_gbps, time_ms
 
 __all__ = ["main"]
@@ -448,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="one decode shape (B=64 x 8192) and the prefill case, shorter timing")
     parser.add_argument("--sweep", action="store_true",
                         help="also time other tiles/warps/stages/splits/grid order (best per case)")
-    parser.add_argument("--jobs", type=int, default=None,
+    parser.add_argument("--jobs", type=non_negative_int, default=None,
                         help="compile every timed variant first in this many processes (default: "
                              "min(12, CPUs) on CUDA, 0 = compile in the timing process on CPU)")
     parser.add_argument("--compile-only", action="store_true",

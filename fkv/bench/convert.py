@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fkv.bench import results
+from fkv.cli import positive_int
 from fkv.bench._common import Cycle, copy_ceiling_gbps, eager_us, graph_us, time_ms
 
 __all__ = ["main"]
@@ -361,10 +362,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also sweep the tile budget and warps on one convert and gathers")
     parser.add_argument("--only", metavar="SUBSTR", default="",
                         help="run only the cases whose name contains this (e.g. 'gather')")
-    parser.add_argument("--layers", type=int, default=Shape.num_layers, metavar="L",
+    parser.add_argument("--layers", type=positive_int, default=Shape.num_layers, metavar="L",
                         help=f"layers of every cache (default {Shape.num_layers}; 32 with the "
                              f"default blocks is a 32 GiB cache, model scale)")
-    parser.add_argument("--blocks", type=int, default=Shape.num_blocks, metavar="NB",
+    parser.add_argument("--blocks", type=positive_int, default=Shape.num_blocks, metavar="NB",
                         help=f"blocks of every cache (default {Shape.num_blocks})")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="only the correctness path, tiny shapes, CPU interpreter (no result "

@@ -216,10 +216,14 @@ def to_run(hs: list[dict[str, Any]], seg: list[dict[str, Any]],
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fkv.cli import positive_int
+
     parser = argparse.ArgumentParser(prog="fkv bench plan", description=__doc__.split("\n")[0])
     results.add_output_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="10k blocks, fewer repeats")
-    parser.add_argument("--blocks", type=int, default=None, help=f"default {TARGET_BLOCKS}")
+    parser.add_argument("--blocks", type=positive_int, default=None,
+                        help=f"blocks of the request segmented (default {TARGET_BLOCKS}, 10000 "
+                             f"with --quick)")
     args = parser.parse_args(argv)
     if args.plot:
         from fkv.bench import plots

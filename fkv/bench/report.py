@@ -361,28 +361,58 @@ def _relative(target: Path, start: Path) -> str:
     return os.path.relpath(target, start).replace("\\", "/") + "/"
 
 
+def _usage(message: str) -> int:
+    print(f"fkv bench report: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    from fkv.cli import existing_file, existing_folder, output_folder
+
     parser = argparse.ArgumentParser(prog="fkv bench report",
                                      description=" ".join(__doc__.split("\n\n")[0].split()))
     root = results._repo_root() or Path.cwd()
-    parser.add_argument("--results", metavar="DIR", type=Path,
-                        default=None, help="result files (default: the checkout's bench/results)")
-    parser.add_argument("--docs", metavar="PATH", type=Path, nargs="*",
+    parser.add_argument("--results", metavar="DIR", type=existing_folder,
+                        default=None, help="an existing folder of result files (default: the "
+                                           "checkout's bench/results)")
+    parser.add_argument("--docs", metavar="PATH", type=existing_file, nargs="*",
                         default=[root / "README.md", root / "bench" / "NOTES.md"],
                         help="documents with fkv-report sections (default: README.md "
                              "bench/NOTES.md)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if a document differs from its rendering")
-    parser.add_argument("--plots", metavar="DIR", type=Path,
-                        help="also draw DIR/<bench>.png from each benchmark's newest run")
+    parser.add_argument("--plots", metavar="DIR", type=output_folder,
+                        help="also draw DIR/<bench>.png from each benchmark's newest run "
+                             "(DIR created if missing)")
     args = parser.parse_args(argv)
     folder = args.results or root / "bench" / "results"
-    loaded = results.load_paths(folder)
+    if not folder.is_dir():  # the default one (a given --results was checked when parsed)
+        return _usage(f"--results: the default folder {str(folder)!r} does not exist; name "
+                      f"the folder of result files with --results DIR")
+    if not args.docs and args.plots is None:
+        return _usage("--docs names no document and --plots no folder: nothing to do")
+    missing = [str(doc) for doc in args.docs if not doc.is_file()]
+    if missing:  # the default ones
+        return _usage(f"--docs: {', '.join(map(repr, missing))} not found; name the documents "
+                      f"with --docs PATH ...")
+    try:
+        loaded = results.load_paths(folder)
+    except FkvError as e:
+        return _usage(f"--results {str(folder)!r}: {e}")
+    if not _usable([f for _, f in loaded]):
+        what = ("only --cpu-smoke runs, whose timings mean nothing" if loaded
+                else "no result files (*.json)")
+        return _usage(f"--results {str(folder)!r} holds {what}; the tables would all say "
+                      f"{NO_RESULT!r}")
     names = {id(f): p.name for p, f in loaded}
     files = [f for _, f in loaded]
-    stale = []
-    for doc in args.docs:
-        new = render(doc, files, folder, names)
+    stale, rendered = [], {}
+    try:
+        for doc in args.docs:
+            rendered[doc] = render(doc, files, folder, names)
+    except FkvError as e:
+        return _usage(f"--docs: {e}")
+    for doc, new in rendered.items():
         if new != doc.read_text():
             stale.append(str(doc))
             if not args.check:
@@ -394,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         for bench in PLOTTED:
             runs = [f for f in _usable(files) if f.bench == bench]
             if runs:
-                print(f"plot: {plots.plot_file(runs[-1], args.plots / f'{bench}.png')}")
+                print(f"plot: {plots.plot_file(runs[-1], Path(args.plots) / f'{bench}.png')}")
     if args.check and stale:
         print(f"out of date with {folder}: {', '.join(stale)}; run: fkv bench report",
               file=sys.stderr)

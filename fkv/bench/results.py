@@ -158,17 +158,25 @@ def write(run: Run | ResultFile, json_path: str | os.PathLike | None = None,
 
 def add_output_arguments(parser: Any, *, plot: bool = True) -> None:
     """The output options every benchmark takes: ``--json``, ``--results-dir``, ``--no-save``
-    and (``plot=True``) ``--plot``; :func:`save` acts on the first three."""
-    parser.add_argument("--json", metavar="PATH",
-                        help="write the result file here (default: bench/results/<bench>-<UTC>.json)")
-    parser.add_argument("--results-dir", metavar="DIR",
-                        help="folder for the result file (default: $FKV_RESULTS_DIR or the "
-                             "checkout's bench/results)")
+    and (``plot=True``) ``--plot``; :func:`save` acts on the first three.
+
+    Each is checked when the command line is parsed, before anything runs (a bad one is a usage
+    error, exit 2): ``--json`` and ``--plot`` name a file in a folder that exists;
+    ``--results-dir`` names a folder, created (with its parents) when missing, as the default
+    folder is."""
+    from fkv.cli import output_file, output_folder
+
+    parser.add_argument("--json", metavar="PATH", type=output_file,
+                        help="write the result file here, in an existing folder (default: "
+                             "bench/results/<bench>-<UTC>.json)")
+    parser.add_argument("--results-dir", metavar="DIR", type=output_folder,
+                        help="folder for the result file, created if missing (default: "
+                             "$FKV_RESULTS_DIR or the checkout's bench/results)")
     parser.add_argument("--no-save", action="store_true", help="write no result file")
     if plot:
-        parser.add_argument("--plot", metavar="PATH",
-                            help="also draw the results as a PNG (needs matplotlib: "
-                                 "pip install 'fkv[plot]')")
+        parser.add_argument("--plot", metavar="PATH", type=output_file,
+                            help="also draw the results as a PNG, in an existing folder (needs "
+                                 "matplotlib: pip install 'fkv[plot]')")
 
 
 def save(run: Run, args: Any, *, by_default: bool = True) -> Path | None:
@@ -231,7 +239,11 @@ def load_all(folder: str | os.PathLike | None = None, bench: str | None = None) 
 
 def load_paths(folder: str | os.PathLike | None = None,
                bench: str | None = None) -> list[tuple[Path, ResultFile]]:
-    """``(path, file)`` of every result file in ``folder``, oldest first."""
+    """``(path, file)`` of every result file in ``folder``, oldest first. A ``folder`` given
+    must exist (FkvError otherwise); the default one may not (no files yet)."""
+    if folder is not None and not Path(folder).is_dir():
+        raise field_error("folder", str(folder), "an existing folder of result files",
+                          "a file" if Path(folder).exists() else "no such folder")
     folder = Path(folder) if folder is not None else default_results_dir()
     found = [(p, load(p)) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
     return sorted(((p, f) for p, f in found if bench is None or f.bench == bench),

@@ -757,53 +757,80 @@ def _link_ceilings(cfg: dict[str, Any], sizes: list[int], page: int) -> dict[int
     return out
 
 
+_BASE_CASES = (Case("link", 1, 1, "HND", "HND", strategy="nixl", contiguous=True),
+               Case("hnd-direct", 1, 2, "HND", "HND", strategy="direct"),
+               Case("nhd-staging", 1, 2, "NHD", "NHD"),
+               Case("hnd-staging", 1, 2, "HND", "HND", strategy="staging"),
+               Case("hnd-packed", 1, 2, "HND", "HND", strategy="packed"),
+               Case("nhd-packed", 1, 2, "NHD", "NHD", strategy="packed"),
+               Case("hnd-auto", 1, 2, "HND", "HND"),
+               Case("link-packed", 1, 1, "HND", "HND", strategy="packed", contiguous=True),
+               Case("hnd-ipc", 1, 2, "HND", "HND", strategy="ipc"),
+               Case("nhd-ipc", 1, 2, "NHD", "NHD", strategy="ipc"),
+               Case("hnd2nhd-ipc", 1, 2, "HND", "NHD", strategy="ipc"),
+               Case("hnd-ipc-tp1", 1, 1, "HND", "HND", strategy="ipc"))
+CASE_NAMES = tuple(c.name for c in _BASE_CASES)
+
+
+def _case_names(text: str) -> list[str]:
+    """``--cases``: a comma list of :data:`CASE_NAMES` (argparse ``type=``)."""
+    names = [t.strip() for t in text.split(",")]
+    unknown = [n for n in names if n not in CASE_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"must be a comma list of {', '.join(CASE_NAMES)} "
+                                         f"(got {text!r}: unknown {', '.join(map(repr, unknown))})")
+    return names
+
+
+def _request_sizes(args: argparse.Namespace) -> list[int]:
+    """Request sizes in blocks: ``--sizes``, else ``--request-blocks``, else half the cache."""
+    return args.sizes or [args.request_blocks or max(1, _cache_blocks(args) // 2)]
+
+
+def _cache_blocks(args: argparse.Namespace) -> int:
+    return args.blocks or (1024 if args.quick else 4096)
+
+
 def _cases(args: argparse.Namespace) -> list[Case]:
-    base = [Case("link", 1, 1, "HND", "HND", strategy="nixl", contiguous=True),
-            Case("hnd-direct", 1, 2, "HND", "HND", strategy="direct"),
-            Case("nhd-staging", 1, 2, "NHD", "NHD"),
-            Case("hnd-staging", 1, 2, "HND", "HND", strategy="staging"),
-            Case("hnd-packed", 1, 2, "HND", "HND", strategy="packed"),
-            Case("nhd-packed", 1, 2, "NHD", "NHD", strategy="packed"),
-            Case("hnd-auto", 1, 2, "HND", "HND"),
-            Case("link-packed", 1, 1, "HND", "HND", strategy="packed", contiguous=True),
-            Case("hnd-ipc", 1, 2, "HND", "HND", strategy="ipc"),
-            Case("nhd-ipc", 1, 2, "NHD", "NHD", strategy="ipc"),
-            Case("hnd2nhd-ipc", 1, 2, "HND", "NHD", strategy="ipc"),
-            Case("hnd-ipc-tp1", 1, 1, "HND", "HND", strategy="ipc")]
+    base = _BASE_CASES
     variants = args.ucx_tls.split(";") if args.ucx_tls else [""]
-    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [
-        args.request_blocks or (args.blocks or (1024 if args.quick else 4096)) // 2]
+    sizes = _request_sizes(args)
     return [Case(**{**asdict(c), "ucx_tls": v, "sizes": sizes}) for v in variants
-            for c in base if not args.cases or c.name in args.cases.split(",")]
+            for c in base if not args.cases or c.name in args.cases]
 
 
 def main(argv: list[str] | None = None) -> int:
     from fkv.bench import results
+
+    from fkv.cli import int_list, non_negative_int, positive_float, positive_int
 
     p = argparse.ArgumentParser(prog="fkv bench transfer", description=__doc__.split("\n")[0])
     results.add_output_arguments(p, plot=True)
     p.add_argument("--quick", action="store_true", help="1024 blocks, fewer repetitions")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the caches live (default: cuda when available)")
-    p.add_argument("--p-gpu", type=int, default=0, help="CUDA device of the prefill rank (default 0)")
-    p.add_argument("--d-gpu", type=int, default=0, help="CUDA device of the decode ranks (default 0)")
-    p.add_argument("--d-gpus", default="",
+    p.add_argument("--p-gpu", type=non_negative_int, default=0,
+                   help="CUDA device of the prefill rank (default 0)")
+    p.add_argument("--d-gpu", type=non_negative_int, default=0,
+                   help="CUDA device of the decode ranks (default 0)")
+    p.add_argument("--d-gpus", type=int_list(0), default=None,
                    help="comma list of CUDA devices, one per decode rank in turn (e.g. 1,0: "
                         "decode rank 0 on GPU 1, rank 1 on GPU 0); overrides --d-gpu")
-    p.add_argument("--blocks", type=int, default=None, help="blocks per cache (default 4096)")
-    p.add_argument("--request-blocks", type=int, default=None,
-                   help="blocks per request (default: half the cache)")
-    p.add_argument("--layers", type=int, default=1, help="layers per cache (default 1)")
-    p.add_argument("--sizes", default="",
-                   help="comma list of request sizes in blocks, each case run at each (e.g. "
-                        "1,16,256,2048); overrides --request-blocks")
-    p.add_argument("--reps", type=int, default=None,
+    p.add_argument("--blocks", type=positive_int, default=None,
+                   help="blocks per cache (default 4096, 1024 with --quick)")
+    p.add_argument("--request-blocks", type=positive_int, default=None,
+                   help="blocks per request, at most --blocks (default: half the cache)")
+    p.add_argument("--layers", type=positive_int, default=1, help="layers per cache (default 1)")
+    p.add_argument("--sizes", type=int_list(1), default=None,
+                   help="comma list of request sizes in blocks, each at most --blocks, each case "
+                        "run at each (e.g. 1,16,256,2048); overrides --request-blocks")
+    p.add_argument("--reps", type=positive_int, default=None,
                    help="timed reads per case (default 20, 6 with --quick)")
     p.add_argument("--stream", action="store_true",
                    help="also stream each request: the prefill computes (--compute-ms per layer) "
                         "and publishes layer after layer while the decode ranks read; reports the "
                         "tail (last layer published -> read complete)")
-    p.add_argument("--compute-ms", type=float, default=0.5,
+    p.add_argument("--compute-ms", type=positive_float, default=0.5,
                    help="prefill compute per layer when streaming (default 0.5)")
     p.add_argument("--compute-on", choices=("device", "host"), default="device",
                    help="where the streaming prefill computes: 'device' (matmuls on its GPU, which "
@@ -814,23 +841,26 @@ def main(argv: list[str] | None = None) -> int:
                         "layer's KV of the request, with write_kv, as a prefill does: the "
                         "decode then copies bytes just written) or 'none' (it only publishes: "
                         "the bytes were written when the caches were filled)")
-    p.add_argument("--cases", default="",
-                   help="comma list of link,hnd-direct,nhd-staging,hnd-staging,hnd-packed,"
-                        "nhd-packed,hnd-auto,link-packed,hnd-ipc,nhd-ipc,hnd2nhd-ipc,hnd-ipc-tp1 "
-                        "(default: all)")
+    p.add_argument("--cases", type=_case_names, default=None,
+                   help=f"comma list of {','.join(CASE_NAMES)} (default: all)")
     p.add_argument("--ucx-tls", default="",
                    help="';'-separated UCX_TLS values to try (each case under each); "
                         "default: the environment's")
     args = p.parse_args(argv)
+    blocks = _cache_blocks(args)
+    too_big = [n for n in _request_sizes(args) if n > blocks]
+    if too_big:
+        flag = "--sizes" if args.sizes else "--request-blocks"
+        p.error(f"argument {flag}: a request of {too_big[0]} blocks is larger than the cache "
+                f"({blocks} blocks, --blocks)")
     if args.device is None:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    blocks = args.blocks or (1024 if args.quick else 4096)
-    d_gpus = [int(g) for g in args.d_gpus.split(",") if g.strip()] if args.d_gpus else []
+    d_gpus = args.d_gpus or []
     cfg = {"device": args.device, "p_gpu": args.p_gpu,
            "d_gpu": d_gpus[0] if d_gpus else args.d_gpu, "d_gpus": d_gpus, "blocks": blocks,
-           "request_blocks": args.request_blocks or blocks // 2, "layers": args.layers,
+           "request_blocks": args.request_blocks or max(1, blocks // 2), "layers": args.layers,
            "reps": args.reps or (6 if args.quick else 20), "warmup": 2,
            "ttfb_reps": 5 if args.quick else 20, "stream": args.stream,
            "compute_ms": args.compute_ms, "compute_on": args.compute_on,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from fkv.cli import output_file, positive_float
 from fkv.layout import BACKENDS
 
 
@@ -51,8 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "default on one host (the demo shows NIXL moving the bytes unless this is "
                    "given)")
     p.add_argument("--seed", type=int, default=0, help="weights, prompt and block tables (default 0)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (default 600)")
-    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
+    p.add_argument("--timeout", type=positive_float, default=600.0,
+                   help="seconds for the whole run, > 0 (default 600)")
+    p.add_argument("--json", metavar="PATH", type=output_file,
+                   help="also write the summary as JSON, in an existing folder")
     return p
 
 

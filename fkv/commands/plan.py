@@ -29,6 +29,8 @@ KEYS: dict[str, tuple[type, Any]] = {
     "num_blocks": (int, 1024), "kv_heads": (int, None), "model_dtype": (str, ""),
     "protocol": (int, None), "engine": (str, None),
 }
+# int keys that must be >= 1 (the rest: rank >= 0, protocol any)
+_POSITIVE = ("tp", "heads", "head_size", "block_size", "layers", "num_blocks", "kv_heads")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -54,6 +56,7 @@ def parse_side(name: str, text: str) -> tuple[Any, Any]:
     from fkv.layout import KVCacheSpec
 
     values: dict[str, Any] = {}
+    given: dict[str, str] = {}  # key -> the item that gave it
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, sep, raw = item.partition("=")
         key = key.strip().replace("-", "_")
@@ -61,32 +64,48 @@ def parse_side(name: str, text: str) -> tuple[Any, Any]:
             raise FkvError(f"--{name}: {item!r} must be KEY=VALUE")
         if key not in KEYS:
             raise FkvError(f"--{name}: unknown key {key!r}; keys are {', '.join(KEYS)}")
+        if key in given:
+            raise FkvError(f"--{name}: key {key!r} given twice ({given[key]}, then {item}); "
+                           f"give each key once")
+        given[key] = item
         kind, raw = KEYS[key][0], raw.strip()
         if kind is int:
             try:
                 values[key] = int(raw)
             except ValueError:
                 raise FkvError(f"--{name}: {key}={raw!r} must be an integer") from None
+            least = 1 if key in _POSITIVE else 0 if key == "rank" else None
+            if least is not None and values[key] < least:
+                raise FkvError(f"--{name}: {key}={values[key]} must be "
+                               f"{'a positive' if least else 'a non-negative'} integer")
         elif kind is bool:
             if raw.lower() not in _TRUE + _FALSE:
                 raise FkvError(f"--{name}: {key}={raw!r} must be true or false")
             values[key] = raw.lower() in _TRUE
+        elif not raw and KEYS[key][1] != "":
+            raise FkvError(f"--{name}: {key}= must have a value (drop the key for its default)")
         else:
             values[key] = raw
     v = {k: d for k, (_, d) in KEYS.items()} | values
+    if v["rank"] >= v["tp"]:
+        raise FkvError(f"--{name}: rank={v['rank']} must be below tp={v['tp']} (ranks 0.."
+                       f"{v['tp'] - 1})")
     mla = v["backend"] == "mla"
     heads = v["heads"] if v["heads"] is not None else (1 if mla else 8)
     try:
         engine = EngineDesc(
-            engine_id=v["engine"] or ("decode" if name == "local" else "prefill"),
+            engine_id=(v["engine"] if v["engine"] is not None
+                       else "decode" if name == "local" else "prefill"),
             tp_size=v["tp"], tp_rank=v["rank"], total_num_kv_heads=heads, model=v["model"],
             model_dtype=v["model_dtype"],
             protocol=PROTOCOL_VERSION if v["protocol"] is None else v["protocol"])
         spec = KVCacheSpec(
             backend=v["backend"], layout=v["layout"], num_blocks=v["num_blocks"],
             block_size=v["block_size"],
-            num_kv_heads=v["kv_heads"] or (1 if mla else max(1, heads // max(1, v["tp"]))),
-            head_size=v["head_size"] or (576 if mla else 128), dtype=v["dtype"],
+            num_kv_heads=(v["kv_heads"] if v["kv_heads"] is not None
+                          else 1 if mla else max(1, heads // max(1, v["tp"]))),
+            head_size=v["head_size"] if v["head_size"] is not None else 576 if mla else 128,
+            dtype=v["dtype"],
             num_layers=v["layers"], cross_layer=v["cross_layer"])
     except FkvError as e:
         raise FkvError(f"--{name}: {e}") from None

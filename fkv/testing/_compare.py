@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from typing import Any
 
 from fkv.errors import FkvError, field_error
@@ -15,15 +18,26 @@ _INT_VIEW = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def _layers(caches: Any, spec: KVCacheSpec, name: str) -> list[Any]:
+    import torch
+
     if not isinstance(spec, KVCacheSpec):
         raise field_error(f"spec_{name}", spec, "a KVCacheSpec")
-    if hasattr(caches, "shape"):  # one layer's view
+    if isinstance(caches, torch.Tensor):  # one layer's view
         caches = [caches]
+    elif not isinstance(caches, (list, tuple)):
+        raise field_error(name, type(caches).__name__, "a list of layer views (as fkv.allocate "
+                          "returns) or one torch.Tensor when num_layers == 1")
     caches = list(caches)
     if len(caches) != spec.num_layers:
         raise FkvError(f"assert_kv_equal: {name!r} has {len(caches)} layer view(s) but spec_{name} "
                        f"has num_layers={spec.num_layers}; pass the list fkv.allocate(spec) returns")
     for i, t in enumerate(caches):
+        if not isinstance(t, torch.Tensor):
+            raise field_error(f"{name}[{i}]", type(t).__name__, "a torch.Tensor (one layer's view "
+                              "from fkv.allocate)", "convert it with torch.as_tensor")
+        if t.device.type == "meta":
+            raise field_error(f"{name}[{i}]", "a tensor on meta", "a tensor with values (on cpu "
+                              "or cuda)", "a meta tensor holds no contents to compare")
         if tuple(t.shape) != spec.logical_shape:
             raise FkvError(f"assert_kv_equal: {name}[{i}] has shape {tuple(t.shape)} but spec_{name} "
                            f"{spec!r} has logical shape {spec.logical_shape}")
@@ -36,24 +50,55 @@ def _layers(caches: Any, spec: KVCacheSpec, name: str) -> list[Any]:
 def _ids(ids: Any, spec: KVCacheSpec, name: str) -> list[int]:
     if ids is None:
         return list(range(spec.num_blocks))
-    out = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+    field = f"block_ids_{name}"
+    try:
+        values = ids.tolist() if hasattr(ids, "tolist") else ids
+        if isinstance(values, (str, bytes)):
+            raise TypeError
+        out = []
+        for i in values:
+            if isinstance(i, bool):
+                raise TypeError
+            out.append(operator.index(i))
+    except TypeError:
+        raise field_error(field, ids, "a 1-D sequence or tensor of int block ids") from None
     bad = [i for i in out if not 0 <= i < spec.num_blocks]
     if bad:
-        raise field_error(f"block_ids_{name}", bad[0], f"a block id in [0, {spec.num_blocks})")
+        raise field_error(field, bad[0], f"a block id in [0, {spec.num_blocks})")
     return out
 
 
 def _heads(heads: Any, spec: KVCacheSpec, name: str) -> tuple[int, int]:
-    if heads is None:
-        return 0, spec.num_kv_heads
-    lo, hi = heads
-    if not 0 <= lo < hi <= spec.num_kv_heads:
-        raise field_error(f"heads_{name}", heads, f"a range (lo, hi) inside [0, {spec.num_kv_heads}]")
-    return int(lo), int(hi)
+    """``(lo, hi)`` of a head range: None (all), a ``(lo, hi)`` pair or a step-1 ``slice``, as
+    the ops take them (:func:`fkv.ops.relayout._heads`)."""
+    from fkv.ops.relayout import _heads as ops_heads
+
+    return ops_heads(heads, spec, f"heads_{name}")
+
+
+def _num_tokens(num_tokens: Any) -> int | None:
+    if num_tokens is None:
+        return None
+    try:
+        if isinstance(num_tokens, bool):
+            raise TypeError
+        value = operator.index(num_tokens)
+    except TypeError:
+        raise field_error("num_tokens", num_tokens, "None or an int >= 0") from None
+    if value < 0:
+        raise field_error("num_tokens", num_tokens, "None or an int >= 0")
+    return value
+
+
+def _tolerance(value: Any, name: str) -> float:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0):
+        raise field_error(name, value, "a finite number >= 0")
+    return float(value)
 
 
 def token_major(layer: Any, spec: KVCacheSpec, block_ids: Any = None,
-                heads: tuple[int, int] | None = None, num_tokens: int | None = None,
+                heads: tuple[int, int] | slice | None = None, num_tokens: int | None = None,
                 _name: str = "a") -> Any:
     """One layer's cache as ``[tokens, 2, heads, head_size]`` (MLA: ``[tokens, 1, 1, D]``).
 
@@ -66,6 +111,11 @@ def token_major(layer: Any, spec: KVCacheSpec, block_ids: Any = None,
     """
     import torch
 
+    if not isinstance(spec, KVCacheSpec):
+        raise field_error("spec", spec, "a KVCacheSpec")
+    if not isinstance(layer, torch.Tensor):
+        raise field_error("layer", type(layer).__name__, "a torch.Tensor (one layer's view from "
+                          "fkv.allocate)")
     axes = spec.logical_axes
     present = [a for a in _CANONICAL if a in axes]
     t = layer.permute(*[axes.index(a) for a in present])
@@ -75,7 +125,8 @@ def token_major(layer: Any, spec: KVCacheSpec, block_ids: Any = None,
     lo, hi = _heads(heads, spec, _name)
     t = t[ids][:, :, :, lo:hi]  # blocks, N, two, heads, C
     t = t.reshape(-1, *t.shape[2:])
-    return t if num_tokens is None else t[:num_tokens]
+    n = _num_tokens(num_tokens)
+    return t if n is None else t[:n]
 
 
 def _comparable(t: Any, exact: bool) -> Any:
@@ -89,7 +140,8 @@ def _comparable(t: Any, exact: bool) -> Any:
 
 def assert_kv_equal(a: Any, spec_a: KVCacheSpec, b: Any, spec_b: KVCacheSpec, *,
                     block_ids_a: Any = None, block_ids_b: Any = None, num_tokens: int | None = None,
-                    heads_a: tuple[int, int] | None = None, heads_b: tuple[int, int] | None = None,
+                    heads_a: tuple[int, int] | slice | None = None,
+                    heads_b: tuple[int, int] | slice | None = None,
                     atol: float = 0.0, rtol: float = 0.0) -> None:
     """Assert two caches hold the same K/V values, whatever their layouts and backends.
 
@@ -98,12 +150,16 @@ def assert_kv_equal(a: Any, spec_a: KVCacheSpec, b: Any, spec_b: KVCacheSpec, *,
     match; with ``block_ids_a``/``block_ids_b`` (and ``num_tokens``) one request's tokens are
     compared, so block sizes and counts may differ (token ``i`` lives in block
     ``block_ids[i // block_size]`` slot ``i % block_size``). ``heads_a``/``heads_b`` compare head
-    ranges, e.g. a decode rank's heads against the matching slice of a prefill rank's.
+    ranges, ``(lo, hi)`` or ``slice(lo, hi)`` as the ops take them, e.g. a decode rank's heads
+    against the matching slice of a prefill rank's.
 
-    With ``atol == rtol == 0`` (default) the comparison is bitwise (NaN poison equals itself;
-    dtypes must match); otherwise values are compared as float64 with ``torch.isclose`` (NaNs equal).
+    ``atol`` and ``rtol`` are finite numbers >= 0. With ``atol == rtol == 0`` (default) the
+    comparison is bitwise (NaN poison equals itself; dtypes must match); otherwise values are
+    compared as float64 with ``torch.isclose`` (NaNs equal).
 
-    Raises AssertionError naming the first difference (layer, block and slot on each side, K or V,
+    Raises FkvError naming the argument on bad input (caches that are not torch tensors or hold
+    no values, block ids or ``num_tokens`` that are not ints, a bad head range or tolerance), and
+    AssertionError naming the first difference (layer, block and slot on each side, K or V,
     token, head, channel) with both values, and how many elements differ.
 
     >>> import fkv, torch
@@ -122,6 +178,8 @@ def assert_kv_equal(a: Any, spec_a: KVCacheSpec, b: Any, spec_b: KVCacheSpec, *,
     la, lb = _layers(a, spec_a, "a"), _layers(b, spec_b, "b")
     ids_a, ids_b = _ids(block_ids_a, spec_a, "a"), _ids(block_ids_b, spec_b, "b")
     ha, hb = _heads(heads_a, spec_a, "a"), _heads(heads_b, spec_b, "b")
+    num_tokens = _num_tokens(num_tokens)
+    atol, rtol = _tolerance(atol, "atol"), _tolerance(rtol, "rtol")
     exact = atol == 0 and rtol == 0
     if spec_a.is_mla != spec_b.is_mla:
         raise FkvError(f"assert_kv_equal: cannot compare an MLA cache with a K/V cache "
@@ -141,8 +199,8 @@ def assert_kv_equal(a: Any, spec_a: KVCacheSpec, b: Any, spec_b: KVCacheSpec, *,
                        + ("; pass atol/rtol to compare values of different dtypes"
                           if "dtype" in facts and facts["dtype"][0] != facts["dtype"][1] else ""))
     cap = min(len(ids_a) * spec_a.block_size, len(ids_b) * spec_b.block_size)
-    n = cap if num_tokens is None else int(num_tokens)
-    if not 0 <= n <= cap:
+    n = cap if num_tokens is None else num_tokens
+    if n > cap:
         raise field_error("num_tokens", num_tokens, f"at most {cap} (the tokens both block lists hold)")
     for layer, (ta, tb) in enumerate(zip(la, lb)):
         xa = _comparable(token_major(ta, spec_a, ids_a, ha, n), exact)
