@@ -66,22 +66,23 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def _existing(text: str, folder: bool) -> Path:
+    path = Path(text)
+    if not (path.is_dir() if folder else path.is_file()):
+        kind, other = ("folder", "file") if folder else ("file", "folder")
+        what = f"a {other}" if path.exists() else f"no such {kind}"
+        raise argparse.ArgumentTypeError(f"must be an existing {kind} (got {text!r}: {what})")
+    return path
+
+
 def existing_folder(text: str) -> Path:
     """A folder that exists (something to read)."""
-    path = Path(text)
-    if not path.is_dir():
-        what = "a file" if path.exists() else "no such folder"
-        raise argparse.ArgumentTypeError(f"must be an existing folder (got {text!r}: {what})")
-    return path
+    return _existing(text, folder=True)
 
 
 def existing_file(text: str) -> Path:
     """A file that exists (something to read)."""
-    path = Path(text)
-    if not path.is_file():
-        what = "a folder" if path.is_dir() else "no such file"
-        raise argparse.ArgumentTypeError(f"must be an existing file (got {text!r}: {what})")
-    return path
+    return _existing(text, folder=False)
 
 
 def output_file(text: str) -> str:

@@ -237,9 +237,9 @@ _HEADS = ("slice(start, stop) or a (start, stop) pair of ints with 0 <= start < 
     (dict(heads_b=1), f"'heads_b' must be a {_HEADS} (got 1)"),
     (dict(heads_a=slice(0, 2, 2)), f"'heads_a' must be a {_HEADS} (got slice(0, 2, 2)); heads "
                                    f"are one contiguous range: drop the step (e.g. slice(0, 2))"),
-    (dict(num_tokens=2.9), "'num_tokens' must be None or an int >= 0 (got 2.9)"),
-    (dict(num_tokens="2"), "'num_tokens' must be None or an int >= 0 (got '2')"),
-    (dict(num_tokens=-1), "'num_tokens' must be None or an int >= 0 (got -1)"),
+    (dict(num_tokens=2.9), "'num_tokens' must be a non-negative int (got 2.9)"),
+    (dict(num_tokens="2"), "'num_tokens' must be a non-negative int (got '2')"),
+    (dict(num_tokens=-1), "'num_tokens' must be a non-negative int (got -1)"),
     (dict(atol=float("nan")), "'atol' must be a finite number >= 0 (got nan)"),
     (dict(atol=-1.0), "'atol' must be a finite number >= 0 (got -1.0)"),
     (dict(atol="0.1"), "'atol' must be a finite number >= 0 (got '0.1')"),

@@ -77,17 +77,10 @@ def _heads(heads: Any, spec: KVCacheSpec, name: str) -> tuple[int, int]:
 
 
 def _num_tokens(num_tokens: Any) -> int | None:
-    if num_tokens is None:
-        return None
-    try:
-        if isinstance(num_tokens, bool):
-            raise TypeError
-        value = operator.index(num_tokens)
-    except TypeError:
-        raise field_error("num_tokens", num_tokens, "None or an int >= 0") from None
-    if value < 0:
-        raise field_error("num_tokens", num_tokens, "None or an int >= 0")
-    return value
+    """None (every token the ids hold), or a token count checked as the ops check theirs."""
+    from fkv.ops.relayout import _num_tokens as ops_num_tokens
+
+    return None if num_tokens is None else ops_num_tokens(num_tokens, 0, {})
 
 
 def _tolerance(value: Any, name: str) -> float:
