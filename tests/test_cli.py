@@ -93,13 +93,13 @@ def test_report_refuses_a_json_that_is_not_a_result_file(
 
 def test_report_refuses_missing_documents_and_nothing_to_do(
         tmp_path: Path, sample_dir: Path, doc: Path, capsys: pytest.CaptureFixture) -> None:
-    missing = tmp_path / "nonexistent.md"
+    missing = tmp_path / "nonexistent-doc.txt"
     assert _error(capsys, ["bench", "report", "--check", "--docs", str(missing)]) == (
         f"fkv bench report: error: argument --docs: must be an existing file "
         f"(got '{missing}': no such file)")
     assert _error(capsys, ["bench", "report", "--results", str(sample_dir), "--docs"]) == (
         "fkv bench report: error: --docs names no document and --plots no folder: nothing to do")
-    bad = tmp_path / "bad.md"
+    bad = tmp_path / "bad-doc.txt"
     bad.write_text("<!-- fkv-report:nope -->\n<!-- /fkv-report -->\n")
     line = _error(capsys, ["bench", "report", "--results", str(sample_dir), "--docs", str(doc),
                            str(bad)])

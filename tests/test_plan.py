@@ -746,7 +746,7 @@ def test_cli_plan_rejects_with_every_reason(capsys):
     (["--local", "tp", "--remote", "tp=1"], "--local: 'tp' must be KEY=VALUE"),
     (["--local", "tp=1", "--remote", "cross_layer=maybe"], "--remote: cross_layer='maybe' must be true"),
     (["--local", "backend=mla,kv_heads=2", "--remote", "tp=1"], "--local: 'num_kv_heads' must be 1"),
-    (["--local", "tp=2,rank=2", "--remote", "tp=1"], r"--local: 'tp_rank' must be in \[0, tp_size=2\)"),
+    (["--local", "tp=2,rank=2", "--remote", "tp=1"], r"--local: rank=2 must be below tp=2 \(ranks 0\.\.1\)"),
     (["--local", "tp=1", "--remote", "tp=1", "--blocks", "0"], "--blocks must be >= 1"),
     (["--local", "tp=1"], "required: --remote"),
 ])
