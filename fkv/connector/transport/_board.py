@@ -200,11 +200,9 @@ class Board:
         """Whether the file still has the board's size (a store into a page someone truncated
         away would be a fault); once it shrank, the board is written no more."""
         fd = self._fd
-        try:
+        with contextlib.suppress(OSError):  # a descriptor that fails fstat: stop writing too
             if fd is not None and os.fstat(fd).st_size >= _BYTES:
                 return True
-        except OSError:
-            pass
         for view in (self._words, self._seq):
             if view is not None:
                 view.release()
