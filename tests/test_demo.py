@@ -149,10 +149,13 @@ def test_usage_errors_exit_2(capsys):
     assert main(["demo", "--tokens", "0"]) == 2
     assert main(["demo", "--decode-layout", "NDH"]) == 2
     assert main(["demo", "--device", "tpu"]) == 2
+    assert main(["demo", "--decode-head-size", "-3"]) == 2
     out = capsys.readouterr()
-    assert "--tokens must be a positive int (got 0)" in out.out
-    assert "'layout' must be in ('NHD', 'HND')" in " ".join(out.out.split())
+    assert out.out == ""  # usage errors go to stderr, as argparse's own
+    assert "argument --tokens: must be a positive integer (got 0)" in out.err
+    assert "fkv demo: error: 'layout' must be in ('NHD', 'HND')" in " ".join(out.err.split())
     assert "invalid choice: 'tpu'" in out.err
+    assert "argument --decode-head-size: must be a positive integer (got -3)" in out.err
 
 
 def _run_demo(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:

@@ -852,18 +852,22 @@ def test_bad_fp8_inputs(fn) -> None:
 @pytest.mark.parametrize("which", ["k_scale", "v_scale"])
 def test_fp8_scales_must_be_finite_and_positive(which: str, value: float) -> None:
     """A NaN, zero, negative or infinite scale stores NaN, saturated, sign-flipped or zero bytes:
-    refused when validating (the CPU default), before anything is written (repeat calls too)."""
+    refused when validating (the CPU default), before anything is written (repeat calls too),
+    by the kernel and by the reference alike; ``validate=False`` skips the value check."""
     spec = make_spec("triton", "HND", dtype="float8_e4m3fn")
-    caches, untouched = poisoned(spec, "cpu"), poisoned(spec, "cpu")
     key, value_in, scales = inputs(spec, 5, "cpu")
     slots = torch.arange(5)
-    write_kv(key, value_in, poisoned(spec, "cpu")[0], slots, spec, **scales)  # a checked signature
     bad = {**scales, which: torch.tensor([value])}
-    for _ in range(2):
-        with pytest.raises(FkvError) as e:
-            write_kv(key, value_in, caches[0], slots, spec, **bad)
-        assert str(e.value) == f"'{which}' must be a finite scale > 0 (got {value!r})"
-    assert_same_bytes(caches, untouched)
+    for fn in (write_kv, reference.write_kv):
+        caches, untouched = poisoned(spec, "cpu"), poisoned(spec, "cpu")
+        fn(key, value_in, poisoned(spec, "cpu")[0], slots, spec, **scales)  # a checked signature
+        for _ in range(2):
+            with pytest.raises(FkvError) as e:
+                fn(key, value_in, caches[0], slots, spec, **bad)
+            assert str(e.value) == f"'{which}' must be a finite scale > 0 (got {value!r})"
+        assert_same_bytes(caches, untouched)
+    reference.write_kv(key, value_in, caches[0], slots, spec, **bad, validate=False)
+    assert not torch.equal(caches[0].view(torch.uint8), untouched[0].view(torch.uint8))
 
 
 @pytest.mark.parametrize("validate", ["no", 0, 1.0])
@@ -871,10 +875,11 @@ def test_validate_must_be_a_bool_or_none(validate: Any) -> None:
     spec = make_spec("triton", "NHD")
     caches, untouched = poisoned(spec, "cpu"), poisoned(spec, "cpu")
     key, value, _ = inputs(spec, 5, "cpu")
-    with pytest.raises(FkvError) as e:
-        write_kv(key, value, caches[0], torch.arange(5), spec, validate=validate)
-    assert str(e.value) == (f"'validate' must be True, False or None (None: the default) "
-                            f"(got {validate!r})")
+    for fn in (write_kv, reference.write_kv):
+        with pytest.raises(FkvError) as e:
+            fn(key, value, caches[0], torch.arange(5), spec, validate=validate)
+        assert str(e.value) == (f"'validate' must be True, False or None (None: the default) "
+                                f"(got {validate!r})")
     assert_same_bytes(caches, untouched)
 
 

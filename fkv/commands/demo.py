@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from fkv.cli import output_file, positive_float
+from fkv.cli import output_file, positive_float, positive_int
 from fkv.layout import BACKENDS
 
 
@@ -21,23 +21,23 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "(any layouts and block sizes), greedy decoding there, and the tokens, logits and "
         "transferred KV checked against the same model in one process. Exit 0 when they match, "
         "1 when they diverge, 3 when fkv refuses the pairing.")
-    p.add_argument("--prefill-tp", type=int, default=1, help="prefill ranks (default 1)")
-    p.add_argument("--decode-tp", type=int, default=2, help="decode ranks (default 2)")
+    p.add_argument("--prefill-tp", type=positive_int, default=1, help="prefill ranks (default 1)")
+    p.add_argument("--decode-tp", type=positive_int, default=2, help="decode ranks (default 2)")
     p.add_argument("--prefill-layout", default="HND", help="NHD, HND or an alias (default HND)")
     p.add_argument("--decode-layout", default="HND", help="NHD, HND or an alias (default HND)")
     p.add_argument("--backend", default="triton", choices=[b for b in BACKENDS if b != "mla"],
                    help="cache backend layout family of both engines (default triton)")
-    p.add_argument("--prefill-block-size", type=int, default=16,
+    p.add_argument("--prefill-block-size", type=positive_int, default=16,
                    help="tokens per prefill block (default 16)")
-    p.add_argument("--decode-block-size", type=int, default=16,
+    p.add_argument("--decode-block-size", type=positive_int, default=16,
                    help="tokens per decode block (default 16)")
-    p.add_argument("--tokens", type=int, default=64, help="prompt length (default 64)")
-    p.add_argument("--new-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    p.add_argument("--tokens", type=positive_int, default=64, help="prompt length (default 64)")
+    p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens to generate (default 16)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu runs the Triton kernels in the interpreter (default cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="KV cache dtype (the model computes in float32; default float32)")
-    p.add_argument("--decode-head-size", type=int, default=None, metavar="N",
+    p.add_argument("--decode-head-size", type=positive_int, default=None, metavar="N",
                    help="give the decode engine another head size: a pairing fkv refuses (exit 3)")
     p.add_argument("--corrupt", action="store_true",
                    help="damage one received KV value to show the check catches it (exit 1)")
@@ -70,12 +70,6 @@ def run(args: argparse.Namespace) -> int:
     from fkv.errors import FkvError
 
     console = Console()
-    for name in ("prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size", "tokens",
-                 "new_tokens"):
-        if getattr(args, name) < 1:
-            console.print(f"[red]fkv demo: --{name.replace('_', '-')} must be a positive int "
-                          f"(got {getattr(args, name)})[/]")
-            return 2
     try:
         cfg = DemoConfig(prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                          prefill_layout=args.prefill_layout, decode_layout=args.decode_layout,
@@ -87,6 +81,6 @@ def run(args: argparse.Namespace) -> int:
                          same_host_copies=args.same_host_copies)
         cfg.spec("prefill"), cfg.spec("decode")  # validates layouts and sizes
     except FkvError as e:
-        console.print(f"[red]fkv demo: {e}[/]")
+        Console(stderr=True).print(f"[red]fkv demo: error: {e}[/]")
         return 2
     return run_demo(cfg, console=console, json_path=args.json)

@@ -12,6 +12,7 @@ import einops
 import torch
 
 from fkv.layout import KVCacheSpec
+from fkv.ops._spec import check_scale_values
 from fkv.ops.attention import check_attention_inputs, check_attention_values
 
 __all__ = ["attend", "paged_attention"]
@@ -56,6 +57,9 @@ def attend(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table:
                                   sliding_window=sliding_window, softcap=softcap,
                                   k_scale=k_scale, v_scale=v_scale)
     check_attention_values(spec, block_table, seq_lens, query_start_loc, prob.num_q_tokens)
+    if spec.is_fp8:  # floats were checked above; tensors' values here, as the kernel validates
+        check_scale_values(**{name: s for name, s in (("k_scale", k_scale), ("v_scale", v_scale))
+                              if isinstance(s, torch.Tensor)})
     keys, values = _keys_values(cache, spec)
     ks = _scale_value(k_scale, acc_dtype) if spec.is_fp8 else 1.0
     vs = _scale_value(v_scale, acc_dtype) if spec.is_fp8 else 1.0

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fkv.errors import FkvError
 from fkv.layout import KVCacheSpec
-from fkv.ops._spec import check_cache, join_kv_views
+from fkv.ops._spec import check_cache, check_scale_values, check_validate, join_kv_views
 from fkv.tensors import require_torch, torch_dtype
 
 if TYPE_CHECKING:
@@ -167,7 +167,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
     view of ``spec`` (triton/flashinfer ``(NB, 2, N, H, D)``, flash_attn ``(2, NB, N, H, D)``, mla
     ``(NB, N, D)``, in NHD or HND strides) or its ``(key_cache, value_cache)`` halves; negative slots write nothing; fp8 caches store
     ``x / scale`` saturated to the fp8 range. ``validate`` (default: on for CPU tensors) raises on
-    slots ``>= num_blocks * block_size``; with it off such tokens are skipped.
+    slots ``>= num_blocks * block_size`` and fp8 scales that are not finite and > 0; with it off
+    such tokens are skipped.
 
     >>> import torch
     >>> from fkv import KVCacheSpec, allocate
@@ -179,12 +180,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
     (True, True)
     """
     torch = require_torch()
+    check_validate(validate)
     cache = join_kv_views(cache, spec)
     ins = check_write_inputs(key, value, cache, slot_mapping, spec, k_scale, v_scale)
     if validate is None:
         validate = slot_mapping.device.type == "cpu"
     if validate:
         check_slots(slot_mapping, spec)
+        if ins.quantize:
+            check_scale_values(k_scale=ins.k_scale, v_scale=None if spec.is_mla else ins.v_scale)
     slots = slot_mapping[:ins.num_tokens].long()
     keep = (slots >= 0) & (slots < spec.num_blocks * spec.block_size)
     rows = torch.nonzero(keep).flatten()
