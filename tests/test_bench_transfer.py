@@ -92,3 +92,21 @@ def test_the_transfer_bench_streams_a_request_on_the_cpu(tmp_path):
     assert m["stream_tail_ms"] > 0 and m["layer_ms"] > 0
     assert m["stream_landed_ms"] <= m["stream_tail_ms"]
     assert m["tail_over_layer_x"] == pytest.approx(m["stream_tail_ms"] / m["layer_ms"])
+    assert m["stream_layer_ms"] > 0
+    assert m["tail_over_streamed_layer_x"] == pytest.approx(m["stream_tail_ms"]
+                                                            / m["stream_layer_ms"])
+
+
+def test_a_streamed_layer_is_timed_from_its_publish_to_its_landing_on_every_rank():
+    """``stream_layer_ms``: per request and middle layer, the slowest decode rank's landing
+    minus the publish; the median of those, in ms. The first and the last layer are left out."""
+    from fkv.bench.transfer import _streamed_layer_ms
+
+    published = [[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0]]
+    landed = [  # decode rank 0, rank 1: per request, per layer
+        [[0.5, 1.001, 2.004, 9.0], [10.5, 11.002, 12.003, 19.0]],
+        [[0.7, 1.003, 2.002, 9.0], [10.6, 11.001, 12.001, 19.0]],
+    ]
+    # the middle layers took 3 and 4 ms (request 0), 2 and 3 ms (request 1), on the slower rank
+    assert _streamed_layer_ms(landed, published) == pytest.approx(3.0)
+    assert _streamed_layer_ms([[[0.5, 1.0]]], [[0.0, 0.5]]) == 0.0  # two layers: no middle one

@@ -78,6 +78,7 @@ class Case:
     stream_profile: dict[str, list[float]] = field(default_factory=dict)  # streamed reads' stages
     stream_cpu_ms: float = 0.0   # CPU time of a decode rank's process during one streamed read
     layer_ms: float = 0.0        # one layer's share of the same request's non-streamed read
+    stream_layer_ms: float = 0.0  # a middle layer's publish -> landed on every decode rank
     # results
     plan_strategy: str = ""
     rows_by: str = ""  # who copies the plan's rows: "nixl" (READs) or "process_vm_readv"
@@ -344,11 +345,12 @@ def _prefill_stream(server: Any, conn: Any, cfg: dict[str, Any], dev: Any, sbarr
         _, remote = _stream_blocks(cfg, n)
         write = _stream_writer(spec, caches, dev, remote) \
             if cfg.get("stream_write", "kv") == "kv" and caches is not None else None
-        lasts = []
+        lasts, pubs = [], []
         for rep in range(cfg["stream_reps"]):
             rid = f"st-{n}-{rep}"
             server.hold(rid, remote, layers_ready=0)
             sbarrier.wait()
+            published = []  # when each publish call returned (a layer's own transfer starts)
             for layer in range(cfg["layers"]):
                 compute()
                 if write is not None:
@@ -358,10 +360,12 @@ def _prefill_stream(server: Any, conn: Any, cfg: dict[str, Any], dev: Any, sbarr
                     event = torch.cuda.Event()
                     event.record()
                 server.publish(rid, layer + 1, event=event)
+                published.append(time.perf_counter())
             if dev.type == "cuda":
                 event.synchronize()
             lasts.append(time.perf_counter())
-        out.append(lasts)
+            pubs.append(published)
+        out.append((lasts, pubs))
     return out
 
 
@@ -387,11 +391,12 @@ def _prefill_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any],
         packs = _trace_packs_prefill()
         with serve(_engine("bench-p", 1, 0), spec, caches, lease=600.0) as server:
             _send(conn, address=server.address)
-            lasts = _prefill_stream(server, conn, cfg, dev, sbarrier, spec, caches) \
+            streamed = _prefill_stream(server, conn, cfg, dev, sbarrier, spec, caches) \
                 if cfg.get("stream") else []
             _recv(conn)  # stop
             _send(conn, pending=len(server.pending()), errors=list(server.errors)[-3:], stats=stats,
-                  stream_lasts=lasts, packs=packs)
+                  stream_lasts=[lasts for lasts, _ in streamed],
+                  stream_pubs=[pubs for _, pubs in streamed], packs=packs)
     except Exception as e:
         _send(conn, error=f"{type(e).__name__}: {e}")
 
@@ -491,6 +496,7 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         stream_ends: list[list[float]] = []
         stream_news: list[list[float]] = []    # when the last layer's news reached this rank
         stream_landed: list[list[float]] = []  # when the last layer landed
+        stream_layers: list[list[list[float]]] = []  # when each layer landed
         stream_cpu: list[list[float]] = []     # the process's CPU seconds during each read
         stream_stats: dict[int, Any] = {}       # the stages' timers during the streamed reads
         if cfg.get("stream"):
@@ -507,7 +513,7 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
             Watch.beyond = timed_beyond  # type: ignore[method-assign]
             for n in case["sizes"]:
                 local, remote = _stream_blocks(cfg, n)
-                ends, heard, landed, cpu = [], [], [], []
+                ends, heard, landed, cpu, layers = [], [], [], [], []
                 for seconds in stats.values():
                     seconds.clear()
                 for rep in range(cfg["stream_reps"]):
@@ -522,7 +528,9 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
                         raise RuntimeError(f"streamed read failed: {r.error}")
                     heard.append(news[-1] if news else ends[-1])
                     landed.append(t0 + r.layer_seconds[-1])
+                    layers.append([t0 + s for s in r.layer_seconds])
                 stream_ends.append(ends)
+                stream_layers.append(layers)
                 stream_news.append(heard)
                 stream_landed.append(landed)
                 stream_cpu.append(cpu)
@@ -530,7 +538,8 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         rows_by = "process_vm_readv" if "process_vm_readv" in client.describe() else "nixl"
         _send(conn, strategy=client.plan.strategy, rows_by=rows_by, runs=runs_by_size, ttfb=ttfb,
               stats=stats_by_size, packs=packs_by_size, first_read=first, stream_ends=stream_ends,
-              stream_news=stream_news, stream_landed=stream_landed, stream_cpu=stream_cpu,
+              stream_news=stream_news, stream_landed=stream_landed, stream_layers=stream_layers,
+              stream_cpu=stream_cpu,
               stream_stats=stream_stats)
         client.close()
     except Exception as e:
@@ -616,6 +625,8 @@ def _run_case(cfg: dict[str, Any], case: Case) -> list[Case]:
                 c.stream_tail_ms = after_last("stream_ends")
                 c.stream_news_ms = after_last("stream_news")
                 c.stream_landed_ms = after_last("stream_landed")
+                c.stream_layer_ms = _streamed_layer_ms(
+                    [o["stream_layers"][k] for o in outs], bye["stream_pubs"][k])
                 c.stream_cpu_ms = 1e3 * max(statistics.median(o["stream_cpu"][k]) for o in outs)
                 c.stream_return_ms = 1e3 * statistics.median(
                     max(o["stream_ends"][k][i] - o["stream_landed"][k][i] for o in outs)
@@ -630,6 +641,17 @@ def _run_case(cfg: dict[str, Any], case: Case) -> list[Case]:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+
+
+def _streamed_layer_ms(landed: list[list[list[float]]], published: list[list[float]]) -> float:
+    """Median ms from a layer's publish to its landing on every decode rank, over the streamed
+    requests and their middle layers (the first waits for the read to start, the last is the
+    tail's): what moving one layer takes once it is written, with the news of it. ``landed``:
+    per decode rank, per request, when each layer landed; ``published``: per request, when each
+    publish returned. 0.0 with fewer than 3 layers."""
+    spans = [1e3 * (max(rank[i][layer] for rank in landed) - pubs[layer])
+             for i, pubs in enumerate(published) for layer in range(1, len(pubs) - 1)]
+    return statistics.median(spans) if spans else 0.0
 
 
 def _profile(prefill: dict[str, list[float]], decode: list[dict[str, list[float]]], reps: int
@@ -899,7 +921,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row.gbps:7.2f} GB/s (repeat {row.repeat_gbps:.2f}), "
                      f"{row.ms:.3f} ms/read, first read {row.first_read_ms:.1f} ms"
                      + (f"; streamed tail {row.stream_tail_ms:.3f} ms (one layer "
-                        f"{row.layer_ms:.3f} ms; news {row.stream_news_ms:.3f}, landed "
+                        f"{row.layer_ms:.3f} ms of the read, {row.stream_layer_ms:.3f} ms "
+                        f"streamed; news {row.stream_news_ms:.3f}, landed "
                         f"{row.stream_landed_ms:.3f}, returned +{row.stream_return_ms:.3f}; "
                         f"decode CPU {row.stream_cpu_ms:.1f} ms per "
                         f"read)" if cfg["stream"] and not row.error
@@ -954,7 +977,10 @@ def main(argv: list[str] | None = None) -> int:
                         "stream_landed_ms": c.stream_landed_ms,
                         "stream_cpu_ms": c.stream_cpu_ms,
                         "stream_return_ms": c.stream_return_ms,
+                        "stream_layer_ms": c.stream_layer_ms or None,
                         "tail_over_layer_x": c.stream_tail_ms / c.layer_ms if c.layer_ms else None,
+                        "tail_over_streamed_layer_x": c.stream_tail_ms / c.stream_layer_ms
+                        if c.stream_layer_ms else None,
                         "nonstreamed_over_tail_x": c.ms / c.stream_tail_ms
                         if c.stream_tail_ms else None} if cfg["stream"] else {})},
                 error=c.error,
