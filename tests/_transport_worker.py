@@ -297,6 +297,8 @@ class Worker:
         state = self.clients[name]._state
         packed = state.packed
         plan_path = getattr(state, "plan_path", None)
+        if result.strategy == "direct" and getattr(state, "direct", None) is not None:
+            plan_path = state.direct  # a staging plan's small request, copied on one host
         return {"result_ok": result.ok, "bytes": result.bytes, "descriptors": result.descriptors,
                 "error": result.error, "read_seconds": result.seconds, "path": result.strategy,
                 "started_at": ended - result.seconds, "layer_seconds": list(result.layer_seconds),

@@ -271,16 +271,30 @@ VARIANTS = {
 }
 
 
-def _matrix_case(cluster: Any, ptp: int, dtp: int, variant: str, device: str = "cpu",
-                 rows_by: str = "process_vm_readv") -> None:
-    """``rows_by``: who copies the plan's rows on CPU, the decode rank itself
-    (``process_vm_readv``, the same-host default) or NIXL READs (``FKV_CMA=0``)."""
-    pover, dover, connect_kw, strategy = VARIANTS[variant]
+def _matrix_strategy(variant: str, ptp: int, dtp: int) -> str:
+    """The strategy the handshake plans for a matrix variant."""
+    strategy = VARIANTS[variant][3]
     if strategy is None:  # NHD: a head slice is not contiguous, so heterogeneous TP stages
         strategy = "direct" if ptp == dtp else "staging"
+    return strategy
+
+
+def _matrix_case(cluster: Any, ptp: int, dtp: int, variant: str, device: str = "cpu",
+                 rows_by: str = "process_vm_readv", direct_rows: str | None = None) -> None:
+    """``rows_by``: who copies the plan's rows on CPU, the decode rank itself
+    (``process_vm_readv``, the same-host default) or NIXL READs (``FKV_CMA=0``).
+    ``direct_rows``: the decode ranks' ``FKV_CMA_DIRECT_ROWS`` (None: the default, under which
+    this small request of a staging plan copies the direct plan's rows on one host)."""
+    pover, dover, connect_kw, _ = VARIANTS[variant]
+    strategy = _matrix_strategy(variant, ptp, dtp)
     pspec, dspec = spec_dict(tp=ptp, **pover), spec_dict(tp=dtp, **dover)
+    d_env = {"FKV_CMA": "0"} if rows_by == "nixl" else {}
+    if direct_rows is not None:
+        d_env["FKV_CMA_DIRECT_ROWS"] = direct_rows
+    sibling = (device == "cpu" and rows_by == "process_vm_readv" and strategy == "staging"
+               and direct_rows != "0" and "strategy" not in connect_kw)
     pair = Pair(cluster, ptp, dtp, pspec, dspec, connect_kw=connect_kw, device=device,
-                d_env={"FKV_CMA": "0"} if rows_by == "nixl" else None)
+                d_env=d_env or None)
     try:
         assert {c["strategy"] for c in pair.connected} == {strategy}
         if device == "cpu":
@@ -288,16 +302,27 @@ def _matrix_case(cluster: Any, ptp: int, dtp: int, variant: str, device: str = "
                     if line.startswith("same")]
             pids = [", ".join(f"P{r} pid {pair.P[r].pid}" for r in c["remote_ranks"])
                     for c in pair.connected]  # each decode rank names the ranks it reads
-            assert said == ([f"same host: {strategy}: the plan's rows copied with "
-                             f"process_vm_readv from the prefill processes ({p})" for p in pids]
-                            if rows_by == "process_vm_readv" else
-                            ["same-host copies off (FKV_CMA=0): NIXL READs"] * dtp)
+            copied = "copied with process_vm_readv from the prefill processes"
+            if rows_by != "process_vm_readv":
+                assert said == ["same-host copies off (FKV_CMA=0): NIXL READs"] * dtp
+            elif sibling:
+                assert said[0::2] == [f"same host: staging: the plan's rows {copied} ({p})"
+                                      for p in pids]
+                for line, p in zip(said[1::2], pids, strict=True):
+                    assert re.fullmatch(
+                        rf"same host, a request of at most 1024 direct rows per layer \([\d.]+ per "
+                        rf"remote block\): direct: the direct plan's rows {copied} \({p}\)",
+                        line), line
+            else:
+                assert said == [f"same host: {strategy}: the plan's rows {copied} ({p})"
+                                for p in pids]
         tokens = 4 * 4 - 2  # a partial last block
         local, remote = request_blocks(pspec, dspec, tokens)
         for p in pair.P:
             p.call("hold", name=pair.name, request_id="r1", blocks=remote)
         results = pair.read_all("r1", local, remote, num_tokens=tokens)
         assert [r["result_ok"] for r in results] == [True] * dtp, results
+        assert {r["path"] for r in results} == {"direct" if sibling else strategy}
         # ipc moves with kernels, not NIXL descriptors
         assert all(r["bytes"] > 0 and (r["descriptors"] > 0 or r["path"] == "ipc")
                    for r in results)
@@ -320,11 +345,54 @@ def test_matrix_nixl_reads(cluster: Any, ptp: int, dtp: int, variant: str) -> No
     _matrix_case(cluster, ptp, dtp, variant, rows_by="nixl")
 
 
+@pytest.mark.parametrize("variant", ["NHD", "mixed", "blocks"])
+@pytest.mark.parametrize("ptp,dtp", [(1, 2), (2, 1)])
+def test_matrix_staging_copies(cluster: Any, ptp: int, dtp: int, variant: str) -> None:
+    """The staging plans with their own rows copied on one host (``FKV_CMA_DIRECT_ROWS=0``: no
+    request takes the direct plan's rows instead), staging moves and all."""
+    _matrix_case(cluster, ptp, dtp, variant, direct_rows="0")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["HND", "NHD", "blocks"])
 def test_matrix_cuda(cluster: Any, variant: str) -> None:
     """VRAM caches (every rank on GPU 0), the Triton move kernel for staging."""
     _matrix_case(cluster, 1, 2, variant, device="cuda")
+
+
+def test_same_host_staging_plan_copies_direct_rows_for_small_requests_only(cluster: Any) -> None:
+    """NHD heads split over two decode ranks: the plan stages whole pages. On one host a request
+    of at most ``FKV_CMA_DIRECT_ROWS`` direct rows per layer (here 8: one block of 4 tokens, K
+    and V) copies the direct plan's rows instead; a larger one stages. Both land the same bytes
+    and release the request."""
+    pspec, dspec = spec_dict(tp=1, layout="NHD"), spec_dict(tp=2, layout="NHD")
+    pair = Pair(cluster, 1, 2, pspec, dspec, d_env={"FKV_CMA_DIRECT_ROWS": "8"})
+    try:
+        assert {c["strategy"] for c in pair.connected} == {"staging"}
+        assert all("same host, a request of at most 8 direct rows per layer (8 per remote "
+                   "block): direct: the direct plan's rows copied" in c["describe"]
+                   for c in pair.connected)
+        # bytes per decode rank: direct, 4 tokens x K/V x 2 layers x its 4 heads of 16 bf16;
+        # staging, the 3 whole pages of 4 tokens x K/V x 2 layers x 8 heads of 16 bf16
+        for request_id, tokens, path, nbytes in (("small", 4, "direct", 2048),
+                                                 ("large", 10, "staging", 12288)):
+            local, remote = request_blocks(pspec, dspec, tokens)
+            results = pair.read_all(request_id, local, remote, num_tokens=tokens)
+            assert [(r["result_ok"], r["path"]) for r in results] == [(True, path)] * 2, results
+            assert [r["bytes"] for r in results] == [nbytes] * 2
+            assert pair.verify_all(local, remote, tokens) == [None] * 2
+            assert pair.wait_released(request_id) == ["notified"]
+    finally:
+        pair.stop()
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "1.5"])
+def test_a_bad_direct_rows_knob_fails_the_connect_naming_it(cluster: Any, value: str) -> None:
+    pspec = spec_dict(tp=1, layout="NHD")
+    with pytest.raises(AssertionError, match=re.escape(
+            f"FKV_CMA_DIRECT_ROWS={value!r}: expected an integer >= 0 (the most direct rows per "
+            f"layer a same-host request copies instead of staging; 0: never)")):
+        Pair(cluster, 1, 1, pspec, pspec, d_env={"FKV_CMA_DIRECT_ROWS": value})
 
 
 # -- more backends: MLA (replicated reads, notify-only ranks), flash_attn, cross-layer ------------
@@ -801,7 +869,10 @@ STREAM = {
     "direct-1-2": (1, 2, {}, {}, {"strategy": "direct"}, "direct"),
     "direct-1-2-nixl": (1, 2, {}, {}, {"strategy": "direct"}, "direct",
                         {"d_env": {"FKV_CMA": "0"}}),  # NIXL READs, as between hosts
-    "staging-2-1": (2, 1, {"layout": "NHD"}, {"block_size": 8, "num_blocks": 8}, {}, "staging"),
+    "staging-2-1": (2, 1, {"layout": "NHD"}, {"block_size": 8, "num_blocks": 8}, {}, "staging",
+                    {"d_env": {"FKV_CMA_DIRECT_ROWS": "0"}}),  # the staging plan's own rows
+    # the same pair's small request on one host: the direct plan's rows
+    "sibling-2-1": (2, 1, {"layout": "NHD"}, {"block_size": 8, "num_blocks": 8}, {}, "direct"),
     "packed-1-2": (1, 2, {}, {}, {"strategy": "packed"}, "packed"),
     # two prefill ranks packed per layer range; FKV_PACK_CHUNK_BYTES counts the range's bytes
     # (2 KiB per block-step of one layer from both ranks): 14 tokens go in 2 chunks for a range
@@ -835,9 +906,10 @@ def _streamed_read(pair: Any, local: list[int], remote: list[int], tokens: int |
 def test_matrix_streamed(cluster: Any, ptp: int, dtp: int, variant: str) -> None:
     """Every pairing of the matrix, streamed: the bytes equal the non-streamed read's reference,
     on the path the plan chose, and the request is released once every reader read."""
-    pover, dover, connect_kw, strategy = VARIANTS[variant]
-    if strategy is None:
-        strategy = "direct" if ptp == dtp else "staging"
+    pover, dover, connect_kw, _ = VARIANTS[variant]
+    strategy = _matrix_strategy(variant, ptp, dtp)
+    if strategy == "staging" and "strategy" not in connect_kw:
+        strategy = "direct"  # a small request of a staging plan, copied on one host
     pspec, dspec = spec_dict(tp=ptp, **pover), spec_dict(tp=dtp, **dover)
     pair = Pair(cluster, ptp, dtp, pspec, dspec, connect_kw=connect_kw)
     try:
@@ -1087,8 +1159,10 @@ def test_auto_does_not_pack_on_cpu(cluster: Any) -> None:
         assert "'auto' packs only when the caches of both sides are on CUDA" in \
             pair.connected[0]["describe"]
         local, remote = request_blocks(pspec, dspec, 16)
-        plan = {c["strategy"] for c in pair.connected}
-        assert {r["path"] for r in pair.read_all("r1", local, remote)} == plan != {"packed"}
+        # heads of 16 values: staging's whole pages cost fewer descriptors than direct's rows,
+        # and on one host this small request copies the direct plan's rows instead
+        assert {c["strategy"] for c in pair.connected} == {"staging"}
+        assert {r["path"] for r in pair.read_all("r1", local, remote)} == {"direct"}
         assert pair.verify_all(local, remote) == [None, None]
     finally:
         pair.stop()

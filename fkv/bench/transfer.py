@@ -9,7 +9,13 @@ Cases (docs/benchmarks.md shape: bf16, N=16, 8 KV heads, head_size 128, 4096 blo
   descriptors (K, V) per block, straight into its cache (docs/handshake.md example A).
 - ``nhd-staging``: P TP=1 -> D TP=2, NHD: a head slice is not contiguous, so each D rank READs whole
   pages into its registered staging buffer, then ``fkv.ops.move`` (Triton on CUDA; the torch
-  reference on CPU) extracts its heads.
+  reference on CPU) extracts its heads. (On one host in DRAM, a request of at most
+  ``FKV_CMA_DIRECT_ROWS`` direct rows per layer copies the direct plan's rows instead: its
+  ``path`` then says ``direct``.)
+- ``nhd-direct``: ``nhd-staging``'s pair forced direct: each D rank READs its heads of every token
+  (1 KiB rows, 32 per block and layer) straight into its cache.
+- ``hnd2nhd-auto`` / ``hnd2nhd-direct``: HND prefill -> NHD decode (a layout change), the plan's
+  choice (staging) and forced direct (one 256-byte row per token and head).
 - ``hnd-staging``: ``hnd-direct`` forced through staging: one 64 KiB descriptor per block instead
   of two of 16 KiB, twice the bytes over the link, then the move kernel (does it pay on a GPU?).
 - ``hnd-packed`` / ``nhd-packed``: the same requests read packed: each D rank asks the P rank (side
@@ -429,8 +435,11 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         from fkv.connector.transport._plan_path import PlanPath
         from fkv.telemetry import Telemetry
 
+        from fkv.ops.reference import _convert as moves  # the staging moves in DRAM
+
         stats = _timers([(PackedPath, "_ask"), (Agent, "read_descs"), (Agent, "read"),
                          (Agent, "wait"), (PackedPath, "_scatter"), (PlanPath, "_run_staging"),
+                         (moves, "_check_move"), (moves, "_run"),
                          (Agent, "notify"), (IpcPath, "read"), (SameHostCopy, "copy"),
                          (Client, "_result"), (Telemetry, "record_read")])
         packs = _trace_packs_decode()
@@ -663,12 +672,12 @@ def _profile(prefill: dict[str, list[float]], decode: list[dict[str, list[float]
     for name, seconds in decode[0].items():
         calls = [t for d in decode for t in d[name]]
         if calls:
-            out[f"D {name.split('.')[1]}"] = [1e3 * statistics.median(calls),
+            out[f"D {name.rsplit('.', 1)[1]}"] = [1e3 * statistics.median(calls),
                                               len(calls) / reps / len(decode)]
     for name, seconds in prefill.items():
         last = seconds[-reps * len(decode):]
         if last:
-            out[f"P {name.split('.')[1]}"] = [1e3 * statistics.median(last), 0.0]
+            out[f"P {name.rsplit('.', 1)[1]}"] = [1e3 * statistics.median(last), 0.0]
     return out
 
 
@@ -782,6 +791,9 @@ def _link_ceilings(cfg: dict[str, Any], sizes: list[int], page: int) -> dict[int
 _BASE_CASES = (Case("link", 1, 1, "HND", "HND", strategy="nixl", contiguous=True),
                Case("hnd-direct", 1, 2, "HND", "HND", strategy="direct"),
                Case("nhd-staging", 1, 2, "NHD", "NHD"),
+               Case("nhd-direct", 1, 2, "NHD", "NHD", strategy="direct"),
+               Case("hnd2nhd-auto", 1, 2, "HND", "NHD"),
+               Case("hnd2nhd-direct", 1, 2, "HND", "NHD", strategy="direct"),
                Case("hnd-staging", 1, 2, "HND", "HND", strategy="staging"),
                Case("hnd-packed", 1, 2, "HND", "HND", strategy="packed"),
                Case("nhd-packed", 1, 2, "NHD", "NHD", strategy="packed"),

@@ -50,7 +50,8 @@ packing, between polls), the client under its lock.
 Environment knobs: ``FKV_TRANSPORT_SPIN`` (seconds; default 0) busy-polls the side channel, READ
 states and the server loop that long before sleeping (at the cost of a busy core per rank);
 ``FKV_PACK_DESCRIPTORS`` splits each pack READ in that many descriptors (default 1);
-``FKV_CMA=0`` turns same-host CPU copies off, ``FKV_CMA_THREADS`` (default 4) splits a large one;
+``FKV_CMA=0`` turns same-host CPU copies off, ``FKV_CMA_THREADS`` (default 4) splits a large one,
+``FKV_CMA_DIRECT_ROWS`` (default 1024) bounds the staging-plan requests copied as direct rows;
 ``FKV_OUTBOX=0`` turns same-host outboxes off;
 ``FKV_NIXL_PROGRESS_THREAD`` / ``FKV_NIXL_NUM_THREADS`` (see ``_agent.Agent``).
 

@@ -274,7 +274,7 @@ class Client:
         rows = None  # the plan's rows of the request, computed once (each layer range filters them)
         if layered and path.name in ("direct", "staging") and \
                 len(path.chunks(local, remote, tokens)) == 1:
-            rows = state.plan.rows(local, remote, tokens)
+            rows = path.plan.rows(local, remote, tokens)
         while len(landed) < total:
             done = len(landed)
             got = f"layers 0..{done - 1} landed" if done else "no layer landed"

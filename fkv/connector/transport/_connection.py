@@ -13,12 +13,19 @@ every path this connection can take:
 
 ``direct`` and ``staging`` copy their rows with ``process_vm_readv`` instead of NIXL READs when
 every prefill rank read is a process of this host with CPU DRAM caches, as the decode rank's
-(``_cma``; ``strategy="nixl"`` and ``FKV_CMA=0`` keep NIXL READs).
+(``_cma``; ``strategy="nixl"`` and ``FKV_CMA=0`` keep NIXL READs). Such a copy costs about a
+microsecond per row whatever its size, so where the plan is ``staging`` (a head slice that is
+not contiguous, a layout change) a small request copies the *direct* plan's rows instead: no
+whole pages, no staging move, whose fixed cost per layer (about half a millisecond on a 16-core
+host) is what a small request's staging read spends most on (bench/NOTES.md, twenty-first
+session).
 
 :meth:`Connection.choose` decides per request: a forced strategy is taken as is; ``"auto"``
 takes ``ipc`` whenever the connection could map the prefill caches, else ``packed`` for a request
-whose plan needs more descriptors than the client's ``pack_threshold`` (CUDA on both sides), else
-the plan's own strategy; ``"nixl"`` is ``"auto"`` without ``ipc`` (NIXL paths only). ``describe()`` says which paths exist and why the others do not.
+whose plan needs more descriptors than the client's ``pack_threshold`` (CUDA on both sides), else,
+with same-host copies and a staging plan, ``direct`` for a request of at most
+:data:`DIRECT_ROWS_PER_LAYER` (``FKV_CMA_DIRECT_ROWS``) direct rows per layer, else the plan's own
+strategy; ``"nixl"`` is ``"auto"`` without ``ipc`` (NIXL paths only). ``describe()`` says which paths exist and why the others do not.
 """
 
 from __future__ import annotations
@@ -35,7 +42,31 @@ from fkv.connector.transport._plan_path import PlanPath, staging_blocks
 from fkv.connector.wire import Peer
 from fkv.errors import FkvError
 
-__all__ = ["Connection"]
+__all__ = ["DIRECT_ROWS_PER_LAYER", "Connection"]
+
+#: Under ``"auto"``, with same-host copies and a staging plan: the most rows per layer of the
+#: direct plan for which a request copies those rows instead of staging whole pages. From the
+#: CPU transfer bench on a 16-core host (P TP=1 -> D TP=2, 8 layers): direct rows cost about 1 us
+#: each (1 KiB or 256 B), a staging read about 0.6 ms per layer plus 0.02 ms per block; the two
+#: cross at about 1100 rows per layer for NHD heads split in two (32 rows of 1 KiB a block) and
+#: 770 for HND -> NHD (128 rows of 256 B a block). bench/NOTES.md, twenty-first session.
+#: ``FKV_CMA_DIRECT_ROWS`` changes it for the connections made after (0: always the plan's).
+DIRECT_ROWS_PER_LAYER = 1024
+
+
+def direct_rows_per_layer() -> int:
+    """``FKV_CMA_DIRECT_ROWS`` (an integer >= 0), else :data:`DIRECT_ROWS_PER_LAYER`."""
+    raw = os.environ.get("FKV_CMA_DIRECT_ROWS")
+    if raw is None:
+        return DIRECT_ROWS_PER_LAYER
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise FkvError(f"FKV_CMA_DIRECT_ROWS={raw!r}: expected an integer >= 0 (the most direct "
+                       f"rows per layer a same-host request copies instead of staging; 0: never)")
+    return value
 
 
 class Connection:
@@ -49,6 +80,10 @@ class Connection:
         self.ipc: Any = None
         self.packed: PackedPath | None = None
         self.link: Link | None = None
+        #: small requests' path when the plan is staging and the rows are copied on this host
+        self.direct: PlanPath | None = None
+        self._direct_rows_per_block = 0.0
+        self._direct_rows_max = direct_rows_per_layer()  # a bad value fails the connect
         self._watch: Any = None
         self._entries = entries
         strategy = local.strategy
@@ -78,6 +113,7 @@ class Connection:
                              deadline=deadline)
             self._hello(entries, deadline)
             self.plan_path = PlanPath(self.link, blocks, self._copier(strategy, deadline))
+            self._direct_sibling(strategy)
             if sizing is not None:
                 self.packed = PackedPath(self.link, sizing)
             if not self.ipc_reason:
@@ -165,6 +201,25 @@ class Connection:
             raise
         return copier
 
+    def _direct_sibling(self, strategy: str) -> None:
+        """With same-host copies and a staging plan chosen by ``"auto"``: the direct plan of the
+        same pair, for the requests :meth:`choose` gives it."""
+        copier = self.plan_path.copier
+        if strategy != "auto" or copier is None or self.plan.strategy != "staging" or \
+                self._direct_rows_max == 0:
+            return
+        from fkv.connector.handshake import handshake
+
+        outcome = handshake((self.local.engine, self.local.spec),
+                            (self.peers[0].engine, self.remote_spec), strategy="direct")
+        if not outcome.ok:  # the pair was accepted once already: a direct plan always exists
+            return
+        plan = outcome.plan
+        self.direct = PlanPath(self.link, 0, copier, plan=plan)
+        per_layer = 1 if any(s.cross_layer for s in (self.local.spec, self.remote_spec)) \
+            else self.remote_spec.num_layers
+        self._direct_rows_per_block = plan.cost.descriptors / per_layer
+
     def _ipc_reason(self, strategy: str) -> str:
         if strategy not in ("auto", "ipc"):
             return f"strategy {strategy!r} forced"
@@ -198,6 +253,9 @@ class Connection:
             return self.ipc, None
         if strategy == "packed":
             return self.packed, None
+        if self.direct is not None and \
+                self._direct_rows_per_block * remote.size <= self._direct_rows_max:
+            return self.direct, None
         if strategy not in ("auto", "nixl") or self.packed is None:
             return self.plan_path, None
         threshold = self.local.pack_threshold
@@ -216,6 +274,10 @@ class Connection:
             return "\n".join(lines)
         if self.plan_path.copier is not None:
             lines.append(f"same host: {self.plan_path.describe()}")
+            if self.direct is not None:
+                lines.append(f"same host, a request of at most {self._direct_rows_max} direct rows "
+                             f"per layer ({self._direct_rows_per_block:g} per remote block): "
+                             f"{self.direct.describe()}")
         elif self.local.mem_type == "DRAM":
             lines.append(f"same-host copies off ({self.copy_reason}): NIXL READs")
         if strategy in ("auto", "ipc"):
@@ -258,10 +320,10 @@ class Connection:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
-        for path in (self.ipc, self.packed, getattr(self, "plan_path", None)):
-            if path is not None:
+        for path in (self.ipc, self.packed, self.direct, getattr(self, "plan_path", None)):
+            if path is not None:  # the direct sibling first: it borrows plan_path's copier
                 path.close()
-        self.ipc = self.packed = None
+        self.ipc = self.packed = self.direct = None
         if self.link is not None:
             self.link.close()
             self.link = None

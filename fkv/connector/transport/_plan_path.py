@@ -86,15 +86,25 @@ class _StagingMemo:
 
 class PlanPath:
     """The plan's direct or staging reads over a :class:`Link` (``name`` is the plan's
-    strategy)."""
+    strategy).
+
+    ``plan``: another plan of the same pair than the link's, whose rows only ``copier`` moves
+    (the direct sibling of a staging link on one host; see ``_connection``): the path then
+    borrows the copier, which the link's own path closes."""
 
     notifies_with_read = False  # the client notifies once every READ of the request landed
 
-    def __init__(self, link: Link, blocks: int, copier: Any = None) -> None:
+    def __init__(self, link: Link, blocks: int, copier: Any = None, plan: Any = None) -> None:
         self.link = link
         #: the same-host copier (``_cma.SameHostCopy``) that replaces NIXL READs, or None
         self.copier = copier
-        self.name = link.plan.strategy
+        self._owns_copier = plan is None
+        if plan is not None and (copier is None or plan.strategy != "direct"):
+            raise FkvError("PlanPath: a plan other than the link's is a direct plan whose rows "
+                           "a same-host copier moves")
+        #: the plan whose rows this path moves
+        self.plan = link.plan if plan is None else plan
+        self.name = self.plan.strategy
         self.staging_blocks = blocks   # remote blocks one staging-path chunk holds
         #: READs that outlived their read's deadline: NIXL may still land their bytes (in the
         #: staging buffer or the local blocks), so no read of this path starts before they end
@@ -112,7 +122,8 @@ class PlanPath:
 
     def describe(self) -> str:
         if self.copier is not None:
-            return f"{self.name}: the plan's rows {self.copier.describe()}"
+            whose = "the plan's" if self._owns_copier else f"the {self.name} plan's"
+            return f"{self.name}: {whose} rows {self.copier.describe()}"
         return f"{self.name}: the plan's rows, one READ per prefill rank"
 
     def chunks(self, local: np.ndarray, remote: np.ndarray, tokens: int
@@ -193,7 +204,7 @@ class PlanPath:
     def _copies(self, rows: np.ndarray, layers: tuple[int, int] | None) -> LayerReads:
         if layers is not None:
             rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
-        ranks = self.link.plan.remote_ranks
+        ranks = self.plan.remote_ranks
         reads = tuple((rank, *self.copier.vectors(rank, rows if len(ranks) == 1
                                                   else rows[rows[:, 0] == rank]))
                       for rank in ranks)
@@ -204,7 +215,7 @@ class PlanPath:
                     prepared: LayerReads | None) -> None:
         if prepared is None or prepared.granule != 0 or prepared.layers != layers:
             if rows is None:
-                rows = self.link.plan.rows(local, remote, tokens)
+                rows = self.plan.rows(local, remote, tokens)
             prepared = self._copies(rows, layers)
         else:
             self.prepared_reads += 1
@@ -346,9 +357,9 @@ class PlanPath:
                      num_tokens=step.num_tokens)
 
     def close(self) -> None:
-        if self.copier is not None:
+        if self.copier is not None and self._owns_copier:
             self.copier.close()
-            self.copier = None
+        self.copier = None
         self.discard_unposted()
         self._release_ended()
         for x in self.quarantine:  # the agent keeps handles NIXL cannot release yet
