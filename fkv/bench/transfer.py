@@ -435,12 +435,15 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         from fkv.connector.transport._plan_path import PlanPath
         from fkv.telemetry import Telemetry
 
+        from fkv.connector.transport._link import Link
+        from fkv.connector.transport._outbox import Outbox
         from fkv.ops.reference import _convert as moves  # the staging moves in DRAM
 
         stats = _timers([(PackedPath, "_ask"), (Agent, "read_descs"), (Agent, "read"),
                          (Agent, "wait"), (PackedPath, "_scatter"), (PlanPath, "_run_staging"),
                          (moves, "_check_move"), (moves, "_run"),
                          (Agent, "notify"), (IpcPath, "read"), (SameHostCopy, "copy"),
+                         (Link, "notify"), (Outbox, "put"), (Client, "_stream"),
                          (Client, "_result"), (Telemetry, "record_read")])
         packs = _trace_packs_decode()
         client = connect(_engine("bench-d", tp, rank), spec, caches, remote_address=address,
