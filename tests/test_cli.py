@@ -135,9 +135,9 @@ def test_report_still_renders_a_good_folder(sample_dir: Path, doc: Path,
     (["--p-gpu", "-1"], "argument --p-gpu: must be a non-negative integer (got -1)"),
     (["--compute-ms", "nan"], "argument --compute-ms: must be a finite positive number (got 'nan')"),
     (["--cases", "link,nosuch"],
-     "argument --cases: must be a comma list of link, hnd-direct, nhd-staging, hnd-staging, "
-     "hnd-packed, nhd-packed, hnd-auto, link-packed, hnd-ipc, nhd-ipc, hnd2nhd-ipc, hnd-ipc-tp1 "
-     "(got 'link,nosuch': unknown 'nosuch')"),
+     "argument --cases: must be a comma list of link, hnd-direct, nhd-staging, nhd-direct, "
+     "hnd2nhd-auto, hnd2nhd-direct, hnd-staging, hnd-packed, nhd-packed, hnd-auto, link-packed, "
+     "hnd-ipc, nhd-ipc, hnd2nhd-ipc, hnd-ipc-tp1 (got 'link,nosuch': unknown 'nosuch')"),
     (["--sizes", "8192"],
      "argument --sizes: a request of 8192 blocks is larger than the cache (4096 blocks, --blocks)"),
     (["--quick", "--sizes", "16,2048"],
@@ -237,10 +237,11 @@ def test_demo_refuses_a_summary_into_a_missing_folder(tmp_path: Path,
 
 
 @pytest.mark.parametrize("flag", ["--prefill-tp", "--decode-tp", "--prefill-block-size",
-                                  "--decode-block-size", "--tokens", "--new-tokens"])
-def test_demo_keeps_its_positive_int_messages(flag: str, capsys: pytest.CaptureFixture) -> None:
-    assert main(["demo", flag, "0"]) == 2
-    assert f"fkv demo: {flag} must be a positive int (got 0)" in capsys.readouterr().out
+                                  "--decode-block-size", "--tokens", "--new-tokens",
+                                  "--decode-head-size"])
+def test_demo_refuses_counts_below_one(flag: str, capsys: pytest.CaptureFixture) -> None:
+    assert _error(capsys, ["demo", flag, "0"]) == (
+        f"fkv demo: error: argument {flag}: must be a positive integer (got 0)")
 
 
 # -- the shared validators and the last resort in main() -------------------------------------------

@@ -397,7 +397,7 @@ def test_fp8_division_is_torch_division_for_every_bf16_and_random_fp32(
         with warnings.catch_warnings():  # the interpreter's numpy warns on 0 / 0 and inf / inf
             warnings.simplefilter("ignore", RuntimeWarning)
             write_kv(x, x, out[0], slots, spec, **scales, validate=False)
-        reference.write_kv(x, x, ref[0], slots, spec, **scales)
+        reference.write_kv(x, x, ref[0], slots, spec, **scales, validate=False)
         assert_same_bytes(out, ref)
         (prep,) = write_mod._PREPARED.values()
         assert fixed_value(prep.site, "FAST_DIV") is (device == "cuda" and limit > 0)
