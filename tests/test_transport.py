@@ -1628,6 +1628,39 @@ def test_same_host_copies_from_a_hung_killed_or_closed_prefill(cluster: Any) -> 
             reborn.close()
 
 
+def test_a_small_staging_request_copied_direct_fails_like_the_plan_when_the_prefill_dies(
+        cluster: Any) -> None:
+    """HND prefill, NHD decode (the plan stages): a 2-block request copies the direct plan's
+    rows on one host. It lands the bytes; once the prefill process is killed, it fails as the
+    plan's own path does, naming the rank, nothing reported as done."""
+    pspec = spec_dict(tp=1, num_blocks=64, block_size=16, head_size=64)
+    dspec = {**pspec, "layout": "NHD"}
+    D = cluster["D"][0]
+    name = f"c{next(_counter)}"
+    victim = Proc("sibling-victim", cluster["logdir"])
+    try:
+        address = victim.call("serve", name=name, spec=pspec, seed=SEED,
+                              engine=engine_dict(f"P-{name}", 1, 0), wait=120)["address"]
+        connected = D.call("connect", name=name, spec=dspec, engine=engine_dict("D", 1, 0),
+                           address=address)
+        assert connected["strategy"] == "staging"
+        victim.call("hold", name=name, request_id="alive", blocks=[9, 4])
+        alive = D.call("read", name=name, request_id="alive", local=[3, 60], remote=[9, 4])
+        assert (alive["result_ok"], alive["path"]) == (True, "direct"), alive
+        assert D.call("verify", name=name, local=[3, 60], remote=[9, 4], seed=SEED,
+                      remote_spec=pspec)["mismatch"] is None
+        victim.kill(signal.SIGKILL)
+        victim.proc.wait()
+        dead = D.call("read", name=name, request_id="dead", local=[5, 6], remote=[7, 8],
+                      timeout=3.0)
+        assert (dead["result_ok"], dead["path"]) == (False, "direct"), dead
+        assert (f"prefill rank 0 of engine 'P-{name}' (pid {victim.pid}) exited: its bytes "
+                f"are not trusted") in dead["error"], dead
+    finally:
+        D.call("stop", name=name, check=False)
+        victim.close()
+
+
 def _wait_stopped(pid: int, timeout: float) -> None:
     """Wait until process ``pid`` is stopped (SIGSTOP: state 'T' in /proc), so a kill that
     follows lands after whatever it did before stopping, however loaded the machine is."""
