@@ -44,26 +44,25 @@ def non_negative_int(text: str) -> int:
     return _int(text, 0)
 
 
-def positive_float(text: str) -> float:
-    """A finite float > 0."""
+def _float(text: str, positive: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite positive number (got {text!r})")
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        what = "a finite positive number" if positive else "a finite number >= 0"
+        raise argparse.ArgumentTypeError(f"must be {what} (got {text!r})")
     return value
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    return _float(text, positive=True)
 
 
 def non_negative_float(text: str) -> float:
     """A finite float >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {text!r})")
-    return value
+    return _float(text, positive=False)
 
 
 def _existing(text: str, folder: bool) -> Path:
@@ -85,6 +84,13 @@ def existing_file(text: str) -> Path:
     return _existing(text, folder=False)
 
 
+def _writable(folder: Path, text: str, what: str, named: str) -> None:
+    """Refuse ``text`` (must be ``what``) when this user cannot create files in ``folder``."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"must be {what} this user can write (got {text!r}: "
+                                         f"{named}{str(folder)!r} is not writable)")
+
+
 def output_file(text: str) -> str:
     """A file to write, in a folder that exists (checked before any work, so a run never ends
     in a write that cannot happen). The text is returned unchanged."""
@@ -96,9 +102,7 @@ def output_file(text: str) -> str:
         what = "is a file" if parent.exists() else "does not exist"
         raise argparse.ArgumentTypeError(f"must be a file in an existing folder (got {text!r}: "
                                          f"{str(parent)!r} {what})")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"must be a file in a folder this user can write (got "
-                                         f"{text!r}: folder {str(parent)!r} is not writable)")
+    _writable(parent, text, "a file in a folder", "folder ")
     return text
 
 
@@ -114,9 +118,7 @@ def output_folder(text: str) -> str:
     if not base.is_dir():
         raise argparse.ArgumentTypeError(f"must be a folder fkv can create (got {text!r}: "
                                          f"{str(base)!r} is a file)")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"must be a folder this user can write (got {text!r}: "
-                                         f"{str(base)!r} is not writable)")
+    _writable(base, text, "a folder", "")
     return text
 
 
