@@ -172,3 +172,35 @@ def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> 
         plots.require()
     with pytest.raises(SystemExit, match=r"pip install 'fkv\[plot\]'"):
         plots.require(cli=True)
+
+
+@pytest.mark.parametrize("bench", ["transfer", "plan", "write", "attention", "convert"])
+def test_every_bench_refuses_plot_without_matplotlib_before_it_runs(
+        bench: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--plot`` without matplotlib exits with the install hint when the command line is parsed:
+    the transfer bench used to find out only after its whole run (nothing is run here: no
+    process spawned, no result file)."""
+    import importlib
+
+    module = importlib.import_module(f"fkv.bench.{bench}")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=r"^--plot needs matplotlib, which is not installed: "
+                                         r"pip install 'fkv\[plot\]'"):
+        module.main(["--plot", str(tmp_path / "x.png"), "--results-dir", str(tmp_path / "r")])
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+def test_cpu_smoke_sets_the_interpreter_before_triton_is_imported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    results.add_cpu_smoke_argument(parser, "what it does")
+    assert "tiny shapes on the CPU interpreter: what it does (no result file unless --json or " \
+           "--results-dir)" in " ".join(parser.format_help().split())
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert results.parse_args(parser, []).cpu_smoke is False
+    assert "TRITON_INTERPRET" not in os.environ
+    assert results.parse_args(parser, ["--cpu-smoke"]).cpu_smoke is True
+    assert os.environ["TRITON_INTERPRET"] == "1"

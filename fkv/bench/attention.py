@@ -454,17 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                              "min(12, CPUs) on CUDA, 0 = compile in the timing process on CPU)")
     parser.add_argument("--compile-only", action="store_true",
                         help="precompile (with --jobs) and exit: run it alongside other work")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="tiny shapes on the CPU interpreter: every code path and the "
-                             "correctness checks run, the timings mean nothing (no result file "
-                             "unless --json or --results-dir)")
-    args = parser.parse_args(argv)
-    if args.plot:
-        from fkv.bench import plots
-
-        plots.require(cli=True)
-    if args.cpu_smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+    results.add_cpu_smoke_argument(parser)
+    args = results.parse_args(parser, argv)  # before triton is first imported
 
     import torch
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -340,8 +339,8 @@ def _table(cases: list[Case], ceiling: float) -> str:
 
 
 def _cpu_smoke(args: argparse.Namespace) -> int:
-    """The correctness path (kernels and baselines vs the reference) on tiny shapes, interpreter."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    """The correctness path (kernels and baselines vs the reference) on tiny shapes, interpreter
+    (``parse_args`` set ``TRITON_INTERPRET=1``)."""
     shape = Shape(num_blocks=24, block_size=4, heads=4, head_size=16, gather_blocks=6,
                   gather_heads=(1, 3))
     cases = []
@@ -367,14 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"default blocks is a 32 GiB cache, model scale)")
     parser.add_argument("--blocks", type=positive_int, default=Shape.num_blocks, metavar="NB",
                         help=f"blocks of every cache (default {Shape.num_blocks})")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="only the correctness path, tiny shapes, CPU interpreter (no result "
-                             "file unless --json or --results-dir)")
-    args = parser.parse_args(argv)
-    if args.plot:
-        from fkv.bench import plots
-
-        plots.require(cli=True)
+    results.add_cpu_smoke_argument(parser, "only the correctness path runs, nothing is timed")
+    args = results.parse_args(parser, argv)
     if args.cpu_smoke:
         return _cpu_smoke(args)
 

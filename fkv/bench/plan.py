@@ -224,11 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=positive_int, default=None,
                         help=f"blocks of the request segmented (default {TARGET_BLOCKS}, 10000 "
                              f"with --quick)")
-    args = parser.parse_args(argv)
-    if args.plot:
-        from fkv.bench import plots
-
-        plots.require(cli=True)
+    args = results.parse_args(parser, argv)
     blocks = args.blocks or (10_000 if args.quick else TARGET_BLOCKS)
     repeat = 5 if args.quick else 15
     rng = np.random.default_rng(0)

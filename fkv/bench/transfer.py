@@ -883,7 +883,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ucx-tls", default="",
                    help="';'-separated UCX_TLS values to try (each case under each); "
                         "default: the environment's")
-    args = p.parse_args(argv)
+    args = results.parse_args(p, argv)  # a --plot without matplotlib: refused before the run
     blocks = _cache_blocks(args)
     too_big = [n for n in _request_sizes(args) if n > blocks]
     if too_big:
@@ -1010,7 +1010,6 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "plot", None):
         from fkv.bench import plots
 
-        plots.require(cli=True)
         print(f"plot: {plots.plot_transfer(run.to_file(), args.plot)}")
     _table(cases, ceiling)
     return 1 if any(c.error for c in cases) else 0

@@ -21,7 +21,6 @@ CUDA graphs (one call per graph, and per call in a graph of many calls).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -438,17 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time the pieces of the decode host path")
     parser.add_argument("--only", metavar="SUBSTR", default="",
                         help="run only the cases whose name contains this (e.g. 'decode')")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="tiny shapes on the CPU interpreter: every code path and the "
-                             "correctness checks run, the timings mean nothing (no result file "
-                             "unless --json or --results-dir)")
-    args = parser.parse_args(argv)
-    if args.plot:
-        from fkv.bench import plots
-
-        plots.require(cli=True)
-    if args.cpu_smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+    results.add_cpu_smoke_argument(parser)
+    args = results.parse_args(parser, argv)  # before triton is first imported
 
     import torch
 
