@@ -73,18 +73,6 @@ def _all(values: Sequence[float | None], ok: Callable[[float], bool]) -> bool | 
 
 # -- the rows ---------------------------------------------------------------------------------------
 
-def _write_prefill(target: float | None) -> Cells:
-    def cells(cases: list[Case], f: ResultFile) -> tuple[str, str, str, bool | None]:
-        gbps, speed = _m(cases, "gbps"), _m(cases, "speedup_x")
-        base = (f"torch index_put_ {_slash(_m(cases, 'baseline_gbps'), '.0f')} GB/s "
-                f"({_slash(speed, '.1f')}x)")
-        ceiling = (f"{_slash(_m(cases, 'pct_of_copy'), '.0f')}% of copy "
-                   f"({f.ceilings.get('copy_gbps', 0):.0f} GB/s)")
-        met = None if target is None else _all(gbps, lambda v: v >= target)
-        return f"{_slash(gbps, '.0f')} GB/s", base, ceiling, met
-    return cells
-
-
 def _write_decode(metric: str, base_metric: str, limit: float, digits: str = ".1f") -> Cells:
     def cells(cases: list[Case], f: ResultFile) -> tuple[str, str, str, bool | None]:
         us = _m(cases, metric)
@@ -110,7 +98,8 @@ def _convert_pairs(cases: list[Case], f: ResultFile) -> tuple[str, str, str, boo
             all(v >= 3400 for v in gbps))
 
 
-def _staging(base_name: str, target: float | None) -> Cells:
+def _of_copy(base_name: str, target: float | None) -> Cells:
+    """GB/s per layout, the baseline ``base_name`` and its speedup, % of the same-run copy."""
     def cells(cases: list[Case], f: ResultFile) -> tuple[str, str, str, bool | None]:
         gbps = _m(cases, "gbps")
         base = (f"{base_name} {_slash(_m(cases, 'baseline_gbps'), '.0f')} GB/s "
@@ -167,9 +156,11 @@ _PLAN_CONFIGS = ("A: P1->D2 HND", "B: P4->D2 HND", "same TP and layout", "NHD P1
 KERNEL_ROWS: dict[str, tuple[Row, ...]] = {
     "write": (
         Row("write_kv", "prefill 65536 tokens, NHD / HND", "write",
-            _ids("prefill 65536 {} bfloat16", "NHD", "HND"), _write_prefill(3600), ">= 3600 GB/s"),
+            _ids("prefill 65536 {} bfloat16", "NHD", "HND"), _of_copy("torch index_put_", 3600),
+            ">= 3600 GB/s"),
         Row("write_kv", "prefill 8192 tokens, NHD / HND", "write",
-            _ids("prefill 8192 {} bfloat16", "NHD", "HND"), _write_prefill(2500), ">= 2500 GB/s"),
+            _ids("prefill 8192 {} bfloat16", "NHD", "HND"), _of_copy("torch index_put_", 2500),
+            ">= 2500 GB/s"),
         Row("write_kv", "decode 256 tokens, per call in a CUDA graph, NHD / HND", "write",
             _ids("decode 256 {} bfloat16", "NHD", "HND"),
             _write_decode("graph_per_call_us", "baseline_graph_per_call_us", 2.2), "<= 2.2 us"),
@@ -192,17 +183,17 @@ KERNEL_ROWS: dict[str, tuple[Row, ...]] = {
             _ids("decode 256 {} bfloat16", "NHD", "HND"),
             _write_decode("eager_us", "baseline_eager_us", 8.0), "<= 8 us"),
         Row("write_kv", "fp8 e4m3 cache, prefill 65536 tokens, NHD / HND", "write",
-            _ids("prefill 65536 {} float8_e4m3fn", "NHD", "HND"), _write_prefill(None)),
+            _ids("prefill 65536 {} float8_e4m3fn", "NHD", "HND"), _of_copy("torch index_put_", None)),
     ),
     "convert": (
         Row("convert", f"whole cache (16384 blocks), {len(_PAIRS)} layout pairs "
             "(NHD/HND x per-layer/cross-layer, flash_attn <-> triton)", "convert",
             tuple(f"convert {a} -> {b}" for a, b in _PAIRS), _convert_pairs, ">= 3400 GB/s"),
         Row("gather", "2048 random blocks, heads 0-3 of 8, from NHD / HND", "convert",
-            _ids("gather triton {}", "NHD", "HND"), _staging("torch index+slice", 3000),
+            _ids("gather triton {}", "NHD", "HND"), _of_copy("torch index+slice", 3000),
             ">= 3000 GB/s"),
         Row("scatter", "the same, into NHD / HND", "convert", _ids("scatter triton {}", "NHD", "HND"),
-            _staging("torch index_put", None)),
+            _of_copy("torch index_put", None)),
     ),
     "attention": tuple(
         Row("paged_attention", f"decode B={b} ctx {t}, NHD / HND", "attention",
