@@ -110,3 +110,40 @@ def test_a_streamed_layer_is_timed_from_its_publish_to_its_landing_on_every_rank
     # the middle layers took 3 and 4 ms (request 0), 2 and 3 ms (request 1), on the slower rank
     assert _streamed_layer_ms(landed, published) == pytest.approx(3.0)
     assert _streamed_layer_ms([[[0.5, 1.0]]], [[0.0, 0.5]]) == 0.0  # two layers: no middle one
+
+
+def test_a_transfer_run_cut_short_keeps_the_cases_it_measured(tmp_path, monkeypatch):
+    """The result file is written after every case (one file, one timestamp): a run stopped
+    by its time limit in the middle still leaves what it measured (nothing is spawned here: the
+    cases and ceilings are stand-ins)."""
+    import json
+
+    from fkv.bench import transfer
+
+    monkeypatch.setattr(transfer, "_copy_ceiling", lambda cfg: 90.0)
+    monkeypatch.setattr(transfer, "_link_ceilings", lambda cfg, sizes, page: {})
+    seen = []
+
+    def measured(cfg, case):
+        seen.append(case.name)
+        if len(seen) == 3:
+            raise KeyboardInterrupt  # as a timeout's signal would stop it
+        rows = []
+        for n in case.sizes:
+            row = transfer.Case(**{**transfer.asdict(case), "request_blocks": n})
+            row.gbps, row.ms, row.payload_per_request = 2.0 * len(seen), 1.5, n << 16
+            rows.append(row)
+        return rows
+
+    monkeypatch.setattr(transfer, "_run_case", measured)
+    out = tmp_path / "t.json"
+    with pytest.raises(KeyboardInterrupt):
+        transfer.main(["--device", "cpu", "--cases", "hnd-direct,nhd-staging,hnd-auto",
+                       "--blocks", "64", "--sizes", "2,4", "--json", str(out)])
+    assert seen == ["hnd-direct", "nhd-staging", "hnd-auto"]
+    doc = json.loads(out.read_text())
+    assert [(c["params"]["series"], c["params"]["request_blocks"], c["metrics"]["gbps"])
+            for c in doc["cases"]] == [("hnd-direct", 2, 2.0), ("hnd-direct", 4, 2.0),
+                                       ("nhd-staging", 2, 4.0), ("nhd-staging", 4, 4.0)]
+    assert doc["config"]["sizes"] == [2, 4] and doc["ceilings"] == {"copy_gbps": 90.0}
+    assert list(tmp_path.iterdir()) == [out]

@@ -919,6 +919,8 @@ def main(argv: list[str] | None = None) -> int:
           f"page set), same-run copy ceiling {ceiling:.0f} GB/s (read + written); env "
           f"{env or '{}'}; NIXL progress threads {progress}", flush=True)
     done: list[Case] = []
+    header = results.environment(args.device)
+    path, created, run = None, None, None
     for case in cases:
         try:
             rows = _run_case(cfg, case)
@@ -952,10 +954,30 @@ def main(argv: list[str] | None = None) -> int:
                       + ", ".join(f"{k} {row.pack_hops['first'].get(k, 0):.3f} | {v:.3f}"
                                   for k, v in row.pack_hops["all"].items()), flush=True)
         done += rows
-    cases = done
+        # after every case, into the same file: a run cut short keeps what it measured
+        run = _to_run(done, cfg, args, ceiling, links, blocks, header, env, progress)
+        run.created = created = created or run.created  # one run, one timestamp: its name
+        if path is None:
+            path = results.save(run, args)
+        else:
+            results.write(run, json_path=path)
+    if getattr(args, "plot", None) and run is not None:
+        from fkv.bench import plots
+
+        print(f"plot: {plots.plot_transfer(run.to_file(), args.plot)}")
+    _table(done, ceiling)
+    return 1 if any(c.error for c in done) else 0
+
+
+def _to_run(cases: list[Case], cfg: dict[str, Any], args: argparse.Namespace, ceiling: float,
+            links: dict[int, dict[str, Any]], blocks: int, header: dict[str, Any],
+            env: dict[str, str], progress: dict[str, str]) -> Any:
+    """The result file of the cases measured so far."""
+    from fkv.bench import results
+
     run = results.Run("transfer", config={**cfg, "sizes": sorted({c.request_blocks
                                                                  for c in cases})},
-                      device=args.device)
+                      env=header, device=args.device)
     run.ceiling("copy_gbps", ceiling)
     if 0 in links:
         run.ceiling("peer_copy_gbps", links[0]["peer_copy_gbps"])
@@ -1006,13 +1028,7 @@ def main(argv: list[str] | None = None) -> int:
                        "plan_strategy": c.plan_strategy, "rows_by": c.rows_by, "nccl_note": link.get("nccl_note", "")})
     run.extra["env_transport"] = env
     run.extra["nixl_progress"] = progress
-    results.save(run, args)
-    if getattr(args, "plot", None):
-        from fkv.bench import plots
-
-        print(f"plot: {plots.plot_transfer(run.to_file(), args.plot)}")
-    _table(cases, ceiling)
-    return 1 if any(c.error for c in cases) else 0
+    return run
 
 
 def _table(cases: list[Case], ceiling: float) -> None:
