@@ -65,8 +65,11 @@ def poison(rng: np.random.Generator, spec: KVCacheSpec) -> list[np.ndarray]:
     return [rng.integers(0, 256, spec.region_bytes, dtype=np.uint8) for _ in range(spec.num_regions)]
 
 
-def simulate(plan, local_ids, remote_ids, rng: np.random.Generator, num_tokens=None) -> None:
-    """Run ``plan`` on numpy buffers and check the decode rank's bytes exactly."""
+def simulate(plan, local_ids, remote_ids, rng: np.random.Generator, num_tokens=None,
+             staging_layers=None) -> None:
+    """Run ``plan`` on numpy buffers and check the decode rank's bytes exactly. With
+    ``staging_layers=k`` the rows and moves run ``k`` layers at a time through a staging buffer
+    of ``k`` layers (as a streamed read does), the buffer's old bytes left between windows."""
     le, ls, re_, rs = plan.local_engine, plan.local_spec, plan.remote_engine, plan.remote_spec
     total, mla = le.total_num_kv_heads, ls.is_mla
     n_l, n_r = ls.block_size, rs.block_size
@@ -99,17 +102,28 @@ def simulate(plan, local_ids, remote_ids, rng: np.random.Generator, num_tokens=N
         else:
             view[lb, :, lslot] = kv[layer][:, :, mine.start:mine.stop]
 
-    staging = rng.integers(0, 256, plan.staging_bytes(len(remote_ids)), dtype=np.uint8)
-    rows = plan.segments(local_ids, remote_ids, num_tokens=num_tokens)
+    window = staging_layers or ls.num_layers
+    staging = rng.integers(0, 256, plan.staging_bytes(len(remote_ids), staging_layers),
+                           dtype=np.uint8)
+    rows = plan.segments(local_ids, remote_ids, num_tokens=num_tokens,
+                         staging_layers=staging_layers)
     assert rows.dtype == np.int64 and rows.ndim == 2 and rows.shape[1] == 6
-    for r_rank, r_reg, r_off, l_reg, l_off, nbytes in rows.tolist():
-        assert r_rank in plan.remote_ranks and nbytes > 0
-        src = prefill[r_rank][r_reg]
-        dst = staging if l_reg == -1 else decode[l_reg]
-        assert 0 <= r_off and r_off + nbytes <= src.size and 0 <= l_off and l_off + nbytes <= dst.size
-        dst[l_off:l_off + nbytes] = src[r_off:r_off + nbytes]
-    for step in plan.staging_steps(local_ids, remote_ids, num_tokens=num_tokens):
-        reference_move(step, staging, ls, decode, local_ids)
+    steps = plan.staging_steps(local_ids, remote_ids, num_tokens=num_tokens,
+                               staging_layers=staging_layers)
+    for first in range(0, ls.num_layers, window):  # a window of layers: its rows, then its moves
+        layers = range(first, min(ls.num_layers, first + window))
+        for r_rank, r_reg, r_off, l_reg, l_off, nbytes in rows.tolist():
+            if window < ls.num_layers and r_reg not in layers:  # per-layer regions: r_reg = layer
+                continue
+            assert r_rank in plan.remote_ranks and nbytes > 0
+            src = prefill[r_rank][r_reg]
+            dst = staging if l_reg == -1 else decode[l_reg]
+            assert 0 <= r_off and r_off + nbytes <= src.size and 0 <= l_off and \
+                l_off + nbytes <= dst.size
+            dst[l_off:l_off + nbytes] = src[r_off:r_off + nbytes]
+        for step in steps:
+            if step.layer in layers:
+                reference_move(step, staging, ls, decode, local_ids)
     for got, want in zip(decode, expected, strict=True):
         np.testing.assert_array_equal(got, want)
 
@@ -120,7 +134,7 @@ def reference_move(step: StagingStep, staging: np.ndarray, ls: KVCacheSpec,
     ss = step.stage_spec
     regions = [staging[step.stage_offset + k * ss.region_bytes:
                        step.stage_offset + (k + 1) * ss.region_bytes] for k in range(ss.num_regions)]
-    src = layer_views(ss, regions)[step.layer]
+    src = layer_views(ss, regions)[step.stage_layer]
     dst = layer_views(ls, decode)[step.layer]
     t = np.arange(step.num_tokens)
     sb, sslot = t // ss.block_size, t % ss.block_size
@@ -596,6 +610,49 @@ def test_every_accepted_pair_moves_exactly_its_heads(case):
     local, remote, local_ids, remote_ids, strategy, seed = case
     plan = plan_of(local, remote, strategy=strategy)
     simulate(plan, local_ids, remote_ids, np.random.default_rng(seed))
+
+
+@settings(max_examples=300)
+@given(accepted_pairs(), st.integers(2, 5), st.data())
+def test_a_staging_buffer_of_fewer_layers_moves_exactly_the_same_bytes(case, layers, data):
+    """``staging_layers=k``: the rows and moves of k layers at a time through a buffer of k
+    layers (what a streamed read of a request too large for the whole buffer does) land every
+    byte as the whole buffer does; the rows differ only in their staging offsets, and the buffer
+    is k / layers of the whole one."""
+    local, remote, local_ids, remote_ids, _, seed = case
+    local = (local[0], local[1].evolve(num_layers=layers))
+    remote = (remote[0], remote[1].evolve(num_layers=layers, cross_layer=False))
+    plan = plan_of(local, remote, strategy="staging")
+    k = data.draw(st.integers(1, layers))
+    simulate(plan, local_ids, remote_ids, np.random.default_rng(seed), staging_layers=k)
+    whole = plan.segments(local_ids, remote_ids)
+    windowed = plan.segments(local_ids, remote_ids, staging_layers=k)
+    if whole.shape == windowed.shape:  # coalescing can merge other rows in the whole buffer
+        assert np.array_equal(np.delete(whole, 4, axis=1), np.delete(windowed, 4, axis=1))
+    assert plan.staging_bytes(len(remote_ids), k) * layers == \
+        plan.staging_bytes(len(remote_ids)) * k
+    steps = plan.staging_steps(local_ids, remote_ids, staging_layers=k)
+    assert [(s.layer, s.stage_layer, s.stage_spec.num_layers) for s in steps] == \
+        [(s.layer, s.layer % k, k) for s in plan.staging_steps(local_ids, remote_ids)]
+
+
+def test_staging_layers_are_checked():
+    kw = dict(heads=4, layout="NHD", num_blocks=8, block_size=4, head_size=8, num_layers=3)
+    plan = plan_of(rank(2, 1, **kw), rank(1, 0, **kw), strategy="staging")
+    for bad in (0, 4, True, 1.0, "2"):
+        with pytest.raises(FkvError, match=r"^'staging_layers' must be an int from 1 to the "
+                                           r"spec's num_layers=3 \(got "):
+            plan.staging_bytes(2, bad)
+    cross = plan_of(rank(2, 1, **kw), rank(1, 0, **kw, cross_layer=True), strategy="staging")
+    with pytest.raises(FkvError, match=r"^'staging_layers' must be 3 \(all layers\) \(got 2\); a "
+                                       r"staging buffer of fewer layers needs per-layer prefill "
+                                       r"caches"):
+        cross.segments([0], [1], staging_layers=2)
+    assert cross.staging_bytes(1, 3) == cross.staging_bytes(1)
+    assert plan.staging_bytes(2, 1) == 2 * 4 * 2 * 4 * 8 * 2  # 2 blocks, K and V, 4 slots, 4 heads
+    assert [(st.layer, st.stage_layer, st.stage_offset) for st in
+            plan.staging_steps([0, 1], [3, 5], staging_layers=2)] == [(0, 0, 0), (1, 1, 0),
+                                                                      (2, 0, 0)]
 
 
 @settings(max_examples=100)

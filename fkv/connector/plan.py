@@ -45,7 +45,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from fkv.errors import FkvError
+from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec, fewest_contiguous_atoms
 
 __all__ = [
@@ -133,6 +133,12 @@ class StagingStep:
     src_heads: tuple[int, int] | None
     dst_heads: tuple[int, int] | None
     num_tokens: int
+
+    @property
+    def stage_layer(self) -> int:
+        """The mini-cache's layer that holds ``layer``: the same one, or ``layer % k`` when the
+        staging buffer holds ``k`` layers at once (``staging_layers=k``)."""
+        return self.layer % self.stage_spec.num_layers
 
 
 # -- contiguity of atoms (the layout algebra decides; cached per spec and extents) -------------
@@ -346,9 +352,9 @@ class TransferPlan:
     moves: tuple[_Move, ...]
     cost: Cost
     alternative: Cost
-    #: (remote blocks, local blocks, tokens) -> the rows of such a request with every block id 0
-    #: (:meth:`rows`); a cache, not part of the plan's value
-    _templates: dict[tuple[int, int, int], Any] = attrs.field(
+    #: (remote blocks, local blocks, tokens, staging layers) -> the rows of such a request with
+    #: every block id 0 (:meth:`rows`); a cache, not part of the plan's value
+    _templates: dict[tuple[int, int, int, int], Any] = attrs.field(
         factory=dict, init=False, eq=False, hash=False, repr=False)
 
     @property
@@ -370,11 +376,12 @@ class TransferPlan:
 
     # -- rows ---------------------------------------------------------------------------------
     def segments(self, local_block_ids: Any, remote_block_ids: Any, *,
-                 num_tokens: int | None = None) -> np.ndarray:
+                 num_tokens: int | None = None, staging_layers: int | None = None) -> np.ndarray:
         """The READ rows for one request: int64 ``(M, 6)``, coalesced (see the class docstring).
 
         ``num_tokens`` defaults to the capacity of the shorter id list; each list must hold exactly
         the blocks of those tokens. Direct rows move whole chunks of ``chunk_tokens`` tokens.
+        ``staging_layers`` (staging): see :meth:`staging_bytes`.
 
         >>> from fkv import KVCacheSpec
         >>> from fkv.connector.handshake import EngineDesc, handshake
@@ -388,9 +395,10 @@ class TransferPlan:
         local = check_block_ids("local_block_ids", local_block_ids, ls, unique=True)
         remote = check_block_ids("remote_block_ids", remote_block_ids, rs, unique=False)
         tokens = request_tokens(local, remote, ls.block_size, rs.block_size, num_tokens)
-        return self.rows(local, remote, tokens)
+        return self.rows(local, remote, tokens, staging_layers)
 
-    def rows(self, local: np.ndarray, remote: np.ndarray, tokens: int) -> np.ndarray:
+    def rows(self, local: np.ndarray, remote: np.ndarray, tokens: int,
+             staging_layers: int | None = None) -> np.ndarray:
         """:meth:`segments` of ids already checked: int64 arrays from :func:`check_block_ids`
         and their :func:`request_tokens` (what a transport calls after its own checks).
 
@@ -400,7 +408,7 @@ class TransferPlan:
         """
         if tokens == 0:
             return np.empty((0, 6), dtype=np.int64)
-        key = (remote.size, local.size, tokens)
+        key = (remote.size, local.size, tokens, self._staging_layers(staging_layers))
         template = self._templates.get(key)
         if template is None:
             template = self._template(*key)
@@ -414,13 +422,13 @@ class TransferPlan:
             out[4] += local[d_block] * d_step
         return _coalesce(out).T
 
-    def _template(self, n: int, n_local: int, tokens: int) -> tuple[Any, ...]:
+    def _template(self, n: int, n_local: int, tokens: int, staging_layers: int) -> tuple[Any, ...]:
         """The rows of a request of ``n`` remote and ``n_local`` local blocks (``tokens``) whose
         ids are all 0 (columns, 6 x M), each row's remote and local block (an index into the id
         lists; None for staging rows, whose mini-caches do not depend on the ids) and the byte
         stride of one block on each side."""
         ls, rs = self.local_spec, self.remote_spec
-        stage = rs.evolve(num_blocks=n) if self.strategy == "staging" else None
+        stage = self._stage(n, staging_layers) if self.strategy == "staging" else None
         mini = stage.region_bytes * stage.num_regions if stage else 0
         jobs = []
         for i, (read, move) in enumerate(zip(self.reads, self.moves, strict=True)):
@@ -450,16 +458,20 @@ class TransferPlan:
         return out, r_block, r_step, d_block, d_step
 
     def staging_steps(self, local_block_ids: Any, remote_block_ids: Any, *,
-                      num_tokens: int | None = None) -> tuple[StagingStep, ...]:
+                      num_tokens: int | None = None,
+                      staging_layers: int | None = None) -> tuple[StagingStep, ...]:
         """The ``fkv.ops.move`` calls after the READs (empty for ``direct``): one per remote
-        rank read and layer, run as docs/transport.md (staging) says with ``src_block_ids = arange(n)``."""
+        rank read and layer, run as docs/transport.md (staging) says with ``src_block_ids = arange(n)``
+        from layer ``stage_layer`` of the step's mini-cache (``staging_layers``: see
+        :meth:`staging_bytes`)."""
         ls, rs = self.local_spec, self.remote_spec
+        window = self._staging_layers(staging_layers)
         local = check_block_ids("local_block_ids", local_block_ids, ls, unique=True)
         remote = check_block_ids("remote_block_ids", remote_block_ids, rs, unique=False)
         tokens = request_tokens(local, remote, ls.block_size, rs.block_size, num_tokens)
         if self.strategy != "staging" or tokens == 0:
             return ()
-        stage = rs.evolve(num_blocks=remote.size)
+        stage = self._stage(remote.size, window)
         mini = stage.region_bytes * stage.num_regions
         mla = rs.is_mla
         return tuple(
@@ -467,15 +479,41 @@ class TransferPlan:
                         None if mla else read.local_heads, tokens)
             for i, read in enumerate(self.reads) for layer in range(ls.num_layers))
 
-    def staging_bytes(self, num_remote_blocks: int) -> int:
-        """Bytes of staging buffer a read of ``num_remote_blocks`` remote blocks needs (0: direct)."""
+    def staging_bytes(self, num_remote_blocks: int, staging_layers: int | None = None) -> int:
+        """Bytes of staging buffer a read of ``num_remote_blocks`` remote blocks needs (0: direct).
+
+        ``staging_layers=k`` (1 to ``num_layers``; default all): the buffer holds ``k`` layers of
+        the request at once, layer ``L`` in the mini-caches' layer ``L % k``, for a read that
+        moves at most ``k`` consecutive layers before their moves run (a streamed read of a
+        request whose every layer would not fit). :meth:`segments` and :meth:`staging_steps`
+        given the same ``k`` address that buffer."""
         if isinstance(num_remote_blocks, bool) or not isinstance(num_remote_blocks, int | np.integer) \
                 or num_remote_blocks < 0:
             raise FkvError(f"'num_remote_blocks' must be a non-negative int (got {num_remote_blocks!r})")
+        window = self._staging_layers(staging_layers)
         if self.strategy != "staging" or num_remote_blocks == 0:
             return 0
-        stage = self.remote_spec.evolve(num_blocks=int(num_remote_blocks))
+        stage = self._stage(int(num_remote_blocks), window)
         return len(self.reads) * stage.region_bytes * stage.num_regions
+
+    def _staging_layers(self, staging_layers: int | None) -> int:
+        """``staging_layers`` checked (FkvError), None meaning every layer."""
+        total = self.remote_spec.num_layers
+        if staging_layers is None:
+            return total
+        if isinstance(staging_layers, bool) or not isinstance(staging_layers, int | np.integer) \
+                or not 1 <= staging_layers <= total:
+            raise field_error("staging_layers", staging_layers,
+                              f"an int from 1 to the spec's num_layers={total}")
+        if staging_layers < total and self.remote_spec.cross_layer:
+            raise field_error("staging_layers", staging_layers, f"{total} (all layers)",
+                              "a staging buffer of fewer layers needs per-layer prefill caches "
+                              "(each row then lies in one layer's region)")
+        return int(staging_layers)
+
+    def _stage(self, n: int, staging_layers: int) -> KVCacheSpec:
+        """The staging mini-cache of ``n`` remote blocks holding ``staging_layers`` layers."""
+        return self.remote_spec.evolve(num_blocks=n, num_layers=staging_layers)
 
     # -- printing -----------------------------------------------------------------------------
     def describe(self) -> str:
@@ -569,7 +607,9 @@ def _fill_rows(out: np.ndarray, rs: KVCacheSpec, n: int, move: _Move, rank: int,
     r_tok = rs.region_and_offset(token=np.arange(n_r))[1]      # per slot
     col(1)[...] = rreg
     np.add(r_tok[pos], r_page, out=col(2))
-    dreg, d_page = dst.region_and_offset(layer=layer, kv=kv, head=dst_h0 + h)
+    # a staging mini-cache of fewer layers than the request holds layer L at L % its layers
+    dreg, d_page = dst.region_and_offset(layer=layer if base is None else layer % dst.num_layers,
+                                         kv=kv, head=dst_h0 + h)
     d_block = dst.region_and_offset(block=dst_ids)[1]
     d_tok = dst.region_and_offset(token=np.arange(n_d))[1]
     d_of = jb if n_d == n_r else np.minimum(tok // n_d, dst_ids.size - 1)  # each row's dst block
