@@ -309,7 +309,9 @@ class Worker:
                 # direct/staging: layer ranges read from READs computed while awaiting the layer
                 "prepared_reads": getattr(plan_path, "prepared_reads", None),
                 # ... and READs created during a wait that no read posted (released)
-                "discarded_reads": getattr(plan_path, "discarded_reads", None)}
+                "discarded_reads": getattr(plan_path, "discarded_reads", None),
+                # ... and layer ranges moved through a staging window of a few layers
+                "windowed_ranges": getattr(plan_path, "windowed_ranges", None)}
 
     def cmd_read_async(self, cmd: dict[str, Any]) -> None:
         """Start a read in a thread (``read_wait`` collects it): the worker keeps answering."""

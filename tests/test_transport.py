@@ -396,6 +396,16 @@ def test_a_bad_direct_rows_knob_fails_the_connect_naming_it(cluster: Any, value:
         Pair(cluster, 1, 1, pspec, pspec, d_env={"FKV_CMA_DIRECT_ROWS": value})
 
 
+@pytest.mark.parametrize("value", ["2", "on", ""])
+def test_a_bad_staging_window_knob_fails_the_connect_naming_it(cluster: Any, value: str) -> None:
+    pspec = spec_dict(tp=1, layout="NHD")
+    with pytest.raises(AssertionError, match=re.escape(
+            f"FKV_STAGING_WINDOW={value!r}: expected 1 (a streamed staging read of a request "
+            f"larger than the staging buffer moves a few layers of all its blocks at a time) or "
+            f"0 (chunks of blocks)")):
+        Pair(cluster, 1, 1, pspec, pspec, d_env={"FKV_STAGING_WINDOW": value})
+
+
 # -- more backends: MLA (replicated reads, notify-only ranks), flash_attn, cross-layer ------------
 
 BACKENDS = {
@@ -872,6 +882,17 @@ STREAM = {
                         {"d_env": {"FKV_CMA": "0"}}),  # NIXL READs, as between hosts
     "staging-2-1": (2, 1, {"layout": "NHD"}, {"block_size": 8, "num_blocks": 8}, {}, "staging",
                     {"d_env": {"FKV_CMA_DIRECT_ROWS": "0"}}),  # the staging plan's own rows
+    # a request whose every layer does not fit the staging buffer, one layer of it does: each
+    # published range goes through a window of the buffer's layers (8 KiB: one layer of the 4
+    # remote blocks from both prefill ranks; the range of layers 2-3 goes in two passes), ...
+    "staging-window-2-1": (2, 1, {"layout": "NHD"}, {}, {"staging_bytes": 8192}, "staging",
+                           {"d_env": {"FKV_CMA_DIRECT_ROWS": "0"}}),
+    # ... and over NIXL READs, two layers at a time (16 KiB)
+    "staging-window-2-1-nixl": (2, 1, {"layout": "NHD"}, {"block_size": 8, "num_blocks": 8},
+                                {"staging_bytes": 16384}, "staging", {"d_env": {"FKV_CMA": "0"}}),
+    # ... and with the window turned off: chunks of one block, each layer in 4 passes
+    "staging-chunks-2-1": (2, 1, {"layout": "NHD"}, {}, {"staging_bytes": 8192}, "staging",
+                           {"d_env": {"FKV_CMA_DIRECT_ROWS": "0", "FKV_STAGING_WINDOW": "0"}}),
     # the same pair's small request on one host: the direct plan's rows
     "sibling-2-1": (2, 1, {"layout": "NHD"}, {"block_size": 8, "num_blocks": 8}, {}, "direct"),
     "packed-1-2": (1, 2, {}, {}, {"strategy": "packed"}, "packed"),
@@ -1021,11 +1042,15 @@ def test_streaming_layers_land_as_published(cluster: Any, case: str) -> None:
                                                                                       published)
             assert landed[0] < landed[1] < landed[2] == landed[3], landed  # 3 ranges, in order
             if path in ("direct", "staging"):  # the single layers awaited: READs created ahead
-                assert r["prepared_reads"] == 2, r  # layers 0 and 1
+                # layers 0 and 1 (chunks of blocks compute their rows per chunk: none ahead)
+                assert r["prepared_reads"] == (0 if case == "staging-chunks-2-1" else 2), r
                 # layer 2's READs (one per prefill rank read), unposted: layers 2-3 came
                 # together (same-host copies create no READ: what they compute ahead is dropped)
                 nixl = case.endswith("nixl")
                 assert r["discarded_reads"] == (len(c["remote_ranks"]) if nixl else 0), (r, c)
+                # ranges through a staging window: 1 layer (0, 1, 2, 3) or 2 (0, 1, 2-3)
+                windowed = {"staging-window-2-1": 4, "staging-window-2-1-nixl": 3}.get(case, 0)
+                assert r["windowed_ranges"] == windowed, (r, case)
         if path == "packed":  # one READ per prefill rank read per chunk of each of the 3 ranges
             reads = [len(c["remote_ranks"]) for c in pair.connected]
             chunks = (2, 2, 4) if case.endswith("chunks") else (1, 1, 1)

@@ -272,9 +272,8 @@ class Client:
         # ipc with publish events: move what is published, the stream waiting for the writes
         recorded = bool(getattr(path, "waits_on_events", lambda: False)())
         rows = None  # the plan's rows of the request, computed once (each layer range filters them)
-        if layered and path.name in ("direct", "staging") and \
-                len(path.chunks(local, remote, tokens)) == 1:
-            rows = path.plan.rows(local, remote, tokens)
+        if layered and path.name in ("direct", "staging"):
+            rows = path.stream_rows(local, remote, tokens)
         while len(landed) < total:
             done = len(landed)
             got = f"layers 0..{done - 1} landed" if done else "no layer landed"

@@ -15,6 +15,7 @@ the same rows, the same staging moves and notifications.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -25,7 +26,19 @@ from fkv.connector.transport._base import Tally, TransferFailed, kernels, on_dev
 from fkv.connector.transport._link import Link, wait_reads
 from fkv.errors import FkvError
 
-__all__ = ["LayerReads", "PlanPath", "staging_blocks"]
+__all__ = ["LayerReads", "PlanPath", "staging_blocks", "staging_window_wanted"]
+
+
+def staging_window_wanted() -> bool:
+    """Whether a streamed staging read may go through a window of the staging buffer's layers
+    (``FKV_STAGING_WINDOW``: 1, the default, or 0: chunks of blocks, as a whole read); FkvError
+    naming the variable for any other value."""
+    raw = os.environ.get("FKV_STAGING_WINDOW", "1")
+    if raw not in ("0", "1"):
+        raise FkvError(f"FKV_STAGING_WINDOW={raw!r}: expected 1 (a streamed staging read of a "
+                       f"request larger than the staging buffer moves a few layers of all its "
+                       f"blocks at a time) or 0 (chunks of blocks)")
+    return raw == "1"
 
 
 def staging_blocks(plan: Any, local_spec: Any, remote_spec: Any, staging_bytes_max: int) -> int:
@@ -76,11 +89,11 @@ class _StagingMemo:
 
     plan: Any
     staging: Any
-    sizes: tuple[int, int, int]  # local blocks, remote blocks, tokens
+    sizes: tuple[int, int, int, int]  # local blocks, remote blocks, tokens, staging window
     steps: tuple[Any, ...]
     views: dict[tuple[Any, int], Any] = attrs.Factory(dict)  # (mini-cache spec, offset) -> views
 
-    def fits(self, plan: Any, staging: Any, sizes: tuple[int, int, int]) -> bool:
+    def fits(self, plan: Any, staging: Any, sizes: tuple[int, int, int, int]) -> bool:
         return self.plan is plan and self.staging is staging and self.sizes == sizes
 
 
@@ -106,6 +119,7 @@ class PlanPath:
         self.plan = link.plan if plan is None else plan
         self.name = self.plan.strategy
         self.staging_blocks = blocks   # remote blocks one staging-path chunk holds
+        self._windowed = staging_window_wanted()  # a bad value fails the connect
         #: READs that outlived their read's deadline: NIXL may still land their bytes (in the
         #: staging buffer or the local blocks), so no read of this path starts before they end
         self.quarantine: list[Any] = []
@@ -117,6 +131,8 @@ class PlanPath:
         #: READs created ahead and released unposted (discard_unposted), since the connection
         #: began; and the LayerReads values that may still hold created READs
         self.discarded_reads = 0
+        #: layer ranges a streamed read moved through a staging window (:meth:`window`)
+        self.windowed_ranges = 0
         self._ahead: list[LayerReads] = []
         self._staging_memo: _StagingMemo | None = None  # the last request's staging moves
 
@@ -136,6 +152,30 @@ class PlanPath:
         per = (self.staging_blocks * nr) // step * step  # tokens per chunk
         return split_chunks(local, remote, tokens, per, nl, nr)
 
+    def window(self, remote_blocks: int) -> int:
+        """Layers a streamed staging read of ``remote_blocks`` blocks moves through the staging
+        buffer at once (``TransferPlan.staging_bytes(n, staging_layers=)``) when the request's
+        every layer does not fit the buffer but one layer of all its blocks does: each published
+        range then goes as one copy and one move per layer (or per few layers), not as a copy
+        and a move per chunk of blocks per layer. 0 when the request fits whole (one chunk), when
+        not even one layer of it fits (chunks of blocks, as a whole read), for a direct plan, or
+        with ``FKV_STAGING_WINDOW=0``."""
+        if self.name != "staging" or remote_blocks <= self.staging_blocks or \
+                not self._windowed or not self.layered():
+            return 0
+        per_layer = self.plan.staging_bytes(int(remote_blocks), 1)
+        return min(self.link.remote_spec.num_layers, self.link.staging_path_bytes // per_layer)
+
+    def stream_rows(self, local: np.ndarray, remote: np.ndarray, tokens: int
+                    ) -> np.ndarray | None:
+        """The plan's rows of a streamed request, computed once for all its layer ranges: the
+        whole request's when it goes as one chunk, the staging window's (:meth:`window`) when it
+        goes a few layers at a time, else None (chunks of blocks: each computes its own)."""
+        if len(self.chunks(local, remote, tokens)) == 1:
+            return self.plan.rows(local, remote, tokens)
+        window = self.window(remote.size)
+        return self.plan.rows(local, remote, tokens, window) if window else None
+
     def layered(self) -> bool:
         """Whether a request can move a few layers at a time (streaming): each of the plan's
         rows lies in one remote layer when the prefill caches are per-layer buffers."""
@@ -151,6 +191,14 @@ class PlanPath:
         if layers is not None and not self.layered():
             raise FkvError("PlanPath.read: a layer range needs per-layer prefill caches")
         chunks = self.chunks(local, remote, tokens)
+        window = self.window(remote.size) if layers is not None and len(chunks) > 1 else 0
+        if window:  # every block of the request, ``window`` layers at a time (rows: the window's)
+            for first in range(layers[0], layers[1], window):
+                part = (first, min(layers[1], first + window))
+                self.windowed_ranges += 1
+                self._chunk(local, remote, tokens, deadline, tally, rows, part,
+                            prepared if part == layers else None, window)
+            return
         for lc, rc, n_tok in chunks:
             self._chunk(lc, rc, n_tok, deadline, tally,
                         rows if len(chunks) == 1 else None, layers,
@@ -212,10 +260,10 @@ class PlanPath:
 
     def _copy_chunk(self, local: np.ndarray, remote: np.ndarray, tokens: int, deadline: float,
                     tally: Tally, rows: np.ndarray | None, layers: tuple[int, int] | None,
-                    prepared: LayerReads | None) -> None:
+                    prepared: LayerReads | None, window: int = 0) -> None:
         if prepared is None or prepared.granule != 0 or prepared.layers != layers:
             if rows is None:
-                rows = self.plan.rows(local, remote, tokens)
+                rows = self.plan.rows(local, remote, tokens, window or None)
             prepared = self._copies(rows, layers)
         else:
             self.prepared_reads += 1
@@ -245,11 +293,14 @@ class PlanPath:
     def _chunk(self, local: np.ndarray, remote: np.ndarray, tokens: int,
                deadline: float, tally: Tally, rows: np.ndarray | None,
                layers: tuple[int, int] | None = None,
-               prepared: LayerReads | None = None) -> None:
+               prepared: LayerReads | None = None, window: int = 0) -> None:
+        """One chunk's rows, then (staging) its moves. ``window``: the staging buffer holds
+        that many layers of the whole request (:meth:`window`; 0: every layer of the chunk)."""
         if self.copier is not None:
-            self._copy_chunk(local, remote, tokens, deadline, tally, rows, layers, prepared)
+            self._copy_chunk(local, remote, tokens, deadline, tally, rows, layers, prepared,
+                             window)
             if self.name == "staging":
-                self._run_staging(local, remote, tokens, layers)
+                self._run_staging(local, remote, tokens, layers, window)
             return
         link = self.link
         agent, plan = link.local.agent, link.plan
@@ -261,7 +312,7 @@ class PlanPath:
         created = None
         if prepared is None:
             if rows is None:
-                rows = plan.rows(local, remote, tokens)
+                rows = plan.rows(local, remote, tokens, window or None)
             reads = self._reads(rows, layers)
         else:
             reads = prepared
@@ -299,7 +350,7 @@ class PlanPath:
                 else:
                     self.ended.append(x)
         if self.name == "staging":
-            self._run_staging(local, remote, tokens, layers)
+            self._run_staging(local, remote, tokens, layers, window)
 
     def _release_ended(self) -> None:
         ended, self.ended = self.ended, []
@@ -327,7 +378,7 @@ class PlanPath:
             time.sleep(0.0005)
 
     def _run_staging(self, local: np.ndarray, remote: np.ndarray, tokens: int,
-                     layers: tuple[int, int] | None = None) -> None:
+                     layers: tuple[int, int] | None = None, window: int = 0) -> None:
         import torch
 
         from fkv.tensors import wrap
@@ -336,11 +387,13 @@ class PlanPath:
         dev = link.local.device
         move = kernels(dev).move
         views, ls = link.local.views, link.local.spec
-        sizes = (local.size, remote.size, tokens)  # the ids were checked when the read began
+        # the ids were checked when the read began
+        sizes = (local.size, remote.size, tokens, window)
         memo = self._staging_memo
         if memo is None or not memo.fits(link.plan, link.staging, sizes):
             memo = _StagingMemo(link.plan, link.staging, sizes,
-                                link.plan.staging_steps(local, remote, num_tokens=tokens))
+                                link.plan.staging_steps(local, remote, num_tokens=tokens,
+                                                        staging_layers=window or None))
             self._staging_memo = memo
         with on_device(dev):
             src_ids = torch.arange(remote.size, device=dev)
@@ -351,7 +404,7 @@ class PlanPath:
                 where = (step.stage_spec, step.stage_offset)
                 if where not in memo.views:
                     memo.views[where] = wrap(link.staging, step.stage_spec, step.stage_offset)
-                src = memo.views[where][step.layer]
+                src = memo.views[where][step.stage_layer]
                 move(src, step.stage_spec, src_ids, views[step.layer], ls, dst_ids,
                      src_heads=step.src_heads, dst_heads=step.dst_heads,
                      num_tokens=step.num_tokens)
