@@ -406,6 +406,34 @@ def test_a_bad_staging_window_knob_fails_the_connect_naming_it(cluster: Any, val
         Pair(cluster, 1, 1, pspec, pspec, d_env={"FKV_STAGING_WINDOW": value})
 
 
+@pytest.mark.parametrize("how,d_env,windowed", [
+    ("copies", {"FKV_CMA_DIRECT_ROWS": "0"}, 4),
+    ("nixl", {"FKV_CMA": "0"}, 4),
+    ("chunks", {"FKV_CMA_DIRECT_ROWS": "0", "FKV_STAGING_WINDOW": "0"}, 0),
+    ("one-layer-too-big", {"FKV_CMA_DIRECT_ROWS": "0"}, 0),
+])
+def test_a_staging_read_larger_than_the_buffer_goes_a_window_of_layers_at_a_time(
+        cluster: Any, how: str, d_env: dict[str, str], windowed: int) -> None:
+    """A whole read of 4 remote blocks x 4 layers (8 KiB per layer from both prefill ranks)
+    through an 8 KiB staging buffer (one block of every layer): one layer of all its blocks at a
+    time (4 windows), copied on one host or READ over NIXL; with ``FKV_STAGING_WINDOW=0``, or
+    when not even one layer fits (2 layers, a 4 KiB buffer), in chunks of one block. Bytes equal
+    either way."""
+    layers, staging = (2, 4096) if how == "one-layer-too-big" else (4, 8192)
+    pspec = spec_dict(tp=2, layout="NHD", num_layers=layers)
+    dspec = spec_dict(tp=1, num_layers=layers)
+    pair = Pair(cluster, 2, 1, pspec, dspec, connect_kw={"staging_bytes": staging}, d_env=d_env)
+    try:
+        local, remote = request_blocks(pspec, dspec, 14)
+        results = pair.read_all("r1", local, remote, num_tokens=14)
+        assert [r["result_ok"] for r in results] == [True], results
+        assert [(r["path"], r["windowed_ranges"]) for r in results] == [("staging", windowed)]
+        assert pair.verify_all(local, remote, 14) == [None]
+        assert pair.wait_released("r1") == ["notified", "notified"]
+    finally:
+        pair.stop()
+
+
 # -- more backends: MLA (replicated reads, notify-only ranks), flash_attn, cross-layer ------------
 
 BACKENDS = {

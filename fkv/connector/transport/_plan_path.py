@@ -153,11 +153,11 @@ class PlanPath:
         return split_chunks(local, remote, tokens, per, nl, nr)
 
     def window(self, remote_blocks: int) -> int:
-        """Layers a streamed staging read of ``remote_blocks`` blocks moves through the staging
-        buffer at once (``TransferPlan.staging_bytes(n, staging_layers=)``) when the request's
-        every layer does not fit the buffer but one layer of all its blocks does: each published
-        range then goes as one copy and one move per layer (or per few layers), not as a copy
-        and a move per chunk of blocks per layer. 0 when the request fits whole (one chunk), when
+        """Layers a staging read of ``remote_blocks`` blocks moves through the staging buffer at
+        once (``TransferPlan.staging_bytes(n, staging_layers=)``) when the request's every layer
+        does not fit the buffer but one layer of all its blocks does: a whole read goes a window
+        of layers at a time, and a streamed one each published range, as one copy and one move
+        per layer, not as a copy and a move per chunk of blocks per layer. 0 when the request fits whole (one chunk), when
         not even one layer of it fits (chunks of blocks, as a whole read), for a direct plan, or
         with ``FKV_STAGING_WINDOW=0``."""
         if self.name != "staging" or remote_blocks <= self.staging_blocks or \
@@ -191,8 +191,11 @@ class PlanPath:
         if layers is not None and not self.layered():
             raise FkvError("PlanPath.read: a layer range needs per-layer prefill caches")
         chunks = self.chunks(local, remote, tokens)
-        window = self.window(remote.size) if layers is not None and len(chunks) > 1 else 0
-        if window:  # every block of the request, ``window`` layers at a time (rows: the window's)
+        window = self.window(remote.size) if len(chunks) > 1 else 0
+        if window:  # every block of the request, ``window`` layers at a time
+            if layers is None:  # a whole read: every layer (rows given were not the window's)
+                layers = (0, self.link.remote_spec.num_layers)
+                rows = self.plan.rows(local, remote, tokens, window)
             for first in range(layers[0], layers[1], window):
                 part = (first, min(layers[1], first + window))
                 self.windowed_ranges += 1
