@@ -400,9 +400,9 @@ def test_a_bad_direct_rows_knob_fails_the_connect_naming_it(cluster: Any, value:
 def test_a_bad_staging_window_knob_fails_the_connect_naming_it(cluster: Any, value: str) -> None:
     pspec = spec_dict(tp=1, layout="NHD")
     with pytest.raises(AssertionError, match=re.escape(
-            f"FKV_STAGING_WINDOW={value!r}: expected 1 (a streamed staging read of a request "
-            f"larger than the staging buffer moves a few layers of all its blocks at a time) or "
-            f"0 (chunks of blocks)")):
+            f"FKV_STAGING_WINDOW={value!r}: expected 1 (a staging read of a request larger "
+            f"than the staging buffer moves a few layers of all its blocks at a time) or 0 "
+            f"(chunks of blocks)")):
         Pair(cluster, 1, 1, pspec, pspec, d_env={"FKV_STAGING_WINDOW": value})
 
 

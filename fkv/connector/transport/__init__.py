@@ -52,7 +52,7 @@ states and the server loop that long before sleeping (at the cost of a busy core
 ``FKV_PACK_DESCRIPTORS`` splits each pack READ in that many descriptors (default 1);
 ``FKV_CMA=0`` turns same-host CPU copies off, ``FKV_CMA_THREADS`` (default 4) splits a large one,
 ``FKV_CMA_DIRECT_ROWS`` (default 1024) bounds the staging-plan requests copied as direct rows;
-``FKV_STAGING_WINDOW=0`` streams a request larger than the staging buffer in chunks of blocks;
+``FKV_STAGING_WINDOW=0`` reads a request larger than the staging buffer in chunks of blocks;
 ``FKV_OUTBOX=0`` turns same-host outboxes off;
 ``FKV_NIXL_PROGRESS_THREAD`` / ``FKV_NIXL_NUM_THREADS`` (see ``_agent.Agent``).
 

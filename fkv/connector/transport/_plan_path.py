@@ -4,7 +4,8 @@ pages into the staging buffer, then ``fkv.ops.move`` rearranges them).
 A request becomes the plan's rows (``TransferPlan.segments``), the rows granule index runs (NIXL
 merges runs contiguous on both sides into one descriptor), one READ per prefill rank, polled to
 DONE before the deadline, then the plan's staging moves. A staging read larger than the staging
-buffer goes in chunks. The READs carry no notification: the client notifies once every READ of
+buffer goes a window of layers at a time (:meth:`PlanPath.window`), or in chunks of blocks when
+not even one layer of it fits. The READs carry no notification: the client notifies once every READ of
 the request landed.
 
 With a :class:`~fkv.connector.transport._cma.SameHostCopy` (CPU DRAM on both sides of one host)
@@ -30,14 +31,14 @@ __all__ = ["LayerReads", "PlanPath", "staging_blocks", "staging_window_wanted"]
 
 
 def staging_window_wanted() -> bool:
-    """Whether a streamed staging read may go through a window of the staging buffer's layers
-    (``FKV_STAGING_WINDOW``: 1, the default, or 0: chunks of blocks, as a whole read); FkvError
-    naming the variable for any other value."""
+    """Whether a staging read larger than the staging buffer may go a window of layers at a time
+    (``FKV_STAGING_WINDOW``: 1, the default, or 0: chunks of blocks); FkvError naming the
+    variable for any other value."""
     raw = os.environ.get("FKV_STAGING_WINDOW", "1")
     if raw not in ("0", "1"):
-        raise FkvError(f"FKV_STAGING_WINDOW={raw!r}: expected 1 (a streamed staging read of a "
-                       f"request larger than the staging buffer moves a few layers of all its "
-                       f"blocks at a time) or 0 (chunks of blocks)")
+        raise FkvError(f"FKV_STAGING_WINDOW={raw!r}: expected 1 (a staging read of a request "
+                       f"larger than the staging buffer moves a few layers of all its blocks at "
+                       f"a time) or 0 (chunks of blocks)")
     return raw == "1"
 
 
