@@ -5,8 +5,8 @@ A request becomes the plan's rows (``TransferPlan.segments``), the rows granule 
 merges runs contiguous on both sides into one descriptor), one READ per prefill rank, polled to
 DONE before the deadline, then the plan's staging moves. A staging read larger than the staging
 buffer goes a window of layers at a time (:meth:`PlanPath.window`), or in chunks of blocks when
-not even one layer of it fits. The READs carry no notification: the client notifies once every READ of
-the request landed.
+not even one layer of it fits. The READs carry no notification: the client notifies once every
+READ of the request landed.
 
 With a :class:`~fkv.connector.transport._cma.SameHostCopy` (CPU DRAM on both sides of one host)
 the rows are copied from the prefill processes with ``process_vm_readv`` instead of NIXL READs:
@@ -132,7 +132,8 @@ class PlanPath:
         #: READs created ahead and released unposted (discard_unposted), since the connection
         #: began; and the LayerReads values that may still hold created READs
         self.discarded_reads = 0
-        #: layer ranges a streamed read moved through a staging window (:meth:`window`)
+        #: layer ranges reads moved through a staging window (:meth:`window`), since the
+        #: connection began
         self.windowed_ranges = 0
         self._ahead: list[LayerReads] = []
         self._staging_memo: _StagingMemo | None = None  # the last request's staging moves
@@ -158,9 +159,9 @@ class PlanPath:
         once (``TransferPlan.staging_bytes(n, staging_layers=)``) when the request's every layer
         does not fit the buffer but one layer of all its blocks does: a whole read goes a window
         of layers at a time, and a streamed one each published range, as one copy and one move
-        per layer, not as a copy and a move per chunk of blocks per layer. 0 when the request fits whole (one chunk), when
-        not even one layer of it fits (chunks of blocks, as a whole read), for a direct plan, or
-        with ``FKV_STAGING_WINDOW=0``."""
+        per layer, not as a copy and a move per chunk of blocks per layer. 0 when the request
+        fits whole (one chunk), when not even one layer of it fits (chunks of blocks), for a
+        direct plan, or with ``FKV_STAGING_WINDOW=0``."""
         if self.name != "staging" or remote_blocks <= self.staging_blocks or \
                 not self._windowed or not self.layered():
             return 0
