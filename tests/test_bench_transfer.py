@@ -138,12 +138,28 @@ def test_a_transfer_run_cut_short_keeps_the_cases_it_measured(tmp_path, monkeypa
     monkeypatch.setattr(transfer, "_run_case", measured)
     out = tmp_path / "t.json"
     with pytest.raises(KeyboardInterrupt):
-        transfer.main(["--device", "cpu", "--cases", "hnd-direct,nhd-staging,hnd-auto",
+        transfer.main(["--device", "cpu", "--cases", "hnd-auto,hnd-direct,nhd-staging,hnd-auto",
                        "--blocks", "64", "--sizes", "2,4", "--json", str(out)])
-    assert seen == ["hnd-direct", "nhd-staging", "hnd-auto"]
+    assert seen == ["hnd-auto", "hnd-direct", "nhd-staging"]  # in the order given, each once
     doc = json.loads(out.read_text())
     assert [(c["params"]["series"], c["params"]["request_blocks"], c["metrics"]["gbps"])
-            for c in doc["cases"]] == [("hnd-direct", 2, 2.0), ("hnd-direct", 4, 2.0),
-                                       ("nhd-staging", 2, 4.0), ("nhd-staging", 4, 4.0)]
+            for c in doc["cases"]] == [("hnd-auto", 2, 2.0), ("hnd-auto", 4, 2.0),
+                                       ("hnd-direct", 2, 4.0), ("hnd-direct", 4, 4.0)]
     assert doc["config"]["sizes"] == [2, 4] and doc["ceilings"] == {"copy_gbps": 90.0}
     assert list(tmp_path.iterdir()) == [out]
+
+
+def test_cases_run_in_the_order_given_each_once():
+    import argparse
+
+    from fkv.bench import transfer
+
+    def names(cases, ucx_tls=""):
+        args = argparse.Namespace(cases=cases, ucx_tls=ucx_tls, sizes=[2], request_blocks=None,
+                                  blocks=64, quick=False)
+        return [(c.name, c.ucx_tls) for c in transfer._cases(args)]
+
+    assert names(["nhd-staging", "link", "nhd-staging"]) == [("nhd-staging", ""), ("link", "")]
+    assert names(["hnd-auto", "link"], "rc;tcp") == [("hnd-auto", "rc"), ("link", "rc"),
+                                                      ("hnd-auto", "tcp"), ("link", "tcp")]
+    assert [n for n, _ in names(None)] == list(transfer.CASE_NAMES)

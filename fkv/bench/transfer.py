@@ -829,11 +829,12 @@ def _cache_blocks(args: argparse.Namespace) -> int:
 
 
 def _cases(args: argparse.Namespace) -> list[Case]:
-    base = _BASE_CASES
+    """The cases to run: ``--cases`` in the order given (each once), else every case."""
+    by_name = {c.name: c for c in _BASE_CASES}
+    base = [by_name[n] for n in dict.fromkeys(args.cases)] if args.cases else _BASE_CASES
     variants = args.ucx_tls.split(";") if args.ucx_tls else [""]
     sizes = _request_sizes(args)
-    return [Case(**{**asdict(c), "ucx_tls": v, "sizes": sizes}) for v in variants
-            for c in base if not args.cases or c.name in args.cases]
+    return [Case(**{**asdict(c), "ucx_tls": v, "sizes": sizes}) for v in variants for c in base]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -879,7 +880,8 @@ def main(argv: list[str] | None = None) -> int:
                         "decode then copies bytes just written) or 'none' (it only publishes: "
                         "the bytes were written when the caches were filled)")
     p.add_argument("--cases", type=_case_names, default=None,
-                   help=f"comma list of {','.join(CASE_NAMES)} (default: all)")
+                   help=f"comma list of {','.join(CASE_NAMES)}, run in the order given "
+                        f"(default: all)")
     p.add_argument("--ucx-tls", default="",
                    help="';'-separated UCX_TLS values to try (each case under each); "
                         "default: the environment's")
