@@ -113,6 +113,25 @@ class Proc:
         os.kill(self.proc.pid, sig)
 
 
+def results(procs: list[Proc], timeout: float = 90.0) -> list[dict[str, Any]]:
+    """Every process's reply to the command each was sent, all read before the first failure is
+    raised: a reply left unread would answer the next command sent to its process, and every
+    later test sharing the cluster would read the wrong replies."""
+    replies: list[dict[str, Any] | BaseException] = []
+    for p in procs:
+        try:
+            replies.append(p.result(timeout, check=False))
+        except AssertionError as e:  # no reply, or the process exited: nothing left to read
+            replies.append(e)
+    for p, reply in zip(procs, replies, strict=True):
+        if isinstance(reply, BaseException):
+            raise reply
+        if not reply["ok"]:
+            raise AssertionError(f"{p.label}: {reply['type']}: {reply['error']}\n"
+                                 f"{reply['trace']}\n{p.tail()}")
+    return replies  # type: ignore[return-value]
+
+
 def wait_stopped(pid: int, timeout: float = 10.0) -> None:
     """Until every thread of ``pid`` is stopped (state T): a signal is delivered asynchronously."""
     deadline = time.monotonic() + timeout
@@ -201,15 +220,18 @@ class Pair:
             p.send("serve", name=self.name, spec=pspec, seed=SEED, lease=lease, env=p_env,
                    engine=engine_dict(f"P-{self.name}", ptp, r, heads), join=self.address,
                    host=host, device=device, **(serve_kw or {}))
-        for p in self.P[1:]:
-            p.result()
         self.connected: list[dict[str, Any]] = []
-        for r, d in enumerate(self.D):
-            d.send("connect", name=self.name, spec=dspec, engine=engine_dict(f"D-{self.name}", dtp, r,
-                                                                               heads),
-                   address=self.address, env=d_env, device=d_device or device,
-                   **(connect_kw or {}))
-        self.connected = [d.result() for d in self.D]
+        try:
+            results(self.P[1:])
+            for r, d in enumerate(self.D):
+                d.send("connect", name=self.name, spec=dspec,
+                       engine=engine_dict(f"D-{self.name}", dtp, r, heads),
+                       address=self.address, env=d_env, device=d_device or device,
+                       **(connect_kw or {}))
+            self.connected = results(self.D)
+        except BaseException:  # a failed connect leaves no server of this pair running
+            self.stop()
+            raise
 
     def read_all(self, request_id: str, local: list[int], remote: list[int], *,
                  hold: bool = True, **kw: Any) -> list[dict[str, Any]]:
@@ -220,7 +242,7 @@ class Pair:
                 p.call("hold", name=self.name, request_id=request_id, blocks=remote)
         for d in self.D:
             d.send("read", name=self.name, request_id=request_id, local=local, remote=remote, **kw)
-        return [d.result() for d in self.D]
+        return results(self.D)
 
     def verify_all(self, local: list[int], remote: list[int], num_tokens: int | None = None,
                    also_written: list[int] = (), layers: int | None = None) -> list[str | None]:
@@ -228,7 +250,7 @@ class Pair:
             d.send("verify", name=self.name, local=local, remote=remote, seed=SEED,
                    remote_spec=self.pspec, num_tokens=num_tokens, also_written=list(also_written),
                    layers=layers)
-        return [d.result()["mismatch"] for d in self.D]
+        return [r["mismatch"] for r in results(self.D)]
 
     def pending(self) -> list[dict[str, Any]]:
         return [p.call("pending", name=self.name) for p in self.P]
@@ -430,6 +452,23 @@ def test_a_staging_read_larger_than_the_buffer_goes_a_window_of_layers_at_a_time
         assert [(r["path"], r["windowed_ranges"]) for r in results] == [("staging", windowed)]
         assert pair.verify_all(local, remote, 14) == [None]
         assert pair.wait_released("r1") == ["notified", "notified"]
+    finally:
+        pair.stop()
+
+
+def test_a_failed_connect_leaves_every_worker_in_step(cluster: Any) -> None:
+    """Four decode ranks whose connect fails: every reply is read before the failure is raised,
+    so the next pair's commands get their own replies (one failed connect used to leave three
+    unread, and every later test of the module read the wrong ones)."""
+    pspec, dspec = spec_dict(tp=1), spec_dict(tp=4)
+    with pytest.raises(AssertionError, match=r"^D0: FkvError: FKV_STAGING_WINDOW='2': "):
+        Pair(cluster, 1, 4, pspec, dspec, d_env={"FKV_STAGING_WINDOW": "2"})
+    pair = Pair(cluster, 1, 4, pspec, dspec)
+    try:
+        assert [c["ok"] for c in pair.connected] == [True] * 4
+        local, remote = request_blocks(pspec, dspec, 11)
+        assert [r["result_ok"] for r in pair.read_all("r1", local, remote)] == [True] * 4
+        assert pair.verify_all(local, remote) == [None] * 4
     finally:
         pair.stop()
 
