@@ -18,24 +18,16 @@ Medians of 15 calls; cold: each call takes the next of 8 layers.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import os
-import statistics
-import time
 
 import numpy as np
 import torch
 
 import _record  # bench/experiments/_record.py
+from cpu_moves import _median_ms as _median_of  # bench/experiments/cpu_moves.py
 
-
-def _median_ms(fn, reps: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+_median_ms = functools.partial(_median_of, reps=15)
 
 
 def main() -> None:
