@@ -484,9 +484,9 @@ class TransferPlan:
 
         ``staging_layers=k`` (1 to ``num_layers``; default all): the buffer holds ``k`` layers of
         the request at once, layer ``L`` in the mini-caches' layer ``L % k``, for a read that
-        moves at most ``k`` consecutive layers before their moves run (a streamed read of a
-        request whose every layer would not fit). :meth:`segments` and :meth:`staging_steps`
-        given the same ``k`` address that buffer."""
+        moves at most ``k`` consecutive layers before their moves run (a read, whole or
+        streamed, of a request whose every layer would not fit). :meth:`segments` and
+        :meth:`staging_steps` given the same ``k`` address that buffer."""
         if isinstance(num_remote_blocks, bool) or not isinstance(num_remote_blocks, int | np.integer) \
                 or num_remote_blocks < 0:
             raise FkvError(f"'num_remote_blocks' must be a non-negative int (got {num_remote_blocks!r})")
