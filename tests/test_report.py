@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fkv import FkvError
-from fkv.bench import plots, report, results
+from fkv.bench import _common, plots, report, results
 from fkv.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,11 +196,11 @@ def test_cpu_smoke_sets_the_interpreter_before_triton_is_imported(
     import argparse
 
     parser = argparse.ArgumentParser()
-    results.add_cpu_smoke_argument(parser, "what it does")
+    _common.add_cpu_smoke_argument(parser, "what it does")
     assert "tiny shapes on the CPU interpreter: what it does (no result file unless --json or " \
            "--results-dir)" in " ".join(parser.format_help().split())
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert results.parse_args(parser, []).cpu_smoke is False
+    assert _common.parse_args(parser, []).cpu_smoke is False
     assert "TRITON_INTERPRET" not in os.environ
-    assert results.parse_args(parser, ["--cpu-smoke"]).cpu_smoke is True
+    assert _common.parse_args(parser, ["--cpu-smoke"]).cpu_smoke is True
     assert os.environ["TRITON_INTERPRET"] == "1"

@@ -1,5 +1,6 @@
-"""Timing helpers shared by the benchmarks: do_bench medians, same-run ceilings, eager and graph
-per-call times, input rotation. Result files (and their environment header) are
+"""What the benchmarks share: the command-line parse step every one takes (:func:`parse_args`),
+and timing helpers: do_bench medians, same-run ceilings, eager and graph per-call times, input
+rotation. Result files (and their environment header) are
 :mod:`fkv.bench.results`; how each figure is measured is docs/benchmarks.md.
 
 On CUDA every time is ``triton.testing.do_bench(..., return_mode="median")``; on CPU (the
@@ -10,13 +11,38 @@ means nothing.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Cycle", "copy_ceiling_gbps", "eager_us", "environment", "graph_us", "read_ceiling_gbps",
-           "time_ms", "write_json"]
+__all__ = ["Cycle", "add_cpu_smoke_argument", "copy_ceiling_gbps", "eager_us", "environment",
+           "graph_us", "parse_args", "read_ceiling_gbps", "time_ms", "write_json"]
+
+
+def add_cpu_smoke_argument(parser: Any, what: str = "every code path and the correctness "
+                           "checks run, the timings mean nothing") -> None:
+    """``--cpu-smoke``, taken by the kernel benchmarks: tiny shapes on the CPU interpreter
+    (:func:`parse_args` sets ``TRITON_INTERPRET=1`` for it); ``what`` says what such a run
+    does."""
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help=f"tiny shapes on the CPU interpreter: {what} (no result file "
+                             f"unless --json or --results-dir)")
+
+
+def parse_args(parser: Any, argv: list[str] | None) -> Any:
+    """Parse a benchmark's command line, then, before anything runs: ``--plot`` without
+    matplotlib exits with the install hint (not after a long run), and ``--cpu-smoke`` sets
+    ``TRITON_INTERPRET=1`` (unless set), which must happen before triton is first imported."""
+    args = parser.parse_args(argv)
+    if getattr(args, "plot", None):
+        from fkv.bench import plots
+
+        plots.require(cli=True)
+    if getattr(args, "cpu_smoke", False):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return args
 
 
 def time_ms(fn: Callable[[], Any], rep: int, device: str = "cuda") -> float:

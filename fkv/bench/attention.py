@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from fkv.bench import results
 from fkv.cli import non_negative_int
-from fkv.bench._common import read_ceiling_gbps, time_ms
+from fkv.bench._common import add_cpu_smoke_argument, parse_args, read_ceiling_gbps, time_ms
 
 __all__ = ["main"]
 
@@ -454,8 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                              "min(12, CPUs) on CUDA, 0 = compile in the timing process on CPU)")
     parser.add_argument("--compile-only", action="store_true",
                         help="precompile (with --jobs) and exit: run it alongside other work")
-    results.add_cpu_smoke_argument(parser)
-    args = results.parse_args(parser, argv)  # before triton is first imported
+    add_cpu_smoke_argument(parser)
+    args = parse_args(parser, argv)  # before triton is first imported
 
     import torch
 

@@ -36,7 +36,8 @@ from typing import Any
 
 from fkv.bench import results
 from fkv.cli import positive_int
-from fkv.bench._common import Cycle, copy_ceiling_gbps, eager_us, graph_us, time_ms
+from fkv.bench._common import (Cycle, add_cpu_smoke_argument, copy_ceiling_gbps, eager_us,
+                               graph_us, parse_args, time_ms)
 
 __all__ = ["main"]
 
@@ -366,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"default blocks is a 32 GiB cache, model scale)")
     parser.add_argument("--blocks", type=positive_int, default=Shape.num_blocks, metavar="NB",
                         help=f"blocks of every cache (default {Shape.num_blocks})")
-    results.add_cpu_smoke_argument(parser, "only the correctness path runs, nothing is timed")
-    args = results.parse_args(parser, argv)
+    add_cpu_smoke_argument(parser, "only the correctness path runs, nothing is timed")
+    args = parse_args(parser, argv)
     if args.cpu_smoke:
         return _cpu_smoke(args)
 

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from fkv.bench import results
+from fkv.bench._common import parse_args
 from fkv.connector import plan as _plan
 from fkv.connector.handshake import EngineDesc, handshake
 from fkv.layout import KVCacheSpec
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=positive_int, default=None,
                         help=f"blocks of the request segmented (default {TARGET_BLOCKS}, 10000 "
                              f"with --quick)")
-    args = results.parse_args(parser, argv)
+    args = parse_args(parser, argv)
     blocks = args.blocks or (10_000 if args.quick else TARGET_BLOCKS)
     repeat = 5 if args.quick else 15
     rng = np.random.default_rng(0)

@@ -41,9 +41,9 @@ import msgspec
 
 from fkv.errors import FkvError, field_error
 
-__all__ = ["SCHEMA", "Case", "ResultFile", "Run", "add_cpu_smoke_argument", "add_output_arguments",
-           "check", "default_results_dir", "environment", "json_schema", "latest_cases", "load",
-           "load_all", "load_paths", "parse_args", "save", "unit_of", "write"]
+__all__ = ["SCHEMA", "Case", "ResultFile", "Run", "add_output_arguments", "check",
+           "default_results_dir", "environment", "json_schema", "latest_cases", "load",
+           "load_all", "load_paths", "save", "unit_of", "write"]
 
 SCHEMA = "fkv.bench/1"
 
@@ -177,30 +177,6 @@ def add_output_arguments(parser: Any, *, plot: bool = True) -> None:
         parser.add_argument("--plot", metavar="PATH", type=output_file,
                             help="also draw the results as a PNG, in an existing folder (needs "
                                  "matplotlib: pip install 'fkv[plot]')")
-
-
-def add_cpu_smoke_argument(parser: Any, what: str = "every code path and the correctness "
-                           "checks run, the timings mean nothing") -> None:
-    """``--cpu-smoke``, taken by the kernel benchmarks: tiny shapes on the CPU interpreter
-    (:func:`parse_args` sets ``TRITON_INTERPRET=1`` for it); ``what`` says what such a run
-    does."""
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help=f"tiny shapes on the CPU interpreter: {what} (no result file "
-                             f"unless --json or --results-dir)")
-
-
-def parse_args(parser: Any, argv: list[str] | None) -> Any:
-    """Parse a benchmark's command line, then, before anything runs: ``--plot`` without
-    matplotlib exits with the install hint (not after a long run), and ``--cpu-smoke`` sets
-    ``TRITON_INTERPRET=1`` (unless set), which must happen before triton is first imported."""
-    args = parser.parse_args(argv)
-    if getattr(args, "plot", None):
-        from fkv.bench import plots
-
-        plots.require(cli=True)
-    if getattr(args, "cpu_smoke", False):
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    return args
 
 
 def save(run: Run, args: Any, *, by_default: bool = True) -> Path | None:

@@ -839,6 +839,7 @@ def _cases(args: argparse.Namespace) -> list[Case]:
 
 def main(argv: list[str] | None = None) -> int:
     from fkv.bench import results
+    from fkv.bench._common import parse_args
 
     from fkv.cli import int_list, non_negative_int, positive_float, positive_int
 
@@ -885,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ucx-tls", default="",
                    help="';'-separated UCX_TLS values to try (each case under each); "
                         "default: the environment's")
-    args = results.parse_args(p, argv)  # a --plot without matplotlib: refused before the run
+    args = parse_args(p, argv)  # a --plot without matplotlib: refused before the run
     blocks = _cache_blocks(args)
     too_big = [n for n in _request_sizes(args) if n > blocks]
     if too_big:

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fkv.bench import results
-from fkv.bench._common import (Cycle, copy_ceiling_gbps, eager_us, graph_us, settle_graphs,
-                               time_ms)
+from fkv.bench._common import (Cycle, add_cpu_smoke_argument, copy_ceiling_gbps, eager_us,
+                               graph_us, parse_args, settle_graphs, time_ms)
 
 __all__ = ["main"]
 
@@ -437,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time the pieces of the decode host path")
     parser.add_argument("--only", metavar="SUBSTR", default="",
                         help="run only the cases whose name contains this (e.g. 'decode')")
-    results.add_cpu_smoke_argument(parser)
-    args = results.parse_args(parser, argv)  # before triton is first imported
+    add_cpu_smoke_argument(parser)
+    args = parse_args(parser, argv)  # before triton is first imported
 
     import torch
 
