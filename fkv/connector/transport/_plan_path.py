@@ -173,10 +173,12 @@ class PlanPath:
         """The plan's rows of a streamed request, computed once for all its layer ranges: the
         whole request's when it goes as one chunk, the staging window's (:meth:`window`) when it
         goes a few layers at a time, else None (chunks of blocks: each computes its own)."""
+        window = self.window(remote.size)
+        if window:
+            return self.plan.rows(local, remote, tokens, window)
         if len(self.chunks(local, remote, tokens)) == 1:
             return self.plan.rows(local, remote, tokens)
-        window = self.window(remote.size)
-        return self.plan.rows(local, remote, tokens, window) if window else None
+        return None
 
     def layered(self) -> bool:
         """Whether a request can move a few layers at a time (streaming): each of the plan's
@@ -187,13 +189,12 @@ class PlanPath:
              deadline: float, tally: Tally, rows: np.ndarray | None = None,
              layers: tuple[int, int] | None = None, prepared: LayerReads | None = None) -> None:
         """Read the request (``layers=(a, b)``: only those remote layers). ``prepared``: the
-        READs of exactly ``layers``, from :meth:`layer_reads` (a one-chunk request); the read
-        posts its created READs, or leaves them to :meth:`discard_unposted` when it cannot use
-        them (another range, a new granule)."""
+        READs of exactly ``layers``, from :meth:`layer_reads` (a one-chunk or windowed request);
+        the read posts its created READs, or leaves them to :meth:`discard_unposted` when it
+        cannot use them (another range, a new granule)."""
         if layers is not None and not self.layered():
             raise FkvError("PlanPath.read: a layer range needs per-layer prefill caches")
-        chunks = self.chunks(local, remote, tokens)
-        window = self.window(remote.size) if len(chunks) > 1 else 0
+        window = self.window(remote.size)  # 0 for a request that fits whole (one chunk)
         if window:  # every block of the request, ``window`` layers at a time
             if layers is None:  # a whole read: every layer (rows given were not the window's)
                 layers = (0, self.link.remote_spec.num_layers)
@@ -204,6 +205,7 @@ class PlanPath:
                 self._chunk(local, remote, tokens, deadline, tally, rows, part,
                             prepared if part == layers else None, window)
             return
+        chunks = self.chunks(local, remote, tokens)
         for lc, rc, n_tok in chunks:
             self._chunk(lc, rc, n_tok, deadline, tally,
                         rows if len(chunks) == 1 else None, layers,
