@@ -120,3 +120,98 @@ def test_layer_move_validate_must_be_a_bool_or_none() -> None:
     with pytest.raises(FkvError) as e:
         LayerMove(fkv.allocate(a), a, fkv.allocate(b), b)([5], [2], validate="no")
     assert str(e.value) == "'validate' must be True, False or None (None: the default) (got 'no')"
+
+
+@pytest.mark.parametrize("case", ["NHD-HND", "HND-NHD-rechunk", "cross-dst"])
+def test_a_prepared_move_moves_each_layer_range_as_a_call_does(case: str, device: str) -> None:
+    """A streaming read prepares one request's move and calls it once per layer range: the bytes
+    equal the reference's per layer, ranges repeat (a kept launch), layers not asked for stay."""
+    a, b = CASES[case]
+    host, src = fkv.allocate(a), fkv.allocate(a, device)
+    dst, ref = fkv.allocate(b, device), fkv.allocate(b)
+    g = torch.Generator().manual_seed(5)
+    for h, v in zip(host, src, strict=True):
+        h.copy_(torch.randn(h.shape, generator=g))
+        v.copy_(h)
+    for v in dst + ref:
+        v.fill_(float("nan"))
+    src_ids, dst_ids, tokens = [5, 1, 3], [2, 0] if b.block_size == 8 else [4, 0, 2], 11
+    moves = LayerMove(src, a, dst, b, src_heads=(2, 4), dst_heads=(0, 2))
+    prepared = moves.prepare(torch.tensor(src_ids, device=device),
+                             torch.tensor(dst_ids, device=device), tokens, validate=False)
+
+    def same(layer: int) -> bool:
+        return torch.equal(dst[layer].cpu().nan_to_num(7.0), ref[layer].nan_to_num(7.0))
+
+    for layers in [(1, 2), (1, 2), (0, 1)]:
+        prepared(layers)
+        for layer in range(*layers):
+            fkv.ops.reference.move(host[layer], a, src_ids, ref[layer], b, dst_ids,
+                                   src_heads=(2, 4), dst_heads=(0, 2), num_tokens=tokens)
+        assert all(same(layer) for layer in range(3))
+    assert torch.isnan(dst[2].cpu()).all()  # layer 2 was never asked for
+    prepared()  # every layer
+    fkv.ops.reference.move(host[2], a, src_ids, ref[2], b, dst_ids, src_heads=(2, 4),
+                           dst_heads=(0, 2), num_tokens=tokens)
+    assert all(same(layer) for layer in range(3))
+    prepared((3, 3))  # an empty range moves nothing
+
+
+def test_a_prepared_move_checks_its_ids_once_and_each_layer_range() -> None:
+    """``prepare`` refuses what a call refuses, before anything moves; a layer range is checked
+    on every call, and one of bools never passes as the ints it equals."""
+    a, b = CASES["NHD-HND"]
+    src, dst = fkv.allocate(a), fkv.allocate(b)
+    for v in src:
+        v.copy_(torch.randn(v.shape))
+    before = [d.clone() for d in dst]
+    moves = LayerMove(src, a, dst, b)
+    with pytest.raises(FkvError) as e:
+        moves.prepare([3, 1], [0, 0])
+    assert str(e.value) == ("'dst_block_ids' repeats block 0: two tokens would land in one slot "
+                            "(the last write wins); pass each destination block once")
+    with pytest.raises(FkvError) as e:
+        moves.prepare([3, 9], [0, 1])
+    assert str(e.value) == ("'src_block_ids' holds block id 9 but the cache has num_blocks=6 "
+                            "(valid ids: 0..5)")
+    with pytest.raises(FkvError) as e:
+        moves.prepare([3], [0], 5)
+    assert str(e.value) == ("'num_tokens' is 5 but the 1 src_block_ids hold only 4 tokens; pass "
+                            "more block ids or fewer tokens")
+    with pytest.raises(FkvError) as e:
+        moves.prepare([3], [0], layers=(0, 4))
+    assert str(e.value) == ("'layers' must be (start, stop) ints with 0 <= start <= stop <= 3 "
+                            "(got (0, 4))")
+    prepared = moves.prepare([3], [0])
+    prepared((1, 2))
+    prepared([1, 2])  # a list, as a call takes it
+    for layers in [(True, 2), (0, 4), (1,), (2, 1)]:
+        with pytest.raises(FkvError) as e:
+            prepared(layers)
+        assert str(e.value) == (f"'layers' must be (start, stop) ints with 0 <= start <= stop <= "
+                                f"3 (got {layers!r})")
+    assert torch.equal(dst[0].nan_to_num(7.0), before[0].nan_to_num(7.0))
+    assert torch.equal(dst[2].nan_to_num(7.0), before[2].nan_to_num(7.0))
+
+
+@pytest.mark.gpu
+def test_a_prepared_move_launches_a_repeated_range_directly() -> None:
+    """On a GPU the second call of a layer range goes straight to the compiled launcher (the
+    addresses read once), with the bytes of the first."""
+    a, b = CASES["NHD-HND"]
+    src, dst = fkv.allocate(a, "cuda"), fkv.allocate(b, "cuda")
+    for v in src:
+        v.copy_(torch.randn(v.shape, device="cuda"))
+    prepared = LayerMove(src, a, dst, b).prepare(torch.tensor([5, 1], device="cuda"),
+                                                 torch.tensor([2, 0], device="cuda"), 8)
+    prepared((1, 2))
+    site = prepared._launches[(1, 2)][0]
+    before = site.direct_launches
+    for v in dst:
+        v.zero_()
+    prepared((1, 2))
+    assert site.direct_launches == before + 1
+    ref = fkv.allocate(b)
+    fkv.ops.reference.move(src[1].cpu(), a, [5, 1], ref[1], b, [2, 0], num_tokens=8)
+    assert torch.equal(dst[1].cpu(), ref[1])
+    assert not dst[0].any() and not dst[2].any()

@@ -164,8 +164,12 @@ class LaunchSite:
         """Triton's own launch (binds and specializes every argument); returns what it returns."""
         return self.launcher.kernel[grid](*args, *self.fixed, **self.options)
 
-    def __call__(self, grid: tuple[int, int, int], args: tuple) -> None:
-        """Launch on ``grid`` with the per-call ``args`` (in parameter order)."""
+    def __call__(self, grid: tuple[int, int, int], args: tuple,
+                 pointers: list[int] | None = None) -> None:
+        """Launch on ``grid`` with the per-call ``args`` (in parameter order). ``pointers``: the
+        addresses of the pointer arguments when the caller read them already (a prepared launch
+        repeated many times); ``args`` must hold the tensors at those addresses (the normal
+        launch binds them)."""
         variants = self.variants
         rt = _RUNTIME
         if variants is None or not ENABLED or not rt.ready:
@@ -180,7 +184,8 @@ class LaunchSite:
             return
         launcher = self.launcher
         n = launcher.num_pointers
-        pointers = [a.data_ptr() for a in args[:n]]
+        if pointers is None:
+            pointers = [a.data_ptr() for a in args[:n]]
         device = rt.get_device()
         key = launcher.key(device, pointers, args)
         entry = variants.get(key)

@@ -243,8 +243,14 @@ def launch_move(src: Any, src_spec: KVCacheSpec, src_ids: Any, src_head_start: i
                            None if dst_ids is None else dst_ids.dtype, src_head_start,
                            dst_head_start, num_heads, num_tokens, max_tile_bytes=max_tile_bytes,
                            num_warps=num_warps, layers=layers)
-    # Placeholders the kernel never reads stand in for absent id lists.
+    site(grid, move_args(src, src_ids, dst, dst_ids, tables, num_tokens))
+
+
+def move_args(src: Any, src_ids: Any, dst: Any, dst_ids: Any, tables: tuple[Any, Any],
+              num_tokens: int) -> tuple[Any, ...]:
+    """The kernel's per-call arguments (:data:`_LAUNCHER`'s order); placeholders the kernel never
+    reads stand in for absent id lists and tables."""
     src_table, dst_table = tables
-    site(grid, (src, dst, src if src_ids is None else src_ids, src if dst_ids is None else dst_ids,
-                src if src_table is None else src_table, src if dst_table is None else dst_table,
-                num_tokens))
+    return (src, dst, src if src_ids is None else src_ids, src if dst_ids is None else dst_ids,
+            src if src_table is None else src_table, src if dst_table is None else dst_table,
+            num_tokens)

@@ -35,7 +35,7 @@ from fkv.layout import KVCacheSpec
 from fkv.ops._spec import check_cache
 from fkv.tensors import require_torch
 
-__all__ = ["LayerMove"]
+__all__ = ["LayerMove", "PreparedMove"]
 
 
 def _views(x: Any, spec: KVCacheSpec, name: str) -> list[Any]:
@@ -131,6 +131,14 @@ class LayerMove:
     def __call__(self, src_block_ids: Any, dst_block_ids: Any, num_tokens: int | None = None,
                  *, validate: bool | None = None, layers: tuple[int, int] | None = None) -> None:
         """Move the tokens of layers ``layers = (start, stop)`` (default: every layer)."""
+        self.prepare(src_block_ids, dst_block_ids, num_tokens, validate=validate,
+                     layers=layers)(layers)
+
+    def prepare(self, src_block_ids: Any, dst_block_ids: Any, num_tokens: int | None = None,
+                *, validate: bool | None = None, layers: Any = None) -> PreparedMove:
+        """Check one request's ids once (as a call does); the returned :class:`PreparedMove`
+        then moves any range of its layers with little host work per call, as a streaming read
+        does layer after layer. ``layers`` is checked here too when given (else per call)."""
         from fkv.ops.relayout import _block_ids, _check_dst_ids, _num_tokens
 
         s, d = self.src_spec, self.dst_spec
@@ -139,22 +147,62 @@ class LayerMove:
         cap_s, cap_d = sids.count * s.block_size, dids.count * d.block_size
         n = _num_tokens(num_tokens, cap_s, {f"the {sids.count} src_block_ids": cap_s,
                                             f"the {dids.count} dst_block_ids": cap_d})
-        start, stop = self._layer_range(layers)
+        if layers is not None:
+            self._layer_range(layers)
         _check_dst_ids(sids, s.block_size, dids, d.block_size, n,
                        ("src_block_ids", "dst_block_ids"), self._aliased)
+        return PreparedMove(self, sids.tensor, dids.tensor, n)
+
+
+class PreparedMove:
+    """One request's move between a :class:`LayerMove`'s two sides, its ids checked: call with
+    ``layers = (start, stop)`` (default every layer). Each layer range's launch (site, grid,
+    addresses) is kept after its first call, so a repeated range costs a dict lookup and
+    Triton's compiled launcher. Holds the id tensors: they must not change while it is used."""
+
+    __slots__ = ("move", "src_ids", "dst_ids", "num_tokens", "_launches")
+
+    def __init__(self, move: LayerMove, src_ids: Any, dst_ids: Any, num_tokens: int) -> None:
+        self.move, self.src_ids, self.dst_ids, self.num_tokens = move, src_ids, dst_ids, num_tokens
+        self._launches: dict[tuple[int, int] | None, tuple[Any, ...]] = {}
+
+    def __call__(self, layers: tuple[int, int] | None = None) -> None:
+        entry = None
+        if layers is None or (type(layers) is tuple and len(layers) == 2 and type(layers[0]) is int
+                              and type(layers[1]) is int):  # (True, 2) must not hit (1, 2)
+            entry = self._launches.get(layers)
+        if entry is None:
+            span = self.move._layer_range(layers)
+            entry = self._prepare(span)
+            if entry is None:
+                return
+            self._launches[span] = entry
+            if layers is None:
+                self._launches[None] = entry  # type: ignore[index]
+        site, grid, args, pointers = entry
+        site(grid, args, pointers)
+
+    def _prepare(self, span: tuple[int, int]) -> tuple[Any, ...] | None:
+        """The launch of layers ``span`` (kept), or None after moving them another way."""
+        move, n = self.move, self.num_tokens
+        start, stop = span
         if n <= 0 or start == stop:
-            return
-        heads = self.src_heads[1] - self.src_heads[0]
-        if not self.triton:
-            from fkv.ops.reference import move
+            return None
+        s, d = move.src_spec, move.dst_spec
+        if not move.triton:
+            from fkv.ops.reference import move as reference_move
 
-            for a, b in zip(self.src[start:stop], self.dst[start:stop], strict=True):
-                move(a, s, sids.tensor, b, d, dids.tensor, src_heads=self.src_heads,
-                     dst_heads=self.dst_heads, num_tokens=n)
-            return
-        from fkv.ops._move_kernel import launch_move
+            for a, b in zip(move.src[start:stop], move.dst[start:stop], strict=True):
+                reference_move(a, s, self.src_ids, b, d, self.dst_ids,
+                               src_heads=move.src_heads, dst_heads=move.dst_heads, num_tokens=n)
+            return None
+        from fkv.ops._move_kernel import move_args, move_site
 
-        launch_move(self.src[0], s, sids.tensor, self.src_heads[0], self.dst[0], d,
-                    dids.tensor, self.dst_heads[0], heads, n,
-                    layers=(stop - start, "table", "table"),
-                    tables=tuple(t[start:stop] for t in self._tables))
+        sids, dids = self.src_ids, self.dst_ids
+        site, grid = move_site(s, d, None if sids is None else sids.dtype,
+                               None if dids is None else dids.dtype, move.src_heads[0],
+                               move.dst_heads[0], move.src_heads[1] - move.src_heads[0], n,
+                               layers=(stop - start, "table", "table"))
+        args = move_args(move.src[0], sids, move.dst[0], dids,
+                         tuple(t[start:stop] for t in move._tables), n)
+        return site, grid, args, [a.data_ptr() for a in args[:6]]

@@ -40,7 +40,9 @@ class IpcPath:
         self.pids: dict[int, int] = {}
         # per mapped rank its interprocess publish events (streaming), when every rank has them
         self.events: dict[int, list[Any]] = {}
-        self._ids: tuple[Any, ...] | None = None  # the last request's ids, host and device
+        # the last request: its ids (host), tokens and prepared moves (one per read)
+        self._request: tuple[Any, ...] | None = None
+        self._done: Any = None  # the event each read records after its moves
         rs = peers[0].spec
         self.bytes_per_token = 0
         try:
@@ -153,15 +155,16 @@ class IpcPath:
         dev = self.local.device
         t0 = time.perf_counter()
         with torch.cuda.device(dev):
-            stream = torch.cuda.current_stream(dev)
-            lids, rids = self._device_ids(local, remote)
+            moves = self._prepared(local, remote, tokens)
             if after_events:
                 last = (layers[1] if layers else len(self.local.views)) - 1
                 self._wait_written(last, deadline)
-            for _, mover in self.movers:
-                mover(rids, lids, tokens, validate=False, layers=layers)
-            done = torch.cuda.Event()
-            done.record(stream)
+            for move in moves:
+                move(layers)
+            done = self._done
+            if done is None:
+                done = self._done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(dev))
             while not done.query():
                 if time.monotonic() > deadline:
                     raise TransferFailed(f"the ipc copy from prefill engine {self.engine_id!r} "
@@ -175,24 +178,27 @@ class IpcPath:
         share = 1.0 if layers is None else (layers[1] - layers[0]) / len(self.local.views)
         tally.bytes += round(tokens * self.bytes_per_token * share)
 
-    def _device_ids(self, local: np.ndarray, remote: np.ndarray) -> tuple[Any, Any]:
-        """The request's block ids on the device; the previous request's copies again when the
-        ids are the same (a streaming read moves its layers in many reads of one request)."""
+    def _prepared(self, local: np.ndarray, remote: np.ndarray, tokens: int) -> list[Any]:
+        """The request's moves (one per prefill rank read), ids copied to the device once; the
+        previous request's again when ids and tokens are the same (a streaming read moves its
+        layers in many reads of one request, each a kept launch)."""
         import torch
 
-        kept = self._ids
-        if kept is not None and np.array_equal(kept[0], local) and np.array_equal(kept[1], remote):
-            return kept[2], kept[3]
+        kept = self._request
+        if (kept is not None and kept[2] == tokens and np.array_equal(kept[0], local)
+                and np.array_equal(kept[1], remote)):
+            return kept[3]
         dev = self.local.device
         lids = torch.from_numpy(np.ascontiguousarray(local, dtype=np.int64)).to(
             dev, non_blocking=True)
         rids = torch.from_numpy(np.ascontiguousarray(remote, dtype=np.int64)).to(
             dev, non_blocking=True)
-        self._ids = (np.array(local, copy=True), np.array(remote, copy=True), lids, rids)
-        return lids, rids
+        moves = [mover.prepare(rids, lids, tokens, validate=False) for _, mover in self.movers]
+        self._request = (np.array(local, copy=True), np.array(remote, copy=True), tokens, moves)
+        return moves
 
     def close(self) -> None:
-        self._ids = None
+        self._request = None
         self.movers.clear()
         for mapping in self.mappings.values():
             mapping.close()
