@@ -164,7 +164,7 @@ def main() -> None:
     prof.disable()
     torch.cuda.synchronize()
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(prof, stream=s).strip_dirs().sort_stats("cumulative").print_stats(30)
     print(s.getvalue())
     rows.append({"mode": "cprofile of 300 one-layer calls", "text": s.getvalue()[:6000]})
     _record.write("ipc-layer-latency.json", "ipc_layer_latency", rows)
