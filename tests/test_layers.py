@@ -25,18 +25,25 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_layer_move_equals_the_reference_per_layer(case: str, device: str) -> None:
-    a, b = CASES[case]
-    heads = (None, None) if a.is_mla else ((2, 4), (0, 2))
+def _sides(a: fkv.KVCacheSpec, b: fkv.KVCacheSpec, device: str, seed: int) -> tuple[list, ...]:
+    """``(host, src, dst, ref)``: random source layers (on the host and on ``device``) and NaN
+    destinations (on ``device``, and the reference's on the host)."""
     host, src = fkv.allocate(a), fkv.allocate(a, device)
     dst, ref = fkv.allocate(b, device), fkv.allocate(b)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     for h, v in zip(host, src, strict=True):
         h.copy_(torch.randn(h.shape, generator=g))
         v.copy_(h)
     for v in dst + ref:
         v.fill_(float("nan"))
+    return host, src, dst, ref
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_move_equals_the_reference_per_layer(case: str, device: str) -> None:
+    a, b = CASES[case]
+    heads = (None, None) if a.is_mla else ((2, 4), (0, 2))
+    host, src, dst, ref = _sides(a, b, device, 3)
     src_ids, dst_ids, tokens = [5, 1, 3], [2, 0] if b.block_size == 8 else [4, 0, 2], 11
     LayerMove(src, a, dst, b, src_heads=heads[0], dst_heads=heads[1])(src_ids, dst_ids, tokens)
     for layer in range(a.num_layers):
@@ -47,13 +54,7 @@ def test_layer_move_equals_the_reference_per_layer(case: str, device: str) -> No
 
 def test_layer_move_of_a_layer_range_leaves_the_others(device: str) -> None:
     a, b = CASES["NHD-HND"]
-    host, src = fkv.allocate(a), fkv.allocate(a, device)
-    dst, ref = fkv.allocate(b, device), fkv.allocate(b)
-    for h, v in zip(host, src, strict=True):
-        h.copy_(torch.randn(h.shape))
-        v.copy_(h)
-    for v in dst + ref:
-        v.fill_(float("nan"))
+    host, src, dst, ref = _sides(a, b, device, 4)
     LayerMove(src, a, dst, b)([5, 1], [2, 0], 8, layers=(1, 3))
     fkv.ops.reference.move(host[1], a, [5, 1], ref[1], b, [2, 0], num_tokens=8)
     fkv.ops.reference.move(host[2], a, [5, 1], ref[2], b, [2, 0], num_tokens=8)
@@ -129,14 +130,7 @@ def test_a_prepared_move_moves_each_layer_range_as_a_call_does(case: str, device
     """A streaming read prepares one request's move and calls it once per layer range: the bytes
     equal the reference's per layer, ranges repeat (a kept launch), layers not asked for stay."""
     a, b = CASES[case]
-    host, src = fkv.allocate(a), fkv.allocate(a, device)
-    dst, ref = fkv.allocate(b, device), fkv.allocate(b)
-    g = torch.Generator().manual_seed(5)
-    for h, v in zip(host, src, strict=True):
-        h.copy_(torch.randn(h.shape, generator=g))
-        v.copy_(h)
-    for v in dst + ref:
-        v.fill_(float("nan"))
+    host, src, dst, ref = _sides(a, b, device, 5)
     src_ids, dst_ids, tokens = [5, 1, 3], [2, 0] if b.block_size == 8 else [4, 0, 2], 11
     moves = LayerMove(src, a, dst, b, src_heads=(2, 4), dst_heads=(0, 2))
     prepared = moves.prepare(torch.tensor(src_ids, device=device),
