@@ -208,7 +208,7 @@ def test_a_prepared_move_launches_a_repeated_range_directly() -> None:
         v.zero_()
     prepared((1, 2))
     assert site.direct_launches == before + 1
-    ref = fkv.allocate(b)
+    ref = [v.zero_() for v in fkv.allocate(b)]  # allocate does not clear
     fkv.ops.reference.move(src[1].cpu(), a, [5, 1], ref[1], b, [2, 0], num_tokens=8)
     assert torch.equal(dst[1].cpu(), ref[1])
     assert not dst[0].any() and not dst[2].any()
