@@ -442,9 +442,9 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         from fkv.ops.reference import _convert as moves  # the staging moves in DRAM
 
         stats = _timers([(IpcPath, "_wait_written"), (IpcPath, "written"), (Watch, "ask"),
-                         (LayerMove, "__call__"), (PackedPath, "_ask"), (Agent, "read_descs"), (Agent, "read"),
-                         (Agent, "wait"), (PackedPath, "_scatter"), (PlanPath, "_run_staging"),
-                         (moves, "_check_move"), (moves, "_run"),
+                         (LayerMove, "__call__"), (PackedPath, "_ask"), (Agent, "read_descs"),
+                         (Agent, "read"), (Agent, "wait"), (PackedPath, "_scatter"),
+                         (PlanPath, "_run_staging"), (moves, "_check_move"), (moves, "_run"),
                          (Agent, "notify"), (IpcPath, "read"), (SameHostCopy, "copy"),
                          (Link, "notify"), (Outbox, "put"), (Client, "_stream"),
                          (Client, "_result"), (Telemetry, "record_read")])
