@@ -438,11 +438,11 @@ def _decode_rank(conn: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int
         from fkv.connector.transport._link import Link
         from fkv.connector.transport._outbox import Outbox
         from fkv.connector.transport._stream import Watch
-        from fkv.ops.layers import LayerMove
+        from fkv.ops.layers import PreparedMove
         from fkv.ops.reference import _convert as moves  # the staging moves in DRAM
 
         stats = _timers([(IpcPath, "_wait_written"), (IpcPath, "written"), (Watch, "ask"),
-                         (LayerMove, "__call__"), (PackedPath, "_ask"), (Agent, "read_descs"),
+                         (PreparedMove, "__call__"), (PackedPath, "_ask"), (Agent, "read_descs"),
                          (Agent, "read"), (Agent, "wait"), (PackedPath, "_scatter"),
                          (PlanPath, "_run_staging"), (moves, "_check_move"), (moves, "_run"),
                          (Agent, "notify"), (IpcPath, "read"), (SameHostCopy, "copy"),
