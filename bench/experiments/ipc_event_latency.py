@@ -10,29 +10,31 @@ What the bench does that the experiment did not:
    process first waits (host spin on ``query``) for the other process's interprocess event;
 3. the other process publishes with its write still queued or running (no synchronize).
 
-Here a child process (the "prefill") owns a 16384-block x 32-layer HND cache, writes one layer
-of 256 blocks every 0.5 ms (``index_copy_`` of 16 MiB: a layer's ``write_kv``), records an
-interprocess event after it and advances a shared counter (the publish). The parent (the
-"decode") spins on the counter, spins on the event, launches the layer's ``PreparedMove`` and
-spins on its own event. Variants, each 300 layers:
+Here a child process (the "prefill") owns an HND cache of 32 layers, writes one layer of 256
+blocks every 0.5 ms (``index_copy_`` of 16 MiB: a layer's ``write_kv``), records an event after it
+and advances a shared counter (the publish). The parent (the "decode") spins on the counter,
+optionally spins on the event, launches the layer's ``PreparedMove`` and spins on its own event.
 
-- ``ipc_event``: the bench's way (source mapped from the child, wait on the child's event);
-- ``ipc_synced``: the child synchronizes before publishing (no event wait; source mapped);
-- ``local_event``: the parent moves from its own copy of a cache (same shape), still waiting on
-  the child's event first: what the mapping costs, if anything;
-- ``ipc_event_nowrite``: the child publishes without writing (records the event only): what the
-  write's kernel in flight costs.
+The first version (four variants, 16384 blocks; ``raw/ipc-event-latency-exp-20261204T0653/``)
+found the copy landing 0.13 ms after its launch in every variant, mapped source or not, the
+child's write in flight or not, event waited on or not, and the child's event completing
+0.13-0.15 ms after the publish even when nothing but the event was recorded. So this version
+starts from the decode alone and adds, one step at a time (the parent's state only grows), what
+the bench's read has: another process publishing with a plain event after synchronizing, the
+same without its write, its event interprocess, that event opened here, waited on, the source
+mapped from the child. 300 layers per step.
 
 Per layer: publish seen -> event complete, -> launch returned, -> copy landed (host
 ``perf_counter``), and the copy's GPU time (CUDA events around it).
 
-    python bench/experiments/ipc_event_latency.py     # JSON to $OUT (or /tmp)
+    python bench/experiments/ipc_event_latency.py [BLOCKS]   # JSON to $OUT (or /tmp)
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -43,41 +45,44 @@ import _record  # bench/experiments/_record.py
 BLOCKS, LAYERS, N, REPS = 16384, 32, 256, 300
 
 
-def _spec(heads: int) -> Any:
+def _spec(heads: int, blocks: int = BLOCKS) -> Any:
     import fkv
 
-    return fkv.KVCacheSpec(layout="HND", num_blocks=BLOCKS, block_size=16, num_kv_heads=heads,
+    return fkv.KVCacheSpec(layout="HND", num_blocks=blocks, block_size=16, num_kv_heads=heads,
                            head_size=128, dtype="bfloat16", num_layers=LAYERS)
 
 
-def _prefill(conn: Any, counter: Any, go: Any, stop: Any) -> None:
-    """The child: own the cache, send its layer views and an interprocess event, then publish
-    one written layer every 0.5 ms while ``go`` is set (mode from the pipe)."""
+def _prefill(conn: Any, counter: Any, go: Any, stop: Any, blocks_n: int) -> None:
+    """The child: own the cache, send its layer views and an event's IPC handle, then publish
+    one layer every 0.5 ms while ``go`` is set. Per run from the pipe: ``mode`` (the write or
+    none, synchronize or not) and whether the event is an interprocess one."""
     import fkv
 
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)
-    views = fkv.allocate(_spec(8), dev)
+    views = fkv.allocate(_spec(8, blocks_n), dev)
     for v in views:
         v.normal_()
-    blocks = torch.randperm(BLOCKS, device=dev)[:N]
+    blocks = torch.randperm(blocks_n, device=dev)[:N]
     vals = torch.randn((N, *views[0].shape[1:]), device=dev, dtype=views[0].dtype)
-    event = torch.cuda.Event(interprocess=True)
-    event.record()
+    shared = torch.cuda.Event(interprocess=True)
+    shared.record()
     torch.cuda.synchronize()
-    conn.send((views, bytes(event.ipc_handle())))
+    conn.send((views, bytes(shared.ipc_handle())))
     while not stop.is_set():
-        mode = conn.recv()
-        if mode is None:
+        got = conn.recv()
+        if got is None:
             break
+        mode, interprocess = got
+        event = shared if interprocess else torch.cuda.Event()
         go.wait()
         while go.is_set():
             time.sleep(0.0005)  # the layer's compute, on the host
             layer = counter.value % LAYERS  # the layer the decode will move for this publish
-            if mode != "ipc_event_nowrite":
+            if "nowrite" not in mode:
                 views[layer].index_copy_(0, blocks, vals)
             event.record()
-            if mode == "ipc_synced":
+            if "synced" in mode:
                 torch.cuda.synchronize()
             with counter.get_lock():
                 counter.value += 1
@@ -85,15 +90,19 @@ def _prefill(conn: Any, counter: Any, go: Any, stop: Any) -> None:
         conn.send("idle")
 
 
-def _measure(prepared: Any, event: Any, counter: Any, synced: bool) -> dict[str, Any]:
+def _measure(prepared: Any, event: Any, counter: Any, query: bool) -> dict[str, Any]:
     seen_to_event, to_launch, to_landed, gpu = [], [], [], []
-    last = counter.value
-    for i in range(REPS):
-        while counter.value == last:
-            pass
-        last = counter.value
+    last = 0 if counter is None else counter.value
+    for _ in range(REPS):
+        if counter is None:
+            time.sleep(0.0005)
+            last += 1
+        else:
+            while counter.value == last:
+                pass
+            last = counter.value
         t0 = time.perf_counter()
-        if not synced:
+        if query:
             while not event.query():
                 pass
         t1 = time.perf_counter()
@@ -124,47 +133,77 @@ def main() -> None:
     import fkv
     from fkv.ops.layers import LayerMove
 
+    blocks_n = int(sys.argv[1]) if len(sys.argv) > 1 else BLOCKS
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    counter, go, stop = ctx.Value("q", 0), ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_prefill, args=(child, counter, go, stop), daemon=True)
-    proc.start()
-    mapped, handle = parent.recv()
-    event = torch.cuda.Event.from_ipc_handle(dev, handle)
-    own = fkv.allocate(_spec(8), dev)
+    own = fkv.allocate(_spec(8, blocks_n), dev)
     for v in own:
         v.normal_()
-    dst = fkv.allocate(_spec(4), dev)
-    sids = torch.randperm(BLOCKS, device=dev)[:N]
-    dids = torch.randperm(BLOCKS, device=dev)[:N]
-    moves = {}
-    for name, src in (("ipc", mapped), ("local", own)):
-        move = LayerMove(src, _spec(8), dst, _spec(4), src_heads=(0, 4), dst_heads=(0, 4))
+    dst = fkv.allocate(_spec(4, blocks_n), dev)
+    sids = torch.randperm(blocks_n, device=dev)[:N]
+    dids = torch.randperm(blocks_n, device=dev)[:N]
+
+    def prepare(src: Any) -> Any:
+        move = LayerMove(src, _spec(8, blocks_n), dst, _spec(4, blocks_n), src_heads=(0, 4),
+                         dst_heads=(0, 4))
         prepared = move.prepare(sids, dids, N * 16, validate=False)
         for layer in range(LAYERS):
             prepared((layer, layer + 1))
-        moves[name] = prepared
+        return prepared
+
+    local = prepare(own)
     torch.cuda.synchronize()
-    # the mapped source's bytes are the child's: one layer checked against the mapped view
-    moves["ipc"]((0, 1))
-    torch.cuda.synchronize()
-    ok = bool(torch.equal(dst[0][dids], mapped[0][sids][:, :, :, 0:4]))  # (B, 2, N, H, D)
-    rows: list[dict[str, Any]] = [{"mode": "check: a mapped layer moved equals its source",
-                                   "equal": ok}]
-    print(rows[-1])
-    order = ("ipc_event", "ipc_synced", "local_event", "ipc_event_nowrite", "ipc_event")
+    rows: list[dict[str, Any]] = [{"config": f"{blocks_n} blocks x {LAYERS} layers, {N} moved"}]
+    row = _measure(local, None, None, False)
+    row["mode"] = "alone: no other process"
+    rows.append(row)
+    print(row)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    counter, go, stop = ctx.Value("q", 0), ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_prefill, args=(child, counter, go, stop, blocks_n), daemon=True)
+    proc.start()
+    payload = parent.recv()  # the child's views and event handle, not opened yet
+    state = {"event": None, "mapped": None}
+    # each step adds one thing the bench's read has; the parent's state only grows
+    steps = (
+        ("peer writes, plain event, synchronizes; nothing of it opened here",
+         "write_synced", False, False, False, False),
+        ("the same without the write (an event recorded, synchronized)",
+         "nowrite_synced", False, False, False, False),
+        ("peer's event interprocess; not opened here",
+         "write_synced", True, False, False, False),
+        ("its handle opened here (never queried)",
+         "write_synced", True, True, False, False),
+        ("peer publishes before its write ends; decode waits on the opened event",
+         "write", True, True, True, False),
+        ("the same with the source mapped from the peer (the bench's read)",
+         "write", True, True, True, True),
+        ("mapped, peer synchronizes, no event wait", "write_synced", True, True, False, True),
+        ("mapped, event wait, the peer records without writing",
+         "nowrite", True, True, True, True),
+    )
     try:
-        for mode in order:
-            parent.send(mode)
+        for label, mode, interprocess, opened, query, mapped in steps:
+            if opened and state["event"] is None:
+                state["event"] = torch.cuda.Event.from_ipc_handle(dev, payload[1])
+            if mapped and state["mapped"] is None:
+                views = payload[0]
+                state["mapped"] = prepare(views)
+                state["mapped"]((0, 1))
+                torch.cuda.synchronize()
+                check = bool(torch.equal(dst[0][dids], views[0][sids][:, :, :, 0:4]))
+                rows.append({"mode": "check: a mapped layer moved equals its source",
+                             "equal": check})
+                print(rows[-1])
+            parent.send((mode, interprocess))
             go.set()
             time.sleep(0.3)  # the child's loop running
-            row = _measure(moves["local" if mode.startswith("local") else "ipc"], event,
-                           counter, mode == "ipc_synced")
+            row = _measure(state["mapped"] if mapped else local, state["event"], counter, query)
             go.clear()
             parent.recv()
-            row["mode"] = mode
+            row.update(mode=label, peer=mode, interprocess=interprocess, opened=opened,
+                       query=query, mapped=mapped)
             rows.append(row)
             print(row)
     finally:
@@ -172,7 +211,7 @@ def main() -> None:
         go.clear()
         parent.send(None)
         proc.join(10)
-    _record.write("ipc-event-latency.json", "ipc_event_latency", rows)
+    _record.write(f"ipc-event-latency-{blocks_n}.json", "ipc_event_latency", rows)
 
 
 if __name__ == "__main__":
