@@ -150,8 +150,11 @@ def _device(torch: Any, device: Any) -> Any:
     return dev
 
 
-def _matches(expected: tuple[int, ...], shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    # A size-1 dim's stride says nothing about the layout: never decide by it.
+def strides_match(expected: tuple[int, ...], shape: tuple[int, ...],
+                  strides: tuple[int, ...]) -> bool:
+    """Whether ``strides`` of a tensor of ``shape`` are ``expected``, size-1 dims excepted: a
+    size-1 dim's stride says nothing about the layout (one KV head per rank: NHD == HND), so
+    nothing is ever decided by it."""
     return all(size == 1 or e == s for e, size, s in zip(expected, shape, strides))
 
 
@@ -203,7 +206,7 @@ def infer_spec(tensor: torch.Tensor, *, backend: str, dtype: Any = None,
             expected = spec.element_strides
             if whole:
                 expected = (spec.layer_stride, *expected)
-            if _matches(expected, shape, strides):
+            if strides_match(expected, shape, strides):
                 return spec
     raise FkvError(
         f"infer_spec: strides {strides} of a {backend!r} cache of shape {shape} match no fkv "

@@ -299,3 +299,39 @@ def test_publish_on_cuda_takes_a_cuda_event_and_refuses_what_a_stream_cannot_wai
         server.publish("s1", 3)
         assert server.layers_ready("s1") == 3
         assert list(server.errors) == []
+
+
+# -- caches whose spec fkv.infer_spec derived: a size-1 dim's stride is never compared ---------
+
+@pytest.mark.parametrize(("total_heads", "decode_tp", "block_size", "inferred"), [
+    (2, 2, 4, "decode"),   # one head per decode rank: its HND cache is inferred NHD
+    (1, 1, 4, "prefill"),  # one head in all (MQA): the prefill's HND cache is inferred NHD
+    (2, 1, 1, "both"),     # one token per block: NHD == HND on both sides
+])
+def test_serve_and_connect_take_the_spec_infer_spec_derives_when_a_dim_has_size_1(
+        total_heads: int, decode_tp: int, block_size: int, inferred: str) -> None:
+    p_spec = fkv.KVCacheSpec(layout="HND", num_blocks=8, block_size=block_size,
+                             num_kv_heads=total_heads, head_size=8, num_layers=2)
+    d_spec = p_spec.evolve(num_kv_heads=total_heads // decode_tp)
+    src, dst = fkv.allocate(p_spec), fkv.allocate(d_spec)
+    for layer in src:
+        layer.copy_(torch.randn(layer.shape))
+    if inferred in ("prefill", "both"):
+        p_spec = fkv.infer_spec(src[0], backend="triton", num_layers=2)
+        assert p_spec.layout is fkv.Layout.NHD  # the strides cannot tell: NHD, the same bytes
+    if inferred in ("decode", "both"):
+        d_spec = fkv.infer_spec(dst[0], backend="triton", num_layers=2)
+        assert d_spec.layout is fkv.Layout.NHD
+    prefill = EngineDesc(engine_id="p1", tp_size=1, tp_rank=0, total_num_kv_heads=total_heads)
+    decode = EngineDesc(engine_id=f"d{next(_DECODE_IDS)}", tp_size=decode_tp,
+                        tp_rank=decode_tp - 1, total_num_kv_heads=total_heads)
+    blocks = 2 if block_size == 1 else 1  # whole tokens either way
+    with serve(prefill, p_spec, src) as server, connect(decode, d_spec, dst,
+                                                        remote_address=server.address) as client:
+        server.hold("one", [3, 1][:blocks])
+        result = client.read("one", [0, 5][:blocks], [3, 1][:blocks])
+        assert result.ok, result.error
+    heads = slice(total_heads - total_heads // decode_tp, total_heads)  # the last rank's heads
+    for layer in range(2):
+        for d, s in list(zip([0, 5], [3, 1]))[:blocks]:
+            assert torch.equal(dst[layer][d], src[layer][s][:, :, heads])

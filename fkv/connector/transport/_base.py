@@ -105,10 +105,11 @@ def layer_views(spec: KVCacheSpec, caches: Any) -> list[Any]:
 def cache_regions(spec: KVCacheSpec, caches: Any) -> tuple[list[tuple[int, int]], str, int, Any]:
     """``(regions, mem_type, device_id, device)`` of ``fkv.allocate``-style views of ``spec``.
 
-    Checks shape, dtype, strides (the layout is read from the tensors, never trusted), device and
+    Checks shape, dtype, strides (the layout is read from the tensors, never trusted; a size-1
+    dim's stride is not compared, as :func:`fkv.infer_spec` and the kernels do not), device and
     that each region's bytes really lie in the tensor's storage.
     """
-    from fkv.tensors import torch_dtype
+    from fkv.tensors import strides_match, torch_dtype
 
     views = layer_views(spec, caches)
     dtype = torch_dtype(spec.dtype)
@@ -119,7 +120,7 @@ def cache_regions(spec: KVCacheSpec, caches: Any) -> tuple[list[tuple[int, int]]
         if tuple(t.shape) != spec.logical_shape or t.dtype != dtype:
             raise field_error(f"caches[{i}]", f"shape {tuple(t.shape)} dtype {t.dtype}",
                               f"shape {spec.logical_shape} dtype {dtype} (the spec's logical view)")
-        if tuple(t.stride()) != spec.element_strides:
+        if not strides_match(spec.element_strides, spec.logical_shape, tuple(t.stride())):
             raise field_error(f"caches[{i}].stride()", tuple(t.stride()),
                               f"{spec.element_strides} (the {spec.layout.value} layout of the spec)",
                               "allocate caches with fkv.allocate(spec), or pass the spec "
