@@ -67,6 +67,7 @@ DTYPE_ALIASES = {
     "fp8": "float8_e4m3fn",
     "fp8_e4m3": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
+    "fp8_inc": "float8_e4m3fn",  # the Intel Neural Compressor name of the same e4m3 format
 }
 
 
@@ -93,30 +94,27 @@ class Layout(enum.StrEnum):
         key = value.strip().upper()
         if key in _ALIASES:
             return _ALIASES[key]
-        if key in _FOREIGN_ALIASES:
-            raise FkvError(f"'layout' alias {value!r} {_FOREIGN_ALIASES[key]}")
         raise field_error("layout", value, f"in ('NHD', 'HND') or an alias in {_ALIAS_HELP}")
 
 
 # Engine vocabulary (docs/layouts.md).  Letters are outermost-first; the K/V selector is not named.
+# A name maps to fkv's layout of that N/H order; the physical order a spec allocates is fkv's (the
+# stride-order table), and a buffer laid out otherwise is refused at its strides (infer_spec,
+# the kernels' and the transport's checks), never read by its name.
 _ALIASES = {
     "NHD": Layout.NHD,
     "HND": Layout.HND,
     "LBNHC": Layout.NHD,  # per-layer NHD
     "LBHNC": Layout.HND,  # per-layer HND
+    "LHBNC": Layout.HND,  # per-layer, heads outermost: fkv's per-layer HND (blocks outside heads)
     "BLNHC": Layout.NHD,  # cross-layer, blocks first, NHD: fkv's NHD + cross_layer
+    "BLHNC": Layout.HND,  # cross-layer, blocks first, HND: fkv's HND + cross_layer (BHLNC order)
     "BHLNC": Layout.HND,  # cross-layer, blocks first, heads outside layers: fkv's HND + cross_layer
 }
-_FOREIGN_ALIASES = {
-    "BLHNC": "(cross-layer, layers outside heads) is not an fkv order; fkv's cross-layer HND is "
-    "'BHLNC' (blocks, heads, layers, tokens, channels): use layout='HND' with cross_layer=True",
-    "LHBNC": "(heads outside blocks) is not an fkv order; use layout='HND' (per layer: blocks, "
-    "heads, tokens, channels) and convert with fkv.ops.convert",
-}
-_ALIAS_HELP = "('NHD', 'HND', 'LBNHC', 'LBHNC', 'BLNHC', 'BHLNC')"
+_ALIAS_HELP = "('NHD', 'HND', 'LBNHC', 'LBHNC', 'LHBNC', 'BLNHC', 'BLHNC', 'BHLNC')"
 #: Aliases that name one buffer of all layers: a spec takes them only with ``cross_layer=True``
 #: (the alias alone cannot say it to ``Layout``, which has no layers).
-_CROSS_LAYER_ALIASES = {"BLNHC": "LBNHC", "BHLNC": "LBHNC"}
+_CROSS_LAYER_ALIASES = {"BLNHC": "LBNHC", "BLHNC": "LBHNC", "BHLNC": "LBHNC"}
 
 
 def names_cross_layer(value: Any) -> bool:
@@ -179,6 +177,12 @@ def _dtype_error(value: Any) -> FkvError:
         return field_error("dtype", value, f"in {tuple(DTYPES)} or an engine name in "
                            f"{tuple(DTYPE_ALIASES)}", "'auto' means the model's dtype, which a "
                            "cache spec cannot know: pass that dtype (e.g. 'bfloat16')")
+    if value == "fp8_ds_mla":
+        return field_error("dtype", value, f"in {tuple(DTYPES)} or an engine name in "
+                           f"{tuple(DTYPE_ALIASES)}", "'fp8_ds_mla' is a packed DeepSeek MLA entry "
+                           "(fp8 latent, its float32 tile scales and a bf16 rope part in 656 "
+                           "bytes per token), not one element type; fkv does not lay it out: "
+                           "use backend='mla' with dtype 'fp8' or 'bfloat16'")
     return field_error("dtype", value, f"in {tuple(DTYPES)} or an engine name in "
                        f"{tuple(DTYPE_ALIASES)}")
 

@@ -756,6 +756,62 @@ def test_heads_as_a_slice_equal_the_pair(device, heads, pair):
     assert all(_equal(x, y) for x, y in zip(dst, expected))
 
 
+@pytest.mark.parametrize("heads", [(1, 3), slice(1, 3), slice(None, 2), slice(2, None)])
+def test_move_heads_is_the_same_range_on_both_sides(device, heads):
+    """The contract's ``move(..., heads=...)``: the bytes of ``src_heads=dst_heads=heads``, in
+    the kernel and the reference, every head outside the range untouched."""
+    spec, other = KV_SPECS[2], KV_SPECS[0]  # triton HND -> triton NHD
+    cache = _cache(spec, device, seed=43)
+    got, want = _cache(other, device, seed=44), _cache(other, device, seed=44)
+    ref = _cache(other, device, seed=44)
+    C.move(cache[1], spec, [5, 1], got[0], other, [2, 7], heads=heads)
+    C.move(cache[1], spec, [5, 1], want[0], other, [2, 7], src_heads=heads, dst_heads=heads)
+    RC.move(cache[1], spec, [5, 1], ref[0], other, [2, 7], heads=heads)
+    assert all(_equal(x, y) for x, y in zip(got, want))
+    assert all(_equal(x, y) for x, y in zip(ref, want))
+    inside = range(4)[heads] if isinstance(heads, slice) else range(*heads)
+    untouched = _cache(other, device, seed=44)
+    for h in range(4):  # block 5 -> 2: the range's heads moved, the others as they were
+        expected = cache[1][5, :, :, h] if h in inside else untouched[0][2, :, :, h]
+        assert _equal(got[0][2, :, :, h], expected), h
+
+
+@pytest.mark.parametrize("fn", [C.move, RC.move], ids=["kernel", "reference"])
+def test_move_refuses_heads_with_src_or_dst_heads(small, fn):
+    spec, cache = small
+    before = [c.clone() for c in cache]
+    for kwargs in ({"src_heads": (0, 2)}, {"dst_heads": slice(0, 2)},
+                   {"src_heads": (0, 2), "dst_heads": (2, 4)}):
+        with pytest.raises(FkvError) as e:
+            fn(cache[0], spec, [0], cache[1], spec, [1], heads=(0, 2), **kwargs)
+        assert str(e.value) == (
+            f"move: pass 'heads' (the same range on both sides) or 'src_heads'/'dst_heads', not "
+            f"both (got heads=(0, 2), src_heads={kwargs.get('src_heads')!r}, "
+            f"dst_heads={kwargs.get('dst_heads')!r})")
+    assert all(_equal(a, b) for a, b in zip(cache, before))
+
+
+def test_the_references_take_the_kernels_signatures():
+    """``fkv.ops.reference``: "same signatures" -- every parameter of every op, its kind and its
+    default; the kernels' launch options are checked there too and change nothing."""
+    import inspect
+
+    for name in ("write_kv", "convert", "gather", "scatter", "move", "paged_attention"):
+        kernel, ref = inspect.signature(getattr(fkv.ops, name)), inspect.signature(getattr(R, name))
+        assert [(p.name, p.kind, p.default) for p in kernel.parameters.values()] == \
+            [(p.name, p.kind, p.default) for p in ref.parameters.values()], name
+    spec = KV_SPECS[0].evolve(num_layers=1)
+    (cache,) = _cache(spec, "cpu", seed=45)
+    for bad in ("yes", 1):
+        with pytest.raises(FkvError, match=r"'validate' must be True, False or None"):
+            R.gather(cache, spec, [0], validate=bad)
+        with pytest.raises(FkvError, match=r"'validate' must be True, False or None"):
+            R.move(cache, spec, [0], cache, spec, [1], validate=bad)
+    for validate in (None, False, True):  # the reference checks ids whatever validate says
+        with pytest.raises(FkvError, match=r"'block_ids'"):
+            R.gather(cache, spec, [8], validate=validate)
+
+
 def test_bad_move_ranges(small):
     spec, cache = small
     with pytest.raises(FkvError, match=r"'src_heads' \(0, 2\) selects 2 heads but 'dst_heads' "
@@ -784,3 +840,60 @@ def test_public_names_route_here(device):
     (src,) = _cache(spec, device, seed=19)
     assert _equal(C.convert(src, spec, spec.evolve(cross_layer=True)), src)
     assert _equal(fkv.ops.convert(src, spec, spec), src)
+
+
+_WITHOUT_INTERPRETER = """
+import json, torch, fkv
+from fkv import FkvError
+from fkv.ops import convert, gather, move, paged_attention, scatter, write_kv
+spec = fkv.KVCacheSpec(layout="HND", num_blocks=4, block_size=4, num_kv_heads=2, head_size=8,
+                       dtype="float32")
+(cache,) = fkv.allocate(spec)
+cache.copy_(torch.arange(cache.numel(), dtype=torch.float32).view(cache.shape))
+(other,) = fkv.allocate(spec)
+other.zero_()
+before = (cache.clone(), other.clone())
+calls = {
+    "write_kv": lambda: write_kv(torch.ones(2, 2, 8), torch.ones(2, 2, 8), cache,
+                                 torch.tensor([0, 5]), spec),
+    "convert": lambda: convert(cache, spec, spec.evolve(layout="NHD")),
+    "gather": lambda: gather(cache, spec, [1, 2]),
+    "scatter": lambda: scatter(torch.ones(1, 2, 2, 4, 8), other, spec, [3]),
+    "move": lambda: move(cache, spec, [1], other, spec, [2]),
+    "paged_attention": lambda: paged_attention(torch.ones(1, 2, 8), cache, spec,
+                                               torch.tensor([[0, 1]], dtype=torch.int32),
+                                               torch.tensor([6], dtype=torch.int32)),
+}
+got = {}
+for name, call in calls.items():
+    try:
+        call()
+        got[name] = ["no error", False, ""]
+    except Exception as e:
+        got[name] = [type(e).__name__, isinstance(e, FkvError), str(e)]
+got["untouched"] = torch.equal(cache, before[0]) and torch.equal(other, before[1])
+print(json.dumps(got))
+"""
+
+
+def test_kernels_on_cpu_tensors_without_the_interpreter_raise_fkv_error():
+    """Compiled Triton runs on CUDA tensors only: without ``TRITON_INTERPRET=1`` every op given
+    CPU tensors raises an FkvError saying so (Triton's own error is a RuntimeError about its
+    drivers), after its input checks and before anything is written."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # also on a machine with a GPU: no CUDA tensors here
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_INTERPRETER], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got.pop("untouched") is True
+    fix = ("is on cpu: the Triton kernel runs on CUDA tensors, or on CPU with TRITON_INTERPRET=1 "
+           "set before triton is imported; or use fkv.ops.reference.")
+    field = {"write_kv": "cache", "convert": "src", "gather": "cache", "scatter": "cache",
+             "move": "src", "paged_attention": "q"}
+    assert got == {name: ["FkvError", True, f"{field[name]!r} {fix}{name}"] for name in field}

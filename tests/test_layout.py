@@ -74,17 +74,21 @@ def test_worked_strides_and_page_bytes():
 
 @pytest.mark.parametrize(("alias", "layout"), [
     ("NHD", Layout.NHD), ("nhd", Layout.NHD), (" Hnd ", Layout.HND), ("LBNHC", Layout.NHD),
-    ("lbhnc", Layout.HND), ("BLNHC", Layout.NHD), ("BHLNC", Layout.HND), (Layout.HND, Layout.HND),
+    ("lbhnc", Layout.HND), ("LHBNC", Layout.HND), ("BLNHC", Layout.NHD), ("BHLNC", Layout.HND),
+    ("blhnc", Layout.HND), (Layout.HND, Layout.HND),
 ])
 def test_layout_aliases(alias, layout):
+    """Every name of the engines' vocabulary; a spec made with one is the spec of its layout,
+    fkv's physical order (a buffer laid out otherwise is refused at its strides)."""
     assert Layout.parse(alias) is layout
-    cross = alias in ("BLNHC", "BHLNC")
+    cross = str(alias).upper() in ("BLNHC", "BHLNC", "BLHNC")
     spec = _spec(layout=alias, num_layers=2, cross_layer=cross)
     assert spec == _spec(layout=layout, num_layers=2, cross_layer=cross)
 
 
 @pytest.mark.parametrize(("alias", "plain"), [("BLNHC", "'NHD' (alias 'LBNHC')"),
-                                              (" bhlnc", "'HND' (alias 'LBHNC')")])
+                                              (" bhlnc", "'HND' (alias 'LBHNC')"),
+                                              ("BLHNC", "'HND' (alias 'LBHNC')")])
 def test_a_cross_layer_alias_needs_cross_layer(alias, plain):
     """The alias names one buffer of all layers: per-layer buffers with it are refused, never
     read as the per-layer layout of the same letters."""
@@ -122,17 +126,16 @@ def test_same_bytes_treats_size_one_dims_as_ambiguous():
     (dict(backend="vllm"), r"'backend' must be in \('triton', 'flashinfer', 'flash_attn', 'mla'\) \(got 'vllm'\)"),
     (dict(layout="NDH"), r"'layout' must be in \('NHD', 'HND'\) or an alias in .* \(got 'NDH'\)"),
     (dict(layout=3), r"'layout' must be a Layout or one of .* \(got 3\)"),
-    (dict(layout="BLHNC"), r"'layout' alias 'BLHNC' \(cross-layer, layers outside heads\) is not an fkv order.*'BHLNC'"),
-    (dict(layout="LHBNC"), r"'layout' alias 'LHBNC' \(heads outside blocks\) is not an fkv order"),
     (dict(num_blocks=0), r"'num_blocks' must be a positive int \(got 0\)"),
     (dict(block_size=16.0), r"'block_size' must be a positive int \(got 16.0\)"),
     (dict(num_kv_heads=True), r"'num_kv_heads' must be a positive int \(got True\)"),
     (dict(head_size=-1), r"'head_size' must be a positive int \(got -1\)"),
     (dict(dtype="int8"), r"'dtype' must be in \('bfloat16', 'float16', 'float32', 'float8_e4m3fn', 'float8_e5m2'\) "
-                         r"or an engine name in \('fp8', 'fp8_e4m3', 'fp8_e5m2'\) \(got 'int8'\)$"),
+                         r"or an engine name in \('fp8', 'fp8_e4m3', 'fp8_e5m2', 'fp8_inc'\) \(got 'int8'\)$"),
     (dict(dtype="auto"), r"'dtype' must be in .* \(got 'auto'\); 'auto' means the model's dtype, which a "
                          r"cache spec cannot know: pass that dtype \(e.g. 'bfloat16'\)"),
-    (dict(dtype="fp8_inc"), r"'dtype' must be in .* or an engine name in .* \(got 'fp8_inc'\)"),
+    (dict(dtype="fp8_ds_mla"), r"'dtype' must be in .* \(got 'fp8_ds_mla'\); 'fp8_ds_mla' is a packed "
+                               r"DeepSeek MLA entry .* use backend='mla' with dtype 'fp8' or 'bfloat16'$"),
     (dict(num_layers=0), r"'num_layers' must be a positive int \(got 0\)"),
     (dict(cross_layer="yes"), r"'cross_layer' must be a bool \(got 'yes'\)"),
     (dict(backend="mla"), r"'num_kv_heads' must be 1 for backend 'mla' .*\(got 8\); pass num_kv_heads=1"),
@@ -144,6 +147,7 @@ def test_validation_errors(kwargs, match):
 
 @pytest.mark.parametrize(("name", "canonical"), [
     ("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2"),
+    ("fp8_inc", "float8_e4m3fn"),
     ("torch.float8_e5m2", "float8_e5m2"), ("bfloat16", "bfloat16")])
 def test_engine_dtype_names_normalize(name, canonical):
     """vLLM's kv_cache_dtype names are accepted and normalized: equal specs compare and hash equal."""

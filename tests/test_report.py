@@ -116,6 +116,27 @@ def test_a_newer_run_replaces_a_case_and_smoke_runs_are_ignored(sample_dir: Path
     assert "3000 / 2400 GB/s" in rows[3]          # 8192 tokens: still the older file's
 
 
+def test_a_transfer_case_that_errored_keeps_the_earlier_measurement() -> None:
+    """As in the kernel tables: a newer run whose case errored does not replace the earlier
+    good one, and a case measured only with an error shows its error."""
+    env = {"gpu": "NVIDIA H200"}
+    runs = []
+    for created, gbps, error in (("2026-01-01T00:00:00Z", 45.5, ""),
+                                 ("2026-02-01T00:00:00Z", None, "the read timed out")):
+        run = results.Run("transfer", env=env, config={"mode": "cuda"})
+        run.created = created
+        run.add("hnd-ipc 256 blocks", params={"path": "ipc", "request_bytes": 16 << 20},
+                metrics={"gbps": gbps}, error=error)
+        if error:
+            run.add("hnd-packed 256 blocks", params={"path": "packed"}, metrics={"gbps": None},
+                    error="connect failed")
+        runs.append(run.to_file())
+    rows = report.sections(runs)["transfer"].splitlines()[2:]
+    assert rows[0].startswith("| hnd-ipc 256 blocks | ipc | 16 MiB | 45.50 |  | [NVIDIA H200, "
+                              "2026-01-01]"), rows
+    assert rows[1].startswith("| hnd-packed 256 blocks | packed |  | error: connect failed |"), rows
+
+
 def test_check_exits_1_when_a_document_is_stale_and_writing_fixes_it(
         sample_dir: Path, capsys: pytest.CaptureFixture) -> None:
     doc = sample_dir.parents[1] / "README.md"

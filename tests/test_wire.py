@@ -85,7 +85,7 @@ def test_undecodable(data, match):
     ({"regions": [[0, 1, 2]]}, r"Expected `array` of length 2"),
     ({"agent_metadata": "str"}, r"Expected `bytes`, got `str` - at `\$.agent_metadata`"),
     ({"spec.layout": "NDH"}, r"'layout' must be in \('NHD', 'HND'\)"),
-    ({"spec.layout": "LHBNC"}, r"alias 'LHBNC' \(heads outside blocks\)"),
+    ({"spec.layout": "BLHNC"}, r"'cross_layer' must be True with the layout alias 'BLHNC'"),
     ({"spec.backend": "xformers"}, r"'backend' must be in"),
     ({"spec.dtype": "int4"}, r"'dtype' must be in"),
     ({"engine.tp_rank": 4}, r"'tp_rank' must be in \[0, tp_size=4\)"),
@@ -119,6 +119,21 @@ def test_encode_validates():
                SPEC, REGIONS)
     with pytest.raises(FkvError, match="'agent_metadata' must be bytes"):
         encode(ENGINE, SPEC, REGIONS, agent_metadata="x")
+
+
+def test_encode_takes_numpy_integers_and_refuses_bools():
+    """Addresses often come out of numpy (``ndarray.ctypes.data``, sums of int64 offsets): the
+    same bytes as Python ints; a bool is no address."""
+    import numpy as np
+
+    numpy_regions = [(np.int64(base), np.uint64(n)) for base, n in REGIONS]
+    assert encode(ENGINE, SPEC, numpy_regions) == encode(ENGINE, SPEC, REGIONS)
+    assert decode_untrusted(encode(ENGINE, SPEC, numpy_regions)).regions == tuple(REGIONS)
+    for bad in ((True, SPEC.region_bytes), (REGIONS[1][0], np.float64(1.0)), (np.bool_(1), 2)):
+        with pytest.raises(FkvError) as e:
+            encode(ENGINE, SPEC, [REGIONS[0], bad, REGIONS[2]])
+        assert str(e.value) == (f"'regions[1]' must be a pair of ints (base_address, nbytes) "
+                                f"(got {bad!r})")
 
 
 def test_no_pickle_anywhere_in_fkv():

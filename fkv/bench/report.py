@@ -260,9 +260,10 @@ def _transfer(files: list[ResultFile], prefix: str, names: Mapping[int, str]) ->
     if not runs:
         return f"{head}\n| transfer | | | {NO_RESULT} | | |"
     newest: dict[str, tuple[Case, ResultFile]] = {}
-    for run in runs:  # oldest first: a later run of the same case replaces it
+    for run in runs:  # oldest first: a later run of the same case replaces it, unless it errored
         for case in run.cases:
-            newest[case.case] = (case, run)
+            if not case.error or case.case not in newest:
+                newest[case.case] = (case, run)
     lines = [head]
     for c, f in newest.values():
         size = c.params.get("request_bytes")

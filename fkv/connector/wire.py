@@ -23,6 +23,7 @@ fkv.errors.FkvWireError: peer message is not valid msgpack: Input data was trunc
 
 from __future__ import annotations
 
+import operator
 from typing import Annotated, Any
 
 import attrs
@@ -181,6 +182,16 @@ class Peer:
                 f"{', ipc' if self.ipc is not None else ''})")
 
 
+def _integer(value: Any) -> int | None:
+    """``value`` as a Python int when it is an integer (numpy's included, never a bool)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _check_regions(spec: KVCacheSpec, regions: Any) -> tuple[tuple[int, int], ...]:
     """Count, size and overlap checks (FkvError); returns normalized regions."""
     if not isinstance(regions, list | tuple):
@@ -191,11 +202,12 @@ def _check_regions(spec: KVCacheSpec, regions: Any) -> tuple[tuple[int, int], ..
                        f"layer, or one cross-layer buffer) (got {len(regions)})")
     out = []
     for i, region in enumerate(regions):
-        if (not isinstance(region, list | tuple) or len(region) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in region)):
+        pair = (tuple(_integer(v) for v in region)
+                if isinstance(region, list | tuple) and len(region) == 2 else ())
+        if len(pair) != 2 or None in pair:
             raise FkvError(f"'regions[{i}]' must be a pair of ints (base_address, nbytes) "
                            f"(got {region!r})")
-        base, nbytes = region
+        base, nbytes = pair
         if not 0 <= base <= _U64 or base + nbytes - 1 > _U64:
             raise FkvError(f"'regions[{i}]' = (0x{base:x}, {nbytes}) leaves the 64-bit address space")
         if nbytes != spec.region_bytes:

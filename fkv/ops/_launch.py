@@ -49,7 +49,7 @@ import triton
 
 from fkv.errors import FkvError
 
-__all__ = ["ENABLED", "KernelLauncher", "LaunchSite", "pdl_capable"]
+__all__ = ["ENABLED", "KernelLauncher", "LaunchSite", "check_kernel_device", "pdl_capable"]
 
 #: Master switch of the direct-launch path (``FKV_FAST_LAUNCH=0`` turns it off at import).
 ENABLED: bool = os.environ.get("FKV_FAST_LAUNCH", "1").strip().lower() not in ("0", "false",
@@ -114,7 +114,7 @@ class KernelLauncher:
                 for i, n in enumerate(per_call) if i >= len(pointers)]
         self._int_spec = tuple(i for i, spec in ints if spec)
         self._int_plain = tuple(i for i, spec in ints if not spec)
-        self.compiles = isinstance(kernel, triton.runtime.jit.JITFunction)
+        self.compiles = compiles(kernel)
 
     def site(self, fixed: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> LaunchSite:
         """A launch site for these fixed arguments (every parameter after the per-call ones) and
@@ -213,6 +213,21 @@ class LaunchSite:
             self.variants = None  # not the CompiledKernel this module knows: normal from now on
             return
         self.variants[key] = entry  # type: ignore[index]
+
+
+def compiles(kernel: Any) -> bool:
+    """Whether ``kernel`` is compiled by Triton for a GPU (not the CPU interpreter's function)."""
+    return isinstance(kernel, triton.runtime.jit.JITFunction)
+
+
+def check_kernel_device(device: Any, kernel: Any, field: str, op: str) -> None:
+    """Raise FkvError when a compiled Triton ``kernel`` would be given tensors that are not on
+    CUDA (``field`` is on ``device``): Triton itself would fail with a RuntimeError about its
+    drivers, or about a CPU pointer, which says nothing of the fix."""
+    if getattr(device, "type", None) != "cuda" and compiles(kernel):
+        raise FkvError(f"{field!r} is on {device}: the Triton kernel runs on CUDA tensors, or on "
+                       f"CPU with TRITON_INTERPRET=1 set before triton is imported; or use "
+                       f"fkv.ops.reference.{op}")
 
 
 def pdl_capable(device: Any) -> bool:

@@ -27,7 +27,8 @@ import torch
 
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
-from fkv.ops._launch import KernelLauncher, LaunchSite, cuda_capability, pdl_capable
+from fkv.ops._launch import (KernelLauncher, LaunchSite, check_kernel_device, cuda_capability,
+                             pdl_capable)
 from fkv.ops._spec import (cache_constexprs, cache_strides, check_cache, check_scale_values,
                            check_validate)
 
@@ -753,6 +754,7 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
             pdl: bool = False) -> None:
     from fkv.ops._attention_kernels import _paged_attention_kernel, _reduce_splits_kernel
 
+    check_kernel_device(q.device, _paged_attention_kernel, "q", "paged_attention")
     head_size = spec.head_size
     head_pad = _pow2(max(head_size, 16))
     heads = min(config.heads_per_program, prob.group)

@@ -52,7 +52,8 @@ def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
          dst: torch.Tensor, dst_spec: KVCacheSpec, dst_block_ids: Any, *,
          src_heads: tuple[int, int] | slice | None = None,
          dst_heads: tuple[int, int] | slice | None = None,
-         num_tokens: int | None = None, validate: bool | None = None) -> None:
+         num_tokens: int | None = None, validate: bool | None = None,
+         heads: tuple[int, int] | slice | None = None) -> None:
     """Copy one request's tokens of one layer from ``src`` (per ``src_spec``) into ``dst``.
 
     Token ``i`` lives in block ``src_block_ids[i // src_spec.block_size]`` slot
@@ -61,7 +62,9 @@ def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
     layouts and backends. ``num_tokens`` defaults to ``len(src_block_ids) * src_spec.block_size``
     and must fit both id lists. ``src_heads=(a, b)`` / ``dst_heads=(c, d)`` (or ``slice(a, b)``,
     step 1, a None bound meaning the first / past the last head) pick contiguous head
-    ranges of equal length (default: all heads). K and V both move (MLA: the latent). This is the
+    ranges of equal length (default: all heads); ``heads=`` is the same range on both sides
+    (``src_heads=dst_heads=heads``, as ``gather``/``scatter`` take it; FkvError with either of
+    the others). K and V both move (MLA: the latent). This is the
     re-chunking API; ``gather``/``scatter`` expose it too (``block_size=``, ``num_tokens=``).
 
     ``src``, ``dst``: one layer's logical view each (e.g. ``(NB, 2, N, H, D)`` for triton,
@@ -80,9 +83,10 @@ def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
     >>> torch.equal(dst[1, :, 5], src[1, :, 1]) and torch.equal(dst[0, :, 1], src[2, :, 1])
     True
     """
+    src_heads, dst_heads = move_heads(heads, src_heads, dst_heads)
     _launch(_check_move(src, src_spec, src_block_ids, dst, dst_spec, dst_block_ids,
                         src_heads=src_heads, dst_heads=dst_heads, num_tokens=num_tokens,
-                        validate=validate))
+                        validate=validate), "src", "move")
 
 
 def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any = None,
@@ -113,7 +117,7 @@ def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any 
     heads = src_spec.num_kv_heads
     for s, d in zip(src_layers, out_layers):
         _launch(_Move(s, src_spec, ids.tensor, 0, d, dst_spec, ids.tensor, 0, heads,
-                      ids.count * src_spec.block_size))
+                      ids.count * src_spec.block_size), "src", "convert")
     return out
 
 
@@ -157,7 +161,7 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
         return out
     m, staging = _check_gather(cache, spec, block_ids, heads, out, num_tokens, block_size,
                                validate=validate)
-    _launch(m)
+    _launch(m, "cache", "gather")
     if sig is not None and m.num_tokens and m.src_ids is block_ids:
         _remember(sig, m, staging, zero=out is None and m.num_tokens % m.dst_spec.block_size != 0)
     return staging
@@ -195,7 +199,7 @@ def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block
         return
     m = _check_scatter(staging, cache, spec, block_ids, heads, num_tokens, block_size,
                        validate=validate)
-    _launch(m)
+    _launch(m, "cache", "scatter")
     if sig is not None and m.num_tokens and m.dst_ids is block_ids:
         _remember(sig, m, None, zero=False)
 
@@ -244,11 +248,27 @@ class _Move:
     num_tokens: int
 
 
-def _launch(m: _Move) -> None:
-    from fkv.ops._move_kernel import launch_move
+def _launch(m: _Move, field: str, op: str) -> None:
+    """Launch the move kernel (FkvError first when it is compiled and ``field`` is off CUDA)."""
+    from fkv.ops._launch import check_kernel_device
+    from fkv.ops._move_kernel import _LAUNCHER, launch_move
 
+    check_kernel_device(m.src.device, _LAUNCHER.kernel, field, op)
     launch_move(m.src, m.src_spec, m.src_ids, m.src_head_start, m.dst, m.dst_spec, m.dst_ids,
                 m.dst_head_start, m.num_heads, m.num_tokens)
+
+
+def move_heads(heads: Any, src_heads: Any, dst_heads: Any) -> tuple[Any, Any]:
+    """``(src_heads, dst_heads)`` of a move called with ``heads=`` (the same range on both
+    sides) or with the two; FkvError when both forms are given (which range would win is
+    ambiguous)."""
+    if heads is None:
+        return src_heads, dst_heads
+    if src_heads is not None or dst_heads is not None:
+        raise FkvError(f"move: pass 'heads' (the same range on both sides) or "
+                       f"'src_heads'/'dst_heads', not both (got heads={heads!r}, "
+                       f"src_heads={src_heads!r}, dst_heads={dst_heads!r})")
+    return heads, heads
 
 
 def _check_spec(spec: Any, name: str) -> None:

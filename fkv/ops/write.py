@@ -30,7 +30,7 @@ import triton.language as tl
 
 from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
-from fkv.ops._launch import KernelLauncher, LaunchSite, pdl_capable
+from fkv.ops._launch import KernelLauncher, LaunchSite, check_kernel_device, pdl_capable
 from fkv.ops._spec import (cache_constexprs, cache_strides, check_scale_values, check_validate,
                            join_kv_views)
 from fkv.ops.reference._write import check_slots, check_token_counts, check_write_inputs
@@ -547,10 +547,7 @@ def _prepare(key: Any, value: Any, cache: Any, slot_mapping: Any, spec: Any, k_s
     if not isinstance(spec, KVCacheSpec):
         raise FkvError(f"'spec' must be a KVCacheSpec (got {type(spec).__name__})")
     ins = check_write_inputs(key, value, cache, slot_mapping, spec, k_scale, v_scale)
-    if cache.device.type != "cuda" and isinstance(_LAUNCHER.kernel, triton.runtime.jit.JITFunction):
-        raise FkvError(f"'cache' is on {cache.device}: the Triton kernel runs on CUDA tensors, or "
-                       f"on CPU with TRITON_INTERPRET=1 set before triton is imported; or use "
-                       f"fkv.ops.reference.write_kv")
+    check_kernel_device(cache.device, _LAUNCHER.kernel, "cache", "write_kv")
     k = ins.key
     v = k if ins.value is None else ins.value
     st = cache_strides(spec)

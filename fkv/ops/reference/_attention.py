@@ -12,7 +12,8 @@ import einops
 import torch
 
 from fkv.layout import KVCacheSpec
-from fkv.ops._spec import check_scale_values
+from fkv.errors import field_error
+from fkv.ops._spec import check_scale_values, check_validate
 from fkv.ops.attention import check_attention_inputs, check_attention_values
 
 __all__ = ["attend", "paged_attention"]
@@ -97,8 +98,13 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
                     query_start_loc: torch.Tensor | None = None, scale: float | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
                     k_scale: Any = None, v_scale: Any = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, validate: bool | None = None,
+                    config: Any = None, pdl: bool = False) -> torch.Tensor:
     """Reference of :func:`fkv.ops.paged_attention` (float32 accumulation), same signature.
+
+    ``validate``, ``config`` and ``pdl`` are checked as the kernel checks them and change nothing
+    here: the reference always checks the values it indexes with (it cannot mask a bad block id),
+    has no tiles to configure and launches no kernel.
 
     >>> import torch, fkv
     >>> spec = fkv.KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=1, head_size=8,
@@ -111,9 +117,16 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
     ...                 torch.tensor([5], dtype=torch.int32), query_start_loc=qsl).shape
     torch.Size([3, 2, 8])
     """
+    from fkv.ops.attention import AttentionConfig
+
     check_attention_inputs(q, cache, spec, block_table, seq_lens, query_start_loc=query_start_loc,
                            scale=scale, sliding_window=sliding_window, softcap=softcap,
                            k_scale=k_scale, v_scale=v_scale, out=out)
+    if config is not None and not isinstance(config, AttentionConfig):
+        raise field_error("config", config, "an AttentionConfig or None")
+    if pdl is not False and pdl is not True:
+        raise field_error("pdl", pdl, "True or False")
+    check_validate(validate)
     res = attend(q, cache, spec, block_table, seq_lens, query_start_loc=query_start_loc,
                  scale=scale, sliding_window=sliding_window, softcap=softcap,
                  k_scale=k_scale, v_scale=v_scale, acc_dtype=torch.float32)

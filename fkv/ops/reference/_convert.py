@@ -17,7 +17,9 @@ import einops
 import numpy as np
 
 from fkv.layout import KVCacheSpec
-from fkv.ops.relayout import _check_convert, _check_gather, _check_move, _check_scatter, _Move
+from fkv.ops._spec import check_validate
+from fkv.ops.relayout import (_check_convert, _check_gather, _check_move, _check_scatter, _Move,
+                               move_heads)
 from fkv.tensors import allocate, require_torch
 
 if TYPE_CHECKING:
@@ -144,8 +146,11 @@ def _trailing_as_one(a: np.ndarray, b: np.ndarray, most: int) -> tuple[np.ndarra
 def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
          dst: torch.Tensor, dst_spec: KVCacheSpec, dst_block_ids: Any, *,
          src_heads: Any = None, dst_heads: Any = None,
-         num_tokens: int | None = None) -> None:
+         num_tokens: int | None = None, validate: bool | None = None, heads: Any = None) -> None:
     """Reference of :func:`fkv.ops.move` (token ``i``: ``ids[i // N]`` slot ``i % N``).
+
+    ``validate`` is checked and changes nothing: a reference always range-checks the ids (it
+    cannot mask one outside the cache), in every op of this module.
 
     >>> import torch, fkv
     >>> a = fkv.KVCacheSpec(num_blocks=2, block_size=4, num_kv_heads=1, head_size=2)
@@ -155,12 +160,14 @@ def move(src: torch.Tensor, src_spec: KVCacheSpec, src_block_ids: Any,
     >>> dst[0, 0, :, 0, 0].tolist()
     [16.0, 18.0, 20.0, 22.0, 0.0, 2.0, 4.0, 6.0]
     """
+    check_validate(validate)
+    src_heads, dst_heads = move_heads(heads, src_heads, dst_heads)
     _run(_check_move(src, src_spec, src_block_ids, dst, dst_spec, dst_block_ids,
                      src_heads=src_heads, dst_heads=dst_heads, num_tokens=num_tokens))
 
 
 def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any = None,
-            block_ids: Any = None) -> Any:
+            block_ids: Any = None, validate: bool | None = None) -> Any:
     """Reference of :func:`fkv.ops.relayout.convert`: ``einops.rearrange`` per layer.
 
     >>> import torch, fkv
@@ -171,6 +178,7 @@ def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any 
     >>> torch.equal(dst[1, 0], src[0][0, 1])
     True
     """
+    check_validate(validate)
     src_layers, out_layers, ids, single = _check_convert(src, src_spec, dst_spec, out, block_ids)
     if out_layers is None:
         out_layers = allocate(dst_spec, device=src_layers[0].device)
@@ -186,7 +194,8 @@ def convert(src: Any, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, *, out: Any 
 
 def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
            heads: tuple[int, int] | slice | None = None, out: torch.Tensor | None = None,
-           num_tokens: int | None = None, block_size: int | None = None) -> torch.Tensor:
+           num_tokens: int | None = None, block_size: int | None = None,
+           validate: bool | None = None) -> torch.Tensor:
     """Reference of :func:`fkv.ops.relayout.gather` (staging ``[n, 2, h, N, D]``; mla ``[n, N, D]``).
 
     >>> import torch, fkv
@@ -196,6 +205,7 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
     >>> gather(cache, s, [3], heads=(1, 2))[0, 0].tolist()
     [[[50.0, 51.0], [54.0, 55.0]]]
     """
+    check_validate(validate)
     m, staging = _check_gather(cache, spec, block_ids, heads, out, num_tokens, block_size)
     _run(m)
     return staging
@@ -203,7 +213,7 @@ def gather(cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
 
 def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_ids: Any, *,
             heads: tuple[int, int] | slice | None = None, num_tokens: int | None = None,
-            block_size: int | None = None) -> None:
+            block_size: int | None = None, validate: bool | None = None) -> None:
     """Reference of :func:`fkv.ops.relayout.scatter`, the inverse of :func:`gather`.
 
     >>> import torch, fkv
@@ -214,4 +224,5 @@ def scatter(staging: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block
     >>> cache[2, :, :, 0].sum().item(), cache[2, :, :, 1].sum().item()
     (8.0, 0.0)
     """
+    check_validate(validate)
     _run(_check_scatter(staging, cache, spec, block_ids, heads, num_tokens, block_size))

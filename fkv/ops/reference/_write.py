@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from fkv.errors import FkvError
+from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 from fkv.ops._spec import check_cache, check_scale_values, check_validate, join_kv_views
 from fkv.tensors import require_torch, torch_dtype
@@ -159,7 +159,8 @@ def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -
 
 def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
              slot_mapping: torch.Tensor, spec: KVCacheSpec, *, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None, validate: bool | None = None) -> None:
+             v_scale: torch.Tensor | None = None, validate: bool | None = None,
+             pdl: bool = False) -> None:
     """Pure torch reshape-and-cache: token ``t`` goes to block ``slot // N``, offset ``slot % N``.
 
     Same contract as :func:`fkv.ops.write_kv`: ``key``/``value`` ``[T, H, D]`` with any strides
@@ -180,6 +181,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
     (True, True)
     """
     torch = require_torch()
+    if pdl is not False and pdl is not True:  # the kernel's launch option: nothing to launch here
+        raise field_error("pdl", pdl, "True or False")
     check_validate(validate)
     cache = join_kv_views(cache, spec)
     ins = check_write_inputs(key, value, cache, slot_mapping, spec, k_scale, v_scale)
