@@ -185,6 +185,20 @@ def test_environment_header_names_versions_git_and_ucx(monkeypatch: pytest.Monke
     assert len(env["git_commit"]) == 40
 
 
+def test_the_environment_says_whether_mps_runs(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """An MPS daemon changes how processes on one GPU overlap (a streamed ipc layer's tail fell
+    from 0.35 to 0.09 ms under it): a result file records its variables, and whether its
+    control pipe exists."""
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert results.mps_running() is False
+    (tmp_path / "control").touch()
+    assert results.mps_running() is True
+    env = results.environment("cpu")
+    assert env["env_vars"]["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path)
+    assert "mps" not in env  # asked only for a CUDA run
+
+
 def test_json_schema_is_exported() -> None:
     schema = results.json_schema()
     props = schema["$defs"]["ResultFile"]["properties"]

@@ -278,8 +278,9 @@ def default_results_dir() -> Path:
 # -- environment header ----------------------------------------------------------------------------
 
 def environment(device: str = "cpu") -> dict[str, Param]:
-    """Where a run happened: GPU(s), driver, CUDA, library versions, the ``UCX_*``, ``NIXL_*``
-    and ``FKV_*`` environment variables set (``env_vars``), git commit and dirty flag, date."""
+    """Where a run happened: GPU(s), driver, CUDA (and whether MPS runs), library versions, the
+    ``UCX_*``, ``NIXL_*``, ``FKV_*`` and ``CUDA_MPS_*`` environment variables set
+    (``env_vars``), git commit and dirty flag, date."""
     env: dict[str, Param] = {
         "date": _utc_now(),
         "host": platform.node(),
@@ -292,7 +293,7 @@ def environment(device: str = "cpu") -> dict[str, Param]:
     env |= _versions()
     env |= _cuda(device)
     env["env_vars"] = {k: v for k, v in sorted(os.environ.items())
-                       if k.startswith(("UCX_", "NIXL_", "FKV_"))
+                       if k.startswith(("UCX_", "NIXL_", "FKV_", "CUDA_MPS_"))
                        and k not in ("FKV_RESULTS_DIR", "FKV_GIT_COMMIT")}
     env |= _git()
     return env
@@ -328,7 +329,16 @@ def _cuda(device: str) -> dict[str, Param]:
             out["gpu"] = torch.cuda.get_device_name()
             out["gpu_count"] = torch.cuda.device_count()
             out["driver"] = _nvidia_smi("driver_version")
+            out["mps"] = mps_running()
     return out
+
+
+def mps_running() -> bool:
+    """Whether an MPS control daemon is running for this process's CUDA clients (its control
+    pipe exists): processes sharing a GPU then run kernels side by side, and a streamed layer's
+    copy no longer waits for the GPU to switch between their contexts (bench/NOTES.md)."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    return os.path.exists(os.path.join(pipe, "control"))
 
 
 def _nvidia_smi(field: str) -> str | None:
