@@ -828,6 +828,11 @@ def _ipc_case(cluster: Any, ptp: int, dtp: int, variant: str, d_device: str) -> 
     try:
         assert all(c["ipc"] for c in pair.connected), pair.connected
         assert "ipc: the prefill caches of" in pair.connected[0]["describe"]
+        from fkv.connector.transport._ipc import mps_running
+
+        shared = "on this GPU too, " + ("under MPS" if mps_running() else "without MPS")
+        assert (shared in pair.connected[0]["describe"]) == (d_device == "cuda:0"), \
+            pair.connected[0]["describe"]
         local, remote = request_blocks(pspec, dspec, tokens)
         for p in pair.P:
             p.call("hold", name=pair.name, request_id="r1", blocks=remote)

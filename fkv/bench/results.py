@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 
+from fkv.connector.transport._ipc import mps_running
 from fkv.errors import FkvError, field_error
 
 __all__ = ["SCHEMA", "Case", "ResultFile", "Run", "add_output_arguments", "check",
@@ -329,16 +330,8 @@ def _cuda(device: str) -> dict[str, Param]:
             out["gpu"] = torch.cuda.get_device_name()
             out["gpu_count"] = torch.cuda.device_count()
             out["driver"] = _nvidia_smi("driver_version")
-            out["mps"] = mps_running()
+            out["mps"] = mps_running()  # kernels of processes sharing a GPU overlap
     return out
-
-
-def mps_running() -> bool:
-    """Whether an MPS control daemon is running for this process's CUDA clients (its control
-    pipe exists): processes sharing a GPU then run kernels side by side, and a streamed layer's
-    copy no longer waits for the GPU to switch between their contexts (bench/NOTES.md)."""
-    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
-    return os.path.exists(os.path.join(pipe, "control"))
 
 
 def _nvidia_smi(field: str) -> str | None:

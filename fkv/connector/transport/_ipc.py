@@ -179,6 +179,31 @@ def _bytes_tensor(ptr: int, nbytes: int, device_index: int, keep: list[Any]) -> 
     return torch.from_dlpack(_capsule_new(ctypes.addressof(managed), b"dltensor", None))
 
 
+def mps_running() -> bool:
+    """Whether an MPS control daemon serves this process's CUDA clients (its control pipe
+    exists). Without MPS, kernels of processes sharing a GPU never run side by side: the GPU
+    switches between their contexts, which on an H200 delayed a copy launched right after the
+    other process's kernel by about 0.12 ms (bench/NOTES.md, 2026-12-04)."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    return os.path.exists(os.path.join(pipe, "control"))
+
+
+def sharing_note(ranks: list[int], mps: bool) -> str:
+    """What ``client.describe()`` adds when prefill ranks ``ranks`` share this rank's GPU.
+
+    >>> sharing_note([0], mps=True)
+    '; P0 on this GPU too, under MPS (their kernels overlap)'
+    """
+    if not ranks:
+        return ""
+    who = ", ".join(f"P{rank}" for rank in ranks)
+    if mps:
+        return f"; {who} on this GPU too, under MPS (their kernels overlap)"
+    return (f"; {who} on this GPU too, without MPS: the GPU switches between the processes "
+            f"before each copy (about 0.1-0.3 ms per streamed layer on an H200); an MPS daemon "
+            f"(nvidia-cuda-mps-control -d) lets them overlap")
+
+
 class Mapping:
     """One prefill rank's caches mapped into this process on ``device``: ``views`` are the layer
     views of ``peer.spec`` (as ``fkv.allocate`` lays them out). Close to unmap."""

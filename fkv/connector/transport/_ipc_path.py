@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from fkv.connector.transport._base import Tally, TransferFailed, process_alive
-from fkv.connector.transport._ipc import Mapping
+from fkv.connector.transport._ipc import Mapping, _uuid, mps_running, sharing_note
 from fkv.connector.transport._link import Local
 
 __all__ = ["IpcPath"]
@@ -45,6 +45,7 @@ class IpcPath:
         self._done: Any = None  # the event each read records after its moves
         rs = peers[0].spec
         self.bytes_per_token = 0
+        self.shared_gpu: list[int] = []
         try:
             for read in plan.reads:
                 rank = read.remote_rank
@@ -62,6 +63,9 @@ class IpcPath:
                 self.bytes_per_token += ((1 if rs.is_mla else 2) * h * rs.head_size * rs.itemsize
                                          * rs.num_layers)
             self.events = self._open_events(peers)
+            # prefill ranks on this very GPU: without MPS every copy waits for a context switch
+            ours = _uuid(local.device.index if local.device.index is not None else 0)
+            self.shared_gpu = [rank for rank in self.mappings if peers[rank].ipc.device_uuid == ours]
             self.warm()
         except BaseException:
             self.close()
@@ -117,7 +121,8 @@ class IpcPath:
     def describe(self) -> str:
         ranks = ", ".join(f"P{rank}" for rank in self.mappings)
         return (f"ipc: the prefill caches of {ranks} are mapped into cuda:"
-                f"{self.local.device.index}; one kernel per read moves every layer")
+                f"{self.local.device.index}; one kernel per read moves every layer"
+                f"{sharing_note(self.shared_gpu, mps_running())}")
 
     #: Token counts that reach every compiled variant of the move kernel (its tile covers 1 to 32
     #: tokens, a power of two, with or without a ragged last tile).
