@@ -149,6 +149,26 @@ def test_a_transfer_run_cut_short_keeps_the_cases_it_measured(tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == [out]
 
 
+@pytest.mark.parametrize(("device", "mps", "where"), [
+    ("cuda", True, "cuda:0->cuda:0 under MPS"), ("cuda", False, "cuda:0->cuda:0"),
+    ("cpu", True, "cpu")])
+def test_a_gpu_run_under_mps_is_another_case(device, mps, where):
+    """Under MPS the processes sharing a GPU overlap their kernels (a streamed ipc tail 0.09
+    against 0.35 ms): such a run's rows are cases of their own, never the same rows as a run
+    without it."""
+    import argparse
+
+    from fkv.bench import transfer
+
+    case = transfer.Case(name="hnd-ipc", prefill_tp=1, decode_tp=2, prefill_layout="HND",
+                         decode_layout="HND", request_blocks=256)
+    case.gbps, case.ms, case.payload_per_request = 900.0, 0.5, 256 << 16
+    cfg = {"p_gpu": 0, "d_gpu": 0, "d_gpus": [], "stream": False, "layers": 32}
+    run = transfer._to_run([case], cfg, argparse.Namespace(device=device), 4000.0, {}, 16384,
+                           {"mps": mps}, {}, {})
+    assert [c.case for c in run.cases] == [f"hnd-ipc 256 blocks x32 layers of 16384 {where}"]
+
+
 def test_cases_run_in_the_order_given_each_once():
     import argparse
 

@@ -989,6 +989,8 @@ def _to_run(cases: list[Case], cfg: dict[str, Any], args: argparse.Namespace, ce
         run.ceiling("peer_copy_gbps", links[0]["peer_copy_gbps"])
     where = (f"cuda:{cfg['p_gpu']}->cuda:{','.join(map(str, cfg['d_gpus'] or [cfg['d_gpu']]))}"
              if args.device == "cuda" else "cpu")
+    if args.device == "cuda" and header.get("mps"):
+        where += " under MPS"  # processes on one GPU overlap their kernels: another case
     for c in cases:
         link = links.get(c.request_blocks, {})
         streamed = (f", streamed over {cfg['compute_ms']:g} ms/layer of "
