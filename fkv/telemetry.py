@@ -159,7 +159,7 @@ class Telemetry:
             p.seconds.add(seconds)
             p.bytes.add(float(nbytes))
             p.descriptors.add(float(descriptors))
-            if seconds > 0:
+            if seconds > 0 and nbytes:  # a read of nothing (a full prefix hit) has no rate
                 p.gbps.add(nbytes / seconds / 1e9)
             for stage, s in waits:
                 p.waits[stage].add(float(s))

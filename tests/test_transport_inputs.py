@@ -335,3 +335,30 @@ def test_serve_and_connect_take_the_spec_infer_spec_derives_when_a_dim_has_size_
     for layer in range(2):
         for d, s in list(zip([0, 5], [3, 1]))[:blocks]:
             assert torch.equal(dst[layer][d], src[layer][s][:, :, heads])
+
+
+def test_a_full_prefix_hit_only_notifies_and_the_prefill_releases_the_request(prefill) -> None:
+    """Both id lists empty: the decode rank has every token already. No READ, nothing written;
+    the prefill ranks are notified and release the request; ``strategy`` says ``"none"``."""
+    server, _ = prefill
+    dst = fkv.allocate(SPEC)
+    for layer in dst:
+        layer.fill_(7.0)
+    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address
+                 ) as client:
+        server.hold("hit", [3, 1], lease=30.0)
+        result = client.read("hit", [], [])
+        assert (result.ok, result.bytes, result.descriptors, result.strategy, result.error) == \
+            (True, 0, 0, "none", None)
+        assert len(result.layer_seconds) == SPEC.num_layers
+        deadline = time.monotonic() + 10.0
+        while "hit" in server.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.released().get("hit") == "notified"
+        stats = client.stats()["paths"]["none"]
+        assert stats["count"] == 1 and stats["bytes"]["sum"] == 0 and stats["gbps"]["count"] == 0
+        with pytest.raises(FkvError) as e:
+            client.read("hit2", [], [1])
+        assert str(e.value) == ("block id lists must both be empty or both non-empty (local 0, "
+                                "remote 1 blocks); nothing was transferred")
+    assert all(bool((layer == 7.0).all()) for layer in dst)

@@ -4,7 +4,7 @@ Prefill side, on every rank (rank 0 answers the side channel for the whole engin
 
     server = fkv.connector.serve(engine, spec, caches)                      # rank 0
     server = fkv.connector.serve(engine, spec, caches, join=rank0_address)  # ranks 1..tp-1
-    server.hold(request_id, block_ids)   # optional: the lease starts now (else at first notify)
+    server.hold(request_id, block_ids)   # held until its decode readers notified, or the lease ends
     server.pending()                     # request ids whose blocks are still held
 
 Decode side, on every rank::
@@ -40,7 +40,8 @@ CUDA, else follows the plan (direct or staging); ``"nixl"`` is ``"auto"`` withou
 ``"ipc"``/``"packed"``/``"direct"``/``"staging"`` force a path (refused at connect, with the
 reason, when impossible). ``client.describe()`` names the paths and why the others are off.
 ``read`` waits for the copies within ``timeout``, then notifies the prefill ranks
-(``"<request id>:<decode tp size>"``, also the ``notify_only_ranks``). It returns a
+(``fkv1|<request id>|<decode engine id>|<decode rank>|done``, also the ``notify_only_ranks``;
+empty block lists, a full prefix hit, only notify). It returns a
 :class:`ReadResult`; ``ok`` is True only when every byte landed.
 
 Caches are ``fkv.allocate(spec, device)`` views (CPU DRAM or CUDA VRAM). NIXL is only ever called
@@ -115,8 +116,9 @@ def serve(engine: EngineDesc, spec: KVCacheSpec, caches: Any, *, host: str = "12
     through it (retrying for ``join_timeout`` seconds). ``caches``: the per-layer views
     ``fkv.allocate(spec, device)`` returns (``[NB, 2, N, H, D]`` each for triton/flashinfer,
     ``[2, NB, N, H, D]`` flash_attn, ``[NB, N, D]`` mla). A request's blocks are held until the
-    expected decode readers notified (``"<request id>:<decode tp>"``), or ``lease`` seconds after
-    :meth:`Server.hold` / the first notification; ``on_release(request_id, block_ids, why)`` is
+    expected decode readers notified (each its ``fkv1|<request id>|<engine id>|<rank>|done``), or
+    ``lease`` seconds after :meth:`Server.hold` (a notification for a request nobody holds is
+    refused); ``on_release(request_id, block_ids, why)`` is
     called from the server's thread when that happens.
 
     ``pack_bytes``: the registered pack buffer packed reads gather into, on the caches' device

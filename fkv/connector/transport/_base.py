@@ -68,7 +68,8 @@ class ReadResult:
     descriptors posted (direct/staging: the plan's coalesced rows; packed: one per prefill rank per
     chunk); ``error`` says what failed (None when ok); ``seconds`` the whole call,
     ``transfer_seconds`` the part spent posting READs and waiting for them; ``strategy`` the path
-    this request took (``"ipc"``, ``"packed"``, ``"direct"`` or ``"staging"``); ``pack_seconds`` (packed) the
+    this request took (``"ipc"``, ``"packed"``, ``"direct"`` or ``"staging"``; ``"none"``: a full
+    prefix hit, empty block lists, only notified); ``pack_seconds`` (packed) the
     time from asking the prefill ranks to pack until every one replied; ``layer_seconds`` when
     each layer landed, from the start of the read (a streaming read lands layers as they are
     published; otherwise every layer lands at the end). A failed read claims no layer."""

@@ -168,6 +168,11 @@ class Client:
         prefill process of this same user that backs its cache with memory whose faults it never
         serves holds a same-host copy in flight; docs/transport.md, "Trust model".)
 
+        Both lists empty (a full prefix hit: the decode rank has every token already) moves
+        nothing and only notifies the prefill ranks, which release the request once every
+        expected reader notified (``strategy == "none"``, ``bytes == 0``; a streaming request
+        once its last layer is published too: a notification before that is kept until then).
+
         ``stream=True`` reads a *streaming* request (the prefill ranks hold it with
         ``layers_ready=`` and ``publish`` layers as they are written): each layer moves as soon
         as every prefill rank read published it, pipelined with the wait for the next, and
@@ -187,14 +192,21 @@ class Client:
                                          state.remote_spec, False)
                 tokens = request_tokens(local, remote, self.spec.block_size,
                                         state.remote_spec.block_size, num_tokens)
-                if tokens == 0:
-                    raise FkvError("'local_block_ids' and 'remote_block_ids' are empty: pass the "
-                                   "blocks of at least one token")
                 done = state.link.notif(request_id)  # made now: after the last byte it only goes
             except FkvError as e:
                 raise FkvError(f"{e}; nothing was transferred") from None
-            deadline = time.monotonic() + float(timeout)
             tally = Tally()
+            if tokens == 0:  # a full prefix hit: no READ, the prefill ranks are told at once
+                try:
+                    state.link.notify((*state.plan.remote_ranks, *state.plan.notify_only_ranks),
+                                      done)
+                except (TransferFailed, SideChannelError) as e:
+                    self.telemetry.failure(failure_kind(str(e)))
+                    return self._result(False, request_id, tally, t0, "none", str(e))
+                result = self._result(True, request_id, tally, t0, "none", None)
+                self.telemetry.record_read("none", result.seconds, 0, 0)
+                return result
+            deadline = time.monotonic() + float(timeout)
             path, rows = state.choose(local, remote, tokens)
             layer_seconds: tuple[float, ...] = ()
             try:
