@@ -142,6 +142,89 @@ def test_tiles_window_softcap_splits(device: str, mode: str, opts: dict[str, Any
     case.check(config=cfg, **opts)
 
 
+def _alibi_sinks(device: str, hq: int, which: str) -> dict[str, torch.Tensor]:
+    """ALiBi slopes as engines make them (2^-8i/Hq) and sinks of both signs, per query head."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, hq + 1, dtype=torch.float32) / hq)
+    sinks = torch.linspace(-2.0, 3.0, hq, dtype=torch.float32)
+    kw = {"alibi_slopes": slopes.to(device), "sinks": sinks.to(device)}
+    return {k: v for k, v in kw.items() if k.split("_")[0] in which}
+
+
+@pytest.mark.parametrize("cfg", [
+    AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=1),
+    AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=3),
+    AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=3, fused_merge=True),
+    AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=1, lazy_rescale=True),
+], ids=["one-split", "splits", "fused-merge", "lazy"])
+@pytest.mark.parametrize(("which", "opts"), [
+    ("alibi", {}), ("sinks", {}), ("alibi sinks", {"sliding_window": 21, "softcap": 3.0})],
+    ids=["alibi", "sinks", "both-window-softcap"])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_alibi_and_sinks(device: str, mode: str, which: str, opts: dict[str, Any],
+                         cfg: AttentionConfig) -> None:
+    """ALiBi slopes and attention sinks (the spec's read path) against the reference, through
+    every loop of the kernel: masked and unmasked tiles, splits merged by a second kernel or in
+    the same launch (a sink counted once), and the lazy-rescale knob (off under ALiBi)."""
+    q_lens = None if mode == "decode" else (9, 33, 2, 20)
+    case = Case(device, q_lens=q_lens, layout="HND", seed=8, **LONG)
+    case.check(config=cfg, **opts, **_alibi_sinks(device, case.q.shape[1], which))
+    if cfg.fused_merge:
+        assert _merge_counters_zero()
+
+
+def test_alibi_and_sinks_in_row_halves(device: str) -> None:
+    """The two-half prefill tile adds the same bias and starts from the same sink: the bits of
+    one tile (16-bit queries, in the interpreter; the reference's values on the GPU)."""
+    case = Case(device, q_lens=(9, 33, 2, 20), layout="NHD", seed=9, **LONG)
+    kw = _alibi_sinks(device, case.q.shape[1], "alibi sinks")
+    cfg = AttentionConfig(block_q=16, heads_per_program=2, tile_n=16)
+    base = case.run(config=cfg, **kw)
+    got = case.run(config=attrs.evolve(cfg, row_halves=True), **kw)
+    if device == "cpu":
+        assert torch.equal(got, base)
+    case.check(config=attrs.evolve(cfg, row_halves=True), **kw)
+
+
+def test_alibi_and_sinks_by_hand() -> None:
+    """An oracle that is not the reference: one decode query over three keys, in float64 by
+    hand: scores q.k * scale + slope * (j - 2) (the query sits at position 2), and the sink's
+    logit in the denominator only."""
+    case = Case("cpu", dtype="float32", seq_lens=(3,), hq=2, hkv=1, head_size=8, block_size=4)
+    slopes, sinks = torch.tensor([0.5, 0.125]), torch.tensor([1.0, -0.75])
+    got = case.run(alibi_slopes=slopes, sinks=sinks).double()
+    ref = RA.attend(*case.args(), alibi_slopes=slopes, sinks=sinks, acc_dtype=torch.float64)
+    blk = int(case.block_table[0, 0])
+    k = case.cache[blk, 0, :3, 0].double()  # [3 keys, D] of KV head 0
+    v = case.cache[blk, 1, :3, 0].double()
+    for h in range(2):
+        s = (case.q[0, h].double() @ k.T) / math.sqrt(8) + slopes[h].double() * (
+            torch.arange(3, dtype=torch.float64) - 2)
+        w = torch.exp(s) / (torch.exp(s).sum() + math.exp(float(sinks[h])))
+        assert torch.allclose(ref[0, h], w @ v, atol=1e-12)
+        assert torch.allclose(got[0, h], w @ v, atol=1e-5)
+
+
+def test_alibi_and_sinks_bad_inputs() -> None:
+    """Shape, dtype, device and (with ``validate``) finite values, each named; nothing written."""
+    case = Case("cpu", dtype="float32", seq_lens=(3, 5), hq=4, hkv=2, head_size=8)
+    out = torch.full_like(case.q, 7.0)
+    for name in ("alibi_slopes", "sinks"):
+        for bad, shown in ((torch.zeros(3), "(3,) torch.float32"),
+                           (torch.zeros(4, dtype=torch.float64), "(4,) torch.float64"),
+                           (torch.zeros(1, 4), "(1, 4) torch.float32"), ([0.0] * 4, "list")):
+            with pytest.raises(FkvError) as e:
+                paged_attention(*case.args(), out=out, **{name: bad})
+            assert str(e.value) == (f"{name!r} must be a float32 tensor of shape (4,): one value "
+                                    f"per query head (got {shown!r}); convert with .float()")
+        nan = torch.tensor([0.0, 1.0, float("nan"), 2.0])
+        with pytest.raises(FkvError) as e:
+            paged_attention(*case.args(), out=out, **{name: nan})
+        assert str(e.value) == f"'{name}[2]' is nan; every query head's value must be finite"
+        with pytest.raises(FkvError):
+            R.paged_attention(*case.args(), **{name: nan}, validate=False)  # the reference checks
+    assert bool((out == 7.0).all())
+
+
 @pytest.mark.parametrize(("fma", "heads_first"), [(False, True), (True, False)])
 def test_kernel_knobs(device: str, fma: bool, heads_first: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher's tuning knobs other than the defaults (timed by the bench's sweep)."""
@@ -1143,6 +1226,8 @@ def test_gluon_prefill_refusals() -> None:
     assert _refusal(sliding_window=128) == "a sliding window"
     assert _refusal(softcap=30.0) == "a softcap"
     assert _refusal(pdl=True) == "pdl=True"
+    assert _refusal(alibi=True) == "ALiBi slopes"
+    assert _refusal(sinks=True) == "attention sinks"
     assert _refusal({"backend": "mla", "num_kv_heads": 1, "head_size": 128}) == "an MLA cache"
     assert _refusal({"dtype": "fp8"}) == "an fp8 cache"
     assert _refusal({"head_size": 64}) == "head size 64 (128 wanted)"

@@ -23,6 +23,12 @@ unchanged. ``LAZY_RESCALE`` (unmasked tiles, scores without softcap): the runnin
 raised, and the accumulator rescaled, only when some row's max grew by more than 8 (base 2) since
 the last raise; otherwise p = exp2(s - stale max) <= 2**8, exact in fp32 sums and as precise in
 bf16 (FlashAttention-4's conditional rescaling, decided for the whole tile).
+``USE_ALIBI``: each query head's slope (``alibi_ptr``, natural log units) times the key's
+position minus the query's is added to the scores after the softcap (a per-row constant apart,
+the engines' bias; the softmax does not see the difference); such tiles take the plain softmax
+path (no lazy rescaling). ``USE_SINKS``: each query head's sink logit (``sinks_ptr``) joins the
+softmax's denominator with no value: the row max starts at the sink and the row sum at 1, in the
+first split only, so a split launch counts it once.
 ``ROW_HALVES`` (no splits): the program's rows are two halves of ``BLOCK_M // 2`` with their own
 accumulators; each key tile is loaded once and both halves' QK^T are issued before either
 softmax. Triton 3.6 waits for each QK^T at once but keeps the (loop-carried) PV dots in flight, so
@@ -87,17 +93,21 @@ def _qk(q, k, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _softmax_pv(acc, l_i, m_i, qk, visible, v, score_mult, softcap_mult, MASKED: tl.constexpr,
-                USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-                FMA_SCORES: tl.constexpr, LAZY: tl.constexpr):
+def _softmax_pv(acc, l_i, m_i, qk, visible, v, score_mult, softcap_mult, bias,
+                MASKED: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr,
+                PRECISION: tl.constexpr, FMA_SCORES: tl.constexpr, LAZY: tl.constexpr,
+                USE_BIAS: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) by the raw scores ``qk`` of one key tile and its
-    values ``v`` (in the query dtype); ``visible`` masks scores when MASKED. LAZY (unmasked,
-    FMA scores, no softcap): the kernel docstring's lazy rescaling."""
-    if USE_SOFTCAP or not FMA_SCORES:
+    values ``v`` (in the query dtype); ``visible`` masks scores when MASKED; USE_BIAS adds
+    ``bias`` (base 2, after the softcap: ALiBi). LAZY (unmasked, FMA scores, no softcap, no
+    bias): the kernel docstring's lazy rescaling."""
+    if USE_SOFTCAP or not FMA_SCORES or USE_BIAS:
         if USE_SOFTCAP:
             s = softcap_mult * _tanh(qk * score_mult)
         else:
             s = qk * score_mult
+        if USE_BIAS:
+            s = s + bias
         if MASKED:
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -141,9 +151,11 @@ def _attend_tile(
     softcap_mult, BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    FMA_SCORES: tl.constexpr, LAZY: tl.constexpr = False,
+    FMA_SCORES: tl.constexpr, LAZY: tl.constexpr = False, alibi=0.0,
+    USE_ALIBI: tl.constexpr = False,
 ):
-    """One key tile [start, start + TILE_N): online-softmax update of (acc, l_i, m_i)."""
+    """One key tile [start, start + TILE_N): online-softmax update of (acc, l_i, m_i); USE_ALIBI:
+    each row's ``alibi`` slope (base 2) times the key's distance from the query is added."""
     t, row = _tile_rows(start, hi, bt_row_ptr, head_off, stride_block, num_blocks, BLOCK_SIZE,
                         STRIDE_TOKEN, TILE_N, MASKED)
     k = _load_rows(cache_ptr, row, t, hi, HEAD_SIZE, HEAD_PAD, MASKED)
@@ -154,8 +166,12 @@ def _attend_tile(
         visible = (t[None, :] <= q_pos[:, None]) & (t < hi)[None, :]
         if USE_WINDOW:
             visible = visible & (t[None, :] > q_pos[:, None] - window)
-    return _softmax_pv(acc, l_i, m_i, qk, visible, v.to(q.dtype), score_mult, softcap_mult,
-                       MASKED, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, LAZY)
+    bias = qk  # unused unless USE_ALIBI
+    if USE_ALIBI:
+        bias = alibi[:, None] * (t[None, :] - q_pos[:, None]).to(tl.float32)
+    return _softmax_pv(acc, l_i, m_i, qk, visible, v.to(q.dtype), score_mult, softcap_mult, bias,
+                       MASKED, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES,
+                       LAZY and not USE_ALIBI, USE_ALIBI)
 
 
 @triton.jit
@@ -165,7 +181,7 @@ def _attend_tile2(
     softcap_mult, BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    FMA_SCORES: tl.constexpr,
+    FMA_SCORES: tl.constexpr, alibi_a=0.0, alibi_b=0.0, USE_ALIBI: tl.constexpr = False,
 ):
     """One key tile for two row halves (``ROW_HALVES``): K/V loaded once, both QK^T issued
     before either softmax; each half updates its (acc, l, m) exactly as ``_attend_tile``."""
@@ -183,10 +199,17 @@ def _attend_tile2(
         if USE_WINDOW:
             vis_a = vis_a & (t[None, :] > q_pos_a[:, None] - window)
             vis_b = vis_b & (t[None, :] > q_pos_b[:, None] - window)
+    bias_a = qk_a  # unused unless USE_ALIBI
+    bias_b = qk_b
+    if USE_ALIBI:
+        bias_a = alibi_a[:, None] * (t[None, :] - q_pos_a[:, None]).to(tl.float32)
+        bias_b = alibi_b[:, None] * (t[None, :] - q_pos_b[:, None]).to(tl.float32)
     acc_a, l_a, m_a = _softmax_pv(acc_a, l_a, m_a, qk_a, vis_a, v, score_mult, softcap_mult,
-                                  MASKED, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, False)
+                                  bias_a, MASKED, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES,
+                                  False, USE_ALIBI)
     acc_b, l_b, m_b = _softmax_pv(acc_b, l_b, m_b, qk_b, vis_b, v, score_mult, softcap_mult,
-                                  MASKED, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, False)
+                                  bias_b, MASKED, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES,
+                                  False, USE_ALIBI)
     return acc_a, l_a, m_a, acc_b, l_b, m_b
 
 
@@ -197,7 +220,7 @@ def _attend_range2(
     softcap_mult, BLOCK_SIZE: tl.constexpr, STRIDE_TOKEN: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    FMA_SCORES: tl.constexpr,
+    FMA_SCORES: tl.constexpr, alibi_a=0.0, alibi_b=0.0, USE_ALIBI: tl.constexpr = False,
 ):
     """The key tiles starting in [lo, hi_tiles) for both row halves (``_attend_tile2`` each)."""
     for start in range(lo, hi_tiles, TILE_N):
@@ -205,7 +228,7 @@ def _attend_range2(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, start, hi, cache_ptr,
             bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window, score_mult,
             softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, MASKED,
-            USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+            USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, alibi_a, alibi_b, USE_ALIBI)
     return acc_a, l_a, m_a, acc_b, l_b, m_b
 
 
@@ -264,7 +287,7 @@ def _merge_if_last(part_out_ptr, part_lse_ptr, ctr_ptr, out_ptr, group, base, o_
 def _paged_attention_kernel(
     # per call (fkv.ops._launch: the direct launch passes these first; pointers, then scalars)
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, ctr_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, ctr_ptr, alibi_ptr, sinks_ptr,
     scale, softcap, window, num_seqs, num_tiles, num_q_tokens, max_context, num_splits,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od, stride_bt,
     # fixed per input signature
@@ -280,7 +303,8 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr, FMA_SCORES: tl.constexpr, FUSED_MERGE: tl.constexpr,
     RANGE_STAGES: tl.constexpr, LAZY_RESCALE: tl.constexpr, PDL: tl.constexpr = False,
-    ROW_HALVES: tl.constexpr = False,
+    ROW_HALVES: tl.constexpr = False, USE_ALIBI: tl.constexpr = False,
+    USE_SINKS: tl.constexpr = False,
 ):
     if PDL:  # launched with PDL: nothing is read before the kernel before this one has finished
         tl.extra.cuda.gdc_wait()
@@ -385,21 +409,34 @@ def _paged_attention_kernel(
         l_b = tl.zeros([HALF], dtype=tl.float32)
         m_a = tl.full([HALF], -1.0e30, dtype=tl.float32)
         m_b = tl.full([HALF], -1.0e30, dtype=tl.float32)
+        alibi_a = tl.zeros([HALF], dtype=tl.float32)
+        alibi_b = tl.zeros([HALF], dtype=tl.float32)
+        if USE_ALIBI:  # slopes in base 2
+            alibi_a = tl.load(alibi_ptr + hq_a, mask=ok_a, other=0.0) * 1.4426950408889634
+            alibi_b = tl.load(alibi_ptr + hq_b, mask=ok_b, other=0.0) * 1.4426950408889634
+        if USE_SINKS:  # the sink: one more logit per query head, with no value (no splits here)
+            m_a = tl.load(sinks_ptr + hq_a, mask=ok_a, other=0.0) * 1.4426950408889634
+            m_b = tl.load(sinks_ptr + hq_b, mask=ok_b, other=0.0) * 1.4426950408889634
+            l_a = l_a + 1.0
+            l_b = l_b + 1.0
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_range2(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, a_lo, a_hi, kv_hi,
             cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window,
             score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N,
-            True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+            True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, alibi_a, alibi_b,
+            USE_ALIBI)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_range2(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, u_lo, u_hi, kv_hi,
             cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window,
             score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N,
-            False, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+            False, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, alibi_a, alibi_b,
+            USE_ALIBI)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attend_range2(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, q_pos_a, q_pos_b, u_hi, kv_hi, kv_hi,
             cache_ptr, bt_row_ptr, head_off, stride_block, stride_kv, num_blocks, window,
             score_mult, softcap_mult, BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N,
-            True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+            True, USE_WINDOW, USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, alibi_a, alibi_b,
+            USE_ALIBI)
         o_a = acc_a / tl.where(l_a == 0.0, 1.0, l_a)[:, None]
         o_b = acc_b / tl.where(l_b == 0.0, 1.0, l_b)[:, None]
         if CACHE_FP8:
@@ -421,32 +458,39 @@ def _paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         # Finite row-max start: a fully masked row gives exp2(-inf - m) = 0, never NaN.
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        alibi = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if USE_ALIBI:  # slopes in base 2
+            alibi = tl.load(alibi_ptr + hq, mask=row_ok, other=0.0) * 1.4426950408889634
+        if USE_SINKS:  # the sink: one more logit per query head, with no value; once: split 0
+            sink = tl.load(sinks_ptr + hq, mask=row_ok, other=0.0) * 1.4426950408889634
+            m_i = tl.where(split == 0, sink, m_i)
+            l_i = tl.where(split == 0, l_i + 1.0, l_i)
         for start in range(a_lo, a_hi, TILE_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off,
                 stride_block, stride_kv, num_blocks, window, score_mult, softcap_mult,
                 BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW,
-                USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+                USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, False, alibi, USE_ALIBI)
         if RANGE_STAGES > 0:
             for start in tl.range(u_lo, u_hi, TILE_N, num_stages=RANGE_STAGES):
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off,
                     stride_block, stride_kv, num_blocks, window, score_mult, softcap_mult,
                     BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, False, USE_WINDOW,
-                    USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, LAZY_RESCALE)
+                    USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, LAZY_RESCALE, alibi, USE_ALIBI)
         else:
             for start in range(u_lo, u_hi, TILE_N):
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off,
                     stride_block, stride_kv, num_blocks, window, score_mult, softcap_mult,
                     BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, False, USE_WINDOW,
-                    USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, LAZY_RESCALE)
+                    USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, LAZY_RESCALE, alibi, USE_ALIBI)
         for start in range(u_hi, kv_hi, TILE_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_pos, start, kv_hi, cache_ptr, bt_row_ptr, head_off,
                 stride_block, stride_kv, num_blocks, window, score_mult, softcap_mult,
                 BLOCK_SIZE, STRIDE_TOKEN, HEAD_SIZE, HEAD_PAD, TILE_N, True, USE_WINDOW,
-                USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES)
+                USE_SOFTCAP, DOT_F32, PRECISION, FMA_SCORES, False, alibi, USE_ALIBI)
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]

@@ -419,7 +419,8 @@ def _check_scale_tensor(name: str, value: Any, device: torch.device) -> torch.Te
 def check_attention_inputs(q: Any, cache: Any, spec: KVCacheSpec, block_table: Any, seq_lens: Any,
                            *, query_start_loc: Any = None, scale: Any = None,
                            sliding_window: Any = None, softcap: Any = None, k_scale: Any = None,
-                           v_scale: Any = None, out: Any = None) -> Problem:
+                           v_scale: Any = None, out: Any = None, alibi_slopes: Any = None,
+                           sinks: Any = None) -> Problem:
     """Check shapes, dtypes, devices and options of a ``paged_attention`` call (no device sync).
 
     Raises FkvError naming the field, the value and what was expected.
@@ -492,6 +493,17 @@ def check_attention_inputs(q: Any, cache: Any, spec: KVCacheSpec, block_table: A
             raise field_error("out", got, f"a tensor of q's shape {tuple(q.shape)} and dtype {q.dtype}")
         if out.device != device:
             raise FkvError(f"'out' is on {out.device} but 'q' is on {device}")
+    for name, value in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if value is None:
+            continue
+        if (not _is_tensor(value) or value.dtype != torch.float32 or value.dim() != 1
+                or value.shape[0] != num_q_heads):
+            got = (f"{tuple(value.shape)} {value.dtype}" if _is_tensor(value)
+                   else type(value).__name__)
+            raise field_error(name, got, f"a float32 tensor of shape ({num_q_heads},): one value "
+                              f"per query head", "convert with .float()")
+        if value.device != device:
+            raise FkvError(f"{name!r} is on {value.device} but 'q' is on {device}")
     return Problem(num_seqs=num_seqs, num_q_tokens=q.shape[0], num_q_heads=num_q_heads,
                    group=num_q_heads // hkv, varlen=varlen,
                    max_context=block_table.shape[1] * spec.block_size, scale=float(scale),
@@ -579,7 +591,9 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
                     sliding_window: int | None = None, softcap: float | None = None,
                     k_scale: Any = None, v_scale: Any = None, out: torch.Tensor | None = None,
                     validate: bool | None = None,
-                    config: AttentionConfig | None = None, pdl: bool = False) -> torch.Tensor:
+                    config: AttentionConfig | None = None, pdl: bool = False,
+                    alibi_slopes: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``q`` over one layer of a paged KV cache, any backend and layout.
 
     Shapes: ``q`` ``[T, Hq, D]`` (bf16, fp16 or fp32); ``cache`` one layer's logical view of
@@ -605,6 +619,11 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
       ``out``: the kernel reads block 0 for an id outside ``[0, num_blocks)``, clamps ``seq_lens``
       to the block table's capacity and masks query rows outside ``q``; the affected outputs are
       unspecified. ``config`` overrides :func:`attention_config`.
+    - ``alibi_slopes``: float32 ``[Hq]``, ALiBi: query head ``h`` adds ``alibi_slopes[h] * (key
+      position - query position)`` to its scores (after the softcap). ``sinks``: float32
+      ``[Hq]``, attention sinks: query head ``h``'s softmax gets one more logit, ``sinks[h]``,
+      with no value (its share of the weight goes nowhere). Both are checked finite when
+      ``validate`` is (below). Such launches run the Triton kernel (not the Gluon prefill tile).
     - ``pdl``: launch the attention kernel with programmatic dependent launch (sm_90 or newer;
       ignored elsewhere), as ``write_kv(pdl=True)``: it waits for the kernel before it to finish
       before reading anything and lets the next PDL kernel launch early (a split launch's merge
@@ -626,7 +645,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
     prob = check_attention_inputs(q, cache, spec, block_table, seq_lens,
                                   query_start_loc=query_start_loc, scale=scale,
                                   sliding_window=sliding_window, softcap=softcap,
-                                  k_scale=k_scale, v_scale=v_scale, out=out)
+                                  k_scale=k_scale, v_scale=v_scale, out=out,
+                                  alibi_slopes=alibi_slopes, sinks=sinks)
     if config is not None and not isinstance(config, AttentionConfig):
         raise field_error("config", config, "an AttentionConfig or None")
     if pdl is not False and pdl is not True:
@@ -638,8 +658,10 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
         v_scale = _check_scale_tensor("v_scale", v_scale, device)
     if device.type == "cpu" if validate is None else validate:
         check_attention_values(spec, block_table, seq_lens, query_start_loc, prob.num_q_tokens)
-        if spec.is_fp8 and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            check_scale_values(k_scale=k_scale, v_scale=v_scale)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if spec.is_fp8:
+                check_scale_values(k_scale=k_scale, v_scale=v_scale)
+            check_finite_per_head(alibi_slopes=alibi_slopes, sinks=sinks)
     if out is None:
         out = torch.empty_like(q)
     if prob.num_q_tokens == 0 or prob.num_seqs == 0:
@@ -659,8 +681,21 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
         query_start_loc = _unit_stride(query_start_loc)
     _launch(q, cache, spec, block_table, seq_lens, query_start_loc, prob, config,
             prob.window, prob.softcap, k_scale, v_scale, out,
-            pdl and not _interpreted(device) and pdl_capable(device))
+            pdl and not _interpreted(device) and pdl_capable(device), alibi_slopes, sinks)
     return out
+
+
+def check_finite_per_head(**values: Any) -> None:
+    """Raise FkvError naming the first query head whose ALiBi slope or sink (a float32 tensor,
+    or None: skipped) is not finite (one device sync for CUDA tensors)."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        bad = torch.nonzero(~torch.isfinite(value)).flatten()
+        if bad.numel():
+            h = int(bad[0])
+            raise FkvError(f"'{name}[{h}]' is {float(value[h])}; every query head's value must be "
+                           f"finite")
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -672,7 +707,8 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 def gluon_prefill_refusal(q: torch.Tensor, spec: KVCacheSpec, out: torch.Tensor, *,
                           varlen: bool, rows: int, tile_n: int, splits: int,
                           sliding_window: int | None, softcap: float | None, pdl: bool,
-                          cache_dtype: torch.dtype) -> str | None:
+                          cache_dtype: torch.dtype, alibi: bool = False,
+                          sinks: bool = False) -> str | None:
     """None where a launch is one the warp-specialized Gluon prefill kernel computes
     (``AttentionConfig.warp_specialized``), else the first reason it is not (the Triton kernel
     then runs it). The device is checked apart (:func:`_gluon_device`)."""
@@ -686,6 +722,10 @@ def gluon_prefill_refusal(q: torch.Tensor, spec: KVCacheSpec, out: torch.Tensor,
         return "a sliding window"
     if softcap is not None:
         return "a softcap"
+    if alibi:
+        return "ALiBi slopes"
+    if sinks:
+        return "attention sinks"
     if pdl:
         return "pdl=True"
     if spec.is_mla:
@@ -722,20 +762,21 @@ def _fp32_score_mult(scale: float) -> float:
 _LAUNCHERS: dict[int, KernelLauncher] = {}
 _SITES: dict[tuple, LaunchSite] = {}
 _PER_CALL = ("q_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "k_scale_ptr",
-             "v_scale_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "ctr_ptr",
+             "v_scale_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "ctr_ptr", "alibi_ptr",
+             "sinks_ptr",
              "scale", "softcap", "window", "num_seqs", "num_tiles", "num_q_tokens", "max_context",
              "num_splits", "stride_qt", "stride_qh", "stride_qd", "stride_ot", "stride_oh",
              "stride_od", "stride_bt")
-_POINTERS = _PER_CALL[:11]
+_POINTERS = _PER_CALL[:13]
 
 
 def _site(kernel: Any, fixed: dict[str, Any], options: tuple[int, int, bool],
           args: tuple) -> LaunchSite:
     """The launch site of ``kernel`` for these fixed arguments, (num_warps, num_stages, pdl) and
-    the dtypes of the per-call tensors ``args[:11]``: a site's compiled variants are keyed by
+    the dtypes of the per-call tensors ``args[:13]``: a site's compiled variants are keyed by
     alignment and integer specialization only, and Triton types each pointer by its dtype (a
     bf16 variant must never run fp16 queries or an int64 block table)."""
-    key = (id(kernel), tuple(fixed.values()), options, tuple(a.dtype for a in args[:11]))
+    key = (id(kernel), tuple(fixed.values()), options, tuple(a.dtype for a in args[:13]))
     site = _SITES.get(key)
     if site is None or site.launcher.kernel is not kernel:
         launcher = _LAUNCHERS.get(id(kernel))
@@ -751,7 +792,8 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
             seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None, prob: Problem,
             config: AttentionConfig, sliding_window: int | None, softcap: float | None,
             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, out: torch.Tensor,
-            pdl: bool = False) -> None:
+            pdl: bool = False, alibi_slopes: torch.Tensor | None = None,
+            sinks: torch.Tensor | None = None) -> None:
     from fkv.ops._attention_kernels import _paged_attention_kernel, _reduce_splits_kernel
 
     check_kernel_device(q.device, _paged_attention_kernel, "q", "paged_attention")
@@ -776,7 +818,8 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
     if (config.warp_specialized and _gluon_device(q.device) and gluon_prefill_refusal(
             q, spec, out, varlen=prob.varlen, rows=block_q * heads, tile_n=tile_n,
             splits=num_splits, sliding_window=sliding_window, softcap=softcap, pdl=pdl,
-            cache_dtype=cache.dtype) is None):
+            cache_dtype=cache.dtype, alibi=alibi_slopes is not None,
+            sinks=sinks is not None) is None):
         from fkv.ops import _attention_gluon
 
         if _attention_gluon.launch(
@@ -806,12 +849,15 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table
         "FMA_SCORES": _FMA_SCORES, "FUSED_MERGE": fused, "RANGE_STAGES": config.range_stages,
         "LAZY_RESCALE": config.lazy_rescale, "PDL": pdl,
         "ROW_HALVES": config.row_halves and not split and block_m >= 32,
+        "USE_ALIBI": alibi_slopes is not None, "USE_SINKS": sinks is not None,
     }
     args = (
         q, cache, block_table, seq_lens,
         query_start_loc if query_start_loc is not None else dummy,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
         out, part_out, part_lse, counters if fused else dummy,
+        alibi_slopes if alibi_slopes is not None else dummy,
+        sinks if sinks is not None else dummy,
         prob.scale, float(softcap or 1.0), int(sliding_window or 0), prob.num_seqs, num_tiles,
         prob.num_q_tokens, prob.max_context, num_splits,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),

@@ -14,7 +14,8 @@ import torch
 from fkv.layout import KVCacheSpec
 from fkv.errors import field_error
 from fkv.ops._spec import check_scale_values, check_validate
-from fkv.ops.attention import check_attention_inputs, check_attention_values
+from fkv.ops.attention import (check_attention_inputs, check_attention_values,
+                               check_finite_per_head)
 
 __all__ = ["attend", "paged_attention"]
 
@@ -39,7 +40,8 @@ def attend(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table:
            seq_lens: torch.Tensor, *, query_start_loc: torch.Tensor | None = None,
            scale: float | None = None, sliding_window: int | None = None,
            softcap: float | None = None, k_scale: Any = None, v_scale: Any = None,
-           acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           acc_dtype: torch.dtype = torch.float32, alibi_slopes: Any = None,
+           sinks: Any = None) -> torch.Tensor:
     """Paged attention computed in ``acc_dtype``; returns ``[T, Hq, D]`` in ``acc_dtype``.
 
     >>> import torch, fkv
@@ -56,8 +58,12 @@ def attend(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table:
     prob = check_attention_inputs(q, cache, spec, block_table, seq_lens,
                                   query_start_loc=query_start_loc, scale=scale,
                                   sliding_window=sliding_window, softcap=softcap,
-                                  k_scale=k_scale, v_scale=v_scale)
+                                  k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                                  sinks=sinks)
     check_attention_values(spec, block_table, seq_lens, query_start_loc, prob.num_q_tokens)
+    check_finite_per_head(alibi_slopes=alibi_slopes, sinks=sinks)
+    slopes = None if alibi_slopes is None else alibi_slopes.to(acc_dtype)[:, None, None]
+    sink = None if sinks is None else sinks.to(acc_dtype)[:, None, None]
     if spec.is_fp8:  # floats were checked above; tensors' values here, as the kernel validates
         check_scale_values(**{name: s for name, s in (("k_scale", k_scale), ("v_scale", v_scale))
                               if isinstance(s, torch.Tensor)})
@@ -85,11 +91,18 @@ def attend(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec, block_table:
             if prob.softcap is not None:
                 s = prob.softcap * torch.tanh(s / prob.softcap)
             pos = length - (q_hi - q_lo) + torch.arange(c_lo - q_lo, c_hi - q_lo, device=q.device)
+            if slopes is not None:  # ALiBi: slope x (key position - query position)
+                s = s + slopes * (key_pos[None, :] - pos[:, None]).to(acc_dtype)
             visible = key_pos[None, :] <= pos[:, None]
             if prob.window is not None:
                 visible &= key_pos[None, :] > pos[:, None] - prob.window
             s = s.masked_fill(~visible, float("-inf"))
-            out[c_lo:c_hi] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
+            if sink is not None:  # one more logit per head, whose value is zero: dropped after
+                s = torch.cat([s, sink.expand(-1, s.shape[1], 1)], dim=-1)
+                p = torch.softmax(s, dim=-1)[..., :-1]
+            else:
+                p = torch.softmax(s, dim=-1)
+            out[c_lo:c_hi] = torch.einsum("hqk,khd->qhd", p, v)
     return out
 
 
@@ -99,7 +112,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
                     sliding_window: int | None = None, softcap: float | None = None,
                     k_scale: Any = None, v_scale: Any = None,
                     out: torch.Tensor | None = None, validate: bool | None = None,
-                    config: Any = None, pdl: bool = False) -> torch.Tensor:
+                    config: Any = None, pdl: bool = False, alibi_slopes: Any = None,
+                    sinks: Any = None) -> torch.Tensor:
     """Reference of :func:`fkv.ops.paged_attention` (float32 accumulation), same signature.
 
     ``validate``, ``config`` and ``pdl`` are checked as the kernel checks them and change nothing
@@ -121,7 +135,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
 
     check_attention_inputs(q, cache, spec, block_table, seq_lens, query_start_loc=query_start_loc,
                            scale=scale, sliding_window=sliding_window, softcap=softcap,
-                           k_scale=k_scale, v_scale=v_scale, out=out)
+                           k_scale=k_scale, v_scale=v_scale, out=out, alibi_slopes=alibi_slopes,
+                           sinks=sinks)
     if config is not None and not isinstance(config, AttentionConfig):
         raise field_error("config", config, "an AttentionConfig or None")
     if pdl is not False and pdl is not True:
@@ -129,7 +144,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
     check_validate(validate)
     res = attend(q, cache, spec, block_table, seq_lens, query_start_loc=query_start_loc,
                  scale=scale, sliding_window=sliding_window, softcap=softcap,
-                 k_scale=k_scale, v_scale=v_scale, acc_dtype=torch.float32)
+                 k_scale=k_scale, v_scale=v_scale, acc_dtype=torch.float32,
+                 alibi_slopes=alibi_slopes, sinks=sinks)
     if out is None:
         return res.to(q.dtype)
     out.copy_(res)
