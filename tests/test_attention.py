@@ -216,13 +216,38 @@ def test_alibi_and_sinks_bad_inputs() -> None:
                 paged_attention(*case.args(), out=out, **{name: bad})
             assert str(e.value) == (f"{name!r} must be a float32 tensor of shape (4,): one value "
                                     f"per query head (got {shown!r}); convert with .float()")
+        with pytest.raises(FkvError) as e:
+            paged_attention(*case.args(), out=out, **{name: torch.zeros(4, device="meta")})
+        assert str(e.value) == f"{name!r} is on meta but 'q' is on cpu"
         nan = torch.tensor([0.0, 1.0, float("nan"), 2.0])
+        message = f"'{name}[2]' is nan; every query head's value must be finite"
         with pytest.raises(FkvError) as e:
             paged_attention(*case.args(), out=out, **{name: nan})
-        assert str(e.value) == f"'{name}[2]' is nan; every query head's value must be finite"
-        with pytest.raises(FkvError):
-            R.paged_attention(*case.args(), **{name: nan}, validate=False)  # the reference checks
+        assert str(e.value) == message
+        with pytest.raises(FkvError) as e:  # the reference checks whatever validate says
+            R.paged_attention(*case.args(), **{name: nan}, validate=False)
+        assert str(e.value) == message
     assert bool((out == 7.0).all())
+
+
+def test_alibi_and_sinks_keep_a_launch_off_the_gluon_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch tells the Gluon tile's gate about slopes and sinks (the tile computes
+    neither): on a GPU where it would run, such a launch goes to the Triton kernel. Here the gate
+    is recorded and the device made to look like an sm_90."""
+    seen = []
+
+    def gate(*args: Any, **kw: Any) -> str:
+        seen.append((kw["alibi"], kw["sinks"]))
+        return "recorded"
+
+    monkeypatch.setattr(A, "_gluon_device", lambda device: True)
+    monkeypatch.setattr(A, "gluon_prefill_refusal", gate)
+    case = Case("cpu", q_lens=(3, 5), seq_lens=(3, 5), hq=4, hkv=2)
+    cfg = AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, warp_specialized=True)
+    for which, want in (("", (False, False)), ("alibi", (True, False)), ("sinks", (False, True)),
+                        ("alibi sinks", (True, True))):
+        case.check(config=cfg, **_alibi_sinks("cpu", 4, which))
+        assert seen.pop() == want
 
 
 @pytest.mark.parametrize(("fma", "heads_first"), [(False, True), (True, False)])

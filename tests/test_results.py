@@ -197,6 +197,15 @@ def test_the_environment_says_whether_mps_runs(monkeypatch: pytest.MonkeyPatch,
     env = results.environment("cpu")
     assert env["env_vars"]["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path)
     assert "mps" not in env  # asked only for a CUDA run
+    import torch  # a CUDA run's header, on this machine: the CUDA facts stand in
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(results, "_nvidia_smi", lambda field: "580.0")
+    assert results.environment("cuda")["mps"] is True
+    (tmp_path / "control").unlink()
+    assert results.environment("cuda")["mps"] is False
 
 
 def test_json_schema_is_exported() -> None:
