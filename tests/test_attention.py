@@ -172,6 +172,19 @@ def test_alibi_and_sinks(device: str, mode: str, which: str, opts: dict[str, Any
         assert _merge_counters_zero()
 
 
+@pytest.mark.parametrize("shape", ["mla", "head-chunks"])
+def test_alibi_and_sinks_per_query_head(device: str, shape: str) -> None:
+    """Each query head takes its own slope and sink wherever its row sits: MLA (every query head
+    over the one latent) and a GQA group split over programs (heads_per_program < Hq / Hkv)."""
+    if shape == "mla":
+        case = Case(device, backend="mla", hq=8, head_size=40, q_lens=(1, 7, 2, 4), seed=10)
+        cfg = AttentionConfig(block_q=2, heads_per_program=4, tile_n=16, num_splits=2)
+    else:
+        case = Case(device, hq=12, hkv=2, q_lens=(3, 7, 1, 2), seq_lens=(3, 30, 17, 4), seed=11)
+        cfg = AttentionConfig(block_q=2, heads_per_program=4, tile_n=16, num_splits=2)
+    case.check(config=cfg, **_alibi_sinks(device, case.q.shape[1], "alibi sinks"))
+
+
 def test_alibi_and_sinks_in_row_halves(device: str) -> None:
     """The two-half prefill tile adds the same bias and starts from the same sink: the bits of
     one tile (16-bit queries, in the interpreter; the reference's values on the GPU)."""
