@@ -559,6 +559,14 @@ def fewest_contiguous_atoms(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[st
     raise AssertionError("single-row atoms are always contiguous")  # C is innermost everywhere
 
 
+def strides_match(expected: tuple[int, ...], shape: tuple[int, ...],
+                  strides: tuple[int, ...]) -> bool:
+    """Whether ``strides`` of a tensor of ``shape`` are ``expected``, size-1 dims excepted: a
+    size-1 dim's stride says nothing about the layout (one KV head per rank: NHD == HND), so
+    nothing is ever decided by it."""
+    return all(size == 1 or e == s for e, size, s in zip(expected, shape, strides))
+
+
 def _squeezed_order(spec: KVCacheSpec) -> tuple[str, ...]:
     sizes = spec.axis_sizes
     return tuple(a for a in spec.physical_axes if sizes[a] != 1)

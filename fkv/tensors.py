@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from fkv.errors import FkvError, field_error
-from fkv.layout import KVCacheSpec, Layout, canonical_dtype
+from fkv.layout import KVCacheSpec, Layout, canonical_dtype, strides_match
 
 if TYPE_CHECKING:
     import torch
@@ -148,14 +148,6 @@ def _device(torch: Any, device: Any) -> Any:
             raise field_error("device", device, f"a CUDA device of this machine (indices 0 to "
                               f"{count - 1})")
     return dev
-
-
-def strides_match(expected: tuple[int, ...], shape: tuple[int, ...],
-                  strides: tuple[int, ...]) -> bool:
-    """Whether ``strides`` of a tensor of ``shape`` are ``expected``, size-1 dims excepted: a
-    size-1 dim's stride says nothing about the layout (one KV head per rank: NHD == HND), so
-    nothing is ever decided by it."""
-    return all(size == 1 or e == s for e, size, s in zip(expected, shape, strides))
 
 
 def infer_spec(tensor: torch.Tensor, *, backend: str, dtype: Any = None,

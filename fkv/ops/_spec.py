@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from fkv.errors import FkvError, field_error
-from fkv.layout import KVCacheSpec
+from fkv.layout import KVCacheSpec, strides_match
 from fkv.tensors import require_torch
 
 __all__ = ["CacheStrides", "cache_constexprs", "cache_strides", "check_cache", "check_scale_values",
@@ -81,12 +81,19 @@ def check_cache(cache: Any, spec: KVCacheSpec, name: str = "cache") -> None:
         raise FkvError(f"{name!r} has dtype {dtype!r} but spec.dtype is {spec.dtype!r}")
     strides = tuple(cache.stride())
     expected = spec.element_strides
-    if any(size != 1 and a != b for a, b, size in zip(strides, expected, shape)):
+    if not strides_match(expected, shape, strides):
         raise FkvError(
             f"{name!r} has strides {strides} but spec {spec!r} lays it out with strides "
             f"{expected}; the tensor's real layout differs from the spec (use fkv.infer_spec "
             f"to read its layout, or fkv.ops.convert)"
         )
+
+
+def check_pdl(pdl: Any) -> None:
+    """Raise FkvError unless ``pdl`` is True or False (a launch option of the kernels; the
+    references take it too and launch nothing)."""
+    if pdl is not False and pdl is not True:
+        raise field_error("pdl", pdl, "True or False")
 
 
 def check_validate(validate: Any) -> None:

@@ -29,8 +29,8 @@ from fkv.errors import FkvError, field_error
 from fkv.layout import KVCacheSpec
 from fkv.ops._launch import (KernelLauncher, LaunchSite, check_kernel_device, cuda_capability,
                              pdl_capable)
-from fkv.ops._spec import (cache_constexprs, cache_strides, check_cache, check_scale_values,
-                           check_validate)
+from fkv.ops._spec import (cache_constexprs, cache_strides, check_cache, check_pdl,
+                           check_scale_values, check_validate)
 
 __all__ = ["AttentionConfig", "attention_config", "check_attention_inputs", "model_context",
            "paged_attention"]
@@ -649,8 +649,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
                                   alibi_slopes=alibi_slopes, sinks=sinks)
     if config is not None and not isinstance(config, AttentionConfig):
         raise field_error("config", config, "an AttentionConfig or None")
-    if pdl is not False and pdl is not True:
-        raise field_error("pdl", pdl, "True or False")
+    check_pdl(pdl)
     check_validate(validate)
     device = q.device
     if spec.is_fp8:

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import triton
 import triton.language as tl
 
-from fkv.errors import FkvError, field_error
+from fkv.errors import FkvError
 from fkv.layout import KVCacheSpec
 from fkv.ops._launch import KernelLauncher, LaunchSite, check_kernel_device, pdl_capable
-from fkv.ops._spec import (cache_constexprs, cache_strides, check_scale_values, check_validate,
-                           join_kv_views)
+from fkv.ops._spec import (cache_constexprs, cache_strides, check_pdl, check_scale_values,
+                           check_validate, join_kv_views)
 from fkv.ops.reference._write import check_slots, check_token_counts, check_write_inputs
 
 if TYPE_CHECKING:
@@ -615,8 +615,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
 
     (Runs on CUDA tensors, or on CPU with ``TRITON_INTERPRET=1`` set before triton is imported.)
     """
-    if pdl is not False and pdl is not True:
-        raise field_error("pdl", pdl, "True or False")
+    check_pdl(pdl)
     check_validate(validate)
     if type(cache) is tuple or type(cache) is list:
         cache = join_kv_views(cache, spec)

@@ -110,7 +110,8 @@ def cache_regions(spec: KVCacheSpec, caches: Any) -> tuple[list[tuple[int, int]]
     dim's stride is not compared, as :func:`fkv.infer_spec` and the kernels do not), device and
     that each region's bytes really lie in the tensor's storage.
     """
-    from fkv.tensors import strides_match, torch_dtype
+    from fkv.layout import strides_match
+    from fkv.tensors import torch_dtype
 
     views = layer_views(spec, caches)
     dtype = torch_dtype(spec.dtype)

@@ -13,7 +13,7 @@ import torch
 
 from fkv.layout import KVCacheSpec
 from fkv.errors import field_error
-from fkv.ops._spec import check_scale_values, check_validate
+from fkv.ops._spec import check_pdl, check_scale_values, check_validate
 from fkv.ops.attention import (check_attention_inputs, check_attention_values,
                                check_finite_per_head)
 
@@ -139,8 +139,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
                            sinks=sinks)
     if config is not None and not isinstance(config, AttentionConfig):
         raise field_error("config", config, "an AttentionConfig or None")
-    if pdl is not False and pdl is not True:
-        raise field_error("pdl", pdl, "True or False")
+    check_pdl(pdl)
     check_validate(validate)
     res = attend(q, cache, spec, block_table, seq_lens, query_start_loc=query_start_loc,
                  scale=scale, sliding_window=sliding_window, softcap=softcap,

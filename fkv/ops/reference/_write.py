@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from fkv.errors import FkvError, field_error
+from fkv.errors import FkvError
 from fkv.layout import KVCacheSpec
-from fkv.ops._spec import check_cache, check_scale_values, check_validate, join_kv_views
+from fkv.ops._spec import (check_cache, check_pdl, check_scale_values, check_validate,
+                           join_kv_views)
 from fkv.tensors import require_torch, torch_dtype
 
 if TYPE_CHECKING:
@@ -181,8 +182,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
     (True, True)
     """
     torch = require_torch()
-    if pdl is not False and pdl is not True:  # the kernel's launch option: nothing to launch here
-        raise field_error("pdl", pdl, "True or False")
+    check_pdl(pdl)
     check_validate(validate)
     cache = join_kv_views(cache, spec)
     ins = check_write_inputs(key, value, cache, slot_mapping, spec, k_scale, v_scale)
