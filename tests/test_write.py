@@ -1133,6 +1133,39 @@ def fake_runtime(monkeypatch: pytest.MonkeyPatch):
     return rt
 
 
+def test_a_process_first_launch_keeps_its_variant(fake_runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process's very first compiled launch resolves Triton's runtime after it (CUDA is
+    initialized by then) and still keeps its variant: the second call of the same key goes
+    direct, whatever launched before in the process. A Triton whose runtime cannot be resolved
+    leaves the site on normal launches."""
+    for resolvable in (True, False):
+        rt = _launch._Runtime()
+        knobs = fake_runtime.knobs
+
+        def resolve(rt=rt, resolvable=resolvable) -> bool:
+            if resolvable:
+                rt.ready, rt.get_device, rt.get_stream, rt.knobs = (True, (lambda: 3),
+                                                                    (lambda d: 96 + d), knobs)
+            return resolvable
+
+        rt.resolve = resolve  # type: ignore[method-assign]
+        monkeypatch.setattr(_launch, "_RUNTIME", rt)
+        compiled = _FakeCompiled()
+        kernel = _FakeJIT(compiled)
+        site = _launch.KernelLauncher(kernel, per_call=("x_ptr", "y_ptr", "n", "m"),
+                                      pointers=("x_ptr", "y_ptr")).site({"scale": 0.5, "BLOCK": 64})
+        buf = torch.empty(64)
+        x, y = buf[:16], buf[16:32]
+        site((4, 2, 1), (x, y, 32, 5))
+        site((4, 2, 1), (y, x, 48, 6))
+        if resolvable:
+            assert len(kernel.normal) == 1 and site.direct_launches == 1
+            assert compiled.runs == [(4, 2, 1, 99, 7, ("packed",), None, None, "exit-hook",
+                                      y.data_ptr(), x.data_ptr(), 48, 6, 0.5, 64)]
+        else:
+            assert len(kernel.normal) == 2 and site.direct_launches == 0 and site.variants is None
+
+
 def test_direct_launch_calls_the_compiled_launcher_after_one_normal_launch(fake_runtime) -> None:
     compiled = _FakeCompiled()
     kernel = _FakeJIT(compiled)

@@ -172,10 +172,17 @@ class LaunchSite:
         launch binds them)."""
         variants = self.variants
         rt = _RUNTIME
-        if variants is None or not ENABLED or not rt.ready:
+        if variants is None or not ENABLED:
             self.normal(grid, args)
-            if variants is not None and not rt.resolve():
+            return
+        if not rt.ready:  # the process's first compiled launch: it initializes what rt resolves
+            compiled = self.normal(grid, args)
+            if not rt.resolve():
                 self.variants = None
+                return
+            if pointers is None:
+                pointers = [a.data_ptr() for a in args[:self.launcher.num_pointers]]
+            self._keep(compiled, self.launcher.key(rt.get_device(), pointers, args))
             return
         knobs = rt.knobs
         enter = knobs.launch_enter_hook
@@ -204,7 +211,11 @@ class LaunchSite:
 
     def _first(self, grid: tuple[int, int, int], args: tuple, key: tuple) -> None:
         """Normal launch for a new key; keep what it compiled for the direct path."""
-        compiled = self.normal(grid, args)
+        self._keep(self.normal(grid, args), key)
+
+    def _keep(self, compiled: Any, key: tuple) -> None:
+        """Keep the variant a normal launch returned under ``key``, or (not the CompiledKernel
+        this module knows) launch normally from now on."""
         try:
             entry = (compiled.run, compiled.function, compiled.packed_metadata, compiled)
         except AttributeError:
