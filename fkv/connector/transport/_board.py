@@ -234,26 +234,36 @@ class Board:
             words[2 * slot + 1] = 0
 
     def stop(self) -> None:
-        """Set the stopped flag (the server is closing; idempotent). Written with ``pwrite``,
-        not through the mapping: a file someone truncated gives no fault here."""
-        if self._fd is not None:
-            # only an I/O error can fail here (the page exists since creation); readers then
-            # still have their exit check and their read's notification
-            with contextlib.suppress(OSError):
-                os.pwrite(self._fd, (1).to_bytes(8, "little"), _STOPPED)
-
-    def close(self) -> None:
-        if self._words is None:
-            return
-        self.stop()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Set the stopped flag (the server is closing; idempotent), then clear every count,
+        advance the sequence and wake its waiters, and write the board no more. A reader asleep
+        on a request's count would otherwise wait for a publish that never comes until its
+        read's timeout; with the count gone it asks the long poll, which hears at once that the
+        server went away. Written with ``pwrite``, not through the mapping: a file someone
+        truncated gives no fault here (nor is it grown back)."""
         for view in (self._words, self._seq):
             if view is not None:
                 view.release()
-        self._words = None
-        self._seq = None  # waiters end their waits by their own timeouts
+        self._words = self._seq = None  # a publish racing the close writes nothing now
+        fd = self._fd
+        if fd is None:
+            return
+        # only an I/O error can fail here (the page exists since creation); readers then
+        # still have their exit check and their read's notification
+        with contextlib.suppress(OSError):
+            os.pwrite(fd, (1).to_bytes(8, "little"), _STOPPED)
+            if os.fstat(fd).st_size >= _BYTES:
+                os.pwrite(fd, bytes(_SEQ), 0)
+                seq = int.from_bytes(os.pread(fd, 4, _SEQ), "little")
+                os.pwrite(fd, ((seq + 1) & 0xFFFFFFFF).to_bytes(4, "little"), _SEQ)
+                if self._wake_args is not None:
+                    _LIBC.syscall(*self._wake_args)
+
+    def close(self) -> None:
+        if self._fd is None:  # closed already (a board that shrank is closed all the same)
+            return
+        self.stop()
+        os.close(self._fd)
+        self._fd = None
         self._slots.clear()
         # a view still alive somewhere: the unmap waits for the process
         with contextlib.suppress(BufferError):
@@ -343,14 +353,21 @@ class BoardView:
         return bool(self._address) and self._fd is not None
 
     def sequence(self) -> int | None:
-        """The board's sequence (advanced by every count written), or None (a short read)."""
+        """The board's sequence (advanced by every count written), or None (a short read: the
+        file was cut, and the view stops using the futex). A board cut below its sequence may
+        still hold the request's slot, whose stale count would keep a reader from asking the
+        long poll (:attr:`can_wait` and a count there); with no sequence to sleep on, the reader
+        would spin on that count until its deadline instead."""
         if self._fd is None:
             return None
         try:
             raw = os.pread(self._fd, 4, _SEQ)
         except OSError:
+            raw = b""
+        if len(raw) != 4:
+            self._unmap()
             return None
-        return int.from_bytes(raw, "little") if len(raw) == 4 else None
+        return int.from_bytes(raw, "little")
 
     def owner(self) -> int | None:
         """The uid owning the board's file (None: no longer open)."""

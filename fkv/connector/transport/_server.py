@@ -219,8 +219,9 @@ class Server:
         ``layers_ready``: None (default) means every layer is written; an int starts a
         *streaming* request with layers ``[0, layers_ready)`` written, the rest announced later
         with :meth:`publish` (decode ranks read it with ``client.read(..., stream=True)``)."""
-        from fkv.connector.transport._lifecycle import expected_readers
+        from fkv.connector.transport._lifecycle import _check_request_id, expected_readers
 
+        _check_request_id(request_id)  # before the table's lookups (an unhashable id)
         lease = self.lease if lease is None else lease
         if (decode_engine_id is None) != (decode_tp is None):
             raise field_error("decode_engine_id/decode_tp", (decode_engine_id, decode_tp),
@@ -236,8 +237,10 @@ class Server:
             if not renew:  # a new hold: nothing of an earlier hold of this id carries over
                 self._events.pop(request_id, None)
                 self._published.pop(request_id, None)
-            if layers_ready is not None:
-                self._published.setdefault(request_id, layers_ready)
+                if layers_ready is not None:
+                    self._published[request_id] = layers_ready
+            # a renewal keeps the count, and a request held as fully written stays so (a
+            # renewal's layers_ready never makes it streaming: publish still refuses it)
             self._board_set(request_id)
         self._wake()
 
@@ -250,6 +253,7 @@ class Server:
         for it, so no reader's copy can overtake the writes; ipc readers wait for the
         interprocess event recorded after it instead); anything else is refused (FkvError)
         before the request changes. Renews the lease and wakes the readers' long polls."""
+        _check_id(request_id)
         self._check_event(event)
         with self._lock:
             published = self._published.get(request_id)
@@ -291,6 +295,7 @@ class Server:
 
     def layers_ready(self, request_id: str) -> int | None:
         """Layers of ``request_id`` readers may read now (None: not held)."""
+        _check_id(request_id)
         with self._lock:
             if not self._table.holds(request_id):
                 return None
@@ -442,7 +447,8 @@ class Server:
         self._stop.set()
         board = getattr(self, "_board", None)
         if board is not None:  # first: a same-host reader copying now must not trust its bytes
-            board.stop()
+            with self._lock:  # not while a publish stores into it
+                board.stop()
         waiter = getattr(self, "_waiter", None)
         if waiter is not None:
             waiter.stop()
@@ -506,7 +512,8 @@ class Server:
         for agent in list(getattr(self, "_outboxes", ())):
             self._drop_outbox(agent)
         if getattr(self, "_board", None) is not None:
-            self._board.close()
+            with self._lock:
+                self._board.close()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -899,6 +906,13 @@ class Server:
             except Exception as e:
                 self.errors.append(f"on_release({release.request_id!r}) raised "
                                    f"{type(e).__name__}: {e}")
+
+
+def _check_id(request_id: Any) -> None:
+    """A request id of the local user is a non-empty str (FkvError otherwise): a held one was
+    checked in full at ``hold``, so this is all a lookup needs, kept cheap for ``publish``."""
+    if not isinstance(request_id, str) or not request_id:
+        raise field_error("request_id", request_id, "a non-empty str")
 
 
 class _EventWaiter:
