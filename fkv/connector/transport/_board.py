@@ -325,11 +325,14 @@ def open_announced(what: str, name: Any, pattern: re.Pattern[str], prefix: str,
 class BoardView:
     """A decode rank's read-only view of one prefill rank's board (see the module docstring)."""
 
-    def __init__(self, name: str, salt: bytes) -> None:
+    def __init__(self, name: str, salt: bytes, pid: int = 0) -> None:
         if not isinstance(salt, bytes) or len(salt) != 16:
             raise FkvError("publish board salt: expected 16 bytes")
         fd = open_announced("publish board", name, _NAME, "fkv-board-", os.O_RDONLY)
         self.name, self.salt = name, salt
+        #: the process the rank announced (0: not said): a reader asleep on the board checks it
+        #: is alive, since a killed process sets no stopped flag and answers no long poll
+        self.pid = pid
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != _BYTES:
@@ -447,6 +450,6 @@ def open_board(info: Any) -> BoardView | None:
     if info.host != host_identity():
         return None
     try:
-        return BoardView(info.name, info.salt)
+        return BoardView(info.name, info.salt, getattr(info, "pid", 0) or 0)
     except FkvError:
         return None

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fkv.connector.transport import _side
-from fkv.connector.transport._base import SideChannelError, TransferFailed
+from fkv.connector.transport._base import SideChannelError, TransferFailed, process_alive
 
 __all__ = ["Watch"]
 
@@ -47,6 +47,10 @@ BOARD_SLEEP = 0.002
 SPIN_AHEAD_FRACTION = 0.1
 SPIN_AHEAD_MIN = 0.0002
 SPIN_AHEAD_MAX = 0.002
+#: Seconds between checks, while a wait sleeps on boards, that the processes the boards' ranks
+#: announced are alive: a killed prefill process sets no stopped flag and answers no long poll,
+#: so without the check its readers would wait for their read's timeout.
+ALIVE_CHECK = 0.01
 
 #: Called between two reads of a spin: lets another thread take the GIL (``time.sleep(0)``
 #: would nap for the timer slack, ~50 us on Linux).
@@ -198,6 +202,7 @@ class Watch:
         started = time.monotonic()
         waited = False  # whether this call found the layer missing (its news then dates a publish)
         window = spin_window(self._last_news, self._last_count, self._pace, after)
+        alive_checked = started
         while True:
             # first the counts alone: after a wake-up this is all it takes to go
             if self._heard(request_id, after, recorded):
@@ -218,6 +223,9 @@ class Watch:
                 return least
             waited = True
             awaited = [rank for rank in self.dealers if self._known.get(rank, 0) <= after]
+            if now >= alive_checked + ALIVE_CHECK:
+                alive_checked = now
+                self._check_alive(awaited, after)
             sleeper = awaited[0] if all(seqs.get(r) is not None for r in awaited) else None
             if sleeper is not None:
                 if window is not None and window[0] <= now < window[1]:
@@ -241,6 +249,16 @@ class Watch:
             elif now >= started + BOARD_SPIN and self._out:
                 rank = next(iter(self._out))
                 self._collect(rank, min(deadline, now + BOARD_NAP))
+
+    def _check_alive(self, ranks: list[int], after: int) -> None:
+        """TransferFailed when the process a rank's board announced is gone (a pid the peer
+        claimed: a wrong one costs that peer's reads only)."""
+        for rank in ranks:
+            board = self.boards.get(rank)
+            pid = getattr(board, "pid", 0)
+            if pid > 0 and not process_alive(pid):
+                raise TransferFailed(f"prefill rank {rank} of engine {self.engine_id!r} (process "
+                                     f"{pid}) exited before it published layer {after}")
 
     def _spin(self, request_id: str, after: int, recorded: bool, until: float) -> bool:
         """Read the boards without sleeping until every rank is past ``after`` (True) or
