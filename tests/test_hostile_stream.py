@@ -205,3 +205,40 @@ def test_a_renewal_with_layers_ready_does_not_make_a_whole_request_streaming() -
         server.hold("s", None, layers_ready=0)
         server.publish("s", 3)
         assert server.layers_ready("s") == 3
+
+
+@pytest.mark.parametrize("board", ["0", "1"])
+def test_a_streaming_request_released_mid_read_fails_the_read_at_once(
+        monkeypatch: pytest.MonkeyPatch, board: str) -> None:
+    """The prefill rank releases a streaming request while a decode rank reads it (its lease
+    ran out after layer 1 of 3: no publish renewed it). The reader had seen the rank hold the
+    request, so a later answer "not held" means no layer will come: ok=False at once, naming
+    the rank, nothing reported as done and no layer claimed. Before: the reader kept asking
+    until its timeout (10 s here), on the board as on the long poll. A rank that does not hold
+    the request *yet* (a read started before the hold) is still waited for (the read lands)."""
+    monkeypatch.setenv("FKV_PUBLISH_BOARD", board)
+    caches = _filled_caches()
+    with serve(engine("p"), SPEC, caches, lease=0.5) as server:
+        local = fkv.allocate(SPEC)
+        with connect(engine("d"), SPEC, local, remote_address=server.address) as client:
+            reader, out = _read_in_a_thread(client, timeout=10)  # before the hold
+            time.sleep(0.2)
+            server.hold("s1", [3, 5], layers_ready=0, lease=5.0)
+            for n in range(1, SPEC.num_layers + 1):
+                time.sleep(0.05)
+                server.publish("s1", n)
+            reader.join(30)
+            assert out["r"].ok, out["r"].error
+            for mine, theirs in zip(local, caches, strict=True):
+                assert torch.equal(mine[1:3], theirs[[3, 5]])
+
+            server.hold("s2", [3, 5], layers_ready=1)  # the server's lease: 0.5 s
+            t0 = time.monotonic()
+            result = client.read("s2", [1, 2], [3, 5], timeout=10, stream=True)
+            assert time.monotonic() - t0 < 3.0, result
+            assert not result.ok and result.layer_seconds == ()
+            assert "s2" not in server.pending()
+            assert result.error == (
+                "streaming request 's2': layers 0..0 landed of 3; prefill rank 0 of engine 'p' no "
+                "longer holds the request (released before this read ended: its lease ran out, "
+                "or its server released it); nothing is reported as done"), result.error

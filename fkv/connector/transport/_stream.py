@@ -98,6 +98,7 @@ class Watch:
         self._out: dict[int, tuple[int, str]] = {}   # rank -> (token, request) of its long poll
         self._request = ""                            # the request _known counts layers of
         self._known: dict[int, int] = {}              # rank -> layers it said are published
+        self._held: set[int] = set()                  # ranks seen holding the request
         try:
             for rank in ranks:
                 if not entries[rank].address:
@@ -112,7 +113,7 @@ class Watch:
     def start(self, request_id: str) -> None:
         """A new read of ``request_id``: forget what the ranks said before (a poll still out is
         collected, not re-sent) and the pace of the last request's layers."""
-        self._request, self._known = request_id, {}
+        self._request, self._known, self._held = request_id, {}, set()
         self._last_news, self._last_count, self._pace = None, 0, None
 
     def _news(self, waited: bool) -> int:
@@ -143,7 +144,7 @@ class Watch:
         count layers published (writes enqueued before the rank's publish event), for a reader
         whose stream waits for that event."""
         if request_id != self._request:
-            self._request, self._known = request_id, {}
+            self._request, self._known, self._held = request_id, {}, set()
         try:
             for rank, dealer in self.dealers.items():
                 if rank in self._out or self._known.get(rank, -1) > after:
@@ -275,7 +276,10 @@ class Watch:
         heard = False
         for rank, board in self.boards.items():
             n = board.layers(request_id, recorded)
-            if n is not None and n > self._known.get(rank, 0):
+            if n is None:
+                continue
+            self._held.add(rank)
+            if n > self._known.get(rank, 0):
                 self._known[rank] = n
                 heard = True
         return heard
@@ -302,6 +306,14 @@ class Watch:
             raise TransferFailed(f"prefill rank {rank} of engine {self.engine_id!r} refused "
                                  f"the layer status: {getattr(reply, 'message', reply)}")
         if request_id == self._request:
+            if not reply.held and rank in self._held:
+                # held earlier in this read, not now: released before this reader notified (its
+                # lease ran out, or the server released it); no layer will come
+                raise TransferFailed(f"prefill rank {rank} of engine {self.engine_id!r} no longer "
+                                     f"holds the request (released before this read ended: its "
+                                     f"lease ran out, or its server released it)")
+            if reply.held:
+                self._held.add(rank)
             n = reply.layers_ready if reply.held else 0
             self._known[rank] = max(n, self._known.get(rank, 0))
 
