@@ -179,3 +179,33 @@ def test_a_new_hold_of_a_released_id_starts_from_nothing() -> None:
         server.publish("r1", 2)
         assert server.layers_ready("r1") == 2
         assert list(server.errors) == []
+
+
+def test_one_connection_parks_at_most_max_parked_per_peer_polls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One CURVE connection can pipeline any number of Status polls; past
+    ``MAX_PARKED_PER_PEER`` of its own waiting, its next ones are answered at once with what
+    there is, and another connection's poll still waits for the news. Before: one peer could
+    take every parked place, and every other reader's polls were answered at once."""
+    monkeypatch.setattr(_server, "MAX_PARKED_PER_PEER", 2)
+    server_pub, server_sec = curve_keypair()
+    pub, sec = curve_keypair()
+    curve = CurveKeys(server_pub, server_sec, allowed=frozenset({pub}))
+    client_curve = CurveKeys(pub, sec, server=server_pub)
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC), curve=curve) as server:
+        server.hold("r1", [1], layers_ready=1)
+        hog = _side.Dealer(server._ctx, server.address, client_curve)
+        other = _side.Dealer(server._ctx, server.address, client_curve)
+        try:
+            for token in (1, 2, 3):
+                hog.send(status(token, after=1, wait=1.0))
+            assert hog.wait(3, time.monotonic() + 0.5) == layers(3, 1)  # its third: at once
+            other.send(status(9, after=1, wait=1.0))
+            assert other.wait(9, time.monotonic() + 0.2) is None          # parked
+            assert hog.wait(1, time.monotonic() + 0.05) is None
+            server.publish("r1", 2)
+            assert [hog.wait(1, soon()), hog.wait(2, soon()), other.wait(9, soon())] == \
+                [layers(1, 2), layers(2, 2), layers(9, 2)]
+        finally:
+            hog.close()
+            other.close()

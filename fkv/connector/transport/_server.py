@@ -71,6 +71,11 @@ _REFUSED_KINDS = ("duplicate", "unexpected_reader", "unknown_request", "late", "
 #: Status long polls a rank keeps waiting at once; more are answered at once (peers must not
 #: grow the list without end).
 MAX_PARKED = 256
+#: ... and of them, from one connection: an honest decode rank has one poll out per prefill rank
+#: it reads, while one CURVE connection can pipeline any number and would otherwise take every
+#: parked place, leaving the other readers' polls answered at once (each reader then re-asks in
+#: a loop until its layer comes). A plain-frames connection carries one request at a time.
+MAX_PARKED_PER_PEER = 8
 #: Same-host decode outboxes a rank reads at once (one per bound NIXL agent that announced one);
 #: a Hello past it closes the least recently active one (whose notifications then come through
 #: NIXL), so that outboxes of decode processes that died without closing are not kept forever.
@@ -746,6 +751,10 @@ class Server:
         try:
             reply = self._handle(msg)
             if reply is _PARK:
+                peer = _peer_of(envelope)
+                if sum(1 for e, _, _ in self._parked if _peer_of(e) == peer) \
+                        >= MAX_PARKED_PER_PEER:
+                    return envelope, self._layers(msg)  # what there is now
                 until = time.monotonic() + msg.wait
                 self._parked.append((envelope, msg, until))
                 self._parked_until = min(self._parked_until, until)
@@ -906,6 +915,12 @@ class Server:
             except Exception as e:
                 self.errors.append(f"on_release({release.request_id!r}) raised "
                                    f"{type(e).__name__}: {e}")
+
+
+def _peer_of(envelope: Any) -> Any:
+    """The connection a request came on: a ZMQ envelope's routing id, a frame server's
+    connection id."""
+    return bytes(envelope[0]) if isinstance(envelope, list) and envelope else envelope
 
 
 def _check_id(request_id: Any) -> None:
