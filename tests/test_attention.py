@@ -10,6 +10,7 @@ GPU under the ``gpu`` marker.
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 import os
 from typing import Any
@@ -223,6 +224,7 @@ def test_alibi_and_sinks_bad_inputs() -> None:
     out = torch.full_like(case.q, 7.0)
     for name in ("alibi_slopes", "sinks"):
         for bad, shown in ((torch.zeros(3), "(3,) torch.float32"),
+                           (torch.zeros(5), "(5,) torch.float32"),
                            (torch.zeros(4, dtype=torch.float64), "(4,) torch.float64"),
                            (torch.zeros(1, 4), "(1, 4) torch.float32"), ([0.0] * 4, "list")):
             with pytest.raises(FkvError) as e:
@@ -735,6 +737,15 @@ DECODE_WINNERS = {(64, 8192): (64, 2, 3, 1), (256, 2048): (64, 2, 3, 1),
                   (8, 32768): (128, 4, 5, 2), (16, 4096): (128, 4, 5, 1)}
 
 
+
+def test_the_small_grid_tile_stops_at_one_program_per_sm() -> None:
+    """DECODE_WINNERS' rule at its bound: 131 programs before splitting (one query head group
+    per sequence, 132 SMs) take the small-grid tile, 132 programs the 64-key one."""
+    tiles = [attention_config(num_seqs=b, num_q_tokens=b, num_q_heads=4, num_kv_heads=1,
+                              head_size=128, max_context=8192, itemsize=2, num_sms=132,
+                              varlen=False) for b in (131, 132)]
+    assert [(c.tile_n, c.num_warps, c.num_stages) for c in tiles] == [(128, 4, 5), (64, 2, 3)]
+
 @pytest.mark.parametrize(("batch", "ctx"), list(DECODE_WINNERS))
 def test_decode_config_ignores_padding_columns(batch: int, ctx: int) -> None:
     """Engines allocate block tables with spare columns: the configuration (split count, hence
@@ -748,6 +759,19 @@ def test_decode_config_ignores_padding_columns(batch: int, ctx: int) -> None:
         assert attention_config(num_seqs=batch, num_q_tokens=batch, max_context=ctx + 16 * spare,
                                 varlen=False, **H200) == base
 
+
+
+def test_no_decode_config_depends_on_padding_columns() -> None:
+    """Across batch sizes 1..256 and contexts 1K..128K, 1 to 7 spare columns of 16 tokens never
+    change the configuration (without the context rounding 112 of these 504 cases would)."""
+    for batch, ctx in itertools.product((1, 2, 4, 8, 16, 32, 64, 128, 256),
+                                        (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)):
+        base = attention_config(num_seqs=batch, num_q_tokens=batch, max_context=ctx,
+                                varlen=False, **H200)
+        for spare in range(1, 8):
+            assert attention_config(num_seqs=batch, num_q_tokens=batch,
+                                    max_context=ctx + 16 * spare, varlen=False,
+                                    **H200) == base, (batch, ctx, spare)
 
 # H200 sweeps (issue 14, Triton 3.6): decode ms by split count for the default tile of each
 # shape (mean of NHD and HND; padded block tables): (64, 2, 3) for B=64 and 256 (round 2),
@@ -828,6 +852,25 @@ def test_a_launch_site_never_serves_other_dtypes(device: str, monkeypatch: pytes
         for _ in range(2):  # the second call of each takes the direct launch on the GPU
             case.check()
     assert len(A._SITES) == 3
+
+
+def test_launch_options_get_their_own_site_and_splits_stop_at_the_tiles(
+        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Configs that differ only in ``num_warps`` or ``num_stages`` launch from sites of their
+    own (a site launches with its options); a forced split count above the block table's tiles
+    of capacity launches one split per tile (16 tokens of capacity, tile_n=16: one)."""
+    K = importlib.import_module("fkv.ops._attention_kernels")
+    recorder = GridRecorder(K._paged_attention_kernel)
+    monkeypatch.setattr(K, "_paged_attention_kernel", recorder)
+    monkeypatch.setattr(A, "_SITES", {})
+    case = Case(device, seq_lens=(9, 5), head_size=16, block_size=4, hq=4, hkv=2, seed=2)
+    assert case.block_table.shape[1] * 4 == 16
+    base = dict(block_q=1, heads_per_program=2, tile_n=16)
+    for extra in ({}, {"num_warps": 2}, {"num_stages": 3}, {"num_splits": 5}):
+        case.check(config=AttentionConfig(**base, **extra))
+    options = sorted((s.options["num_warps"], s.options["num_stages"]) for s in A._SITES.values())
+    assert options == [(2, 2), (4, 2), (4, 3)]
+    assert [(grid[1], splits) for grid, splits in recorder.launches] == [(1, 1)] * 4
 
 
 def test_padding_columns_change_neither_grid_nor_bits(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -967,6 +1010,10 @@ BAD = {
                          r"'seq_lens' has 4 entries but 'block_table' has 3 rows"),
     "block-id-beyond-cache": (lambda c: _bad(c, block_table=_bt(c, 2, 1, 10_000)),
                               r"'block_table\[2, 1\]' is 10000, outside the cache's \[0, 11\) blocks"),
+    "block-table-no-columns": (lambda c: _bad(c, block_table=c.block_table[:, :0]),
+                               r"'block_table' must have at least one column \(got shape \(4, 0\)\)"),
+    "block-id-num-blocks": (lambda c: _bad(c, block_table=_bt(c, 2, 3, 11)),
+                            r"'block_table\[2, 3\]' is 11, outside the cache's \[0, 11\) blocks"),
     "block-id-negative": (lambda c: _bad(c, block_table=_bt(c, 1, 0, -1)),
                           r"'block_table\[1, 0\]' is -1, outside"),
     "seq-len-beyond-table": (lambda c: _bad(c, seq_lens=torch.tensor([1, 7, 21, 4], dtype=torch.int32)),
@@ -980,6 +1027,11 @@ BAD = {
     "fp8-no-scale": (lambda c: _bad(c, spec=c.spec.evolve(dtype="float8_e4m3fn"),
                                     cache=c.cache.to(torch.float8_e4m3fn)),
                      r"'k_scale' is required for an fp8 cache"),
+    "fp8-empty-scale": (lambda c: _bad(c, spec=c.spec.evolve(dtype="float8_e4m3fn"),
+                                       cache=c.cache.to(torch.float8_e4m3fn),
+                                       k_scale=torch.ones(0), v_scale=torch.ones(1)),
+                        r"'k_scale' must be a float or a float32 tensor of one element \(got "
+                        r"'tensor \(0,\) torch.float32'\)"),
     "scale-on-bf16": (lambda c: _bad(c, k_scale=torch.ones(1)),
                       r"'k_scale'/'v_scale' apply only to fp8 caches"),
     "window": (lambda c: _bad(c, sliding_window=-1),
@@ -991,12 +1043,20 @@ BAD = {
     "scale": (lambda c: _bad(c, scale=math.inf), r"'scale' must be a positive finite float"),
     "out-shape": (lambda c: _bad(c, out=torch.empty(4, 4, 16, dtype=torch.bfloat16)),
                   r"'out' must be a tensor of q's shape \(4, 4, 32\) and dtype torch.bfloat16"),
+    "out-dtype": (lambda c: _bad(c, out=torch.empty(4, 4, 32)),
+                  r"'out' must be a tensor of q's shape \(4, 4, 32\) and dtype torch.bfloat16 "
+                  r"\(got '\(4, 4, 32\) torch.float32'\)"),
     "seq-lens-2d": (lambda c: _bad(c, seq_lens=c.seq_lens[None]), r"'seq_lens' must have 1 dim"),
 }
 
 BAD_VARLEN = {
     "qsl-length": (lambda c: _bad(c, query_start_loc=c.query_start_loc[:-1]),
                    r"'query_start_loc' must have num_seqs \+ 1 = 5 cumulative offsets \(got 4\)"),
+    "qsl-too-long": (lambda c: _bad(c, query_start_loc=torch.tensor([0, 1, 4, 5, 9, 9],
+                                                                   dtype=torch.int32)),
+                     r"'query_start_loc' must have num_seqs \+ 1 = 5 cumulative offsets \(got 6\)"),
+    "qsl-start": (lambda c: _bad(c, query_start_loc=torch.tensor([1, 2, 5, 6, 9], dtype=torch.int32)),
+                  r"'query_start_loc' must run from 0 to total_q_tokens=9 \(got 1 ... 9\)"),
     "qsl-end": (lambda c: _bad(c, query_start_loc=torch.tensor([0, 1, 2, 3, 5], dtype=torch.int32)),
                 r"'query_start_loc' must run from 0 to total_q_tokens=9 \(got 0 ... 5\)"),
     "qsl-decreasing": (lambda c: _bad(c, query_start_loc=torch.tensor([0, 3, 2, 5, 9], dtype=torch.int32)),

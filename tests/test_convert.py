@@ -636,6 +636,122 @@ def test_staging_that_overlaps_the_cache_is_refused(small):
     assert torch.equal(_bits(cache[0]), before)
 
 
+def test_an_out_sharing_only_the_last_byte_of_the_cache_is_refused(device):
+    """The overlap check counts every byte of both extents: an out (fp8: one-byte elements) whose
+    first element is the cache's last one overlaps it, one byte past it does not."""
+    spec = KVCacheSpec(dtype="float8_e4m3fn", **{**GEOM, "num_layers": 1})
+    shape = (1, 2, spec.num_kv_heads, spec.block_size, spec.head_size)
+    size = shape[1] * shape[2] * shape[3] * shape[4]  # bytes of one staging block
+    raw = torch.zeros(spec.region_bytes + 2 * size, dtype=torch.uint8, device=device)
+    (cache,) = fkv.tensors.wrap(raw, spec)
+
+    def out_at(byte: int) -> torch.Tensor:
+        return raw[byte:byte + size].view(cache.dtype).view(shape)
+
+    gather = ("gather: 'out' overlaps 'cache' in memory; gather writes a staging copy of the "
+              "cache's tokens, so it cannot run in place: pass a separate out (or none)")
+    for fn in (C.gather, RC.gather):
+        _raises(gather, fn, cache, spec, [3], out=out_at(spec.region_bytes - 1))
+    out = out_at(spec.region_bytes)
+    assert C.gather(cache, spec, [3], out=out) is out
+
+
+def test_repeated_gather_scatter_recheck_what_the_signature_does_not_pin(small):
+    """A remembered gather/scatter signature pins the ids' shape, dtype and layout and the
+    staging's shape: a repeat that differs in any of them is checked (or launched) afresh, never
+    with the remembered token count, grid or id type; and the fast path keeps every default
+    check (host ids range-checked, destination blocks of a partial last block distinct, each new
+    out or staging buffer checked for overlap) and gather's zeroed partial last staging block."""
+    spec, cache = small
+    dev = cache[0].device
+    bs = spec.block_size
+    three = torch.tensor([5, 1, 7], device=dev)
+    assert _equal(C.gather(cache[0], spec, three), R.gather(cache[0], spec, [5, 1, 7]))
+    # fewer ids than the remembered call: two blocks, not three (the ids would be read past)
+    two = torch.tensor([6, 2], device=dev)
+    assert _equal(C.gather(cache[0], spec, two), R.gather(cache[0], spec, [6, 2]))
+    # int32 ids: a signature and a launch site of their own (a site types the ids' pointer)
+    three32 = three.to(torch.int32)
+    assert _equal(C.gather(cache[0], spec, three32), R.gather(cache[0], spec, [5, 1, 7]))
+    sig64, sig32 = (C._staging_signature("gather", cache[0], spec, ids, None, None, None, None)
+                    for ids in (three, three32))
+    assert sig64 != sig32 and C._FAST[sig64].site is not C._FAST[sig32].site
+    # strided ids are copied to contiguous ones: never remembered, each call reads the right ones
+    strided = torch.tensor([3, 0, 4, 0, 6, 0], device=dev)[::2]
+    for _ in range(2):
+        assert _equal(C.gather(cache[0], spec, strided), R.gather(cache[0], spec, [3, 4, 6]))
+    # a staging (or out) one block short, with the remembered one's strides: refused
+    staging = C.gather(cache[0], spec, three)
+    C.scatter(staging, cache[1], spec, three)
+    short = ("'{}' has shape (2, 2, 4, 4, 8) but {} 3 staging blocks of 4 tokens, heads (0, 4) "
+             "needs [n, 2, h, N, D] = (3, 2, 4, 4, 8)")
+    before = [_bits(c).clone() for c in cache]
+    _raises(short.format("staging", "scattering from"), C.scatter, staging[:2], cache[1], spec,
+            three)
+    C.gather(cache[0], spec, three, out=torch.empty_like(staging))
+    _raises(short.format("out", "gathering into"), C.gather, cache[0], spec, three,
+            out=torch.empty_like(staging)[:2])
+    assert all(torch.equal(_bits(c), b) for c, b in zip(cache, before))
+    # default checks on the fast path: host ids are range-checked (free)
+    if dev.type == "cpu":
+        _raises("'block_ids' holds block id 8 but the cache has num_blocks=8 (valid ids: 0..7)",
+                C.gather, cache[0], spec, torch.tensor([5, 1, 8]))
+        _raises("'block_ids' holds block id 8 but the cache has num_blocks=8 (valid ids: 0..7)",
+                C.scatter, staging, cache[1], spec, torch.tensor([5, 1, 8]))
+        _raises(REPEAT.format(name="block_ids", b=5), C.scatter, staging, cache[1], spec,
+                torch.tensor([5, 1, 5]))
+    # a repeated block among those a partial last block writes
+    part = C.gather(cache[0], spec, three, num_tokens=2 * bs + 1)
+    C.scatter(part, cache[1], spec, torch.tensor([4, 2, 6], device=dev), num_tokens=2 * bs + 1,
+              validate=True)
+    _raises(REPEAT.format(name="block_ids", b=4), C.scatter, part, cache[1], spec,
+            torch.tensor([4, 2, 4], device=dev), num_tokens=2 * bs + 1, validate=True)
+    # gather's partial last staging block stays zero past num_tokens on the fast path too
+    for _ in range(3):
+        junk = torch.full_like(part, float("nan"))
+        del junk
+        again = C.gather(cache[0], spec, three, num_tokens=2 * bs + 1)
+        assert _equal(again, part) and not _bits(again[2, :, :, 1:]).any()
+    # a new out that overlaps the cache, after a separate one took the fast path
+    shape = (1, 2, spec.num_kv_heads, bs, spec.head_size)
+    alias = cache[0].as_strided(shape, torch.empty(shape).stride(), cache[0].storage_offset())
+    one = torch.tensor([2], device=dev)
+    separate = torch.empty_like(alias)
+    for _ in range(2):
+        C.gather(cache[0], spec, one, out=separate)
+    _raises("gather: 'out' overlaps 'cache' in memory; gather writes a staging copy of the "
+            "cache's tokens, so it cannot run in place: pass a separate out (or none)",
+            C.gather, cache[0], spec, one, out=alias)
+    assert torch.equal(_bits(cache[0]), before[0])  # only ever read
+
+
+def test_bools_never_take_a_remembered_ints_fast_path(small):
+    """``True == 1`` in Python: a bool ``num_tokens``/``block_size`` or head bound after a
+    remembered call with the equal int is still refused by the checked path, not launched."""
+    spec, cache = small
+    ids = torch.tensor([3, 5], device=cache[0].device)
+    for _ in range(2):
+        C.gather(cache[0], spec, ids, heads=(0, 2), num_tokens=1, block_size=1)
+    _raises("'num_tokens' must be a non-negative int (got True)", C.gather, cache[0], spec, ids,
+            heads=(0, 2), num_tokens=True, block_size=1)
+    _raises("'block_size' must be a positive int (tokens per staging block) (got True)", C.gather,
+            cache[0], spec, ids, heads=(0, 2), num_tokens=1, block_size=True)
+    _raises("'heads' must be a slice(start, stop) or a (start, stop) pair of ints with 0 <= start "
+            "< stop <= 4 (a contiguous range of this rank's 4 heads) (got (False, 2))", C.gather,
+            cache[0], spec, ids, heads=(False, 2), num_tokens=1, block_size=1)
+
+
+def test_convert_refuses_layers_on_different_devices(small):
+    spec, cache = small
+    mixed = [cache[0], cache[1].to("meta")]
+    _raises(f"'src': layer 1 is on meta but layer 0 on {cache[0].device}; all layers must be on "
+            f"one device", C.convert, mixed, spec, spec.evolve(layout="HND"))
+    out = fkv.allocate(spec.evolve(layout="HND"), device=cache[0].device)
+    _raises(f"'out': layer 1 is on meta but layer 0 on {cache[0].device}; all layers must be on "
+            f"one device", C.convert, cache, spec, spec.evolve(layout="HND"),
+            out=[out[0], out[1].to("meta")])
+
+
 def test_ids_on_another_device_and_validate_flags_are_refused(small):
     spec, cache = small
     dev = cache[0].device

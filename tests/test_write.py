@@ -897,6 +897,20 @@ def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch: pytest.Monkey
         write_kv(key, value, fkv.allocate(spec)[0], torch.arange(2), spec)
 
 
+
+def test_compiled_kernels_refuse_every_device_but_cuda() -> None:
+    """Not only CPU tensors: any device other than CUDA (meta here) gets the FkvError before a
+    compiled kernel sees it; the interpreter's kernel takes them."""
+    kernel = _FakeJIT(_FakeCompiled())
+    for device in (torch.device("cpu"), torch.device("meta")):
+        with pytest.raises(FkvError) as e:
+            _launch.check_kernel_device(device, kernel, "cache", "write_kv")
+        assert str(e.value) == (f"'cache' is on {device}: the Triton kernel runs on CUDA tensors, "
+                                f"or on CPU with TRITON_INTERPRET=1 set before triton is "
+                                f"imported; or use fkv.ops.reference.write_kv")
+        _launch.check_kernel_device(device, write_mod._write_kv_kernel.fn, "cache", "write_kv")
+
+
 # -- specialization: one compiled variant per layout, none per call --------------------------------
 class LaunchRecorder:
     """Stands in for the kernel object: records each launch's arguments by name (options
@@ -1086,6 +1100,92 @@ def test_checks_still_run_when_the_signature_was_seen_before() -> None:
     assert_same_bytes(caches, untouched)
 
 
+def test_a_repeated_signature_is_checked_again_where_anything_it_pins_differs(device: str) -> None:
+    """write_kv remembers its checks (and fixed launch arguments) per input signature. Calls that
+    differ from a remembered one only in a key or value stride, an input or scale dtype, the
+    cache's strides or the value's token count are checked and launched as first calls: the
+    reference's bytes, or the checked path's FkvError with nothing written."""
+    spec = make_spec("triton", "NHD", num_layers=1)
+    key, value, _ = inputs(spec, 5, device)
+    slots = torch.arange(5, device=device)
+    write_kv(key, value, poisoned(spec, device)[0], slots, spec)  # the remembered signature
+    key_t = key.transpose(0, 1).contiguous().transpose(0, 1)  # strides (24, 120, 1)
+    value_qkv = torch.cat([value, value], dim=2)[:, :, 24:]  # strides (144, 48, 1)
+    for k, v in ((key_t, value), (key, value_qkv)):
+        out, ref = run_both(spec, device, k, v, slots, layer=0)
+        assert_same_bytes(out, ref)
+    caches = poisoned(spec, device)
+    untouched = [c.clone() for c in caches]
+    hnd = fkv.allocate(spec.evolve(layout="HND"), device=device)[0]  # same shape, other strides
+    value6, _, _ = inputs(spec, 6, device, seed=1)
+    for args, message in (
+            ((key.half(), value, caches[0], slots),
+             "'key' has dtype 'float16' but 'value' has 'bfloat16'"),
+            ((key, value6, caches[0], slots),
+             "'key' has 5 tokens but 'value' has 6; they must have the same T"),
+            ((key, value, hnd, slots), "'cache' has strides (576, 288, 24, 96, 1) but spec"),
+            ((key, value, caches[0], slots.float()),
+             "'slot_mapping' must be a 1-D int64 (or int32) tensor")):
+        with pytest.raises(FkvError) as e:
+            write_kv(*args, spec)
+        assert str(e.value).startswith(message)
+    fp8 = make_spec("triton", "HND", dtype="float8_e4m3fn", num_layers=1)
+    key8, value8, scales = inputs(fp8, 5, device)
+    write_kv(key8, value8, poisoned(fp8, device)[0], slots, fp8, **scales)
+    caches8 = poisoned(fp8, device)
+    untouched += [c.clone() for c in caches8]
+    for name in ("k_scale", "v_scale"):
+        bad = {**scales, name: scales[name].bfloat16()}
+        with pytest.raises(FkvError) as e:
+            write_kv(key8, value8, caches8[0], slots, fp8, **bad)
+        assert str(e.value) == (f"'{name}' must be a float32 tensor of one element (got bfloat16 "
+                                f"tensor of shape (1,)); e.g. torch.tensor([1.0], "
+                                f"device=cache.device)")
+    assert_same_bytes(caches + caches8, untouched)
+
+
+def test_remembered_signatures_are_bounded(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most ``_PREPARED_MAX`` signatures are remembered: a new one past it starts afresh."""
+    monkeypatch.setattr(write_mod, "_PREPARED", {})
+    monkeypatch.setattr(write_mod, "_PREPARED_MAX", 2)
+    spec = make_spec("triton", "NHD", num_layers=1)
+    key, value, _ = inputs(spec, 5, device)
+    sizes = []
+    for step in (1, 2, 3):  # three slot strides: three signatures
+        slots = torch.arange(0, 5 * step, device=device)[::step]
+        out, ref = run_both(spec, device, key, value, slots, layer=0)
+        assert_same_bytes(out, ref)
+        sizes.append(len(write_mod._PREPARED))
+    assert sizes == [1, 2, 1]
+
+
+def test_tiling_override_applies_to_signatures_seen_before(device: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Setting (and clearing) the tiling override drops the launch sites remembered per
+    signature: the next call of a signature seen before launches the new tiling."""
+    recorder = LaunchRecorder(write_mod._write_kv_kernel)
+    monkeypatch.setattr(write_mod._LAUNCHER, "kernel", recorder)
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    monkeypatch.setattr(write_mod, "_PREPARED", {})
+    spec = make_spec("triton", "NHD", num_layers=1)
+    key, value, _ = inputs(spec, 5, device)
+    slots = torch.arange(5, device=device)
+    default = write_tiling(spec, 5)
+    forced = write_mod.WriteTiling(1, 1, 32, 1)
+    assert (default.block_t, default.head_tile) != (1, 1)
+    out, ref = run_both(spec, device, key, value, slots, layer=0)
+    write_mod._set_tiling_override(forced)
+    try:
+        out, ref = run_both(spec, device, key, value, slots, layer=0)
+        assert_same_bytes(out, ref)
+    finally:
+        write_mod._set_tiling_override(None)
+    run_both(spec, device, key, value, slots, layer=0)
+    tiles = [(launch["BLOCK_T"], launch["HEAD_TILE"]) for launch in recorder.launches]
+    want = (default.block_t, default.head_tile)
+    assert tiles == [want, (1, 1), want]
+
+
 # -- the direct launch path (fkv.ops._launch) ---------------------------------------------------------
 def _toy(x_ptr, y_ptr, n, m, scale, BLOCK: "tl.constexpr"):  # noqa: F821 (source only: never run)
     """A kernel signature for the launcher tests (a JITFunction is built from its source)."""
@@ -1235,6 +1335,55 @@ def test_launcher_needs_the_per_call_parameters_first() -> None:
         launcher.site({"n": 1, "q": 2})
     # The interpreter's kernels (not JITFunctions) always launch normally.
     assert not _launch.KernelLauncher(write_mod._write_kv_kernel.fn, (), ()).compiles
+
+
+def test_direct_launch_key_separates_what_triton_specializes(fake_runtime) -> None:
+    """Each pair of calls differs only in something Triton types or specializes on: a pointer 8
+    bytes off 16-byte alignment, two pointers' offsets that a narrower packing would confuse, an
+    int divisible by 8 but not 16, an int on either side of the int32 bounds (i32 / i64) or of
+    the int64 ones (i64 / u64), also for a ``do_not_specialize`` int. The second call of each
+    pair needs a normal launch of its own, on a fresh site. A ``do_not_specialize`` int's value
+    within int32 (5, then 16) is not part of the key: that call launches directly."""
+    compiled = _FakeCompiled()
+    kernel = _FakeJIT(compiled)
+    launcher = _launch.KernelLauncher(kernel, ("x_ptr", "y_ptr", "n", "m"), ("x_ptr", "y_ptr"))
+    raw = torch.empty(256, dtype=torch.uint8)
+    base = -raw.data_ptr() % 16  # the first 16-byte aligned byte
+
+    def at(offset: int) -> torch.Tensor:
+        return raw[base + offset:base + offset + 32]
+
+    x, y = at(0), at(64)
+    pairs = [((x, y, 32, 5), (at(8), y, 32, 5)),
+             ((at(1), y, 32, 5), (x, at(72), 32, 5)),
+             ((x, y, 32, 5), (x, y, 40, 5)),
+             ((x, y, 2**31 - 1, 5), (x, y, 2**31 + 15, 5)),
+             ((x, y, -2**31, 5), (x, y, -2**31 - 16, 5)),
+             ((x, y, 2**62, 5), (x, y, 2**63, 5)),
+             ((x, y, 32, 2**31 - 1), (x, y, 32, 2**31))]
+    for first, second in pairs:
+        site = launcher.site({"scale": 0.5, "BLOCK": 64})
+        before = len(kernel.normal)
+        site((1, 1, 1), first)
+        site((1, 1, 1), second)
+        assert len(kernel.normal) == before + 2 and site.direct_launches == 0, (first, second)
+    site = launcher.site({"scale": 0.5, "BLOCK": 64})
+    site((1, 1, 1), (x, y, 32, 5))
+    site((1, 1, 1), (at(16), at(48), 48, 16))
+    assert site.direct_launches == 1 and len(compiled.runs) == 1
+    # pointers must lead the per-call parameters; a compiled object without its function handle
+    # is not the CompiledKernel the direct path calls: normal launches for good
+    with pytest.raises(FkvError) as e:
+        _launch.KernelLauncher(kernel, ("x_ptr", "y_ptr", "n"), ("y_ptr",))
+    assert str(e.value) == ("KernelLauncher: the kernel's parameters ('x_ptr', 'y_ptr', 'n', 'm', "
+                            "'scale', 'BLOCK') must start with the per-call ones ('x_ptr', "
+                            "'y_ptr', 'n'), which must start with the pointers ('y_ptr',)")
+    compiled.function = None
+    site = launcher.site({"scale": 0.5, "BLOCK": 64})
+    before = len(kernel.normal)
+    site((1, 1, 1), (x, y, 32, 5))
+    site((1, 1, 1), (x, y, 32, 5))
+    assert site.variants is None and len(kernel.normal) == before + 2 and len(compiled.runs) == 1
 
 
 @pytest.mark.gpu

@@ -14,7 +14,8 @@ a launch is ``run(grid, stream, ..., *per_call, *fixed)`` with no reordering.
 **Specialization key.** Finer than or equal to Triton's own, so a cached variant is always the one
 Triton would pick for the same arguments: the current CUDA device; per pointer argument its
 address modulo 16; per scalar argument its Python type (an int and a float of equal value are
-typed i32 and fp32 by Triton), whether it fits in int32 and, unless the kernel marks it
+typed i32 and fp32 by Triton), whether it fits in int32 and in int64 (Triton types an int i32,
+i64 or u64 by its range) and, unless the kernel marks it
 ``do_not_specialize``, whether it equals 1 and whether 16 divides it. The rest is the site owner's
 contract: a site is made per input signature, which must include the dtype of every pointer
 argument (Triton types pointers by dtype) besides the fixed values themselves.
@@ -56,6 +57,7 @@ ENABLED: bool = os.environ.get("FKV_FAST_LAUNCH", "1").strip().lower() not in ("
                                                                                 "no", "off")
 
 _I32_MIN, _I32_MAX = -(2 ** 31), 2 ** 31 - 1
+_I64_MAX = 2 ** 63 - 1
 
 
 class _Runtime:
@@ -134,10 +136,10 @@ class KernelLauncher:
         ints = []
         for i in self._int_spec:
             v = args[i]
-            ints.append((type(v), _I32_MIN <= v <= _I32_MAX, v == 1, v % 16 == 0))
+            ints.append((type(v), _I32_MIN <= v <= _I32_MAX, v <= _I64_MAX, v == 1, v % 16 == 0))
         for i in self._int_plain:
             v = args[i]
-            ints.append((type(v), _I32_MIN <= v <= _I32_MAX))
+            ints.append((type(v), _I32_MIN <= v <= _I32_MAX, v <= _I64_MAX))
         return device, align, tuple(ints)
 
 
