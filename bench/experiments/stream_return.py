@@ -13,6 +13,12 @@ fraction of a microsecond hot.
     GAP_MS=0 ...     # every layer published at once: the read never waits
     NO_YIELD=1 ...   # the stream's spin without its sched_yield system call
     SPIN_ALL=1 ...   # spin through each layer's whole wait (no futex sleep)
+    YIELD_EVERY=N .. # the spin's sched_yield on every N-th read of the boards only
+    TWICE=1 ...      # call the result step three times in a row, each timed: the first
+                     # cold, the others on what the first brought back into the caches
+    WARM=1 ...       # between two reads of a spin, also run what follows the last layer
+                     # without its effects (a ReadResult, the telemetry lock, the outbox's
+                     # pread): are those steps slow because their code and data went cold?
 """
 
 from __future__ import annotations
@@ -93,6 +99,48 @@ def main() -> None:
     if os.environ.get("SPIN_ALL") == "1":  # spin through the whole wait for each layer
         from fkv.connector.transport import _stream
         _stream.SPIN_AHEAD_FRACTION, _stream.SPIN_AHEAD_MAX = 1.0, 0.05
+    warm_state: dict[str, Any] = {}
+
+    def warm() -> None:
+        from fkv.connector.transport._base import ReadResult
+
+        os.sched_yield()
+        client_ = warm_state.get("client")
+        if client_ is None:
+            return
+        ReadResult(True, "w", 0, 0, 0.0, None, 0.0, "direct", 0.0, ())
+        with client_.telemetry._lock:
+            pass
+        for box in client_._state.link.outboxes.values():
+            if box._fd is not None:
+                os.pread(box._fd, 16, 0)
+        time.perf_counter()
+
+    every = int(os.environ.get("YIELD_EVERY", "0"))
+    if every > 1:
+        from fkv.connector.transport import _stream
+        count = [0]
+
+        def some_yields() -> None:
+            count[0] += 1
+            if count[0] % every == 0:
+                os.sched_yield()
+        _stream._yield = some_yields
+    if os.environ.get("WARM") == "1":
+        from fkv.connector.transport import _stream
+        _stream._yield = warm
+    repeats: list[tuple[float, float, float]] = []
+    if os.environ.get("TWICE") == "1":
+        result_once = Client._result
+
+        def result_thrice(self: Any, *args: Any, **kw: Any) -> Any:
+            t = [time.perf_counter()]
+            for _ in range(3):
+                out = result_once(self, *args, **kw)
+                t.append(time.perf_counter())
+            repeats.append(tuple((t[i + 1] - t[i]) * 1e6 for i in range(3)))
+            return out
+        Client._result = result_thrice
     stamp(Client, "_stream", enter=False)
     stamp(Link, "notify")
     stamp(Client, "_result")
@@ -102,6 +150,7 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
     with connect(EngineDesc(engine_id="d", tp_size=1, tp_rank=0, total_num_kv_heads=8), spec,
                  caches, remote_address=a.recv(), timeout=30.0) as client:
+        warm_state["client"] = client
         for rep in range(REPS + WARMUP):
             rid = f"r{rep}"
             a.send(rid)
@@ -126,10 +175,15 @@ def main() -> None:
     print(json.dumps({"experiment": "stream_return", "blocks": blocks, "layers": layers,
                       "gap_ms": GAP_MS, "reps": REPS,
                       "spin_yields": os.environ.get("NO_YIELD") != "1",
-                      "spin_whole_wait": os.environ.get("SPIN_ALL") == "1", "path": path,
+                      "spin_whole_wait": os.environ.get("SPIN_ALL") == "1",
+                      "warm_while_spinning": os.environ.get("WARM") == "1",
+                      "yield_every": every, "path": path,
                       "python": platform.python_version(), "cpu_count": os.cpu_count(),
                       "us_since_previous_stamp_median": {k: round(statistics.median(v), 2)
                                                          for k, v in rows.items()},
+                      "result_calls_in_a_row_us_median": [
+                          round(statistics.median(r[i] for r in repeats[WARMUP:]), 2)
+                          for i in range(3)] if repeats else None,
                       "total_us_median": round(statistics.median(
                           sum(v[i] for v in rows.values()) for i in range(REPS)), 2)},
                      indent=1))
