@@ -508,3 +508,77 @@ def test_fewest_contiguous_atoms_is_the_exhaustive_search(pair, two_sides, data)
             st.sampled_from(sorted({1, max(1, size // 2), size})), label=axis)))
     full = tuple(full)
     assert fewest_contiguous_atoms(sides, full) == _exhaustive_atoms(sides, full)
+
+
+# -- holes found by mutation (2026-12-04) ---------------------------------------------------------
+
+def test_regions_of_per_layer_and_cross_layer_specs():
+    """Per-layer: one region per layer, the layer's index is the region; cross-layer: one
+    region of every layer (bf16, NB=5, N=16, H=8, D=128: 65536 B a page)."""
+    per_layer = _spec(layout="HND", num_layers=3)
+    assert (per_layer.num_regions, per_layer.region_bytes) == (3, 5 * 65536)
+    assert per_layer.region_and_offset(layer=2, block=1, kv=1, head=4) == (2, 114688)
+    assert per_layer.region_and_offset(layer=1, block=1, kv=1, head=4) == (1, 114688)
+    cross = per_layer.evolve(cross_layer=True)
+    assert (cross.num_regions, cross.region_bytes) == (1, 3 * 5 * 65536)
+
+
+def test_span_of_a_cross_layer_buffer_takes_layer_0_unless_told():
+    # phys (NB, two, H, L, N, D) = (5, 2, 8, 3, 16, 128): element strides B 98304, two 49152,
+    # H 6144, L 2048, N 128.
+    cross = _spec(layout="HND", num_layers=3, cross_layer=True)
+    assert cross.span(B=1, two=0, H=2) == ((98304 + 2 * 6144) * 2, 16 * 128 * 2)
+    assert cross.span(B=1, two=0, H=2, L=2) == ((98304 + 2 * 6144 + 2 * 2048) * 2, 16 * 128 * 2)
+    assert cross.span(B=1, two=0, H=2, L=(0, 3)) == ((98304 + 2 * 6144) * 2, 3 * 16 * 128 * 2)
+
+
+@pytest.mark.parametrize("bad", [(3, 3), (5, 4), 8, -1])
+def test_span_refuses_empty_and_reversed_ranges(bad):
+    with pytest.raises(FkvError) as e:
+        _spec(layout="HND").span(B=0, H=bad)
+    assert str(e.value) == f"span: H={bad!r} outside [0, 8)"
+
+
+def test_same_bytes_needs_the_same_dtype():
+    assert not _spec().same_bytes(_spec(dtype="float16"))
+    assert not _spec(num_kv_heads=1, layout="NHD").same_bytes(
+        _spec(num_kv_heads=1, layout="HND", dtype="float8_e4m3fn"))
+    assert _spec(dtype="fp8").same_bytes(_spec(dtype="float8_e4m3fn"))
+
+
+def test_rearrange_names_every_geometry_difference():
+    with pytest.raises(FkvError) as e:
+        rearrange_pattern(_spec(num_layers=3), _spec(num_blocks=4, dtype="float16", num_layers=2))
+    assert str(e.value) == ("rearrange: src and dst must have the same geometry; they differ in "
+                            "num_blocks: src 5, dst 4; dtype: src 'bfloat16', dst 'float16'; "
+                            "num_layers: src 3, dst 2")
+
+
+def test_repr_shows_layers_and_cross_layer():
+    assert repr(_spec(layout="HND", num_layers=3, cross_layer=True)) == (
+        "KVCacheSpec(backend='triton', layout='HND', num_blocks=5, block_size=16, num_kv_heads=8, "
+        "head_size=128, dtype='bfloat16', num_layers=3, cross_layer=True)")
+    assert repr(_spec(num_layers=3)).endswith("dtype='bfloat16', num_layers=3)")
+
+
+@pytest.mark.parametrize("extent", [0, 9])
+def test_box_is_contiguous_refuses_an_extent_outside_the_axis(extent):
+    from fkv.layout import box_is_contiguous
+
+    with pytest.raises(FkvError) as e:
+        box_is_contiguous(_spec(layout="HND"), (("two", 1), ("H", extent)))
+    assert str(e.value) == f"box_is_contiguous: H extent {extent} outside [1, 8]"
+
+
+def test_strides_match_ignores_only_size_one_dims():
+    from fkv.layout import strides_match
+
+    assert strides_match((256, 128, 16, 16, 1), (4, 2, 8, 1, 16), (256, 128, 16, 12345, 1))
+    assert not strides_match((256, 128, 16, 16, 1), (4, 2, 8, 2, 16), (256, 128, 16, 12345, 1))
+    # one KV head: an HND buffer has NHD's strides but the H dim's; infer_spec says NHD
+    hnd = _spec(layout="HND", num_blocks=2, block_size=4, num_kv_heads=1, head_size=8)
+    (view,) = fkv.allocate(hnd)
+    assert view.stride() == (64, 32, 8, 32, 1)
+    assert fkv.infer_spec(view, backend="triton") == hnd.evolve(layout="NHD")
+    odd = view.as_strided(view.shape, (64, 32, 8, 7, 1))  # a size-1 dim's stride says nothing
+    assert fkv.infer_spec(odd, backend="triton") == hnd.evolve(layout="NHD")
