@@ -310,3 +310,87 @@ def test_check_remote_ranks():
         if field:
             part, name = field.split(".")
             assert name in {f.name for f in attrs.fields(type(odd[i][part == "spec"]))}
+
+
+# -- holes found by mutation (2026-12-04) ---------------------------------------------------------
+
+def test_a_k_v_decode_refuses_an_mla_prefill():
+    """The family check runs both ways: the MLA side may be the remote one."""
+    assert reasons(rank(1, 0, heads=1), rank(1, 0, backend="mla", head_size=128)) == [
+        "remote.spec.backend: an MLA cache (one latent per token) cannot pair with a K/V cache "
+        "(local 'triton', remote 'mla'); fix: use an MLA backend on both engines, or a K/V "
+        "backend on both"]
+
+
+@pytest.mark.parametrize("side", ["local", "remote"])
+def test_an_older_protocol_is_refused_too(side):
+    old = rank(1, 0, engine={"protocol": 0})
+    local, remote = (old, rank(1, 0)) if side == "local" else (rank(1, 0), old)
+    lp, rp = (0, 1) if side == "local" else (1, 0)
+    (r,) = handshake(local, remote).reasons
+    assert r == Reason("protocol", f"{side}.engine.protocol", lp, rp,
+                       f"decode speaks fkv protocol {lp}, prefill speaks {rp}; this fkv speaks "
+                       "protocol 1", "run the same fkv version on both engines")
+
+
+@pytest.mark.parametrize("strategy", ["direct", "staging"])
+def test_a_forced_strategy_reaches_the_plan(strategy):
+    result = handshake(rank(1, 0), rank(1, 0), strategy=strategy)
+    assert result.ok and result.plan.strategy == strategy
+    assert handshake(rank(1, 0), rank(1, 0)).plan.strategy == "direct"  # auto: the cheaper
+
+
+def test_wrong_types_inside_a_pair_name_the_index_and_the_side():
+    engine, spec = rank(1, 0)
+    result = handshake(([engine], spec), (spec, engine))
+    assert list(result.reasons) == [
+        Reason("type", "local.engine", "list", None, "local[0] must be a EngineDesc, got list",
+               "build it with fkv.connector.EngineDesc(...)"),
+        Reason("type", "remote.engine", None, "KVCacheSpec",
+               "remote[0] must be a EngineDesc, got KVCacheSpec",
+               "build it with fkv.connector.EngineDesc(...)"),
+        Reason("type", "remote.spec", None, "EngineDesc",
+               "remote[1] must be a KVCacheSpec, got EngineDesc",
+               "build it with fkv.KVCacheSpec(...) or fkv.infer_spec"),
+    ]
+
+
+def test_a_corrupted_tp_rank_is_a_named_reason():
+    engine, spec = rank(2, 1)
+    object.__setattr__(engine, "tp_rank", 2)  # past the validators, as a decoded peer could be
+    (r,) = handshake((engine, spec), rank(2, 0)).reasons
+    assert r == Reason("tp_rank", "local.engine.tp_rank", 2, None, "tp_rank must be in [0, 2)",
+                       "pass the rank's index inside its own tensor-parallel group")
+
+
+def test_one_reason_prints_in_the_singular():
+    assert str(handshake(rank(1, 0), rank(1, 0, dtype="float16"))) == (
+        "Reject: 1 reason\n  - remote.spec.dtype: cache dtypes differ (local 'bfloat16', remote "
+        "'float16'); fix: use the same kv-cache dtype on both engines")
+
+
+def test_replicated_only_past_one_rank_per_head():
+    e = lambda tp: EngineDesc(engine_id="x", tp_size=tp, tp_rank=0, total_num_kv_heads=8)
+    assert [(e(tp).heads_per_rank, e(tp).replicated) for tp in (4, 8, 16)] == [
+        (2, False), (1, False), (1, True)]
+
+
+def test_check_remote_ranks_compares_every_engine_field():
+    from fkv.connector.handshake import check_remote_ranks
+
+    (e0, s), (e1, _) = rank(2, 0), rank(2, 1)
+    odd = attrs.evolve(e1, engine_id="other", tp_size=4, total_num_kv_heads=16,
+                       model_dtype="float16", protocol=2)
+    fix = "configure every rank of the prefill engine alike"
+    assert [str(r) for r in check_remote_ranks([(e0, s), (odd, s)])] == [
+        f"remote[1].engine.engine_id: rank 1 reports engine_id='other', rank 0 engine_id='tp2' "
+        f"(local None, remote 'other'); fix: {fix}",
+        f"remote[1].engine.tp_size: rank 1 reports tp_size=4, rank 0 tp_size=2 (local None, "
+        f"remote 4); fix: {fix}",
+        f"remote[1].engine.total_num_kv_heads: rank 1 reports total_num_kv_heads=16, rank 0 "
+        f"total_num_kv_heads=8 (local None, remote 16); fix: {fix}",
+        f"remote[1].engine.model_dtype: rank 1 reports model_dtype='float16', rank 0 "
+        f"model_dtype='bfloat16' (local None, remote 'float16'); fix: {fix}",
+        f"remote[1].engine.protocol: rank 1 reports protocol=2, rank 0 protocol=1 (local None, "
+        f"remote 2); fix: {fix}",
+    ]
