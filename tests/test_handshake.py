@@ -394,3 +394,41 @@ def test_check_remote_ranks_compares_every_engine_field():
         f"remote[1].engine.protocol: rank 1 reports protocol=2, rank 0 protocol=1 (local None, "
         f"remote 2); fix: {fix}",
     ]
+
+
+def test_a_side_that_is_not_a_pair_carries_its_value_on_its_side():
+    assert handshake("x", rank(1, 0)).reasons == (Reason(
+        "type", "local", "x", None, "local must be a pair (EngineDesc, KVCacheSpec), got str",
+        "pass local=(EngineDesc(...), KVCacheSpec(...))"),)
+    assert handshake(rank(1, 0), 3).reasons == (Reason(
+        "type", "remote", None, 3, "remote must be a pair (EngineDesc, KVCacheSpec), got int",
+        "pass remote=(EngineDesc(...), KVCacheSpec(...))"),)
+
+
+def test_check_remote_ranks_names_the_ranks_it_needs():
+    from fkv.connector.handshake import check_remote_ranks
+
+    (r,) = check_remote_ranks([rank(4, r) for r in (0, 1, 3)])
+    assert str(r) == ("remote: an engine of tp_size 4 needs ranks 0..3 once each; got ranks "
+                      "[0, 1, 3] (local None, remote [0, 1, 3]); fix: wait until every prefill "
+                      "rank has published its metadata")
+
+
+def test_heads_that_cannot_split_are_the_only_reason_of_their_side():
+    """No per-rank head count is derived from an impossible split: one reason, not two."""
+    engine, spec = rank(3, 1)
+    assert reasons((engine, spec.evolve(num_kv_heads=8)), rank(1, 0)) == [
+        "local.engine.tp_size: 8 total KV heads cannot be split over tp_size 3 (neither divides "
+        "the other) (local 3, remote None); fix: use a tp_size that divides the KV head count, "
+        "or a multiple of it (replicated KV)"]
+
+
+def test_mla_needs_exactly_one_total_head():
+    two = rank(1, 0, backend="mla", head_size=576, engine={"total_num_kv_heads": 2})
+    message = ("an MLA cache holds one latent vector per token shared by all heads, so "
+               "total_num_kv_heads must be 1")
+    assert handshake(two, two).reasons == (
+        Reason("kv_heads", "local.engine.total_num_kv_heads", 2, None, message,
+               "pass total_num_kv_heads=1 for MLA models"),
+        Reason("kv_heads", "remote.engine.total_num_kv_heads", None, 2, message,
+               "pass total_num_kv_heads=1 for MLA models"))

@@ -582,3 +582,17 @@ def test_strides_match_ignores_only_size_one_dims():
     assert fkv.infer_spec(view, backend="triton") == hnd.evolve(layout="NHD")
     odd = view.as_strided(view.shape, (64, 32, 8, 7, 1))  # a size-1 dim's stride says nothing
     assert fkv.infer_spec(odd, backend="triton") == hnd.evolve(layout="NHD")
+
+
+def test_same_bytes_needs_the_same_sizes():
+    assert not _spec(num_blocks=5).same_bytes(_spec(num_blocks=4))
+    assert not _spec(num_kv_heads=1, layout="NHD").same_bytes(
+        _spec(num_kv_heads=1, layout="HND", block_size=8))
+
+
+def test_infer_spec_refuses_a_k_v_dim_not_of_size_2_even_with_one_block():
+    # One block: the B dim's stride says nothing, so only the size check stands between a 3-wide
+    # K/V dim and a spec of 2.
+    with pytest.raises(FkvError) as e:
+        fkv.infer_spec(torch.zeros(1, 3, 4, 2, 8, dtype=torch.bfloat16), backend="triton")
+    assert str(e.value) == "infer_spec: the K/V dim of a 'triton' cache must have size 2 (shape (1, 3, 4, 2, 8))"
