@@ -432,3 +432,16 @@ def test_mla_needs_exactly_one_total_head():
                "pass total_num_kv_heads=1 for MLA models"),
         Reason("kv_heads", "remote.engine.total_num_kv_heads", None, 2, message,
                "pass total_num_kv_heads=1 for MLA models"))
+
+
+def test_a_list_is_a_pair_too():
+    result = handshake(list(rank(2, 1)), [*rank(1, 0)])
+    assert result.ok and result.plan.remote_ranks == (0,)
+
+
+def test_protocol_reason_names_only_the_versions_it_knows():
+    (bad, proto) = handshake("x", rank(1, 0, engine={"protocol": 2})).reasons
+    assert bad.path == "local"
+    assert proto == Reason("protocol", "remote.engine.protocol", None, 2,
+                           "prefill speaks 2; this fkv speaks protocol 1",
+                           "run the same fkv version on both engines")
