@@ -432,7 +432,11 @@ class KVCacheSpec:
         return (offset * self.itemsize, length * self.itemsize) if contiguous else None
 
     def same_bytes(self, other: KVCacheSpec) -> bool:
-        """True when both specs put every element at the same byte (size-1 axes make NHD == HND)."""
+        """True when both specs have the same logical view (axes in the same order, sizes,
+        dtype) and put every element of it at the same byte (size-1 axes make NHD == HND). Two
+        backends whose logical views order the axes differently are not the same bytes even
+        where their buffers coincide (triton ``(B, two, ...)`` against flash_attn
+        ``(two, B, ...)``, cross-layer): the same index names different elements."""
         return (self.logical_axes == other.logical_axes and self.axis_sizes == other.axis_sizes
                 and self.dtype == other.dtype
                 and _squeezed_order(self) == _squeezed_order(other))

@@ -596,3 +596,15 @@ def test_infer_spec_refuses_a_k_v_dim_not_of_size_2_even_with_one_block():
     with pytest.raises(FkvError) as e:
         fkv.infer_spec(torch.zeros(1, 3, 4, 2, 8, dtype=torch.bfloat16), backend="triton")
     assert str(e.value) == "infer_spec: the K/V dim of a 'triton' cache must have size 2 (shape (1, 3, 4, 2, 8))"
+
+
+def test_same_bytes_needs_the_same_logical_view_not_only_the_same_buffer():
+    """Cross-layer triton and flash_attn NHD caches lay their buffers out alike (B L two N H C)
+    but index their logical views differently, so they are not the same bytes."""
+    triton = _spec(layout="NHD", num_blocks=2, num_layers=2, cross_layer=True)  # sizes alike too
+    flash = triton.evolve(backend="flash_attn")
+    assert triton.physical_axes == flash.physical_axes == ("B", "L", "two", "N", "H", "C")
+    assert (triton.logical_axes, flash.logical_axes) == (("B", "two", "N", "H", "C"),
+                                                         ("two", "B", "N", "H", "C"))
+    assert not triton.same_bytes(flash) and not flash.same_bytes(triton)
+    assert triton.same_bytes(triton.evolve()) and flash.same_bytes(flash.evolve())
