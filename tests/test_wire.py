@@ -207,3 +207,55 @@ def test_fuzz_only_wire_errors(inputs):
                  regions=_MSGPACK_VALUES, device_id=_MSGPACK_VALUES, agent_metadata=_MSGPACK_VALUES))
 def test_fuzz_well_versioned_garbage(message):
     _only_wire_errors(msgspec.msgpack.encode(message))
+
+
+# -- holes found by mutation (2026-12-04) ---------------------------------------------------------
+
+def test_regions_keep_the_order_the_peer_sent():
+    """Region i is layer i's buffer: regions at descending addresses come back in the order sent
+    (the overlap check sorts a copy, never the regions themselves)."""
+    regions = list(reversed(REGIONS))
+    assert decode_untrusted(_raw(regions=regions)).regions == tuple(regions)
+    assert decode_untrusted(encode(ENGINE, SPEC, regions)).regions == tuple(regions)
+
+
+def test_regions_may_touch_each_other_and_the_top_of_the_address_space():
+    rb = SPEC.region_bytes
+    adjacent = [(0, rb), (rb, rb), (2 * rb, rb)]
+    assert decode_untrusted(_raw(regions=adjacent)).regions == tuple(adjacent)
+    top = [(2**64 - (3 - i) * rb, rb) for i in range(3)]  # the last byte is 2**64 - 1
+    assert decode_untrusted(_raw(regions=top)).regions == tuple(top)
+    with pytest.raises(FkvWireError) as e:
+        decode_untrusted(_raw(regions=[top[0], top[1], (2**64 - rb + 1, rb)]))
+    assert str(e.value) == ("peer message refused: 'regions[2]' = (0xffffffffffffc001, 16384) "
+                            "leaves the 64-bit address space")
+    with pytest.raises(FkvWireError) as e:
+        decode_untrusted(_raw(regions=[(0, rb), (rb, rb), (2 * rb - 1, rb)]))
+    assert str(e.value) == "peer message refused: 'regions' overlap: [0x4000, +16384) and [0x7fff, ...)"
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"device_id": 65537}, "Expected `int` <= 65536 - at `$.device_id`"),
+    ({"agent_metadata": b"\0" * (16 << 20 | 1)},
+     "Expected `bytes` of length <= 16777216 - at `$.agent_metadata`"),
+    ({"ipc": {"host": "h", "device_uuid": "u", "handles": [], "offsets": [], "surprise": 1}},
+     "Object contains unknown field `surprise` - at `$.ipc`"),
+])
+def test_more_fields_bounded(changes, message):
+    with pytest.raises(FkvWireError) as e:
+        decode_untrusted(_raw(**changes))
+    assert str(e.value) == f"peer message is malformed: {message}"
+
+
+def test_a_deeply_nested_message_is_a_wire_error():
+    """msgspec raises RecursionError on a msgpack map nested 1000 deep: the one error type."""
+    with pytest.raises(FkvWireError) as e:
+        decode_untrusted(b"\x81\xa1a" * 1000 + b"\xc0")
+    assert str(e.value) == ("peer message refused: RecursionError: maximum recursion depth "
+                            "exceeded while deserializing an object")
+
+
+def test_a_message_of_exactly_the_size_limit_is_decoded():
+    with pytest.raises(FkvWireError) as e:
+        decode_untrusted(b"\x00" * MAX_MESSAGE_BYTES)
+    assert str(e.value) == "peer message has no valid version field: Expected `object`, got `int`"
