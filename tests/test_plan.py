@@ -826,3 +826,69 @@ def test_bench_plan_runs(tmp_path):
     cases = {c["case"]: c for c in result["cases"]}
     assert {"handshake A: P1->D2 HND", "handshake B: P4->D2 HND"} <= set(cases)
     assert all(c["metrics"]["rows_count"] > 0 for k, c in cases.items() if k.startswith("segments"))
+
+
+# -- holes found by mutation (2026-12-04) ---------------------------------------------------------
+
+@pytest.mark.parametrize(("local_ids", "remote_ids", "kw", "message"), [
+    ([3, 7, 3, 7], [0, 1, 2, 3], {}, "'local_block_ids' repeats block 3: two tokens would land "
+                                     "in one slot; pass each local block once"),
+    ([0], np.array([2**63], dtype=np.uint64), {}, "'remote_block_ids' holds ids beyond int64"),
+    (3, [0], {}, "'local_block_ids' must be 1-D (got shape ())"),
+    ([0], [0], {"num_tokens": 0}, "'num_tokens' must be an int in [1, 16] (the capacity of both "
+                                  "id lists) (got 0)"),
+    ([0], [0], {"num_tokens": True}, "'num_tokens' must be an int in [1, 16] (the capacity of "
+                                     "both id lists) (got True)"),
+])
+def test_segments_refusals_exactly(local_ids, remote_ids, kw, message):
+    plan = plan_of(rank(2, 0), rank(1, 0))
+    with pytest.raises(FkvError) as e:
+        plan.segments(local_ids, remote_ids, **kw)
+    assert str(e.value) == message
+
+
+def test_staging_bytes_of_no_blocks_is_zero_and_a_bool_is_no_count():
+    kw = dict(heads=4, layout="NHD", num_blocks=8, block_size=4, head_size=8, num_layers=3)
+    plan = plan_of(rank(2, 1, **kw), rank(1, 0, **kw), strategy="staging")
+    assert plan.staging_bytes(0) == 0 and plan.staging_bytes(np.int64(0), 2) == 0
+    for p in (plan, plan_of(rank(2, 1), rank(1, 0))):
+        with pytest.raises(FkvError) as e:
+            p.staging_bytes(True)
+        assert str(e.value) == "'num_remote_blocks' must be a non-negative int (got True)"
+
+
+def test_staging_steps_check_staging_layers():
+    kw = dict(heads=4, layout="NHD", num_blocks=8, block_size=4, head_size=8, num_layers=3)
+    plan = plan_of(rank(2, 1, **kw), rank(1, 0, **kw), strategy="staging")
+    for bad in (0, 4):
+        with pytest.raises(FkvError) as e:
+            plan.staging_steps([0], [1], staging_layers=bad)
+        assert str(e.value) == (f"'staging_layers' must be an int from 1 to the spec's "
+                                f"num_layers=3 (got {bad})")
+    cross = plan_of(rank(2, 1, **kw), rank(1, 0, **kw, cross_layer=True), strategy="staging")
+    with pytest.raises(FkvError, match=r"^'staging_layers' must be 3 \(all layers\) \(got 2\)"):
+        cross.staging_steps([0], [1], staging_layers=2)
+
+
+def test_chunk_tokens_per_strategy():
+    local, remote = rank(1, 0, layout="NHD"), rank(1, 0, layout="NHD", block_size=32)
+    assert plan_of(local, remote, strategy="staging").chunk_tokens == 32  # N_remote
+    assert plan_of(local, remote, strategy="direct").chunk_tokens == 16   # gcd(16, 32)
+
+
+def test_a_cost_tie_goes_to_direct():
+    # direct: 2 descriptors + 4096 B; staging: 1 descriptor + 4096 B read + 4096 B moved
+    t = dict(heads=1, layout="NHD", block_size=1, head_size=512, num_layers=2)
+    plan = plan_of(rank(1, 0, **t), rank(1, 0, **t, cross_layer=True))
+    assert plan.cost.score == plan.alternative.score == 3 * 4096
+    assert (plan.strategy, plan.alternative.strategy) == ("direct", "staging")
+
+
+def test_the_template_cache_starts_again_past_its_bound():
+    from fkv.connector import plan as plan_mod
+
+    plan = plan_of(rank(1, 0), rank(1, 0))
+    shapes = [(n, t) for n in range(1, 20) for t in range((n - 1) * 16 + 1, n * 16 + 1)]
+    for k, (n, tokens) in enumerate(shapes[:plan_mod._TEMPLATES + 1]):
+        plan.segments(range(n), range(n), num_tokens=tokens)
+        assert len(plan._templates) == (k + 1 if k < plan_mod._TEMPLATES else 1)
