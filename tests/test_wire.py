@@ -259,3 +259,19 @@ def test_a_message_of_exactly_the_size_limit_is_decoded():
     with pytest.raises(FkvWireError) as e:
         decode_untrusted(b"\x00" * MAX_MESSAGE_BYTES)
     assert str(e.value) == "peer message has no valid version field: Expected `object`, got `int`"
+
+
+@pytest.mark.parametrize("version", [0, WIRE_VERSION + 1, -1])
+def test_an_older_or_newer_wire_version_is_refused(version):
+    with pytest.raises(FkvWireError) as e:
+        decode_untrusted(_raw(version=version))
+    assert str(e.value) == (f"peer speaks wire version {version}; this fkv speaks {WIRE_VERSION}: "
+                            f"run the same fkv version on both engines")
+
+
+def test_encode_names_a_negative_base_address():
+    """encode refuses a negative address itself, naming the region (not through the decoder)."""
+    with pytest.raises(FkvError) as e:
+        encode(ENGINE, SPEC, [REGIONS[0], (-5, SPEC.region_bytes), REGIONS[2]])
+    assert str(e.value).startswith("'regions[1]' = (") and \
+        str(e.value).endswith(", 16384) leaves the 64-bit address space")
