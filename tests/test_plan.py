@@ -892,3 +892,20 @@ def test_the_template_cache_starts_again_past_its_bound():
     for k, (n, tokens) in enumerate(shapes[:plan_mod._TEMPLATES + 1]):
         plan.segments(range(n), range(n), num_tokens=tokens)
         assert len(plan._templates) == (k + 1 if k < plan_mod._TEMPLATES else 1)
+
+
+def test_block_lists_of_other_tokens_and_non_integer_ids_are_refused_exactly():
+    plan = plan_of(rank(1, 0, block_size=32), rank(1, 0))  # local blocks of 32, remote of 16
+    with pytest.raises(FkvError) as e:
+        plan.segments([0, 1], [0, 1])
+    assert str(e.value) == ("local_block_ids has 2 blocks of 32 tokens and remote_block_ids 2 "
+                            "blocks of 16; 32 tokens need 1 local and 2 remote blocks: pass the "
+                            "blocks of the same tokens on both sides")
+    for local_ids, remote_ids, name in [([True], [0], "local"), ([0], [False], "remote")]:
+        with pytest.raises(FkvError) as e:
+            plan.segments(local_ids, remote_ids)
+        assert str(e.value) == f"'{name}_block_ids' must hold integers (got dtype bool)"
+    with pytest.raises(FkvError) as e:
+        plan.segments([[0], [1, 2]], [0])
+    assert str(e.value).startswith("'local_block_ids' must be a 1-D sequence of block ids (got "
+                                   "list: ")
