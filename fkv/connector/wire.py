@@ -209,7 +209,8 @@ def _check_regions(spec: KVCacheSpec, regions: Any) -> tuple[tuple[int, int], ..
                            f"(got {region!r})")
         base, nbytes = pair
         if not 0 <= base <= _U64 or base + nbytes - 1 > _U64:
-            raise FkvError(f"'regions[{i}]' = (0x{base:x}, {nbytes}) leaves the 64-bit address space")
+            raise FkvError(f"'regions[{i}]' = ({base:#x}, {nbytes}) leaves the 64-bit address "
+                           f"space")
         if nbytes != spec.region_bytes:
             raise FkvError(f"'regions[{i}]' holds {nbytes} bytes; the spec's region is "
                            f"spec.region_bytes={spec.region_bytes}")
