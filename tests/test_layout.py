@@ -608,3 +608,78 @@ def test_same_bytes_needs_the_same_logical_view_not_only_the_same_buffer():
                                                          ("two", "B", "N", "H", "C"))
     assert not triton.same_bytes(flash) and not flash.same_bytes(triton)
     assert triton.same_bytes(triton.evolve()) and flash.same_bytes(flash.evolve())
+
+
+# -- more holes found by mutation (2026-12-04): infer_spec and allocate --------------------
+
+
+def test_infer_spec_returns_nhd_when_one_head_makes_the_layouts_identical():
+    """One KV head: NHD and HND give the same strides; the docstring promises NHD."""
+    hnd = _spec(num_blocks=2, block_size=4, num_kv_heads=1, head_size=8, layout="HND")
+    view = fkv.allocate(hnd)[0]
+    assert view.stride() == (64, 32, 8, 32, 1)  # NHD would give the size-1 head dim 8
+    assert fkv.infer_spec(view, backend="triton") == hnd.evolve(layout="NHD")
+
+
+def test_infer_spec_refuses_a_kv_dim_that_is_not_two():
+    with pytest.raises(FkvError) as e:
+        fkv.infer_spec(torch.empty(2, 3, 4, 2, 8, dtype=torch.bfloat16), backend="triton")
+    assert str(e.value) == ("infer_spec: the K/V dim of a 'triton' cache must have size 2 "
+                            "(shape (2, 3, 4, 2, 8))")
+
+
+def test_infer_spec_whole_buffer_is_cross_layer_only():
+    """A tensor with a layers dim is a cross-layer buffer: one layer unsqueezed is a cross-layer
+    spec of 1 layer, and a layer broadcast over 3 layers (stride 0: all alias) is refused rather
+    than read as 3 per-layer caches."""
+    spec = _spec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
+    view = fkv.allocate(spec)[0]
+    assert fkv.infer_spec(view.unsqueeze(0), backend="triton") == spec.evolve(cross_layer=True)
+    with pytest.raises(FkvError) as e:
+        fkv.infer_spec(view.expand(3, *view.shape), backend="triton")
+    assert str(e.value).startswith("infer_spec: strides (0, 128, 64, 16, 8, 1) of a 'triton' "
+                                   "cache of shape (3, 2, 2, 4, 2, 8) match no fkv layout (NHD or "
+                                   "HND, per-layer or cross-layer with num_layers=3)")
+
+
+def test_infer_spec_dtype_errors_name_torch_dtypes_without_prefix_and_prefix_spec_errors():
+    spec = _spec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
+    view = fkv.allocate(spec)[0]
+    with pytest.raises(FkvError) as e:
+        fkv.infer_spec(view, backend="triton", dtype=torch.float16)
+    assert str(e.value) == "'dtype' must be the tensor's dtype 'bfloat16' (got 'float16')"
+    with pytest.raises(FkvError) as e:
+        fkv.infer_spec(torch.empty(2, 2, 4, 2, 8, dtype=torch.float64), backend="triton")
+    assert str(e.value).startswith("infer_spec: 'dtype' must be in ('bfloat16', ")
+    assert str(e.value).endswith(" (got 'float64')")
+
+
+def test_allocate_refuses_what_is_not_a_spec_and_a_bool_device():
+    with pytest.raises(FkvError) as e:
+        fkv.allocate("HND")
+    assert str(e.value) == "'spec' must be a KVCacheSpec (got 'HND')"
+    spec = _spec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8)
+    with pytest.raises(FkvError) as e:  # True is an int, but not an accelerator's index
+        fkv.allocate(spec, device=True)
+    assert str(e.value) == ("'device' must be a torch.device or a device string such as 'cpu', "
+                            "'cuda' or 'cuda:0' (got True)")
+
+
+def test_allocate_places_non_cpu_caches_on_the_device_asked():
+    spec = _spec(num_blocks=2, block_size=4, num_kv_heads=2, head_size=8, layout="HND",
+                 num_layers=2)
+    views = fkv.allocate(spec, device="meta")
+    assert [v.device for v in views] == [torch.device("meta")] * 2
+    assert [v.stride() for v in views] == [spec.element_strides] * 2 == [(128, 64, 8, 32, 1)] * 2
+
+
+def test_allocate_checks_a_cuda_index_against_the_device_count(monkeypatch):
+    """Without a GPU here: a machine with one CUDA device takes cuda:0, refuses cuda:1."""
+    from fkv.tensors import _device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert _device(torch, "cuda:0") == torch.device("cuda:0")
+    with pytest.raises(FkvError) as e:
+        _device(torch, "cuda:1")
+    assert str(e.value) == "'device' must be a CUDA device of this machine (indices 0 to 0) (got 'cuda:1')"
