@@ -215,3 +215,78 @@ def test_record_read_is_record_without_its_checks() -> None:
                             (("transfer", 0.0001 * i), ("pack", 0.0)))
     assert trusted.stats() == checked.stats()
     assert trusted.stats()["paths"]["direct"]["waits"]["transfer"]["count"] == 70
+
+
+# -- holes found by mutation (2026-12-04) ----------------------------------------------------------
+
+def test_integer_fields_stay_ints_and_a_read_of_nothing_has_no_rate() -> None:
+    t = Telemetry("client")
+    t.record(path="direct", seconds=0.001, nbytes=0, descriptors=0)     # a full prefix hit
+    t.record(path="direct", seconds=0.002, nbytes=4096, descriptors=2)
+    d = t.stats()["paths"]["direct"]
+    assert [type(d["bytes"][k]) for k in ("sum", "min", "max")] == [int, int, int]
+    assert [type(d["descriptors"][k]) for k in ("sum", "min", "max")] == [int, int, int]
+    assert (d["bytes"]["min"], d["bytes"]["max"], d["descriptors"]["max"]) == (0, 4096, 2)
+    assert d["gbps"]["count"] == 1 and d["gbps"]["min"] == d["gbps"]["max"] == 4096 / 0.002 / 1e9
+
+
+def test_a_value_past_the_last_bound_counts_in_plus_inf_only() -> None:
+    t = Telemetry("client", engine_id="decode")
+    t.record(path="direct", seconds=20.0, nbytes=8 << 30, descriptors=1)
+    t.record(path="direct", seconds=1.0, nbytes=4096, descriptors=1)
+    assert t.stats()["paths"]["direct"]["seconds"]["histogram"]["counts"] == [0] * 12 + [1, 0, 0, 0, 1]
+    registry = t.prometheus()
+    labels = {"role": "client", "engine_id": "decode", "path": "direct"}
+    get = registry.get_sample_value
+    assert get("fkv_transfer_duration_seconds_bucket", {**labels, "le": "10.0"}) == 1
+    assert get("fkv_transfer_duration_seconds_bucket", {**labels, "le": "+Inf"}) == 2
+    assert get("fkv_transfer_size_bytes_bucket", {**labels, "le": "4.294967296e+09"}) == 1
+    assert get("fkv_transfer_size_bytes_bucket", {**labels, "le": "+Inf"}) == 2
+
+
+def test_bools_are_not_counts() -> None:
+    t = Telemetry("client")
+    for call, message in (
+            (lambda: t.record(path="direct", seconds=True, nbytes=1, descriptors=1),
+             "'seconds' must be a non-negative number (got True)"),
+            (lambda: t.record(path="direct", seconds=1, nbytes=True, descriptors=1),
+             "'nbytes' must be a non-negative integer (got True)"),
+            (lambda: t.lease_expired(False), "'n' must be a non-negative integer (got False)")):
+        with pytest.raises(FkvError) as e:
+            call()
+        assert str(e.value) == message
+    assert t.stats()["total"]["count"] == 0 and t.stats()["lease_expiries"] == 0
+
+
+def test_counters_add_n_and_sources_with_one_label_set_add_up() -> None:
+    """Two endpoints with the same role and engine_id on one registry: their counters are
+    summed into one series, not the last one's."""
+    a, b = Telemetry("server", engine_id="prefill"), Telemetry("server", engine_id="prefill")
+    a.lease_expired(3)
+    b.lease_expired(4)
+    a.notification(5)
+    b.notification()
+    a.failure("timeout")
+    b.failure("timeout")
+    b.refused("undecodable")
+    assert (a.stats()["lease_expiries"], a.stats()["notifications"]) == (3, 5)
+    registry = a.prometheus()
+    b.prometheus(registry)
+    who = {"role": "server", "engine_id": "prefill"}
+    get = registry.get_sample_value
+    assert get("fkv_lease_expiries_total", who) == 7
+    assert get("fkv_notifications_total", who) == 6
+    assert get("fkv_transfer_failures_total", {**who, "reason": "timeout"}) == 2
+    assert get("fkv_refused_messages_total", {**who, "reason": "undecodable"}) == 1
+
+
+def test_prometheus_never_registers_on_the_global_registry_unless_passed() -> None:
+    import prometheus_client
+
+    t = _client()
+    first, second = t.prometheus(), t.prometheus()
+    assert first is not prometheus_client.REGISTRY and second is not first
+    assert prometheus_client.REGISTRY.get_sample_value("fkv_transfer_failures_total", {
+        "role": "client", "engine_id": "decode", "reason": "timeout"}) is None
+    assert first.get_sample_value("fkv_transfer_failures_total", {
+        "role": "client", "engine_id": "decode", "reason": "timeout"}) == 2
