@@ -278,3 +278,100 @@ def test_bad_values_exit_2_from_a_shell_without_a_traceback(tmp_path: Path) -> N
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.splitlines()[-1] == (
         "fkv bench plan: error: argument --blocks: must be a positive integer (got 0)")
+
+
+# -- holes found by mutation (2026-12-04) ----------------------------------------------------------
+
+def test_non_negative_float_takes_zero_and_names_what_it_expects() -> None:
+    from fkv.cli import non_negative_float
+
+    assert non_negative_float("0") == 0.0 and non_negative_float("2.5") == 2.5
+    for text in ("-1", "inf", "x"):
+        with pytest.raises(argparse.ArgumentTypeError) as e:
+            non_negative_float(text)
+        assert str(e.value) == f"must be a finite number >= 0 (got {text!r})"
+
+
+def test_path_validators_say_what_the_path_is(tmp_path: Path) -> None:
+    from fkv.cli import existing_file, existing_folder, output_file, output_folder
+
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    assert existing_file(str(a_file)) == a_file and existing_folder(str(tmp_path)) == tmp_path
+    for parse, text, message in (
+            (existing_file, str(tmp_path), f"must be an existing file (got '{tmp_path}': a folder)"),
+            (output_file, f"{a_file}/x.json",
+             f"must be a file in an existing folder (got '{a_file}/x.json': '{a_file}' is a file)"),
+            (output_folder, "", "must be a folder (got '')")):
+        with pytest.raises(argparse.ArgumentTypeError) as e:
+            parse(text)
+        assert str(e.value) == message
+
+
+def test_output_paths_must_be_writable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked with os.access (root passes any mode bits, so it is faked here)."""
+    import os
+
+    from fkv.cli import output_file, output_folder
+
+    asked = []
+
+    def access(path, mode) -> bool:
+        asked.append((Path(path), mode))
+        return False
+
+    monkeypatch.setattr(os, "access", access)
+    with pytest.raises(argparse.ArgumentTypeError) as e:
+        output_file(str(tmp_path / "x.json"))
+    assert str(e.value) == (f"must be a file in a folder this user can write (got "
+                            f"'{tmp_path}/x.json': folder '{tmp_path}' is not writable)")
+    with pytest.raises(argparse.ArgumentTypeError) as e:
+        output_folder(str(tmp_path / "new" / "sub"))
+    assert str(e.value) == (f"must be a folder this user can write (got '{tmp_path}/new/sub': "
+                            f"'{tmp_path}' is not writable)")
+    assert asked == [(tmp_path, os.W_OK | os.X_OK)] * 2
+
+
+def test_main_exit_codes_for_help_no_command_and_a_message_exit(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import fkv.commands.show as show
+
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: fkv ")
+    assert main([]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("usage: fkv ")
+
+    def mismatch(args: argparse.Namespace) -> int:
+        raise SystemExit("MISMATCH: kernel differs from the reference")
+
+    monkeypatch.setattr(show, "run", mismatch)
+    assert main(["show"]) == 1
+    assert capsys.readouterr().err == "MISMATCH: kernel differs from the reference\n"
+    monkeypatch.setattr(show, "run", lambda args: (_ for _ in ()).throw(SystemExit(3)))
+    assert main(["show"]) == 3
+
+
+def test_build_parser_skips_only_a_missing_command_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command module that is absent is left out; one whose own import fails (a missing
+    dependency) is an error, never a silently missing command."""
+    import importlib
+
+    from fkv import cli
+
+    real = importlib.import_module
+
+    def without(missing: str):
+        def fake(name: str, *args):
+            if name == "fkv.commands.demo":
+                raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+            return real(name, *args)
+        return fake
+
+    monkeypatch.setattr(importlib, "import_module", without("fkv.commands.demo"))
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(sub.choices) == ["bench", "plan", "show"]
+    monkeypatch.setattr(importlib, "import_module", without("zmq"))
+    with pytest.raises(ModuleNotFoundError) as e:
+        cli.build_parser()
+    assert e.value.name == "zmq"
