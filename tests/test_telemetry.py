@@ -290,3 +290,22 @@ def test_prometheus_never_registers_on_the_global_registry_unless_passed() -> No
         "role": "client", "engine_id": "decode", "reason": "timeout"}) is None
     assert first.get_sample_value("fkv_transfer_failures_total", {
         "role": "client", "engine_id": "decode", "reason": "timeout"}) == 2
+
+
+def test_stats_list_paths_stages_and_reasons_in_sorted_order() -> None:
+    """Stats are dumped as JSON (bench results, the demo summary): key order is sorted, not the
+    order the events came in."""
+    t = Telemetry("client")
+    t.record(path="staging", seconds=0.001, nbytes=1, descriptors=1,
+             waits={"transfer": 0.0001, "pack": 0.0002})
+    t.record(path="direct", seconds=0.001, nbytes=1, descriptors=1)
+    t.failure("timeout")
+    t.failure("peer_lost")
+    t.refused("wrong_engine")
+    t.refused("undecodable")
+    s = t.stats()
+    assert list(s["paths"]) == ["direct", "staging"]
+    assert list(s["paths"]["staging"]["waits"]) == ["pack", "transfer"]
+    assert list(s["total"]["waits"]) == ["pack", "transfer"]
+    assert list(s["failures"]) == ["peer_lost", "timeout"]
+    assert list(s["refused_messages"]) == ["undecodable", "wrong_engine"]
