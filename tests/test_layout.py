@@ -683,3 +683,17 @@ def test_allocate_checks_a_cuda_index_against_the_device_count(monkeypatch):
     with pytest.raises(FkvError) as e:
         _device(torch, "cuda:1")
     assert str(e.value) == "'device' must be a CUDA device of this machine (indices 0 to 0) (got 'cuda:1')"
+
+
+def test_no_huge_pages_off_linux(monkeypatch):
+    """Off Linux the THP size is 0 (no MADV_HUGEPAGE advice), even where the sysfs file exists."""
+    from fkv import tensors
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    tensors._huge_page_bytes.cache_clear()
+    try:
+        assert tensors._huge_page_bytes() == 0 and not tensors.huge_pages_wanted()
+    finally:
+        monkeypatch.undo()
+        tensors._huge_page_bytes.cache_clear()
+    assert tensors._huge_page_bytes() == 2 << 20
