@@ -672,3 +672,130 @@ def test_an_announced_name_crosses_no_mount_point_and_no_link(tmp_path: pathlib.
         assert os.read(fd, 8) == b"x"
     finally:
         os.close(fd)
+
+
+# -- holes found by mutation (2026-12-04) ------------------------------------------------------------
+def _slot_and_tag(salt: bytes, request_id: str) -> tuple[int, int]:
+    """The board format, computed here independently of the library (it is shared between
+    processes, so it must not drift): a keyed blake2b-64 of the id, little-endian; the low 48
+    bits the tag (never 0), the high 16 the slot modulo SLOTS."""
+    import hashlib
+
+    d = int.from_bytes(hashlib.blake2b(request_id.encode(), key=salt, digest_size=8).digest(),
+                       "little")
+    return (d >> 48) % _board.SLOTS, d & ((1 << 48) - 1) or 1
+
+
+@pytest.fixture
+def handmade() -> str:
+    """A board file written by hand, as a peer could (all zeros, the board's size)."""
+    name = "fkv-board-" + os.urandom(16).hex()
+    path = os.path.join("/dev/shm", name)
+    with open(path, "wb") as f:
+        f.write(bytes(_board._BYTES))
+    os.chmod(path, 0o600)
+    yield name
+    os.unlink(path)
+
+
+def _poke(name: str, offset: int, data: bytes) -> None:
+    fd = os.open(os.path.join("/dev/shm", name), os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+def test_a_count_is_the_low_16_bits_under_the_whole_48_bit_tag(handmade: str) -> None:
+    salt = bytes(range(16))
+    rid = next(r for r in (f"r{i}" for i in range(100)) if _slot_and_tag(salt, r)[1] & 1)
+    slot, tag = _slot_and_tag(salt, rid)
+    _poke(handmade, 16 * slot, (tag << 16 | 0xFFFF).to_bytes(8, "little")
+          + ((tag ^ 1) << 16 | 7).to_bytes(8, "little"))  # the second: a tag one bit off
+    view = BoardView(handmade, salt)
+    try:
+        assert view.layers(rid, True) == 0xFFFF
+        assert view.layers(rid, False) is None
+    finally:
+        view.close()
+
+
+def test_the_empty_request_id_reads_its_own_slot_not_an_empty_word(handmade: str) -> None:
+    view = BoardView(handmade, bytes(16))
+    try:
+        assert view.layers("", True) is None  # slot 0 holds 0: a word of tag 0, no request's
+        slot, tag = _slot_and_tag(bytes(16), "")
+        _poke(handmade, 16 * slot, (tag << 16 | 9).to_bytes(8, "little"))
+        assert view.layers("", True) == 9
+    finally:
+        view.close()
+
+
+def test_a_board_file_larger_than_a_board_is_refused(handmade: str) -> None:
+    os.truncate(os.path.join("/dev/shm", handmade), _board._BYTES + 1)
+    with pytest.raises(FkvError) as e:
+        BoardView(handmade, bytes(16))
+    assert str(e.value) == (f"publish board {handmade}: expected a regular file of "
+                            f"{_board._BYTES} bytes (got mode 0o100600, {_board._BYTES + 1} bytes)")
+
+
+def test_a_sequence_cut_short_stops_the_futex_at_once(board: Board) -> None:
+    """The page of the sequence may still exist (the file cut inside the word): the view must
+    stop sleeping on it the moment the read comes short."""
+    view = BoardView(board.name, board.salt)
+    try:
+        assert view.can_wait
+        os.truncate(board.path, _board._SEQ + 2)
+        assert view.sequence() is None and not view.can_wait
+        assert not view.wait(0, 0.01)
+    finally:
+        view.close()
+
+
+def test_a_count_past_16_bits_is_not_written(board: Board) -> None:
+    view = BoardView(board.name, board.salt)
+    try:
+        board.set("r1", 1 << 16, 1)
+        assert view.layers("r1", True) is None and view.layers("r1", False) is None
+        assert view.sequence() == 0
+        board.set("r1", 0xFFFF, 0xFFFF)
+        assert (view.layers("r1", True), view.layers("r1", False)) == (0xFFFF, 0xFFFF)
+    finally:
+        view.close()
+
+
+def test_the_board_vouches_only_when_the_whole_digest_matches(board: Board) -> None:
+    view = BoardView(board.name, board.salt)
+    try:
+        board.vouch_for(4242, ((4096, 8192),))
+        assert view.vouches(4242, ((4096, 8192),))
+        digest = _board.vouch(4242, ((4096, 8192),))
+        flipped = digest[:31] + bytes([digest[31] ^ 1])  # the last byte one bit off
+        fd = os.open(board.path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, flipped, _board._VOUCH)
+        finally:
+            os.close(fd)
+        assert not view.vouches(4242, ((4096, 8192),))
+    finally:
+        view.close()
+
+
+def test_a_server_whose_board_was_cut_just_below_its_sequence_stops_writing_it() -> None:
+    """Cut at the sequence's page: the slots are all there, the sequence's page is gone, so the
+    next ``set`` would fault storing the sequence. Run in a child: a fault kills the process."""
+    code = textwrap.dedent(f"""
+        import os
+        from fkv.connector.transport._board import Board, BoardView
+        board = Board()
+        view = BoardView(board.name, board.salt)
+        os.truncate(board.path, {_board._SEQ})
+        board.set("r1", 3, 3)
+        print(view.layers("r1", True))
+        board.close()
+        view.close()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["None"]

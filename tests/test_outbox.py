@@ -416,3 +416,145 @@ def test_past_the_most_outboxes_a_hello_evicts_the_least_recently_active(
     finally:
         for b in boxes:
             b.close()
+
+
+# -- holes found by mutation (2026-12-04) ------------------------------------------------------------
+def _header(path: str) -> tuple[int, int, int, int]:
+    """The written count, read count, closed flag and ended flag of an outbox file."""
+    with open(path, "rb") as f:
+        raw = f.read(48)[16:]
+    return tuple(int.from_bytes(raw[i:i + 8], "little") for i in (0, 8, 16, 24))
+
+
+def test_a_read_count_ahead_of_the_written_one_makes_the_writer_write_nothing(box: Outbox) -> None:
+    """A prefill rank claiming it read records never written: the writer uses NIXL and leaves
+    the ring alone."""
+    _poke(box.path, 24, (5).to_bytes(8, "little"))
+    assert not box.put(b"m") and box.sent == 0
+    assert _header(box.path) == (0, 5, 0, 0)
+    with open(box.path, "rb") as f:
+        assert f.read(64 + RECORD_BYTES)[64:] == bytes(RECORD_BYTES)
+
+
+def test_a_record_written_short_advances_no_written_count(box: Outbox,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record goes first and the count only after the whole record: a short write of the
+    record (a file the reader truncated under us) publishes nothing."""
+    reader = OutboxReader(box.name, box.token)
+    try:
+        real = os.pwrite
+
+        def short_records(fd: int, data: bytes, offset: int) -> int:
+            return real(fd, data[:-1], offset) if offset >= 64 else real(fd, data, offset)
+
+        monkeypatch.setattr(os, "pwrite", short_records)
+        assert not box.put(b"cut") and box.sent == 0
+        monkeypatch.setattr(os, "pwrite", real)
+        assert _header(box.path) == (0, 0, 0, 0) and reader.take() == []
+        assert box.put(b"whole") and reader.take() == [b"whole"]
+    finally:
+        reader.close()
+
+
+def test_an_outbox_owned_by_another_user_is_refused(box: Outbox) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to give the file away")
+    os.chown(box.path, 54321, -1)
+    with pytest.raises(FkvError) as e:
+        OutboxReader(box.name, box.token)
+    assert str(e.value) == (f"outbox {box.name}: expected a regular file of {_BYTES} bytes owned "
+                            f"by uid {os.getuid()} with one link (got mode 0o100600, {_BYTES} "
+                            f"bytes, uid 54321, 1 links)")
+
+
+def test_an_outbox_announced_ended_or_with_huge_counts_is_refused_and_equal_counts_read_on(
+        box: Outbox) -> None:
+    _poke(box.path, 40, (1).to_bytes(8, "little"))
+    with pytest.raises(FkvError) as e:
+        OutboxReader(box.name, box.token)
+    assert str(e.value) == (f"outbox {box.name}: announced with 0 records written, 0 read, the "
+                            f"closed flag 0 and the ended flag 1 (expected an empty, open ring)")
+    _poke(box.path, 40, bytes(8))
+    huge = (1 << 62) + 1
+    _poke(box.path, 16, huge.to_bytes(8, "little") * 2)
+    with pytest.raises(FkvError) as e:
+        OutboxReader(box.name, box.token)
+    assert str(e.value) == (f"outbox {box.name}: announced with {huge} records written, {huge} "
+                            f"read, the closed flag 0 and the ended flag 0 (expected an empty, "
+                            f"open ring)")
+    # equal counts are an empty ring: the reader starts there, not at record 0
+    _poke(box.path, 16, (3).to_bytes(8, "little") * 2)
+    reader = OutboxReader(box.name, box.token)
+    try:
+        assert reader.take() == []
+        _poke(box.path, 64 + 3 * RECORD_BYTES, (4).to_bytes(2, "little") + b"four")
+        _poke(box.path, 16, (4).to_bytes(8, "little"))
+        assert reader.take() == [b"four"] and _header(box.path) == (4, 4, 0, 0)
+    finally:
+        reader.close()
+
+
+def test_the_ended_flag_ends_the_outbox_only_when_a_later_look_finds_nothing_new(
+        box: Outbox) -> None:
+    """The flag seen once is not the end: records written before it (or, from a hostile
+    writer, after it) are still taken; only a look that sees the flag again and no new record
+    ends the outbox."""
+    reader = OutboxReader(box.name, box.token)
+    try:
+        _poke(box.path, 40, (1).to_bytes(8, "little"))
+        assert reader.take() == [] and not reader.ended
+        assert box.put(b"late")
+        assert reader.take() == [b"late"] and not reader.ended
+        assert reader.take() == [] and reader.ended
+    finally:
+        reader.close()
+
+
+def test_a_record_too_long_leaves_the_outbox_closed_for_good(box: Outbox) -> None:
+    reader = OutboxReader(box.name, box.token)
+    assert box.put(b"fine") and box.put(b"also")
+    _poke(box.path, 64 + RECORD_BYTES, (MAX_MESSAGE + 1).to_bytes(2, "little"))
+    with pytest.raises(OutboxCorrupt) as e:
+        reader.take()
+    assert str(e.value) == (f"outbox {box.name}: record 1 is {MAX_MESSAGE + 1} bytes long (at "
+                            f"most {MAX_MESSAGE}); it is closed")
+    assert reader.take() == []  # closed: not read again, nothing delivered
+    assert _header(box.path) == (2, 0, 1, 0) and not box.put(b"after")
+
+
+def test_a_ring_cut_inside_a_record_delivers_only_the_whole_records_before_the_cut(
+        box: Outbox) -> None:
+    reader = OutboxReader(box.name, box.token)
+    try:
+        assert box.put(b"a") and box.put(b"b") and box.put(b"c")
+        os.truncate(box.path, 64 + 2 * RECORD_BYTES + 10)
+        assert reader.take() == [b"a", b"b"] and reader.taken == 2
+        assert _header(box.path)[:2] == (3, 2)  # record 2 is not counted as read
+        assert reader.take() == [] and not reader.ended
+    finally:
+        reader.close()
+
+
+def test_a_ring_cut_inside_its_last_slot_delivers_no_record_after_the_cut(box: Outbox) -> None:
+    """Record SLOTS - 1 (the last slot) cut short, record SLOTS (slot 0) whole: nothing is
+    delivered, not the later record out of order."""
+    reader = OutboxReader(box.name, box.token)
+    try:
+        for i in range(SLOTS - 1):
+            assert box.put(b"f")
+        assert reader.take() == [b"f"] * (SLOTS - 1)
+        assert box.put(b"last slot") and box.put(b"slot zero")
+        os.truncate(box.path, 64 + (SLOTS - 1) * RECORD_BYTES + 10)
+        assert reader.take() == [] and reader.taken == SLOTS - 1
+        assert _header(box.path)[:2] == (SLOTS + 1, SLOTS - 1)
+    finally:
+        reader.close()
+
+
+def test_a_header_cut_short_reads_as_nothing_and_never_as_ended(box: Outbox) -> None:
+    reader = OutboxReader(box.name, box.token)
+    try:
+        os.truncate(box.path, 20)
+        assert reader.take() == [] and reader.take() == [] and not reader.ended
+    finally:
+        reader.close()
