@@ -799,3 +799,65 @@ def test_a_server_whose_board_was_cut_just_below_its_sequence_stops_writing_it()
                           timeout=60)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.split() == ["None"]
+
+
+def test_a_directory_of_the_boards_size_is_not_a_board() -> None:
+    """On tmpfs a directory's size grows 20 bytes an entry: a peer can give one the board's
+    exact size, and a directory opens read-only."""
+    name = "fkv-board-" + os.urandom(16).hex()
+    path = os.path.join("/dev/shm", name)
+    os.mkdir(path, 0o700)
+    try:
+        entries = (_board._BYTES - os.stat(path).st_size) // 20
+        for i in range(entries):
+            os.close(os.open(os.path.join(path, str(i)), os.O_CREAT | os.O_WRONLY, 0o600))
+        if os.stat(path).st_size != _board._BYTES:
+            pytest.skip("directory sizes here do not grow 20 bytes an entry")
+        with pytest.raises(FkvError) as e:
+            BoardView(name, bytes(16))
+        assert str(e.value) == (f"publish board {name}: expected a regular file of "
+                                f"{_board._BYTES} bytes (got mode 0o40700, {_board._BYTES} bytes)")
+    finally:
+        for i in range(entries):
+            os.unlink(os.path.join(path, str(i)))
+        os.rmdir(path)
+
+
+def test_any_nonzero_stopped_word_reads_stopped(handmade: str) -> None:
+    view = BoardView(handmade, bytes(16))
+    try:
+        assert not view.stopped()
+        _poke(handmade, _board._STOPPED, (2).to_bytes(8, "little"))
+        assert view.stopped()
+    finally:
+        view.close()
+
+
+def test_a_request_id_with_a_lone_surrogate_has_a_slot(board: Board) -> None:
+    view = BoardView(board.name, board.salt)
+    try:
+        board.set("r\udc80", 2, 1)
+        assert (view.layers("r\udc80", True), view.layers("r\udc80", False)) == (2, 1)
+        board.clear("r\udc80")
+        assert view.layers("r\udc80", True) is None
+    finally:
+        view.close()
+
+
+def test_a_wait_on_a_board_cut_under_its_mapping_stops_the_futex(board: Board) -> None:
+    """No sequence read first: the futex itself meets the page that is gone (EFAULT), and the
+    view stops waiting rather than return at once forever."""
+    view = BoardView(board.name, board.salt)
+    try:
+        assert view.can_wait
+        os.truncate(board.path, 0)
+        assert not view.wait(0, 1.0) and not view.can_wait
+    finally:
+        view.close()
+
+
+def test_a_long_board_name_is_quoted_cut_to_64_characters() -> None:
+    with pytest.raises(FkvError) as e:
+        BoardView("fkv-board-" + "0" * 1000, bytes(16))
+    assert str(e.value) == (f"publish board name {('fkv-board-' + '0' * 1000)[:64]!r}: expected "
+                            f"'fkv-board-' and 32 hex digits")

@@ -558,3 +558,21 @@ def test_a_header_cut_short_reads_as_nothing_and_never_as_ended(box: Outbox) -> 
         assert reader.take() == [] and reader.take() == [] and not reader.ended
     finally:
         reader.close()
+
+
+def test_a_written_count_written_short_fails_the_put(box: Outbox,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A count the reader may not see: the caller must send the message some other way."""
+    real = os.pwrite
+
+    def short_count(fd: int, data: bytes, offset: int) -> int:
+        return real(fd, data[:-1], offset) if offset == 16 else real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", short_count)
+    assert not box.put(b"m") and box.sent == 0
+
+
+def test_a_long_announced_name_is_quoted_cut_to_64_characters() -> None:
+    with pytest.raises(FkvError) as e:
+        OutboxReader("x" * 1000, bytes(16))
+    assert str(e.value) == f"outbox name {'x' * 64!r}: expected 'fkv-outbox-' and 32 hex digits"
