@@ -456,15 +456,17 @@ def test_a_record_written_short_advances_no_written_count(box: Outbox,
         reader.close()
 
 
-def test_an_outbox_owned_by_another_user_is_refused(box: Outbox) -> None:
-    if os.getuid() != 0:
-        pytest.skip("needs root to give the file away")
-    os.chown(box.path, 54321, -1)
+def test_an_outbox_owned_by_another_user_is_refused(box: Outbox,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file belongs to this process's user; the reader is made to run as another one (no
+    root needed to give a file away)."""
+    owner = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: owner + 54321)
     with pytest.raises(FkvError) as e:
         OutboxReader(box.name, box.token)
     assert str(e.value) == (f"outbox {box.name}: expected a regular file of {_BYTES} bytes owned "
-                            f"by uid {os.getuid()} with one link (got mode 0o100600, {_BYTES} "
-                            f"bytes, uid 54321, 1 links)")
+                            f"by uid {owner + 54321} with one link (got mode 0o100600, {_BYTES} "
+                            f"bytes, uid {owner}, 1 links)")
 
 
 def test_an_outbox_announced_ended_or_with_huge_counts_is_refused_and_equal_counts_read_on(
