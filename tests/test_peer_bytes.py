@@ -150,3 +150,119 @@ def test_a_pid_past_a_c_int_is_refused_and_never_raises() -> None:
     assert msgspec.convert({**ipc, "pid": (1 << 31) - 1}, W._Ipc).pid == (1 << 31) - 1
     with pytest.raises(msgspec.ValidationError, match="Expected `int` <= 2147483647"):
         msgspec.convert({**ipc, "pid": 1 << 31}, W._Ipc)
+
+
+# -- holes found by mutation (2026-12-04) -----------------------------------------------------------
+
+def test_side_messages_are_bounded_before_they_are_decoded() -> None:
+    limit = _side.MAX_SIDE_MESSAGE_BYTES
+    with pytest.raises(SideChannelError) as e:
+        _side.decode_request(bytes(limit + 1))
+    assert str(e.value) == f"side-channel request is {limit + 1} bytes; the limit is {limit}"
+    with pytest.raises(SideChannelError) as e:   # at the limit: the decoder sees it
+        _side.decode_reply(bytes(limit))
+    assert str(e.value) == "side-channel reply refused: ValidationError: Expected `object`, got `int`"
+
+
+@pytest.mark.parametrize("data", ["ping", None, 7, [b"\x80"]])
+def test_side_messages_must_be_bytes(data) -> None:
+    for decode, what in ((_side.decode_request, "request"), (_side.decode_reply, "reply")):
+        with pytest.raises(SideChannelError) as e:
+            decode(data)
+        assert str(e.value) == f"side-channel {what} must be bytes (got {type(data).__name__})"
+    ping = _side.encode_message(_side.Ping())
+    assert _side.decode_request(bytearray(ping)) == _side.decode_request(memoryview(ping)) \
+        == _side.Ping()
+
+
+def test_a_side_message_refusal_quotes_at_most_400_characters() -> None:
+    detail = "Invalid value '" + "x" * 1000 + "' - at `$.type`"
+    with pytest.raises(SideChannelError) as e:
+        _side.decode_request(msgspec.msgpack.encode({"type": "x" * 1000}))
+    assert str(e.value) == f"side-channel request refused: ValidationError: {detail[:400]}"
+
+
+def _peer(frames: list[bytes], hold: threading.Event | None = None
+          ) -> tuple[socket.socket, threading.Thread]:
+    """A listener whose one connection gets ``frames`` (framed) and is then closed (once
+    ``hold`` is set, if given)."""
+    from fkv.connector.transport._sidelimits import encode_frame
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def send() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(b"".join(encode_frame(f) for f in frames))
+            if hold is not None:
+                hold.wait(10)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_a_dealer_keeps_at_most_64_replies_to_other_tokens() -> None:
+    others = [_side.encode_message(_side.Error(message="x", token=t)) for t in range(1, 101)]
+    mine = _side.Packed(token=500, slot=1, offset=0, nbytes=8)
+    hold = threading.Event()
+    listener, thread = _peer([*others, _side.encode_message(mine)], hold)
+    dealer = _side.Dealer(None, f"tcp://127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        assert dealer.wait(500, time.monotonic() + 5) == mine
+        assert [r.token for r in dealer._replies] == list(range(1, 65))
+        assert dealer.ready(64) == _side.Error(message="x", token=64)
+        assert dealer.ready(65) is None
+    finally:
+        hold.set()
+        thread.join(timeout=5)
+        dealer.close()
+        listener.close()
+
+
+def test_a_dealer_ready_takes_at_most_64_frames_per_call() -> None:
+    """200 frames that answer nothing, then the peer closes: each ``ready`` looks at 64 of them
+    and returns None; only the fourth call reaches the close."""
+    listener, thread = _peer([b"\xc1"] * 200)
+    dealer = _side.Dealer(None, f"tcp://127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        thread.join(timeout=5)
+        time.sleep(0.05)  # the bytes and the close reach this side
+        assert [dealer.ready(1) for _ in range(3)] == [None, None, None]
+        with pytest.raises(SideChannelError, match="closed the connection"):
+            dealer.ready(1)
+    finally:
+        dealer.close()
+        listener.close()
+
+
+def test_a_multipart_zmq_request_comes_back_without_a_payload() -> None:
+    """On the CURVE ROUTER, a message of several body frames is handed over as payload None
+    (the caller refuses it), never as its first frame."""
+    zmq = pytest.importorskip("zmq")
+    from fkv.connector.transport._side import SideServer
+    from fkv.connector.transport._sidelimits import CurveKeys, curve_keypair, harden_client
+
+    server_pub, server_sec = curve_keypair()
+    pub, sec = curve_keypair()
+    ctx = zmq.Context()
+    server = SideServer(ctx, "127.0.0.1", 0, curve=CurveKeys(server_pub, server_sec,
+                                                             allowed=frozenset({pub})))
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        harden_client(sock, curve=CurveKeys(pub, sec, server=server_pub))
+        sock.connect(server.address)
+        got = []
+        for frames in ([b"", b"a", b"b"], [b"", b"one"]):
+            sock.send_multipart(frames)
+            for _ in range(50):
+                got += server.poll(0.1)
+                if len(got) == (1 if frames[1] == b"a" else 2):
+                    break
+        assert [payload for _, payload in got] == [None, b"one"]
+        assert server.reply(got[1][0], b"ok") is True
+        assert sock.poll(5000) and sock.recv_multipart() == [b"", b"ok"]
+    finally:
+        sock.close(0)
+        server.close()
+        ctx.term()

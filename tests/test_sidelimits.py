@@ -343,3 +343,186 @@ def test_curve_keys_are_checked():
             S.harden_client(sock, curve=S.CurveKeys(*S.curve_keypair()))
         finally:
             sock.close(0)
+
+
+# -- holes found by mutation (2026-12-04) -----------------------------------------------------------
+
+def _poll_until(server: S.FrameServer, done, rounds: int = 100) -> list:
+    """Poll ``server`` until ``done(stats)`` holds (at most ``rounds`` polls); the requests."""
+    out = []
+    for _ in range(rounds):
+        out += server.poll(0.01)
+        if done(server.stats()):
+            break
+    return out
+
+
+def test_frame_decoder_takes_a_frame_of_exactly_max_frame():
+    decoder = S.FrameDecoder(max_frame=4)
+    assert decoder.feed(S.encode_frame(b"abcd")) == [b"abcd"]
+    assert decoder.buffered == 0 and decoder.announced is None
+
+
+@pytest.mark.parametrize("value", [True, 0, -1, 1.5, "8"])
+def test_frame_decoder_max_frame_must_be_a_positive_int(value):
+    with pytest.raises(S.FkvError) as e:
+        S.FrameDecoder(max_frame=value)
+    assert str(e.value) == f"'max_frame' must be a positive int (bytes) (got {value!r})"
+
+
+@pytest.mark.parametrize("name", ["max_frame", "max_connections", "max_buffered"])
+@pytest.mark.parametrize("value", [0, True, 2.0])
+def test_frame_server_int_limits_must_be_positive_ints(name, value):
+    with pytest.raises(S.FkvError) as e:
+        S.FrameServer(**{name: value})
+    assert str(e.value) == f"{name!r} must be a positive int (got {value!r})"
+
+
+@pytest.mark.parametrize("name", ["idle_timeout", "frame_timeout"])
+@pytest.mark.parametrize("value", [0, 0.0, -1.0, True, "1"])
+def test_frame_server_timeouts_must_be_positive_numbers(name, value):
+    with pytest.raises(S.FkvError) as e:
+        S.FrameServer(**{name: value})
+    assert str(e.value) == f"{name!r} must be a positive number of seconds (got {value!r})"
+
+
+def test_split_address_bounds_port_and_length():
+    assert S._split_address("tcp://127.0.0.1:65535") == ("127.0.0.1", 65535)
+    assert S._split_address("tcp://[::1]:0") == ("::1", 0)
+    with pytest.raises(S.FkvError) as e:
+        S._split_address("tcp://127.0.0.1:65536")
+    assert str(e.value) == "'address' must be a port in [0, 65535] (got 'tcp://127.0.0.1:65536')"
+    # names that match the pattern: 300 characters pass, 301 are refused (the value not shown)
+    host = ".".join(["a" * 63] * 4) + "." + "b" * 36
+    at_limit = f"tcp://{host}:1"
+    assert len(at_limit) == S.MAX_ADDRESS_CHARS == 300
+    assert S._split_address(at_limit) == (host, 1)
+    over = f"tcp://{host}b:1"
+    assert S._ADDRESS.match(over)
+    with pytest.raises(S.FkvError) as e:
+        S._split_address(over)
+    assert str(e.value).startswith("'address' must be a 'tcp://host:port' str (host: a name or "
+                                   "IPv4 address, or an IPv6 address in brackets) (got '<str>')")
+
+
+def test_frame_server_budget_admits_exactly_max_buffered():
+    """Two frames announcing 900 bytes each fit a budget of 1800 exactly; a third byte over
+    would not."""
+    with S.FrameServer(max_frame=1000, max_connections=4, max_buffered=1800) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        conns = [socket.create_connection((host, int(port)), timeout=2) for _ in range(3)]
+        try:
+            conns[0].sendall((900).to_bytes(4, "big") + b"a")
+            _poll_until(server, lambda s: s["reserved"] == 900)
+            conns[1].sendall((900).to_bytes(4, "big") + b"b")
+            _poll_until(server, lambda s: s["reserved"] == 1800)
+            conns[2].sendall((1).to_bytes(4, "big"))
+            _poll_until(server, lambda s: s["closed_budget"] == 1)
+            s = server.stats()
+            assert (s["reserved"], s["closed_budget"], s["connections"]) == (1800, 1, 2)
+        finally:
+            for c in conns:
+                c.close()
+
+
+def test_frame_server_a_finished_frame_gives_its_budget_back():
+    """The bytes a frame announced are reserved until it is complete, then released, so a
+    connection that keeps sending full requests never uses up ``max_buffered``."""
+    with S.FrameServer(max_frame=100, max_buffered=100) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=2) as c:
+            for i in range(3):
+                c.sendall((10).to_bytes(4, "big") + b"x" * 5)
+                _poll_until(server, lambda s: s["buffered"] == 5)
+                assert server.stats()["reserved"] == 10
+                c.sendall(b"y" * 5)
+                got = _poll_until(server, lambda s: s["requests"] == i + 1)
+                assert [p for _, p in got] == [b"xxxxxyyyyy"]
+                assert server.stats()["reserved"] == 0
+                assert server.reply(got[0][0], b"ok") is True
+                assert S.FrameDecoder().feed(c.recv(100)) == [b"ok"]
+            assert server.stats()["closed_budget"] == 0
+
+
+def test_frame_server_pipelined_requests_are_taken_one_at_a_time():
+    """Two requests in one TCP write: the second is not read (nor lost) until the first is
+    answered."""
+    with S.FrameServer(max_frame=100) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=2) as c:
+            c.sendall(S.encode_frame(b"one") + S.encode_frame(b"two"))
+            first = _poll_until(server, lambda s: s["requests"] == 1)
+            assert [p for _, p in first] == [b"one"]
+            for _ in range(5):
+                assert server.poll(0.01) == []
+            assert server.stats()["buffered"] == 0 and server.stats()["requests"] == 1
+            assert server.reply(first[0][0], b"1") is True
+            second = _poll_until(server, lambda s: s["requests"] == 2)
+            assert second == [(first[0][0], b"two")]
+
+
+def test_frame_server_reply_of_exactly_max_frame_is_sent():
+    with S.FrameServer(max_frame=8) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=2) as c:
+            c.sendall(S.encode_frame(b"a"))
+            ((conn, _),) = _poll_until(server, lambda s: s["requests"] == 1)
+            with pytest.raises(S.FkvError) as e:
+                server.reply(conn, b"x" * 9)
+            assert str(e.value) == "'payload' must be at most max_frame=8 bytes (got '<9 bytes>')"
+            assert server.reply(conn, b"y" * 8) is True
+            got, decoder = [], S.FrameDecoder(max_frame=8)
+            while not got:
+                got = decoder.feed(c.recv(100))
+            assert got == [b"y" * 8] and server.stats()["replies"] == 1
+
+
+class _Clock:
+    """A monotonic clock the test moves by hand (for the server's deadlines)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_frame_server_never_expires_a_request_it_is_answering(monkeypatch):
+    """A connection whose request is out (a parked status poll, say) is not idle: it is closed
+    neither by ``idle_timeout`` nor by ``frame_timeout`` before its reply; after the reply the
+    idle clock runs again."""
+    clock = _Clock()
+    monkeypatch.setattr(S, "time", clock)
+    with S.FrameServer(max_frame=100, idle_timeout=1, frame_timeout=1) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=2) as c:
+            c.sendall(S.encode_frame(b"wait"))
+            ((conn, _),) = _poll_until(server, lambda s: s["requests"] == 1)
+            clock.now += 10
+            server.poll(0.01)
+            s = server.stats()
+            assert (s["connections"], s["closed_idle"], s["closed_slow"]) == (1, 0, 0)
+            assert server.reply(conn, b"done") is True
+            clock.now += 10
+            server.poll(0.01)
+            s = server.stats()
+            assert (s["connections"], s["closed_idle"], s["closed_slow"]) == (0, 1, 0)
+
+
+def test_frame_server_frame_timeout_counts_from_the_first_byte(monkeypatch):
+    """A frame trickled in a byte at a time, each well within ``idle_timeout``, is closed as
+    slow once ``frame_timeout`` passed since its first byte (progress does not restart it)."""
+    clock = _Clock()
+    monkeypatch.setattr(S, "time", clock)
+    with S.FrameServer(max_frame=100, idle_timeout=100, frame_timeout=5) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=2) as c:
+            c.sendall((50).to_bytes(4, "big") + b"a")
+            _poll_until(server, lambda s: s["buffered"] == 1)
+            for sent in (2, 3):
+                clock.now += 3
+                c.sendall(b"a")
+                _poll_until(server, lambda s, n=sent: s["buffered"] == n or not s["connections"])
+            s = server.stats()
+            assert (s["connections"], s["closed_slow"], s["closed_idle"], s["reserved"]) == \
+                (0, 1, 0, 0)
