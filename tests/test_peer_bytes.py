@@ -161,7 +161,8 @@ def test_side_messages_are_bounded_before_they_are_decoded() -> None:
     assert str(e.value) == f"side-channel request is {limit + 1} bytes; the limit is {limit}"
     with pytest.raises(SideChannelError) as e:   # at the limit: the decoder sees it
         _side.decode_reply(bytes(limit))
-    assert str(e.value) == "side-channel reply refused: ValidationError: Expected `object`, got `int`"
+    assert str(e.value) == ("side-channel reply refused: ValidationError: Expected `object`, "
+                            "got `int`")
 
 
 @pytest.mark.parametrize("data", ["ping", None, 7, [b"\x80"]])
@@ -266,3 +267,201 @@ def test_a_multipart_zmq_request_comes_back_without_a_payload() -> None:
         sock.close(0)
         server.close()
         ctx.term()
+
+
+_OUTBOX = {"host": "h", "name": "fkv-outbox-" + "0" * 32, "token": b"\0" * 16}
+_REQUEST_BASES = {
+    "publish": {"rank": 0, "peer": b"", "mem_type": "DRAM"},
+    "pack": {"token": 1, "request_id": "r", "block_ids": [0], "heads": [0, 1], "num_tokens": 1,
+             "timeout": 1.0},
+    "status": {"token": 1, "request_id": "r"},
+    "hello": {"engine_id": "e", "rank": 0, "tp_size": 1, "agent": "a"},
+    "fetch": {},
+    "ping": {},
+}
+_REPLY_BASES = {
+    "packed": {"token": 1, "slot": 1, "offset": 0, "nbytes": 0},
+    "layers": {"token": 1, "layers_ready": 0, "held": True},
+    "error": {"message": ""},
+    "ranks": {"ranks": []},
+    "ok": {},
+}
+_MiB32 = 32 << 20
+
+#: (tag, field, the last value taken, the first value refused, msgspec's complaint)
+BOUNDS = [
+    ("publish", "rank", 1 << 16, (1 << 16) + 1, "Expected `int` <= 65536 - at `$.rank`"),
+    ("publish", "peer", bytes(_MiB32), bytes(_MiB32 + 1),
+     "Expected `bytes` of length <= 33554432 - at `$.peer`"),
+    ("publish", "secret", bytes(64), bytes(65), "Expected `bytes` of length <= 64 - at `$.secret`"),
+    ("publish", "address", "tcp://" + ".".join(["a" * 63] * 4) + "." + "b" * 36 + ":1",
+     "tcp://" + ".".join(["a" * 63] * 4) + "." + "b" * 37 + ":1",
+     "Expected `str` of length <= 300 - at `$.address`"),
+    ("pack", "block_ids", [0] * (1 << 21), [0] * ((1 << 21) + 1),
+     "Expected `array` of length <= 2097152 - at `$.block_ids`"),
+    ("pack", "block_ids", [(1 << 40) - 1], [],
+     "Expected `array` of length >= 1 - at `$.block_ids`"),
+    ("pack", "block_ids", [(1 << 40) - 1], [1 << 40],
+     "Expected `int` <= 1099511627775 - at `$.block_ids[0]`"),
+    ("pack", "num_tokens", 1, 0, "Expected `int` >= 1 - at `$.num_tokens`"),
+    ("pack", "timeout", 1e-9, 0.0, "Expected `float` > 0.0 - at `$.timeout`"),
+    ("pack", "request_id", "x", "", "Expected `str` of length >= 1 - at `$.request_id`"),
+    ("status", "request_id", "x" * 4096, "x" * 4097,
+     "Expected `str` of length <= 4096 - at `$.request_id`"),
+    ("status", "after", -1, -2, "Expected `int` >= -1 - at `$.after`"),
+    ("status", "wait", 0.0, -0.001, "Expected `float` >= 0.0 - at `$.wait`"),
+    ("status", "wait", 1.0, 1.001, "Expected `float` <= 1.0 - at `$.wait`"),
+    ("hello", "secret", bytes(64), bytes(65), "Expected `bytes` of length <= 64 - at `$.secret`"),
+    ("hello", "rank", (1 << 16) - 1, 1 << 16, "Expected `int` <= 65535 - at `$.rank`"),
+    ("hello", "outbox", _OUTBOX, {**_OUTBOX, "token": bytes(15)},
+     "Expected `bytes` of length >= 16 - at `$.outbox.token`"),
+    ("hello", "outbox", _OUTBOX, {**_OUTBOX, "token": bytes(17)},
+     "Expected `bytes` of length <= 16 - at `$.outbox.token`"),
+    ("packed", "expires_in", 1e9, 1e9 + 1, "Expected `float` <= 1000000000.0 - at `$.expires_in`"),
+    ("layers", "layers_ready", 1 << 16, (1 << 16) + 1,
+     "Expected `int` <= 65536 - at `$.layers_ready`"),
+    ("error", "message", "x" * (1 << 16), "x" * ((1 << 16) + 1),
+     "Expected `str` of length <= 65536 - at `$.message`"),
+    ("ranks", "ranks", [{"peer": b"", "mem_type": "DRAM"}] * (1 << 16),
+     [{"peer": b"", "mem_type": "DRAM"}] * ((1 << 16) + 1),
+     "Expected `array` of length <= 65536 - at `$.ranks`"),
+]
+
+
+def _message(tag: str, **fields) -> tuple[object, str, bytes]:
+    bases = _REQUEST_BASES if tag in _REQUEST_BASES else _REPLY_BASES
+    decode, what = ((_side.decode_request, "request") if bases is _REQUEST_BASES
+                    else (_side.decode_reply, "reply"))
+    return decode, what, msgspec.msgpack.encode({"type": tag, **bases[tag], **fields})
+
+
+@pytest.mark.parametrize(("tag", "field", "good", "bad", "complaint"), BOUNDS,
+                         ids=[f"{b[0]}.{b[1]}-{i}" for i, b in enumerate(BOUNDS)])
+def test_decoded_fields_are_bounded_exactly(tag, field, good, bad, complaint) -> None:
+    decode, what, data = _message(tag, **{field: good})
+    assert getattr(decode(data), field) is not None
+    decode, what, data = _message(tag, **{field: bad})
+    with pytest.raises(SideChannelError) as e:
+        decode(data)
+    assert str(e.value) == f"side-channel {what} refused: ValidationError: {complaint}"
+
+
+def test_the_outbox_name_is_matched_whole() -> None:
+    for name in ("fkv-outbox-" + "0" * 32 + "0", "x" + "fkv-outbox-" + "0" * 32,
+                 "fkv-outbox-" + "0" * 32 + "\n", "fkv-outbox-" + "A" * 32):
+        _, _, data = _message("hello", outbox={**_OUTBOX, "name": name})
+        with pytest.raises(SideChannelError, match=r"regex .* - at `\$\.outbox\.name`$"):
+            _side.decode_request(data)
+
+
+@pytest.mark.parametrize("tag", [*_REQUEST_BASES, *_REPLY_BASES])
+def test_every_message_round_trips_and_refuses_unknown_fields(tag) -> None:
+    decode, what, data = _message(tag)
+    msg = decode(data)
+    assert type(msg).__struct_config__.tag == tag
+    assert decode(_side.encode_message(msg)) == msg
+    _, _, data = _message(tag, extra=1)
+    with pytest.raises(SideChannelError) as e:
+        decode(data)
+    assert str(e.value) == (f"side-channel {what} refused: ValidationError: Object contains "
+                            f"unknown field `extra`")
+
+
+def test_a_whole_request_pack_leaves_its_layers_out() -> None:
+    pack = _side.Pack(token=1, request_id="r", block_ids=[3], heads=(0, 1), num_tokens=4,
+                      timeout=1.0)
+    assert msgspec.msgpack.decode(_side.encode_message(pack)) == {
+        "type": "pack", "token": 1, "request_id": "r", "block_ids": [3], "heads": [0, 1],
+        "num_tokens": 4, "timeout": 1.0}
+    layered = msgspec.structs.replace(pack, layers=(0, 2))
+    assert msgspec.msgpack.decode(_side.encode_message(layered))["layers"] == [0, 2]
+
+
+def _announcer(length: int) -> tuple[socket.socket, threading.Thread, threading.Event]:
+    """A listener whose one connection gets a frame header announcing ``length`` bytes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def send() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1 << 16)
+            conn.sendall(length.to_bytes(4, "big"))
+            done.wait(10)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return listener, thread, done
+
+
+@pytest.mark.parametrize("length", [_side.MAX_SIDE_MESSAGE_BYTES + 1, 64 << 20])
+def test_side_clients_refuse_a_reply_over_the_side_message_limit(length: int) -> None:
+    limit = _side.MAX_SIDE_MESSAGE_BYTES
+    refusal = (f"side-channel frame of {length} bytes announced; the limit is {limit} "
+               f"(max_frame): the connection is dropped")
+    listener, thread, done = _announcer(length)
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(SideChannelError) as e:
+            _side.request(None, address, _side.Ping(), timeout=5)
+        assert str(e.value) == (f"prefill side channel at {address}: {refusal} (is the prefill "
+                                f"engine serving there?)")
+    finally:
+        done.set()
+        thread.join(timeout=5)
+    listener2, thread, done = _announcer(length)
+    address = f"tcp://127.0.0.1:{listener2.getsockname()[1]}"
+    dealer = _side.Dealer(None, address)
+    try:
+        dealer.send(_side.Ping())
+        with pytest.raises(SideChannelError) as e:
+            dealer.wait(1, time.monotonic() + 5)
+        assert str(e.value) == f"the prefill side channel at {address}: {refusal}"
+    finally:
+        done.set()
+        thread.join(timeout=5)
+        dealer.close()
+        listener.close()
+        listener2.close()
+
+
+def test_side_request_wraps_an_unreachable_address() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+    with pytest.raises(SideChannelError) as e:
+        _side.request(None, address, _side.Ping(), timeout=1)
+    assert str(e.value).startswith(f"prefill side channel at {address}: could not reach the "
+                                   f"side channel at {address}: ")
+    assert str(e.value).endswith(" (is the prefill engine serving there?)")
+
+
+def test_a_side_server_takes_frames_up_to_the_side_message_limit_and_two_in_all() -> None:
+    """The plain side server's limits are the side channel's: a frame announcing one byte more
+    than a side message is dropped, and two unfinished frames of the most a message may be
+    fill its budget, so a third is dropped."""
+    limit = _side.MAX_SIDE_MESSAGE_BYTES
+    server = _side.SideServer(None, "127.0.0.1", 0)
+    host, port = server.address[6:].rsplit(":", 1)
+    conns = [socket.create_connection((host, int(port)), timeout=2) for _ in range(4)]
+    try:
+        def settle(done) -> None:
+            for _ in range(100):
+                server.poll(0.01)
+                if done(server.stats()):
+                    return
+
+        conns[0].sendall((limit + 1).to_bytes(4, "big"))
+        settle(lambda s: s["closed_oversize"] == 1)
+        for i, c in enumerate(conns[1:3]):
+            c.sendall(limit.to_bytes(4, "big"))
+            settle(lambda s, n=(i + 1) * limit: s["reserved"] == n)
+        conns[3].sendall((1).to_bytes(4, "big"))
+        settle(lambda s: s["closed_budget"] == 1)
+        s = server.stats()
+        assert (s["closed_oversize"], s["closed_budget"], s["reserved"], s["connections"]) == \
+            (1, 1, 2 * limit, 2)
+    finally:
+        for c in conns:
+            c.close()
+        server.close()

@@ -526,3 +526,92 @@ def test_frame_server_frame_timeout_counts_from_the_first_byte(monkeypatch):
             s = server.stats()
             assert (s["connections"], s["closed_slow"], s["closed_idle"], s["reserved"]) == \
                 (0, 1, 0, 0)
+
+
+def test_frame_server_reply_to_a_gone_connection_is_false():
+    with S.FrameServer(max_frame=100) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=2) as c:
+            c.sendall(S.encode_frame(b"q"))
+            ((conn, _),) = _poll_until(server, lambda s: s["requests"] == 1)
+        server.close_connection(conn)
+        assert server.reply(conn, b"late") is False
+        assert server.reply(12345, b"never") is False
+        assert server.stats()["replies"] == 0
+
+
+def test_frame_server_a_header_alone_starts_the_frame_clock(monkeypatch):
+    """A peer that sends a frame header and then its payload a byte at a time: the frame is
+    slow ``frame_timeout`` after the header, whatever came after it."""
+    clock = _Clock()
+    monkeypatch.setattr(S, "time", clock)
+    with S.FrameServer(max_frame=100, idle_timeout=100, frame_timeout=5) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=2) as c:
+            c.sendall((50).to_bytes(4, "big"))
+            _poll_until(server, lambda s: s["reserved"] == 50)
+            clock.now += 3
+            c.sendall(b"a")
+            _poll_until(server, lambda s: s["buffered"] == 1)
+            assert server.stats()["connections"] == 1
+            clock.now += 3
+            server.poll(0.01)
+            s = server.stats()
+            assert (s["connections"], s["closed_slow"], s["closed_idle"], s["reserved"]) == \
+                (0, 1, 0, 0)
+
+
+def test_frame_server_a_header_with_no_payload_yet_is_slow_not_idle(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(S, "time", clock)
+    with S.FrameServer(max_frame=100, idle_timeout=100, frame_timeout=5) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=2) as c:
+            c.sendall((50).to_bytes(4, "big"))
+            _poll_until(server, lambda s: s["reserved"] == 50)
+            clock.now += 6
+            server.poll(0.01)
+            s = server.stats()
+            assert (s["connections"], s["closed_slow"], s["closed_idle"], s["reserved"]) == \
+                (0, 1, 0, 0)
+
+
+def test_curve_key_errors_never_show_the_secret():
+    public, secret = S.curve_keypair()
+    with pytest.raises(S.FkvError) as e:
+        S.CurveKeys(public, secret[:38] + b"!")
+    assert "!" not in str(e.value)
+    with pytest.raises(S.FkvError) as e:
+        S.CurveKeys(public, secret + b"x")
+    assert str(e.value) == ("'curve.secret' must be a Z85 key of 40 bytes (got '<hidden>'); "
+                            "make keys with curve_keypair()")
+    for bad in (None, public[:39], public.decode()):
+        with pytest.raises(S.FkvError) as e:
+            S.CurveKeys(bad, secret)
+        assert str(e.value).startswith(f"'curve.public' must be a Z85 key of 40 bytes (got "
+                                       f"{bad!r})")
+    with pytest.raises(S.FkvError, match=r"'curve.server' must be a Z85 key of 40 bytes"):
+        S.CurveKeys(public, secret, server=public + b"x")
+    assert S.CurveKeys(public, secret).server is None
+
+
+def test_frame_client_names_a_peer_that_closes_or_stays_silent():
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with S.FrameClient(address, timeout=2) as client:
+            conn, _ = listener.accept()
+            conn.shutdown(socket.SHUT_WR)   # an end of stream; our request is still taken
+            with pytest.raises(S.SideLimitError) as e:
+                client.request(b"hi", timeout=2)
+            assert str(e.value) == (f"the side channel at {address} closed the connection "
+                                    f"without answering")
+            conn.close()
+        with S.FrameClient(address, timeout=2) as client:
+            conn, _ = listener.accept()
+            with pytest.raises(S.SideLimitError) as e:
+                client.request(b"hi", timeout=0.2)
+            assert str(e.value) == f"no answer from the side channel at {address} within 0.2 s"
+            conn.close()
+    finally:
+        listener.close()
