@@ -615,3 +615,23 @@ def test_frame_client_names_a_peer_that_closes_or_stays_silent():
             conn.close()
     finally:
         listener.close()
+
+
+def test_frame_server_a_sent_reply_restarts_the_idle_clock(monkeypatch):
+    """Idle time counts from the last progress, a reply's bytes leaving included (not from the
+    request's arrival)."""
+    clock = _Clock()
+    monkeypatch.setattr(S, "time", clock)
+    with S.FrameServer(max_frame=100, idle_timeout=1, frame_timeout=1) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=2) as c:
+            c.sendall(S.encode_frame(b"slow question"))
+            ((conn, _),) = _poll_until(server, lambda s: s["requests"] == 1)
+            clock.now += 0.8
+            assert server.reply(conn, b"answer") is True
+            clock.now += 0.5
+            server.poll(0.01)
+            assert (server.stats()["connections"], server.stats()["closed_idle"]) == (1, 0)
+            clock.now += 0.6
+            server.poll(0.01)
+            assert (server.stats()["connections"], server.stats()["closed_idle"]) == (0, 1)
