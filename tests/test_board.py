@@ -865,3 +865,64 @@ def test_a_long_board_name_is_quoted_cut_to_64_characters() -> None:
         BoardView("fkv-board-" + "0" * 1000, bytes(16))
     assert str(e.value) == (f"publish board name {('fkv-board-' + '0' * 1000)[:64]!r}: expected "
                             f"'fkv-board-' and 32 hex digits")
+
+
+# -- what a process that never closes its board leaves behind ---------------------------------------
+def _child(code: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    return done.stdout.split()
+
+
+def test_a_board_never_closed_is_removed_when_its_process_exits() -> None:
+    (path,) = _child("""
+        from fkv.connector.transport._board import Board
+        board = Board()
+        print(board.path)
+    """)
+    assert path.startswith("/dev/shm/fkv-board-") and not os.path.exists(path)
+
+
+def test_a_server_never_closed_leaves_no_board_when_its_process_exits() -> None:
+    """The user's case: a script or notebook kernel that ends without closing its server."""
+    (path,) = _child("""
+        import fkv
+        from fkv.connector import EngineDesc, serve
+        spec = fkv.KVCacheSpec(num_blocks=4, block_size=16, num_kv_heads=2, head_size=8)
+        server = serve(EngineDesc(engine_id="p", tp_size=1, tp_rank=0, total_num_kv_heads=2),
+                       spec, fkv.allocate(spec))
+        print(server._board.path)
+    """)
+    assert path.startswith("/dev/shm/fkv-board-") and not os.path.exists(path)
+
+
+def test_a_forked_child_exiting_leaves_its_parents_board() -> None:
+    """The child exits through the interpreter's own shutdown (its exit handlers run), then the
+    parent finds its board still there, and removes it at its own exit."""
+    path, there, gone_in_child = _child("""
+        import os, sys
+        from fkv.connector.transport._board import Board
+        board = Board()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(board.path, os.path.exists(board.path), status)
+    """)
+    assert (there, gone_in_child) == ("True", "0") and not os.path.exists(path)
+
+
+def test_closing_a_board_removes_it_once() -> None:
+    board = Board()
+    path = board.path
+    board.close()
+    assert not os.path.exists(path)
+    with open(path, "wb"):  # the name taken again by someone else: a second close leaves it
+        pass
+    try:
+        board.close()
+        board._remove()
+        assert os.path.exists(path)
+    finally:
+        os.unlink(path)

@@ -5,6 +5,8 @@ checks on what a peer announces and writes, and a real connection that uses it (
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -578,3 +580,15 @@ def test_a_long_announced_name_is_quoted_cut_to_64_characters() -> None:
     with pytest.raises(FkvError) as e:
         OutboxReader("x" * 1000, bytes(16))
     assert str(e.value) == f"outbox name {'x' * 64!r}: expected 'fkv-outbox-' and 32 hex digits"
+
+
+def test_an_outbox_never_closed_is_removed_when_its_process_exits() -> None:
+    """Its name normally goes once the prefill rank answered; a decode process that exits
+    before that, without closing, leaves nothing in /dev/shm either."""
+    done = subprocess.run([sys.executable, "-c",
+                           "from fkv.connector.transport._outbox import Outbox\n"
+                           "box = Outbox()\nprint(box.path)"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path = done.stdout.strip()
+    assert path.startswith("/dev/shm/fkv-outbox-") and not os.path.exists(path)

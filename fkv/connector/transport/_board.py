@@ -63,11 +63,13 @@ import platform
 import re
 import stat
 import sys
+import weakref
 from typing import Any
 
 from fkv.errors import FkvError
 
-__all__ = ["Board", "BoardView", "SLOTS", "open_announced", "open_beneath", "vouch"]
+__all__ = ["Board", "BoardView", "SLOTS", "open_announced", "open_beneath", "remove_at_exit",
+           "vouch"]
 
 #: Slots per board (two 8-byte words each: 64 KiB), then the 32-bit sequence and padding.
 SLOTS = 4096
@@ -150,6 +152,22 @@ def _slot(salt: bytes, request_id: str) -> tuple[int, int]:
     return (digest >> 48) % SLOTS, tag
 
 
+def _remove(path: str, owner: int) -> None:
+    if os.getpid() == owner:  # not from a forked child: the name is its parent's
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def remove_at_exit(holder: object, path: str) -> weakref.finalize:
+    """Remove the file ``path`` that ``holder`` created in ``/dev/shm`` when ``holder`` is
+    collected or the interpreter exits, whichever comes first, in the process that created it
+    only (a forked child exiting leaves its parent's file alone). A process that exits without
+    closing what made the file (a server never closed, a notebook kernel shut down) would
+    otherwise leave it behind; a killed one still does (nothing runs). Calling the returned
+    finalizer removes the file at once (idempotent)."""
+    return weakref.finalize(holder, _remove, path, os.getpid())
+
+
 class Board:
     """The prefill rank's board (created in ``/dev/shm``, readable by this user only, removed
     at :meth:`close`). Call under the server's lock."""
@@ -170,6 +188,7 @@ class Board:
             os.unlink(self.path)
             raise
         self._fd: int | None = fd  # kept for the stopped flag (a pwrite cannot fault)
+        self._remove = remove_at_exit(self, self.path)
         # Item assignment of a memoryview cast to "Q" is one 8-byte store into the mapping (an
         # aligned word: whole for any reader); cheaper than numpy's scalar path, which matters
         # because publish runs in the prefill's forward pass, often right after a sleep.
@@ -268,8 +287,7 @@ class Board:
         # a view still alive somewhere: the unmap waits for the process
         with contextlib.suppress(BufferError):
             self._map.close()
-        with contextlib.suppress(FileNotFoundError):  # removed already (earlier close, by hand)
-            os.unlink(self.path)
+        self._remove()  # removed already (earlier close, by hand): nothing to do
 
 
 # openat2(2) (Linux 5.6; the same number on x86-64 and aarch64) and its resolve flags

@@ -41,7 +41,7 @@ import stat
 import time
 from typing import Any
 
-from fkv.connector.transport._board import open_announced
+from fkv.connector.transport._board import open_announced, remove_at_exit
 from fkv.errors import FkvError
 
 __all__ = ["RECORD_BYTES", "SLOTS", "Outbox", "OutboxCorrupt", "OutboxReader", "outbox_wanted"]
@@ -88,6 +88,7 @@ class Outbox:
             os.unlink(self.path)
             raise
         self._fd: int | None = fd
+        self._remove = remove_at_exit(self, self.path)  # a process that never closes it
         self._written = 0
         self.sent = 0  # messages that went through the outbox (tests, the bench)
 
@@ -121,8 +122,7 @@ class Outbox:
         """Remove the file's name (the prefill rank opened it, or never will): both sides keep
         their descriptors, nothing is left behind if either process dies, and nobody else can
         open it any more."""
-        with contextlib.suppress(FileNotFoundError):  # removed already (by hand, or a peer)
-            os.unlink(self.path)
+        self._remove()  # removed already (by hand, or a peer): nothing to do
 
     def close(self) -> None:
         """Say the outbox ended (its reader drops it), close it, remove its name if still there."""
