@@ -6,10 +6,12 @@ from it. CPU, real NIXL."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pathlib
 import stat
+import struct
 import subprocess
 import sys
 import textwrap
@@ -926,3 +928,83 @@ def test_closing_a_board_removes_it_once() -> None:
         assert os.path.exists(path)
     finally:
         os.unlink(path)
+
+
+# -- boards that outlived a killed process --------------------------------------------------------
+def _handmade_board(owner: bytes, size: int = _board._BYTES) -> str:
+    name = "fkv-board-" + os.urandom(16).hex()
+    fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        if size >= _board._OWNER + 16:
+            os.pwrite(fd, owner, _board._OWNER)
+    finally:
+        os.close(fd)
+    return name
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("case", ["parent, its start", "parent, another start", "gone",
+                                  "gone, another namespace", "no owner record",
+                                  "gone, not a board's size", "gone, another user's"])
+def test_only_boards_of_processes_that_are_gone_are_removed(case: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    ns = _board._pid_namespace()
+    parent = os.getppid()
+    start = _board._start_time(parent)
+    assert ns and start is not None
+    record = {"parent, its start": (parent, ns, start),
+              "parent, another start": (parent, ns, start + 1),  # the pid is another process's
+              "gone": (_dead_pid(), ns, 5),
+              "gone, another namespace": (_dead_pid(), ns ^ 1, 5),
+              "no owner record": (0, 0, 0),
+              "gone, not a board's size": (_dead_pid(), ns, 5),
+              "gone, another user's": (_dead_pid(), ns, 5)}[case]
+    size = _board._BYTES - 8 if "size" in case else _board._BYTES
+    name = _handmade_board(struct.pack("<IIQ", *record), size)
+    if "user" in case:
+        uid = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    try:
+        removed = _board.remove_stale_boards()
+        gone = case in ("parent, another start", "gone")
+        assert (name in removed, os.path.exists(os.path.join("/dev/shm", name))) == (gone,
+                                                                                    not gone)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join("/dev/shm", name))
+
+
+def test_a_board_of_a_killed_server_is_removed_by_the_next_board_and_a_live_one_is_kept() -> None:
+    code = textwrap.dedent("""
+        import sys
+        from fkv.connector.transport._board import Board
+        board = Board()
+        print(board.name, flush=True)
+        sys.stdin.read()
+    """)
+    victim, alive = (subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True) for _ in range(2))
+    try:
+        names = [p.stdout.readline().strip() for p in (victim, alive)]
+        victim.kill()
+        victim.wait()
+        assert all(os.path.exists(os.path.join("/dev/shm", n)) for n in names)
+        board = Board()  # sweeps first
+        try:
+            assert not os.path.exists(os.path.join("/dev/shm", names[0]))
+            assert os.path.exists(os.path.join("/dev/shm", names[1]))
+        finally:
+            board.close()
+    finally:
+        alive.stdin.close()
+        alive.wait(30)
+        victim.stdin.close()
+        for p in (victim, alive):
+            p.stdout.close()
+    assert not os.path.exists(os.path.join("/dev/shm", names[1]))  # removed at its exit

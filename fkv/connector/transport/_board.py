@@ -62,20 +62,26 @@ import os
 import platform
 import re
 import stat
+import struct
 import sys
 import weakref
 from typing import Any
 
+from fkv.connector.transport._base import process_alive
 from fkv.errors import FkvError
 
 __all__ = ["Board", "BoardView", "SLOTS", "open_announced", "open_beneath", "remove_at_exit",
-           "vouch"]
+           "remove_stale_boards", "vouch"]
 
 #: Slots per board (two 8-byte words each: 64 KiB), then the 32-bit sequence and padding.
 SLOTS = 4096
 _SEQ = SLOTS * 16
 _STOPPED = _SEQ + 8
 _VOUCH = _SEQ + 16  # 32 bytes: vouch(pid, regions) of the server that made the board
+#: 16 bytes: the process that made the board, for :func:`remove_stale_boards` only (its pid as a
+#: u32, its PID namespace's inode as a u32, its start time in clock ticks as a u64; zeros where
+#: ``/proc`` cannot say). Readers never read it.
+_OWNER = _SEQ + 48
 _BYTES = _SEQ + 64
 _DIR = "/dev/shm"
 _NAME = re.compile(r"fkv-board-[0-9a-f]{32}")
@@ -168,11 +174,85 @@ def remove_at_exit(holder: object, path: str) -> weakref.finalize:
     return weakref.finalize(holder, _remove, path, os.getpid())
 
 
+def _start_time(pid: int) -> int | None:
+    """Process ``pid``'s start time (clock ticks after boot, ``/proc/<pid>/stat`` field 22), or
+    None when there is no such process or ``/proc`` cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``), 0 when unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino & 0xFFFFFFFF
+    except OSError:
+        return 0
+
+
+def _owner_record() -> bytes:
+    pid, start, ns = os.getpid(), _start_time(os.getpid()), _pid_namespace()
+    if start is None or not ns or pid > 0xFFFFFFFF:
+        return bytes(16)
+    return struct.pack("<IIQ", pid, ns, start)
+
+
+def remove_stale_boards() -> tuple[str, ...]:
+    """Remove the boards in ``/dev/shm`` that a process of this user made and that outlived it
+    (killed before it could close them: SIGKILL, SIGTERM without a handler, a crash); return
+    their names. A board is removed only when it is a regular file of a board's size owned by
+    this user, its owner record names a process of this PID namespace, and that process is gone
+    (no such pid, or a pid now held by a process that started at another time). Anything
+    unsure is left: a board without an owner record, one made in another PID namespace (a
+    container sharing ``/dev/shm``), a process ``/proc`` cannot tell about."""
+    ns = _pid_namespace()
+    try:
+        names = os.listdir(_DIR) if ns else []
+    except OSError:
+        return ()
+    removed = []
+    for name in names:
+        if not _NAME.fullmatch(name):
+            continue
+        path = os.path.join(_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() \
+                    or st.st_size != _BYTES:
+                continue
+            raw = os.pread(fd, 16, _OWNER)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        if len(raw) != 16:
+            continue
+        pid, owner_ns, start = struct.unpack("<IIQ", raw)
+        if pid == 0 or owner_ns != ns or pid == os.getpid():
+            continue
+        now = _start_time(pid)
+        if now == start or (now is None and process_alive(pid)):
+            continue  # alive, or alive and unreadable: not ours to judge
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            removed.append(name)
+    return tuple(removed)
+
+
 class Board:
     """The prefill rank's board (created in ``/dev/shm``, readable by this user only, removed
     at :meth:`close`). Call under the server's lock."""
 
     def __init__(self) -> None:
+        with contextlib.suppress(Exception):  # best effort: a board is made either way
+            remove_stale_boards()
         self.salt = os.urandom(16)
         self.name = f"fkv-board-{os.urandom(16).hex()}"
         self.path = os.path.join(_DIR, self.name)
@@ -180,6 +260,7 @@ class Board:
         try:
             os.ftruncate(fd, _BYTES)
             os.pwrite(fd, bytes(8), _STOPPED)  # its page exists now: stop() needs no space
+            os.pwrite(fd, _owner_record(), _OWNER)
             import mmap
 
             self._map = mmap.mmap(fd, _BYTES)
