@@ -633,10 +633,7 @@ def test_a_server_whose_board_was_truncated_stops_writing_it_without_a_fault() -
         board.close()
         view.close()
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    assert done.stdout.split()[0] == "None"
+    assert _child(code)[0] == "None"
 
 
 def test_the_board_vouches_for_exactly_the_process_and_regions_its_server_announced(
@@ -798,10 +795,7 @@ def test_a_server_whose_board_was_cut_just_below_its_sequence_stops_writing_it()
         board.close()
         view.close()
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    assert done.stdout.split() == ["None"]
+    assert _child(code) == ["None"]
 
 
 def test_a_directory_of_the_boards_size_is_not_a_board(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,7 @@ untrusted peers, and ZMQ CURVE with a client allow-list."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import socket
@@ -487,45 +488,49 @@ class _Clock:
         return self.now
 
 
+@contextlib.contextmanager
+def _clocked(monkeypatch, **limits):
+    """A FrameServer on a clock the test moves by hand, and one connection to it: (clock,
+    server, socket)."""
+    clock = _Clock()
+    monkeypatch.setattr(S, "time", clock)
+    with S.FrameServer(max_frame=100, **limits) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=2) as c:
+            yield clock, server, c
+
+
 def test_frame_server_never_expires_a_request_it_is_answering(monkeypatch):
     """A connection whose request is out (a parked status poll, say) is not idle: it is closed
     neither by ``idle_timeout`` nor by ``frame_timeout`` before its reply; after the reply the
     idle clock runs again."""
-    clock = _Clock()
-    monkeypatch.setattr(S, "time", clock)
-    with S.FrameServer(max_frame=100, idle_timeout=1, frame_timeout=1) as server:
-        host, port = server.address[6:].rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=2) as c:
-            c.sendall(S.encode_frame(b"wait"))
-            ((conn, _),) = _poll_until(server, lambda s: s["requests"] == 1)
-            clock.now += 10
-            server.poll(0.01)
-            s = server.stats()
-            assert (s["connections"], s["closed_idle"], s["closed_slow"]) == (1, 0, 0)
-            assert server.reply(conn, b"done") is True
-            clock.now += 10
-            server.poll(0.01)
-            s = server.stats()
-            assert (s["connections"], s["closed_idle"], s["closed_slow"]) == (0, 1, 0)
+    with _clocked(monkeypatch, idle_timeout=1, frame_timeout=1) as (clock, server, c):
+        c.sendall(S.encode_frame(b"wait"))
+        ((conn, _),) = _poll_until(server, lambda s: s["requests"] == 1)
+        clock.now += 10
+        server.poll(0.01)
+        s = server.stats()
+        assert (s["connections"], s["closed_idle"], s["closed_slow"]) == (1, 0, 0)
+        assert server.reply(conn, b"done") is True
+        clock.now += 10
+        server.poll(0.01)
+        s = server.stats()
+        assert (s["connections"], s["closed_idle"], s["closed_slow"]) == (0, 1, 0)
 
 
 def test_frame_server_frame_timeout_counts_from_the_first_byte(monkeypatch):
     """A frame trickled in a byte at a time, each well within ``idle_timeout``, is closed as
     slow once ``frame_timeout`` passed since its first byte (progress does not restart it)."""
-    clock = _Clock()
-    monkeypatch.setattr(S, "time", clock)
-    with S.FrameServer(max_frame=100, idle_timeout=100, frame_timeout=5) as server:
-        host, port = server.address[6:].rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=2) as c:
-            c.sendall((50).to_bytes(4, "big") + b"a")
-            _poll_until(server, lambda s: s["buffered"] == 1)
-            for sent in (2, 3):
-                clock.now += 3
-                c.sendall(b"a")
-                _poll_until(server, lambda s, n=sent: s["buffered"] == n or not s["connections"])
-            s = server.stats()
-            assert (s["connections"], s["closed_slow"], s["closed_idle"], s["reserved"]) == \
-                (0, 1, 0, 0)
+    with _clocked(monkeypatch, idle_timeout=100, frame_timeout=5) as (clock, server, c):
+        c.sendall((50).to_bytes(4, "big") + b"a")
+        _poll_until(server, lambda s: s["buffered"] == 1)
+        for sent in (2, 3):
+            clock.now += 3
+            c.sendall(b"a")
+            _poll_until(server, lambda s, n=sent: s["buffered"] == n or not s["connections"])
+        s = server.stats()
+        assert (s["connections"], s["closed_slow"], s["closed_idle"], s["reserved"]) == \
+            (0, 1, 0, 0)
 
 
 def test_frame_server_reply_to_a_gone_connection_is_false():
@@ -543,37 +548,29 @@ def test_frame_server_reply_to_a_gone_connection_is_false():
 def test_frame_server_a_header_alone_starts_the_frame_clock(monkeypatch):
     """A peer that sends a frame header and then its payload a byte at a time: the frame is
     slow ``frame_timeout`` after the header, whatever came after it."""
-    clock = _Clock()
-    monkeypatch.setattr(S, "time", clock)
-    with S.FrameServer(max_frame=100, idle_timeout=100, frame_timeout=5) as server:
-        host, port = server.address[6:].rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=2) as c:
-            c.sendall((50).to_bytes(4, "big"))
-            _poll_until(server, lambda s: s["reserved"] == 50)
-            clock.now += 3
-            c.sendall(b"a")
-            _poll_until(server, lambda s: s["buffered"] == 1)
-            assert server.stats()["connections"] == 1
-            clock.now += 3
-            server.poll(0.01)
-            s = server.stats()
-            assert (s["connections"], s["closed_slow"], s["closed_idle"], s["reserved"]) == \
-                (0, 1, 0, 0)
+    with _clocked(monkeypatch, idle_timeout=100, frame_timeout=5) as (clock, server, c):
+        c.sendall((50).to_bytes(4, "big"))
+        _poll_until(server, lambda s: s["reserved"] == 50)
+        clock.now += 3
+        c.sendall(b"a")
+        _poll_until(server, lambda s: s["buffered"] == 1)
+        assert server.stats()["connections"] == 1
+        clock.now += 3
+        server.poll(0.01)
+        s = server.stats()
+        assert (s["connections"], s["closed_slow"], s["closed_idle"], s["reserved"]) == \
+            (0, 1, 0, 0)
 
 
 def test_frame_server_a_header_with_no_payload_yet_is_slow_not_idle(monkeypatch):
-    clock = _Clock()
-    monkeypatch.setattr(S, "time", clock)
-    with S.FrameServer(max_frame=100, idle_timeout=100, frame_timeout=5) as server:
-        host, port = server.address[6:].rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=2) as c:
-            c.sendall((50).to_bytes(4, "big"))
-            _poll_until(server, lambda s: s["reserved"] == 50)
-            clock.now += 6
-            server.poll(0.01)
-            s = server.stats()
-            assert (s["connections"], s["closed_slow"], s["closed_idle"], s["reserved"]) == \
-                (0, 1, 0, 0)
+    with _clocked(monkeypatch, idle_timeout=100, frame_timeout=5) as (clock, server, c):
+        c.sendall((50).to_bytes(4, "big"))
+        _poll_until(server, lambda s: s["reserved"] == 50)
+        clock.now += 6
+        server.poll(0.01)
+        s = server.stats()
+        assert (s["connections"], s["closed_slow"], s["closed_idle"], s["reserved"]) == \
+            (0, 1, 0, 0)
 
 
 def test_curve_key_errors_never_show_the_secret():
@@ -620,18 +617,14 @@ def test_frame_client_names_a_peer_that_closes_or_stays_silent():
 def test_frame_server_a_sent_reply_restarts_the_idle_clock(monkeypatch):
     """Idle time counts from the last progress, a reply's bytes leaving included (not from the
     request's arrival)."""
-    clock = _Clock()
-    monkeypatch.setattr(S, "time", clock)
-    with S.FrameServer(max_frame=100, idle_timeout=1, frame_timeout=1) as server:
-        host, port = server.address[6:].rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=2) as c:
-            c.sendall(S.encode_frame(b"slow question"))
-            ((conn, _),) = _poll_until(server, lambda s: s["requests"] == 1)
-            clock.now += 0.8
-            assert server.reply(conn, b"answer") is True
-            clock.now += 0.5
-            server.poll(0.01)
-            assert (server.stats()["connections"], server.stats()["closed_idle"]) == (1, 0)
-            clock.now += 0.6
-            server.poll(0.01)
-            assert (server.stats()["connections"], server.stats()["closed_idle"]) == (0, 1)
+    with _clocked(monkeypatch, idle_timeout=1, frame_timeout=1) as (clock, server, c):
+        c.sendall(S.encode_frame(b"slow question"))
+        ((conn, _),) = _poll_until(server, lambda s: s["requests"] == 1)
+        clock.now += 0.8
+        assert server.reply(conn, b"answer") is True
+        clock.now += 0.5
+        server.poll(0.01)
+        assert (server.stats()["connections"], server.stats()["closed_idle"]) == (1, 0)
+        clock.now += 0.6
+        server.poll(0.01)
+        assert (server.stats()["connections"], server.stats()["closed_idle"]) == (0, 1)
