@@ -12,6 +12,7 @@ import os
 import pathlib
 import random
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -356,3 +357,169 @@ def test_1000_mutations_never_kill_and_accepted_ones_work(peer):
                               for w in summary.pop("why", []))
     print(f"victim ({len(sample)} blobs, {victim_s:.1f} s, its own probe {summary['check_s']} s): "
           f"{summary}; refusals: {dict(why)}")
+
+
+# -- holes found by mutation (2026-12-04)
+# Synthetic blobs in NIXL's format (module docstring of _metadata): every field
+# ``<tag><u64 length><value>|``; no NIXL needed, so the exact offsets are known.
+
+def _fld(tag, value):
+    return tag + len(value).to_bytes(8, "little") + value + b"|"
+
+
+def _u64(n):
+    return n.to_bytes(8, "little")
+
+
+_ADDR = bytes([0x20]) + bytes(8) + bytes([0xFF])            # UCX address v1, uuid, no transport
+_RKEY = bytes.fromhex("0100000000000000" "00" "00" "ff")  # MD 0, host memory, no system device
+
+
+def _desc(addr=0x1000, n=4096, dev=0, key=_RKEY):
+    return _u64(addr) + _u64(n) + _u64(dev) + key
+
+
+def _blob(name=b"p0", backends=((b"UCX", _ADDR),), sections=((b"UCX", 0, (_desc(),)),),
+          marker=b"MemSection", dlist=b"nixlSDList"):
+    out = b"nixlSerDes|" + _fld(b"Agent", name) + _fld(b"Conns", _u64(len(backends)))
+    for backend, conn in backends:
+        out += _fld(b"t", backend) + _fld(b"c", conn)
+    out += _fld(b"", marker) + _fld(b"nixlSecElms", _u64(len(sections)))
+    for backend, mem, descs in sections:
+        out += (_fld(b"bknd", backend) + _fld(b"nixlDList", dlist)
+                + _fld(b"t", mem.to_bytes(4, "little")) + _fld(b"n", _u64(len(descs))))
+        out += b"".join(_fld(b"", d) for d in descs)
+    return out
+
+
+def _refused(what):
+    return f"peer NIXL agent metadata refused (nothing was added): {what}; {M._FIX}"
+
+
+def test_synthetic_blob_parses_to_exact_fields():
+    blob = _blob(backends=((b"UCX", _ADDR), (b"POSIX", b"xyz")),
+                 sections=((b"UCX", 0, (_desc(), _desc(1 << 40, 7, 3))),
+                           (b"POSIX", 4, (_u64((1 << 64) - 8) + _u64(8) + _u64(0),))))
+    meta = M.parse_agent_metadata(blob)
+    assert meta == M.AgentMetadata(
+        "p0", (("UCX", 10), ("POSIX", 3)),
+        (M.Section("UCX", "DRAM", ((0x1000, 4096, 0), (1 << 40, 7, 3))),
+         M.Section("POSIX", "FILE", (((1 << 64) - 8, 8, 0),))),
+        ((71, 10), (106, 3)))
+    assert [blob[a:a + n] for a, n in meta.conn_spans] == [_ADDR, b"xyz"]
+
+
+_B = _blob()
+_CONNS = _B.index(b"Conns")    # 27
+_MARK = _B.index(b"MemSection") - 9
+_DESC = len(_B) - 1 - len(_desc()) - 8
+
+
+@pytest.mark.parametrize("blob, what", [
+    (_B[:_CONNS + 5 + 7], f"the blob ends at byte {_CONNS + 12} inside the length of 'Conns'"),
+    (_blob(name=b"a" * 1025), "field 'Agent' at byte 11 says 1025 bytes; it must be 1..1024"),
+    (_blob(name=b""), "field 'Agent' at byte 11 says 0 bytes; it must be 1..1024"),
+    (_B[:-1], f"field '' at byte {_DESC} says {len(_desc())} bytes but only "
+              f"{len(_desc()) - 1} follow"),
+    (_B[:26] + b"X" + _B[27:], "field 'Agent' at byte 11 is not closed by '|' (found b'X')"),
+    (_blob(backends=((b"UCX", _ADDR),) * 17), "field 'Conns' counts 17; at most 16 are accepted"),
+    (_blob(backends=((b"UCX-1", _ADDR),)),
+     "backend name b'UCX-1' is not a name of ASCII letters, digits and '_'"),
+    (_blob(marker=b"MemSectioX"), f"no 'MemSection' marker at byte {_MARK + 20}"),
+    (_blob(sections=((b"GDS", 0, ()),)),
+     "a memory section names backend 'GDS', which has no connection info (backends: ['UCX'])"),
+    (_blob(dlist=b"nixlXDList"), "a memory section of 'UCX' is not a nixlSDList"),
+    (_blob(sections=((b"UCX", 5, ()),)), "field 't' counts 5; at most 4 are accepted"),
+    (_blob(sections=((b"UCX", 0, (_desc()[:23],)),)),
+     f"field '' at byte {_DESC} says 23 bytes; it must be 24..{24 + (1 << 16)}"),
+    (_blob(sections=((b"UCX", 0, (_desc(n=0),)),)),
+     "a descriptor of 'UCX' is [0x1000, +0), not a non-empty range of the address space"),
+    (_blob(sections=((b"UCX", 0, (_desc(addr=(1 << 64) - 8, n=9),)),)),
+     "a descriptor of 'UCX' is [0xfffffffffffffff8, +9), not a non-empty range of the address "
+     "space"),
+])
+def test_structural_refusals_exact(blob, what):
+    with pytest.raises(FkvError) as e:
+        M.parse_agent_metadata(blob)
+    assert str(e.value) == _refused(what)
+
+
+def test_structural_bounds_accept_their_limits():
+    meta = M.parse_agent_metadata(_blob(name=b"a" * 1024, backends=((b"UCX", _ADDR),) * 16,
+                                        sections=((b"UCX", 4, (_desc(addr=(1 << 64) - 8, n=8,
+                                                                     key=_RKEY[:8] + b"\x01"
+                                                                     + _RKEY[9:]),)),)))
+    assert (len(meta.name), len(meta.backends), meta.sections[0].mem_type,
+            meta.sections[0].descs) == (1024, 16, "FILE", (((1 << 64) - 8, 8, 0),))
+
+
+def _v1_iface(bw=1.0, iface=0x80, tail=b""):
+    """One v1 transport address: checksum, 3 float32 attributes, flags, iface byte, ..."""
+    return b"\x00\x00" + struct.pack("<3f", 1.0, bw, 1.0) + bytes(4) + bytes([iface]) + tail
+
+
+_V2_IFACE = b"\x00\x00" + bytes(8)  # checksum, packed attributes (then the iface byte)
+_V1 = bytes([0x00]) + bytes(8)       # address v1 header, uuid
+_V2 = bytes([0x01, 0x00])            # address v2 header, flags (no uuid)
+
+
+@pytest.mark.parametrize("raw", [
+    bytes([0x01, 0x02]) + bytes(8) + b"\xff",                       # v2 with uuid
+    bytes([0x01, 0x00, 0xFF]),                                       # v2 without uuid
+    bytes([0x40]) + bytes(16) + b"\xff",                             # v1: uuid, client id
+    _V1 + b"\x80\x00" * 127 + b"\x80\x80",                           # 128 empty devices
+    _V2 + b"\x00\x80" + (_V2_IFACE + b"\x00") * 127 + _V2_IFACE + b"\x80",  # 128 transports
+    _V1 + b"\x3f\x80" + _v1_iface(),                                 # MD 63
+    _V2 + b"\x7f\x05\x80" + _V2_IFACE + b"\x80",                     # v2: MD index in next byte
+    _V1 + b"\x00\xa0\x07" + _v1_iface(),                             # system device byte
+    _V1 + b"\x00\xc0\x02" + _v1_iface(),                             # 2 paths
+    _V2 + b"\x00\x9f\x20" + bytes(32) + _V2_IFACE + b"\x80",         # v2: 32-byte device addr
+    _V1 + b"\x00\x80" + _v1_iface(iface=0xC0, tail=b"\x01a\x00\x00\x80"),  # 2 endpoints
+    _V1 + b"\x00\x80" + _v1_iface(iface=0xC0, tail=b"\x00\x00" * 63 + b"\x00\x80"),  # 64 eps
+])
+def test_ucx_walk_accepts(raw):
+    assert M.check_ucx_address(raw) is None
+
+
+@pytest.mark.parametrize("raw, why", [
+    (bytes([0x01, 0x10, 0xFF]), "has unknown header flags 0x10"),
+    (_V1 + b"\x80\x00" * 128 + b"\x80\x80", "lists more than 128 devices"),
+    (_V2 + b"\x00\x80" + (_V2_IFACE + b"\x00") * 128 + _V2_IFACE + b"\x80",
+     "lists more than 128 transport addresses"),
+    (_V1 + b"\x40\x80" + _v1_iface(), "names MD 64 (UCX has at most 64)"),
+    (_V2 + b"\x7f\x40\x80" + _V2_IFACE + b"\x80", "names MD 64 (UCX has at most 64)"),
+    (_V1 + b"\x00\xc0\x00" + _v1_iface(), "gives a device 0 paths"),
+    (_V1 + b"\x00\x80" + _v1_iface(bw=0.0),
+     "announces interface attributes (1.0, 0.0, 1.0) (finite numbers and a bandwidth other "
+     "than 0 expected)"),
+    (_V1 + b"\x00\x80" + _v1_iface(iface=0xC0, tail=b"\x00\x00" * 64 + b"\x00\x80"),
+     "lists more than 64 endpoint addresses"),
+])
+def test_ucx_walk_refuses_address(raw, why):
+    with pytest.raises(FkvError) as e:
+        M.check_ucx_address(raw)
+    assert str(e.value) == _refused(f"the peer's UCX worker address ({len(raw)} bytes) {why}")
+
+
+@pytest.mark.parametrize("raw, mem, why", [
+    (_u64(1) + b"\x0a\x00\xff", "VRAM", "says UCX memory type 10 (a VRAM descriptor: 1..9)"),
+    (_u64(1) + b"\x01\x00\xff", "DRAM", "says UCX memory type 1 (a DRAM descriptor: 0, host)"),
+    (_u64(1) + b"\x00\x00\xff", "VRAM", "says UCX memory type 0 (a VRAM descriptor: 1..9)"),
+    (_u64(1 << 63) + b"\x00\x01", "DRAM", "ends inside its remote key of MD 63 (byte 10, 1 bytes "
+                                          "needed)"),
+])
+def test_ucx_walk_refuses_rkey(raw, mem, why):
+    with pytest.raises(FkvError) as e:
+        M.check_ucx_rkey(raw, mem)
+    assert str(e.value) == _refused(f"the peer's UCX remote key of a {mem} descriptor "
+                                    f"({len(raw)} bytes) {why}")
+
+
+@pytest.mark.parametrize("raw, mem", [
+    (_u64(0) + b"\x00", "DRAM"),                           # no MD: no system device either
+    (_u64(1) + b"\x09\x00\xff", "VRAM"),                   # the last memory type UCX knows
+    (_u64(1 << 63) + b"\x00\x01k\xff", "DRAM"),            # MD 63
+    (_u64(1) + b"\x00\x00\x03\x01ab\xff", "DRAM"),         # a system device, one distance
+])
+def test_ucx_walk_accepts_rkey(raw, mem):
+    assert M.check_ucx_rkey(raw, mem) is None
