@@ -157,7 +157,11 @@ def mutations(blob: bytes, seed: int = 1212) -> list[tuple[str, bytes]]:
     return out
 
 
-def test_valid_blob_passes_and_is_cached(peer):
+def _no_probe(*args, **kwargs):
+    raise AssertionError("a probe child was started")
+
+
+def test_valid_blob_passes_and_is_cached(peer, monkeypatch):
     t0 = time.perf_counter()
     meta = M.check_agent_metadata(peer, timeout=60)
     probe_s = time.perf_counter() - t0
@@ -165,10 +169,10 @@ def test_valid_blob_passes_and_is_cached(peer):
     assert meta.sections[0].mem_type == "DRAM" and meta.sections[0].descs[0][1] == 1 << 16
     assert meta.covers(meta.sections[0].descs[0][0], 4096, "DRAM")
     assert not meta.covers(meta.sections[0].descs[0][0], (1 << 16) + 1, "DRAM")
+    monkeypatch.setattr(M, "probe_agent_metadata", _no_probe)  # the verdict is cached
     t0 = time.perf_counter()
     assert M.check_agent_metadata(peer, timeout=60) == meta
     cached_s = time.perf_counter() - t0
-    assert cached_s < 0.01
     print(f"probe of a valid blob: {probe_s:.2f} s (child start, NIXL agent, add); cached "
           f"{cached_s * 1e6:.0f} us")
 
@@ -180,11 +184,11 @@ def test_ucx_address_version_0xff_is_refused(peer, monkeypatch):
     start, _ = M.parse_agent_metadata(peer).conn_spans[0]
     bad = bytearray(peer)
     bad[start] = 0xFF
-    t0 = time.perf_counter()
-    with pytest.raises(FkvError, match=r"refused \(nothing was added\): the peer's UCX worker "
-                                       r"address \(\d+ bytes\) has version 15"):
-        M.check_agent_metadata(bytes(bad), timeout=60)
-    assert time.perf_counter() - t0 < 0.01  # no probe child
+    with monkeypatch.context() as m:
+        m.setattr(M, "probe_agent_metadata", _no_probe)  # refused by the walk, no child
+        with pytest.raises(FkvError, match=r"refused \(nothing was added\): the peer's UCX "
+                                           r"worker address \(\d+ bytes\) has version 15"):
+            M.check_agent_metadata(bytes(bad), timeout=60)
     monkeypatch.setattr(M, "check_ucx_address", lambda raw: None)
     (why,) = M.probe_agent_metadata([bytes(bad)], timeout=60)
     assert re.match(r"it kills the process that adds it \(killed by signal 6.*addr_version", why)
@@ -232,11 +236,11 @@ def test_ucx_fields_are_walked_to_their_last_byte(peer, monkeypatch):
                                r"UCX worker address \(\d+ bytes\) .*worker name"),
     }
     assert peer[start] & 0x0F == 0 and n - 9 <= 255  # address v1: header, uuid, then the name
+
+    monkeypatch.setattr(M, "probe_agent_metadata", _no_probe)  # the parse refuses: no child
     for what, (blob, match) in cases.items():
-        t0 = time.perf_counter()
         with pytest.raises(FkvError, match=match):
             M.check_agent_metadata(blob, timeout=60)
-        assert time.perf_counter() - t0 < 0.01, what
     # UCX's unified mode packs addresses without lengths: not walked (the probe judges them)
     monkeypatch.setenv("UCX_UNIFIED_MODE", "y")
     M.check_ucx_address(bytes([0xFF]))
