@@ -1,9 +1,14 @@
 """The ipc path's pure parts on CPU: when it is refused and why, and its wire fields (round trip
-and fuzz). The mapping itself runs in the GPU tests (tests/test_transport.py, ``-m gpu``)."""
+and fuzz). The mapping itself runs in the GPU tests (tests/test_transport.py, ``-m gpu``), and so
+do hostile handles (below: a prefill peer's corrupt, random, dead or misplaced IPC handles)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -128,3 +133,67 @@ def test_the_note_on_a_shared_gpu_says_whether_mps_lets_kernels_overlap(monkeypa
     assert not mps_running()
     (tmp_path / "control").touch()
     assert mps_running()
+
+
+FUZZ_WORKER = Path(__file__).with_name("_ipc_fuzz_worker.py")
+OPEN_FAILED = "CUDA IPC: cuIpcOpenMemHandle failed: "
+
+
+def _exporter() -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, str(FUZZ_WORKER), "export"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline()
+
+
+@pytest.mark.gpu
+def test_hostile_ipc_handles_cost_an_error_never_the_context() -> None:
+    """A decode process maps a prefill peer's IPC handles altered every way a buggy or hostile
+    peer could send them: each of the 64 bytes of the memory handle flipped, 16 random handles, all
+    zeros, an event handle in its place, a region past the end of its allocation, the handle of a
+    process that exited; and event handles zeroed, flipped, swapped for memory handles, or from
+    the exited process. Each costs an ``FkvError`` naming what CUDA said (or maps the very same
+    bytes, where CUDA ignores the byte), or, for events, the fallback that counts finished writes;
+    after every case the process's CUDA context still computes right (a mapping that reached past
+    an allocation would fault it)."""
+    live, live_line = _exporter()
+    dead, dead_line = _exporter()
+    dead.stdin.close()
+    assert dead.wait(timeout=60) == 0
+    try:
+        got = subprocess.run([sys.executable, str(FUZZ_WORKER), "map"], input=live_line + dead_line,
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        live.stdin.close()
+        assert live.wait(timeout=60) == 0
+    assert got.returncode == 0, got.stderr[-3000:]
+    results = json.loads(next(line[7:] for line in got.stdout.splitlines()
+                              if line.startswith("RESULT ")))
+    by = {r.pop("case"): r for r in results}
+    assert len(by) == 1 + 64 + 16 + 4 + 4 + 16
+    assert [name for name, r in by.items() if not r.pop("context_ok")] == []
+    assert by.pop("real") == {"outcome": "mapped", "same_bytes": True}
+    info = json.loads(live_line)
+    size, past = info["alloc_size"], info["alloc_size"] - SPEC.region_bytes + 1
+    assert by.pop("offset past the allocation") == {
+        "outcome": "refused", "error": "FkvError",
+        "message": f"prefill rank 0 announced a region at offset {past} (+{SPEC.region_bytes} "
+                   f"bytes) of an allocation of {size} bytes; refusing to map it"}
+    assert by.pop("real events") == {"outcome": "opened", "done": [True, True]}
+    for name in ("a memory handle as events", "zero events", "dead exporter's events",
+                 *(f"event flip {i}" for i in range(0, 64, 4))):
+        r = by.pop(name)
+        assert r in ({"outcome": "no events (count finished writes)"},
+                     {"outcome": "opened", "done": [True, True]}), (name, r)
+    for name in ("zeros", "an event handle as memory", "dead exporter",
+                 *(f"random {k}" for k in range(16))):
+        r = by.pop(name)
+        assert (r["outcome"], r["error"]) == ("refused", "FkvError"), (name, r)
+        assert r["message"].startswith(OPEN_FAILED), (name, r)
+    outcomes = {}
+    for name, r in by.items():  # the 64 flips
+        assert r == {"outcome": "mapped", "same_bytes": True} or (
+            r["outcome"], r["error"]) == ("refused", "FkvError") and r["message"].startswith(
+                OPEN_FAILED), (name, r)
+        outcomes[name] = r["outcome"]
+    assert sorted(by) == sorted(f"flip {i}" for i in range(64))
+    assert "refused" in outcomes.values()

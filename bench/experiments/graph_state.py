@@ -1,0 +1,248 @@
+"""Experiment: what makes some CUDA graphs replay their kernel nodes ~0.35 us faster for their
+whole life?
+
+The tenth session found (``write_decode_state.py``) that the first two graphs one process
+captured replayed 32 decode writes at 2.10 us per call and every later graph at 2.45-2.47, the
+clocks unchanged, while ``write_decode_first_graph.py``'s fresh processes found all three of
+their graphs slow. The trigger was not found. Issue 14's engine figure (2.18 us bf16 NHD) looks
+like a fast graph; the library's steady figure (2.50) is a slow one.
+
+Each mode runs in a fresh process: it compiles a 256-token bf16 NHD ``write_kv`` decode (the
+library default, 32 rotating input sets, a 32768-block cache) and an empty kernel of the same
+grid, captures six graphs (write, empty, write, empty, write, empty) of 32 calls each, then
+times every graph three times over, interleaved (median of 100 replays, do_bench's dirty 256 MB
+flush before each replay). Modes:
+
+- ``plain``: ``torch.cuda.graph`` as engines use it;
+- ``sleep``: 3 s idle between the compile and the captures (``write_decode_state.py``'s order);
+- ``conn1`` / ``conn32``: ``CUDA_DEVICE_MAX_CONNECTIONS`` 1 / 32;
+- ``eager``: ``CUDA_MODULE_LOADING=EAGER``;
+- ``flags0`` / ``flags1`` / ``upload`` / ``prio`` / ``device``: the captured graph (kept) is
+  instantiated here through the CUDA driver with flags 0, 1 (auto-free on launch), 1|2
+  (instantiate-and-upload), 1|8 (node priority; captured on a high-priority stream) or 4 (device
+  launch, uploaded before the first launch), and launched with ``cuGraphLaunch``;
+- ``hiprio``: torch's graphs, replayed on a high-priority stream;
+- ``state``: ``write_decode_state.py``'s set-up and order (write and contiguous-copy graphs);
+- ``compare-<dtype>-<layout>``: the library default, the engine-style kernel, the contiguous copy
+  and the empty kernel, each captured twice, once instantiated as torch does (flags 1) and once
+  for device launch (flags 4), the two alternating (``GRAPH_STATE_MODES=compare`` runs the four
+  dtype and layout pairs).
+
+    python bench/experiments/graph_state.py   # GPU; JSON to $OUT
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve()
+MODES = ("plain", "sleep", "conn1", "conn32", "eager", "flags0", "flags1", "upload", "prio",
+         "device", "hiprio", "state")
+ENV = {"conn1": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+       "conn32": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"},
+       "eager": {"CUDA_MODULE_LOADING": "EAGER"}}
+FLAGS = {"flags0": 0, "flags1": 1, "upload": 1 | 2, "prio": 1 | 8, "device": 4}
+
+
+def _cuda():
+    """The CUDA driver library (torch's runtime made the primary context current; runtime
+    graph and stream handles are the driver's)."""
+    return ctypes.CDLL("libcuda.so.1")
+
+
+class _RawGraph:
+    """A graph captured by torch (kept), instantiated and launched here with ``flags``."""
+
+    def __init__(self, calls, flags: int, stream_priority: int = 0):
+        import torch
+
+        self.rt = _cuda()
+        self.rt.cuGraphInstantiateWithFlags.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                                          ctypes.c_ulonglong]
+        self.rt.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.rt.cuGraphUpload.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        stream = torch.cuda.Stream(priority=stream_priority)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            calls[0]()
+        torch.cuda.synchronize()
+        self.torch_graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(self.torch_graph, stream=stream):
+            for call in calls:
+                call()
+        torch.cuda.synchronize()
+        exe = ctypes.c_void_p()
+        rc = self.rt.cuGraphInstantiateWithFlags(ctypes.byref(exe),
+                                                   self.torch_graph.raw_cuda_graph(), flags)
+        if rc:
+            raise RuntimeError(f"cuGraphInstantiateWithFlags({flags}) returned {rc}")
+        self.exe = exe
+        if flags & 4:
+            rc = self.rt.cuGraphUpload(self.exe, torch.cuda.current_stream().cuda_stream)
+            if rc:
+                raise RuntimeError(f"cuGraphUpload returned {rc}")
+            torch.cuda.synchronize()
+
+    def replay(self):
+        import torch
+
+        rc = self.rt.cuGraphLaunch(self.exe, torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"cuGraphLaunch returned {rc}")
+
+
+def _per_call_us(replay, ncalls: int, buf, rep: int = 100) -> float:
+    import torch
+
+    times = []
+    for _ in range(rep + 10):
+        buf.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times[10:]) * 1e3 / ncalls
+
+
+def compare(mode: str) -> None:
+    """The four kernels in both kinds of graph (module docstring)."""
+    sys.path.insert(0, str(HERE.parents[2]))
+    sys.path.insert(0, str(HERE.parents[1]))
+    sys.path.insert(0, str(HERE.parent))
+    import torch
+    import gpu_kernels_sweep as sweep
+    import write_decode_probe as probe
+
+    import fkv
+    from fkv.bench.write import Shape, _inputs, _slot_sets
+
+    _, dtype, layout = mode.split("-")
+    buf = torch.empty((256 << 20) // 4, dtype=torch.int32, device="cuda")
+    shape = Shape()
+    spec = fkv.KVCacheSpec(layout=layout, num_blocks=shape.num_blocks,
+                           block_size=shape.block_size, num_kv_heads=shape.heads,
+                           head_size=shape.head_size, dtype=dtype)
+    cache = sweep.fkv_alloc(spec, "cuda")
+    out = torch.empty(2 * probe.TOKENS * spec.num_kv_heads * spec.head_size,
+                      dtype=torch.bfloat16, device="cuda")
+    scales = sweep._scales(spec, "cuda")
+    kv = _inputs(spec, probe.TOKENS, probe.SETS, "cuda", seed=1)
+    slots = _slot_sets("decode", probe.TOKENS, shape, probe.SETS, "cuda", seed=2)
+    variants = probe._variants(spec, cache, scales, out)
+    names = ("default", "engine-style", "contiguous", "empty")
+    calls = {n: [variants[n](k, v, s) for (k, v), s in zip(kv, slots)] for n in names}
+    for c in calls.values():
+        c[0]()
+    torch.cuda.synchronize()
+    graphs = [(n, f, _RawGraph(calls[n], f)) for n in names for f in (1, 4)]
+    us = {(n, f): [] for n, f, _ in graphs}
+    for _ in range(3):
+        for n, f, g in graphs:
+            us[n, f].append(_per_call_us(g.replay, len(calls[n]), buf))
+    for (n, f), u in us.items():
+        print("ROW " + json.dumps({"mode": mode, "dtype": dtype, "layout": layout, "variant": n,
+                                   "graph": "device launch" if f == 4 else "torch", "us": u}),
+              flush=True)
+
+
+def child(mode: str) -> None:
+    if mode.startswith("compare-"):
+        compare(mode)
+        return
+    sys.path.insert(0, str(HERE.parents[2]))
+    sys.path.insert(0, str(HERE.parents[1]))
+    sys.path.insert(0, str(HERE.parent))
+    import torch
+    import gpu_kernels_sweep as sweep
+    import write_decode_probe as probe
+
+    import fkv
+    from fkv.bench._common import capture_graph
+    from fkv.bench.write import Shape, _inputs, _slot_sets
+
+    buf = torch.empty((256 << 20) // 4, dtype=torch.int32, device="cuda")
+    shape = Shape()
+    spec = fkv.KVCacheSpec(layout="NHD", num_blocks=shape.num_blocks,
+                           block_size=shape.block_size, num_kv_heads=shape.heads,
+                           head_size=shape.head_size, dtype="bfloat16")
+    cache = sweep.fkv_alloc(spec, "cuda")
+    out = torch.empty(2 * probe.TOKENS * spec.num_kv_heads * spec.head_size,
+                      dtype=torch.bfloat16, device="cuda")
+    kv = _inputs(spec, probe.TOKENS, probe.SETS, "cuda", seed=1)
+    slots = _slot_sets("decode", probe.TOKENS, shape, probe.SETS, "cuda", seed=2)
+    variants = probe._variants(spec, cache, {}, out)
+    second = "contiguous" if mode == "state" else "empty"
+    calls = {name: [variants[name](k, v, s) for (k, v), s in zip(kv, slots)]
+             for name in ("default", second)}
+    for c in calls.values():
+        c[0]()
+    torch.cuda.synchronize()
+    if mode in ("sleep", "state"):
+        time.sleep(3)
+    order = ["default", second] * 3
+    graphs = []
+    for name in order:
+        if mode in FLAGS:
+            g = _RawGraph(calls[name], FLAGS[mode], stream_priority=-1 if mode == "prio" else 0)
+        else:
+            g = capture_graph(calls[name])
+        graphs.append((name, g))
+    replay_stream = torch.cuda.Stream(priority=-1) if mode == "hiprio" else None
+    us = [[] for _ in graphs]
+    for _ in range(3):
+        for i, (name, g) in enumerate(graphs):
+            if replay_stream is not None:
+                with torch.cuda.stream(replay_stream):
+                    us[i].append(_per_call_us(g.replay, len(calls[name]), buf))
+            else:
+                us[i].append(_per_call_us(g.replay, len(calls[name]), buf))
+    print("ROW " + json.dumps({"mode": mode, "graphs": [n for n, _ in graphs], "us": us}),
+          flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+        return
+    sys.path.insert(0, str(HERE.parent))
+    import _record
+
+    rows = []
+    modes = os.environ.get("GRAPH_STATE_MODES", ",".join(MODES)).split(",")
+    if modes == ["compare"]:
+        modes = [f"compare-{d}-{lay}" for d in ("bfloat16", "float8_e4m3fn")
+                 for lay in ("NHD", "HND")]
+    for repeat in range(int(os.environ.get("GRAPH_STATE_REPEATS", "1"))):
+        for mode in modes:
+            env = {**os.environ, **ENV.get(mode, {})}
+            proc = subprocess.run([sys.executable, str(HERE), "--child", mode], env=env,
+                                  capture_output=True, text=True, timeout=300)
+            found = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+            if proc.returncode or not found:
+                print(mode, "FAILED", proc.stdout[-1500:], proc.stderr[-2500:], flush=True)
+                rows.append({"mode": mode, "repeat": repeat, "error": proc.stderr[-1500:]})
+                continue
+            for line in found:
+                row = {**json.loads(line), "repeat": repeat}
+                rows.append(row)
+                if "variant" in row:
+                    print(f"{mode} {row['variant']:13s} {row['graph']:13s} "
+                          f"{min(row['us']):4.2f}/{max(row['us']):4.2f}", flush=True)
+                else:
+                    print(f"{mode:7s} " + "  ".join(f"{n[:3]} {min(u):4.2f}/{max(u):4.2f}"
+                                                    for n, u in zip(row["graphs"], row["us"])),
+                          flush=True)
+    _record.write(os.environ.get("GRAPH_STATE_FILE", "graph-state-exp.json"), "graph_state", rows)
+
+
+if __name__ == "__main__":
+    main()
