@@ -1,0 +1,132 @@
+"""Experiment: does launching one device-launchable CUDA graph make every graph of the process
+replay its kernel nodes faster?
+
+``graph_state.py``'s compare run (``raw/graph-state-20261204T1935/graph-compare-exp.json``):
+graphs instantiated as torch does replayed 32 decode writes at 2.49 us per call the first time they
+were timed, and at 2.13-2.17 every time after a graph instantiated for device launch (flag 4) had
+been launched in between; their empty kernel nodes cost 0.95 us, where every other run's cost
+1.28-1.30. This times the same torch graphs before and after such a "priming" launch.
+
+Each mode is a fresh process: 256-token decode writes (library default and engine-style, bf16 NHD,
+32 rotating input sets, do_bench's dirty 256 MB flush before each replay), an empty kernel of the
+same grid and 32 torch ``add_`` calls on 1 MiB, each captured in one graph by torch
+(``capture_graph``). Round ``before``: each graph timed three times. Then the mode's priming step;
+round ``after``: the same graphs again; round ``new``: the same calls captured again, timed; round
+``later``: after 5 s idle. Modes:
+
+- ``launch``: a one-kernel graph instantiated for device launch, uploaded and launched once;
+- ``upload``: the same, uploaded but never launched;
+- ``instantiate``: the same, only instantiated;
+- ``none``: no priming step (the control);
+- ``first``: the priming launch before anything is captured (as an engine would at start-up);
+  its ``before`` round is already primed.
+
+    python bench/experiments/graph_prime.py   # GPU; JSON to $OUT
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve()
+MODES = ("none", "launch", "upload", "instantiate", "first")
+
+
+def _prime(how: str) -> object:
+    import torch
+
+    from graph_state import _RawGraph
+
+    x = torch.zeros(1, device="cuda")
+    flags = 4 if how != "none" else 1
+    g = _RawGraph([lambda: x.add_(1)], flags)  # flag 4: uploaded in _RawGraph
+    if how in ("launch", "first"):
+        g.replay()
+        torch.cuda.synchronize()
+    return g
+
+
+def child(mode: str) -> None:
+    sys.path.insert(0, str(HERE.parents[2]))
+    sys.path.insert(0, str(HERE.parents[1]))
+    sys.path.insert(0, str(HERE.parent))
+    import torch
+    import gpu_kernels_sweep as sweep
+    import write_decode_probe as probe
+    from graph_state import _per_call_us
+
+    import fkv
+    from fkv.bench._common import capture_graph
+    from fkv.bench.write import Shape, _inputs, _slot_sets
+
+    keep = []
+    if mode == "first":
+        keep.append(_prime("first"))
+    buf = torch.empty((256 << 20) // 4, dtype=torch.int32, device="cuda")
+    shape = Shape()
+    spec = fkv.KVCacheSpec(layout="NHD", num_blocks=shape.num_blocks,
+                           block_size=shape.block_size, num_kv_heads=shape.heads,
+                           head_size=shape.head_size, dtype="bfloat16")
+    cache = sweep.fkv_alloc(spec, "cuda")
+    out = torch.empty(2 * probe.TOKENS * spec.num_kv_heads * spec.head_size,
+                      dtype=torch.bfloat16, device="cuda")
+    kv = _inputs(spec, probe.TOKENS, probe.SETS, "cuda", seed=1)
+    slots = _slot_sets("decode", probe.TOKENS, shape, probe.SETS, "cuda", seed=2)
+    variants = probe._variants(spec, cache, {}, out)
+    calls = {n: [variants[n](k, v, s) for (k, v), s in zip(kv, slots)]
+             for n in ("default", "engine-style", "empty")}
+    small = torch.zeros(1 << 18, device="cuda")
+    calls["torch add"] = [lambda: small.add_(1)] * probe.SETS
+    for c in calls.values():
+        c[0]()
+    torch.cuda.synchronize()
+    graphs = {n: capture_graph(c) for n, c in calls.items()}
+    rows = []
+
+    def timed(round_name: str, which: dict) -> None:
+        for n, g in which.items():
+            us = [_per_call_us(g.replay, len(calls[n]), buf) for _ in range(3)]
+            rows.append({"mode": mode, "round": round_name, "variant": n, "us": us})
+
+    timed("before", graphs)
+    if mode not in ("none", "first"):
+        keep.append(_prime(mode))
+    timed("after", graphs)
+    timed("new", {n: capture_graph(c) for n, c in calls.items()})
+    time.sleep(5)
+    timed("later", graphs)
+    for row in rows:
+        print("ROW " + json.dumps(row), flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+        return
+    sys.path.insert(0, str(HERE.parent))
+    import _record
+
+    rows = []
+    for mode in os.environ.get("GRAPH_PRIME_MODES", ",".join(MODES)).split(","):
+        proc = subprocess.run([sys.executable, str(HERE), "--child", mode], capture_output=True,
+                              text=True, timeout=300)
+        found = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+        if proc.returncode or not found:
+            print(mode, "FAILED", proc.stdout[-1500:], proc.stderr[-2500:], flush=True)
+            rows.append({"mode": mode, "error": proc.stderr[-1500:]})
+            continue
+        for line in found:
+            row = json.loads(line)
+            rows.append(row)
+            print(f"{mode:11s} {row['round']:6s} {row['variant']:12s} "
+                  + " ".join(f"{u:4.2f}" for u in row["us"]), flush=True)
+    _record.write("graph-prime-exp.json", "graph_prime", rows)
+
+
+if __name__ == "__main__":
+    main()
