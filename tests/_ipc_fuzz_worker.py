@@ -9,7 +9,8 @@ stdin to close.
 
 ``python _ipc_fuzz_worker.py map`` (the decode side) reads two such lines on stdin, a live
 exporter's and one whose process has exited, maps altered copies of them the way a decode rank
-does (``_ipc.Mapping``, ``IpcPath._open_events``) and prints one JSON line: per case what
+does (``_ipc.Mapping``, which first tries them in a probe process, and ``IpcPath._open_events``)
+and prints one JSON line: per case what
 happened (``mapped`` with whether every view holds the exporter's bytes, ``refused`` with the
 error's type and message) and whether this process's CUDA context still computes right after it.
 """
@@ -101,15 +102,23 @@ def _map(peer, expected) -> dict:
 
 
 def _events(peer) -> dict:
-    host = types.SimpleNamespace(mappings={0: None},
+    """What a streaming decode rank makes of the peer's events (its memory handles are right)."""
+    try:
+        mapping = _ipc.Mapping(peer, torch.device("cuda:0"))
+    except Exception as e:  # noqa: BLE001 - the case's outcome
+        return {"outcome": "refused", "error": type(e).__name__, "message": str(e)}
+    host = types.SimpleNamespace(mappings={0: mapping},
                                  local=types.SimpleNamespace(device=torch.device("cuda:0")))
     try:
         got = IpcPath._open_events(host, [peer])
     except Exception as e:  # noqa: BLE001 - the case's outcome
         return {"outcome": "raised", "error": type(e).__name__, "message": str(e)}
+    finally:
+        mapping.close()
     if not got:
-        return {"outcome": "no events (count finished writes)"}
-    return {"outcome": "opened", "done": [bool(e.query()) for e in got[0]]}
+        return {"outcome": "no events (count finished writes)", "probe": mapping.events_ok}
+    return {"outcome": "opened", "probe": mapping.events_ok,
+            "done": [bool(e.query()) for e in got[0]]}
 
 
 def map_cases() -> None:

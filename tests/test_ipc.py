@@ -136,7 +136,9 @@ def test_the_note_on_a_shared_gpu_says_whether_mps_lets_kernels_overlap(monkeypa
 
 
 FUZZ_WORKER = Path(__file__).with_name("_ipc_fuzz_worker.py")
-OPEN_FAILED = "CUDA IPC: cuIpcOpenMemHandle failed: "
+MUST_NOT = "prefill rank 0 sent CUDA IPC handles that this process must not map: "
+FOUND = ("(found by trying them in a separate process: a mapping that faults would end every "
+         "CUDA call of this one); refusing to map them")
 
 
 def _exporter() -> tuple[subprocess.Popen, str]:
@@ -145,23 +147,31 @@ def _exporter() -> tuple[subprocess.Popen, str]:
     return proc, proc.stdout.readline()
 
 
+def _refused_by_the_probe(r: dict, *causes: str) -> bool:
+    return (r["outcome"], r["error"]) == ("refused", "FkvError") and any(
+        r["message"].startswith(MUST_NOT + cause) for cause in causes) and r["message"].endswith(
+            FOUND)
+
+
 @pytest.mark.gpu
 def test_hostile_ipc_handles_cost_an_error_never_the_context() -> None:
     """A decode process maps a prefill peer's IPC handles altered every way a buggy or hostile
     peer could send them: each of the 64 bytes of the memory handle flipped, 16 random handles, all
     zeros, an event handle in its place, a region past the end of its allocation, the handle of a
     process that exited; and event handles zeroed, flipped, swapped for memory handles, or from
-    the exited process. Each costs an ``FkvError`` naming what CUDA said (or maps the very same
-    bytes, where CUDA ignores the byte), or, for events, the fallback that counts finished writes;
-    after every case the process's CUDA context still computes right (a mapping that reached past
-    an allocation would fault it)."""
+    the exited process. Each costs an ``FkvError`` naming what CUDA said when the handles were
+    tried in a probe process (or maps the very same bytes, where CUDA ignores the byte), or, for
+    events, the fallback that counts finished writes; after every case the process's CUDA context
+    still computes right. (On the H200's driver 580 a memory handle with byte 31 flipped opens,
+    reports the right size and faults on the first read: before the probe, this test's own
+    process died of it.)"""
     live, live_line = _exporter()
     dead, dead_line = _exporter()
     dead.stdin.close()
     assert dead.wait(timeout=60) == 0
     try:
         got = subprocess.run([sys.executable, str(FUZZ_WORKER), "map"], input=live_line + dead_line,
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=600)
     finally:
         live.stdin.close()
         assert live.wait(timeout=60) == 0
@@ -176,24 +186,22 @@ def test_hostile_ipc_handles_cost_an_error_never_the_context() -> None:
     size, past = info["alloc_size"], info["alloc_size"] - SPEC.region_bytes + 1
     assert by.pop("offset past the allocation") == {
         "outcome": "refused", "error": "FkvError",
-        "message": f"prefill rank 0 announced a region at offset {past} (+{SPEC.region_bytes} "
-                   f"bytes) of an allocation of {size} bytes; refusing to map it"}
-    assert by.pop("real events") == {"outcome": "opened", "done": [True, True]}
+        "message": f"{MUST_NOT}a region at offset {past} (+{SPEC.region_bytes} bytes) of an "
+                   f"allocation of {size} bytes {FOUND}"}
+    assert by.pop("real events") == {"outcome": "opened", "probe": True, "done": [True, True]}
     for name in ("a memory handle as events", "zero events", "dead exporter's events",
                  *(f"event flip {i}" for i in range(0, 64, 4))):
         r = by.pop(name)
-        assert r in ({"outcome": "no events (count finished writes)"},
-                     {"outcome": "opened", "done": [True, True]}), (name, r)
+        assert r in ({"outcome": "no events (count finished writes)", "probe": False},
+                     {"outcome": "opened", "probe": True, "done": [True, True]}), (name, r)
     for name in ("zeros", "an event handle as memory", "dead exporter",
                  *(f"random {k}" for k in range(16))):
-        r = by.pop(name)
-        assert (r["outcome"], r["error"]) == ("refused", "FkvError"), (name, r)
-        assert r["message"].startswith(OPEN_FAILED), (name, r)
+        assert _refused_by_the_probe(by.pop(name), "cuIpcOpenMemHandle failed: "), name
     outcomes = {}
     for name, r in by.items():  # the 64 flips
-        assert r == {"outcome": "mapped", "same_bytes": True} or (
-            r["outcome"], r["error"]) == ("refused", "FkvError") and r["message"].startswith(
-                OPEN_FAILED), (name, r)
+        assert r == {"outcome": "mapped", "same_bytes": True} or _refused_by_the_probe(
+            r, "cuIpcOpenMemHandle failed: ", "reading the mapped region failed: "), (name, r)
         outcomes[name] = r["outcome"]
     assert sorted(by) == sorted(f"flip {i}" for i in range(64))
     assert "refused" in outcomes.values()
+    print({name: r.get("message", "")[len(MUST_NOT):][:60] for name, r in by.items()})

@@ -206,11 +206,17 @@ def sharing_note(ranks: list[int], mps: bool) -> str:
 
 class Mapping:
     """One prefill rank's caches mapped into this process on ``device``: ``views`` are the layer
-    views of ``peer.spec`` (as ``fkv.allocate`` lays them out). Close to unmap."""
+    views of ``peer.spec`` (as ``fkv.allocate`` lays them out). Close to unmap.
+
+    The peer's handles are first tried in a separate process (``_ipc_probe``): one that CUDA
+    opens but whose memory faults when read is refused there, before this process maps it.
+    ``events_ok`` says whether the peer's interprocess events opened and answered a query there
+    too (if not, a streaming read counts finished writes instead of waiting on them)."""
 
     def __init__(self, peer: Peer, device: Any) -> None:
         import torch
 
+        from fkv.connector.transport._ipc_probe import probe
         from fkv.tensors import _inverse, torch_dtype
 
         reason = ipc_refusal(peer, device)
@@ -221,6 +227,16 @@ class Mapping:
         self._keep: list[Any] = []
         spec, info = peer.spec, peer.ipc
         index = device.index if device.index is not None else torch.cuda.current_device()
+        unique = list(dict.fromkeys(info.handles))
+        refusal, self.events_ok = probe(
+            index, unique, [(unique.index(handle), offset, nbytes) for (_, nbytes), handle, offset
+                            in zip(peer.regions, info.handles, info.offsets, strict=True)],
+            list(info.events))
+        if refusal:
+            raise FkvError(f"prefill rank {peer.engine.tp_rank} sent CUDA IPC handles that this "
+                           f"process must not map: {refusal} (found by trying them in a separate "
+                           f"process: a mapping that faults would end every CUDA call of this "
+                           f"one); refusing to map them")
         dtype = torch_dtype(spec.dtype)
         inv = _inverse(spec.stride_order)
         self.views: list[Any] = []

@@ -72,14 +72,15 @@ class IpcPath:
             raise
 
     def _open_events(self, peers: list[Any]) -> dict[int, list[Any]]:
-        """Open every mapped rank's publish events; none at all unless every rank has them (a
-        streaming read then counts finished writes, as the NIXL paths do)."""
+        """Open every mapped rank's publish events; none at all unless every rank has them and
+        they opened and answered a query in the mapping's probe process (a streaming read then
+        counts finished writes, as the NIXL paths do)."""
         import torch
 
         events = {}
         for rank in self.mappings:
             handles = peers[rank].ipc.events
-            if not handles:
+            if not handles or not self.mappings[rank].events_ok:  # none, or refused by the probe
                 return {}
             try:
                 events[rank] = [torch.cuda.Event.from_ipc_handle(self.local.device, handle)
