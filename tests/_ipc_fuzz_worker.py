@@ -148,8 +148,12 @@ def map_cases() -> None:
         cases.append((f"event flip {i}", "events", {"events": flipped}, None))
     out = []
     for name, kind, change, expected in cases:
-        info = dead if kind.endswith("-dead") else live
-        peer = _peer(info, **change)
+        if kind == "map-dead":
+            peer = _peer(dead)
+        elif kind == "events-dead":  # the live rank's memory, the exited one's events
+            peer = _peer(live, events=tuple(bytes.fromhex(e) for e in dead["events"]))
+        else:
+            peer = _peer(live, **change)
         got = _map(peer, expected) if kind.startswith("map") else _events(peer)
         got.update(case=name, context_ok=_context_ok())
         out.append(got)

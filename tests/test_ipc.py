@@ -168,12 +168,14 @@ def test_hostile_ipc_handles_cost_an_error_never_the_context() -> None:
     live, live_line = _exporter()
     dead, dead_line = _exporter()
     dead.stdin.close()
+    dead.stdout.close()
     assert dead.wait(timeout=60) == 0
     try:
         got = subprocess.run([sys.executable, str(FUZZ_WORKER), "map"], input=live_line + dead_line,
                              capture_output=True, text=True, timeout=600)
     finally:
         live.stdin.close()
+        live.stdout.close()
         assert live.wait(timeout=60) == 0
     assert got.returncode == 0, got.stderr[-3000:]
     results = json.loads(next(line[7:] for line in got.stdout.splitlines()
@@ -204,4 +206,5 @@ def test_hostile_ipc_handles_cost_an_error_never_the_context() -> None:
         outcomes[name] = r["outcome"]
     assert sorted(by) == sorted(f"flip {i}" for i in range(64))
     assert "refused" in outcomes.values()
-    print({name: r.get("message", "")[len(MUST_NOT):][:60] for name, r in by.items()})
+    print("refused flips:", {name: r["message"][len(MUST_NOT):].split(" (found")[0]
+                             for name, r in by.items() if r["outcome"] == "refused"})
