@@ -90,9 +90,9 @@ def _run(request: dict[str, Any], lib: Any) -> dict[str, Any]:
             return {"refusal": f"a region at offset {offset} (+{nbytes} bytes) of an allocation "
                                f"of {sizes[index]} bytes", "events_ok": False}
         start = bases[index] + offset
-        points = [*range(0, nbytes, STRIDE)] if nbytes else []
-        for first in range(0, len(points), ROWS):
-            rows = min(ROWS, len(points) - first)
+        points = -(-nbytes // STRIDE)  # bytes 0, STRIDE, 2 STRIDE, ... below nbytes
+        for first in range(0, points, ROWS):
+            rows = min(ROWS, points - first)
             copy = _Copy2D(srcMemoryType=2, srcDevice=start + first * STRIDE, srcPitch=STRIDE,
                            dstMemoryType=1, dstHost=ctypes.addressof(sink), dstPitch=1,
                            WidthInBytes=1, Height=rows)
