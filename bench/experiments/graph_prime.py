@@ -19,7 +19,10 @@ round ``after``: the same graphs again; round ``new``: the same calls captured a
 - ``instantiate``: the same, only instantiated;
 - ``none``: no priming step (the control);
 - ``first``: the priming launch before anything is captured (as an engine would at start-up);
-  its ``before`` round is already primed.
+  its ``before`` round is already primed;
+- ``replay-empty`` / ``replay-write``: as ``graph_state.py``'s compare run did it: a 32-node
+  device-launch graph of the empty kernel / of the write calls, timed like the others (110
+  replays, each after the flush) as the priming step.
 
     python bench/experiments/graph_prime.py   # GPU; JSON to $OUT
 """
@@ -94,7 +97,15 @@ def child(mode: str) -> None:
             rows.append({"mode": mode, "round": round_name, "variant": n, "us": us})
 
     timed("before", graphs)
-    if mode not in ("none", "first"):
+    if mode.startswith("replay-"):
+        from graph_state import _RawGraph
+
+        name = "empty" if mode == "replay-empty" else "default"
+        primer = _RawGraph(calls[name], 4)
+        keep.append(primer)
+        rows.append({"mode": mode, "round": "primer", "variant": f"{name} (device launch)",
+                     "us": [_per_call_us(primer.replay, len(calls[name]), buf)]})
+    elif mode not in ("none", "first"):
         keep.append(_prime(mode))
     timed("after", graphs)
     timed("new", {n: capture_graph(c) for n, c in calls.items()})
@@ -123,7 +134,7 @@ def main() -> None:
         for line in found:
             row = json.loads(line)
             rows.append(row)
-            print(f"{mode:11s} {row['round']:6s} {row['variant']:12s} "
+            print(f"{mode:12s} {row['round']:6s} {row['variant']:12s} "
                   + " ".join(f"{u:4.2f}" for u in row["us"]), flush=True)
     _record.write("graph-prime-exp.json", "graph_prime", rows)
 
