@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -59,34 +58,17 @@ def child(mode: str) -> None:
     sys.path.insert(0, str(HERE.parents[1]))
     sys.path.insert(0, str(HERE.parent))
     import torch
-    import gpu_kernels_sweep as sweep
-    import write_decode_probe as probe
-    from graph_state import _per_call_us
+    from graph_state import _per_call_us, decode_calls
 
-    import fkv
     from fkv.bench._common import capture_graph
-    from fkv.bench.write import Shape, _inputs, _slot_sets
 
     keep = []
     if mode == "first":
         keep.append(_prime("first"))
-    buf = torch.empty((256 << 20) // 4, dtype=torch.int32, device="cuda")
-    shape = Shape()
-    spec = fkv.KVCacheSpec(layout="NHD", num_blocks=shape.num_blocks,
-                           block_size=shape.block_size, num_kv_heads=shape.heads,
-                           head_size=shape.head_size, dtype="bfloat16")
-    cache = sweep.fkv_alloc(spec, "cuda")
-    out = torch.empty(2 * probe.TOKENS * spec.num_kv_heads * spec.head_size,
-                      dtype=torch.bfloat16, device="cuda")
-    kv = _inputs(spec, probe.TOKENS, probe.SETS, "cuda", seed=1)
-    slots = _slot_sets("decode", probe.TOKENS, shape, probe.SETS, "cuda", seed=2)
-    variants = probe._variants(spec, cache, {}, out)
-    calls = {n: [variants[n](k, v, s) for (k, v), s in zip(kv, slots)]
-             for n in ("default", "engine-style", "empty")}
+    buf, calls = decode_calls(("default", "engine-style", "empty"))
     small = torch.zeros(1 << 18, device="cuda")
-    calls["torch add"] = [lambda: small.add_(1)] * probe.SETS
-    for c in calls.values():
-        c[0]()
+    calls["torch add"] = [lambda: small.add_(1)] * len(calls["default"])
+    calls["torch add"][0]()
     torch.cuda.synchronize()
     graphs = {n: capture_graph(c) for n, c in calls.items()}
     rows = []
@@ -121,18 +103,15 @@ def main() -> None:
         return
     sys.path.insert(0, str(HERE.parent))
     import _record
+    from graph_state import child_rows
 
     rows = []
     for mode in os.environ.get("GRAPH_PRIME_MODES", ",".join(MODES)).split(","):
-        proc = subprocess.run([sys.executable, str(HERE), "--child", mode], capture_output=True,
-                              text=True, timeout=300)
-        found = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-        if proc.returncode or not found:
-            print(mode, "FAILED", proc.stdout[-1500:], proc.stderr[-2500:], flush=True)
-            rows.append({"mode": mode, "error": proc.stderr[-1500:]})
+        found = child_rows(HERE, mode)
+        if isinstance(found, str):
+            rows.append({"mode": mode, "error": found})
             continue
-        for line in found:
-            row = json.loads(line)
+        for row in found:
             rows.append(row)
             print(f"{mode:12s} {row['round']:6s} {row['variant']:12s} "
                   + " ".join(f"{u:4.2f}" for u in row["us"]), flush=True)

@@ -113,8 +113,10 @@ def _per_call_us(replay, ncalls: int, buf, rep: int = 100) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in times[10:]) * 1e3 / ncalls
 
 
-def compare(mode: str) -> None:
-    """The four kernels in both kinds of graph (module docstring)."""
+def decode_calls(names, dtype: str = "bfloat16", layout: str = "NHD"):
+    """do_bench's 256 MB flush buffer and, per variant of ``write_decode_probe`` in ``names``,
+    its 32 decode-write calls over rotating inputs (a 32768-block cache), each variant run once
+    (compiled)."""
     sys.path.insert(0, str(HERE.parents[2]))
     sys.path.insert(0, str(HERE.parents[1]))
     sys.path.insert(0, str(HERE.parent))
@@ -125,7 +127,6 @@ def compare(mode: str) -> None:
     import fkv
     from fkv.bench.write import Shape, _inputs, _slot_sets
 
-    _, dtype, layout = mode.split("-")
     buf = torch.empty((256 << 20) // 4, dtype=torch.int32, device="cuda")
     shape = Shape()
     spec = fkv.KVCacheSpec(layout=layout, num_blocks=shape.num_blocks,
@@ -134,15 +135,21 @@ def compare(mode: str) -> None:
     cache = sweep.fkv_alloc(spec, "cuda")
     out = torch.empty(2 * probe.TOKENS * spec.num_kv_heads * spec.head_size,
                       dtype=torch.bfloat16, device="cuda")
-    scales = sweep._scales(spec, "cuda")
     kv = _inputs(spec, probe.TOKENS, probe.SETS, "cuda", seed=1)
     slots = _slot_sets("decode", probe.TOKENS, shape, probe.SETS, "cuda", seed=2)
-    variants = probe._variants(spec, cache, scales, out)
-    names = ("default", "engine-style", "contiguous", "empty")
+    variants = probe._variants(spec, cache, sweep._scales(spec, "cuda"), out)
     calls = {n: [variants[n](k, v, s) for (k, v), s in zip(kv, slots)] for n in names}
     for c in calls.values():
         c[0]()
     torch.cuda.synchronize()
+    return buf, calls
+
+
+def compare(mode: str) -> None:
+    """The four kernels in both kinds of graph (module docstring)."""
+    _, dtype, layout = mode.split("-")
+    names = ("default", "engine-style", "contiguous", "empty")
+    buf, calls = decode_calls(names, dtype, layout)
     graphs = [(n, f, _RawGraph(calls[n], f)) for n in names for f in (1, 4)]
     us = {(n, f): [] for n, f, _ in graphs}
     for _ in range(3):
@@ -158,34 +165,12 @@ def child(mode: str) -> None:
     if mode.startswith("compare-"):
         compare(mode)
         return
-    sys.path.insert(0, str(HERE.parents[2]))
-    sys.path.insert(0, str(HERE.parents[1]))
-    sys.path.insert(0, str(HERE.parent))
-    import torch
-    import gpu_kernels_sweep as sweep
-    import write_decode_probe as probe
-
-    import fkv
-    from fkv.bench._common import capture_graph
-    from fkv.bench.write import Shape, _inputs, _slot_sets
-
-    buf = torch.empty((256 << 20) // 4, dtype=torch.int32, device="cuda")
-    shape = Shape()
-    spec = fkv.KVCacheSpec(layout="NHD", num_blocks=shape.num_blocks,
-                           block_size=shape.block_size, num_kv_heads=shape.heads,
-                           head_size=shape.head_size, dtype="bfloat16")
-    cache = sweep.fkv_alloc(spec, "cuda")
-    out = torch.empty(2 * probe.TOKENS * spec.num_kv_heads * spec.head_size,
-                      dtype=torch.bfloat16, device="cuda")
-    kv = _inputs(spec, probe.TOKENS, probe.SETS, "cuda", seed=1)
-    slots = _slot_sets("decode", probe.TOKENS, shape, probe.SETS, "cuda", seed=2)
-    variants = probe._variants(spec, cache, {}, out)
     second = "contiguous" if mode == "state" else "empty"
-    calls = {name: [variants[name](k, v, s) for (k, v), s in zip(kv, slots)]
-             for name in ("default", second)}
-    for c in calls.values():
-        c[0]()
-    torch.cuda.synchronize()
+    buf, calls = decode_calls(("default", second))  # (puts the repository on sys.path)
+    import torch
+
+    from fkv.bench._common import capture_graph
+
     if mode in ("sleep", "state"):
         time.sleep(3)
     order = ["default", second] * 3
@@ -209,6 +194,18 @@ def child(mode: str) -> None:
           flush=True)
 
 
+def child_rows(script, mode: str, env=None) -> list[dict] | str:
+    """``script --child mode`` run in a fresh process: its ``ROW`` lines decoded, or (printed
+    too) the end of its error output."""
+    proc = subprocess.run([sys.executable, str(script), "--child", mode], env=env,
+                          capture_output=True, text=True, timeout=300)
+    found = [json.loads(ln[4:]) for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+    if proc.returncode or not found:
+        print(mode, "FAILED", proc.stdout[-1500:], proc.stderr[-2500:], flush=True)
+        return proc.stderr[-1500:]
+    return found
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         child(sys.argv[2])
@@ -223,16 +220,12 @@ def main() -> None:
                  for lay in ("NHD", "HND")]
     for repeat in range(int(os.environ.get("GRAPH_STATE_REPEATS", "1"))):
         for mode in modes:
-            env = {**os.environ, **ENV.get(mode, {})}
-            proc = subprocess.run([sys.executable, str(HERE), "--child", mode], env=env,
-                                  capture_output=True, text=True, timeout=300)
-            found = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-            if proc.returncode or not found:
-                print(mode, "FAILED", proc.stdout[-1500:], proc.stderr[-2500:], flush=True)
-                rows.append({"mode": mode, "repeat": repeat, "error": proc.stderr[-1500:]})
+            found = child_rows(HERE, mode, {**os.environ, **ENV.get(mode, {})})
+            if isinstance(found, str):
+                rows.append({"mode": mode, "repeat": repeat, "error": found})
                 continue
-            for line in found:
-                row = {**json.loads(line), "repeat": repeat}
+            for row in found:
+                row = {**row, "repeat": repeat}
                 rows.append(row)
                 if "variant" in row:
                     print(f"{mode} {row['variant']:13s} {row['graph']:13s} "
