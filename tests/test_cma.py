@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from typing import Any
 
@@ -433,3 +434,338 @@ def test_a_prime_over_an_unmapped_page_leaves_the_failure_to_the_copy() -> None:
         copier.close()
     finally:
         h.close()
+
+
+def test_thread_counts_from_one_to_sixty_four_are_taken(monkeypatch: Any) -> None:
+    from fkv.connector.transport._cma import copy_threads
+
+    for raw, want in (("1", 1), ("64", 64), (" 7 ", 7)):
+        monkeypatch.setenv("FKV_CMA_THREADS", raw)
+        assert copy_threads() == want
+
+
+def test_only_fkv_cma_zero_turns_the_copies_off(monkeypatch: Any) -> None:
+    from fkv.connector.transport._cma import cma_wanted
+
+    monkeypatch.delenv("FKV_CMA", raising=False)
+    assert cma_wanted() is True
+    for raw, want in (("1", True), ("yes", True), ("2", True), ("", True), ("0", False)):
+        monkeypatch.setenv("FKV_CMA", raw)
+        assert cma_wanted() is want
+
+
+def test_refusals_name_the_first_reason_in_order(holder: Holder, monkeypatch: Any) -> None:
+    """FKV_CMA first, then the decode side's memory, then the prefill side's."""
+    peer = holder.peer()
+    assert cma_refusal(peer, 4, "VRAM", "VRAM") == "the decode caches are not in CPU DRAM"
+    monkeypatch.setenv("FKV_CMA", "0")
+    assert cma_refusal(peer, 4, "VRAM", "VRAM") == "FKV_CMA=0"
+
+
+def test_each_errno_of_a_failed_call_is_named() -> None:
+    import errno
+
+    from fkv.connector.transport._cma import _why
+
+    assert _why(errno.EPERM, 42) == (
+        "the kernel refused to let this process read process 42's memory (EPERM: Yama's "
+        "/proc/sys/kernel/yama/ptrace_scope above 0, or a container without CAP_SYS_PTRACE)")
+    assert _why(errno.ESRCH, 42) == "process 42 is gone (ESRCH)"
+    assert _why(errno.EFAULT, 42) == "an announced region is not mapped in process 42 (EFAULT)"
+    assert _why(errno.ENOSYS, 42) == "process_vm_readv is not available on this kernel (ENOSYS)"
+    assert _why(errno.EINVAL, 42) == "process_vm_readv failed (EINVAL)"
+    assert _why(99999, 42) == "process_vm_readv failed (99999)"
+
+
+def test_describe_names_every_rank_and_its_pid(holder: Holder) -> None:
+    mine = np.zeros(holder.size, dtype=np.uint8)
+    copier = SameHostCopy([(mine.ctypes.data, mine.size)], None,
+                          {0: holder.peer(), 2: holder.peer()}, "p")
+    try:
+        assert copier.describe() == ("copied with process_vm_readv from the prefill processes "
+                                     f"(P0 pid {holder.pid}, P2 pid {holder.pid})")
+    finally:
+        copier.close()
+
+
+def test_without_a_staging_buffer_a_staging_row_is_refused(holder: Holder) -> None:
+    local, copier = _copier(holder)
+    try:
+        with pytest.raises(FkvError) as e:
+            copier.vectors(0, _rows([(0, 0, -1, 0, 1)]))
+        assert str(e.value) == "a plan row leaves its local region; nothing was copied"
+    finally:
+        copier.close()
+
+
+def test_read_points_land_in_order_across_several_calls() -> None:
+    """1100 points of 8 bytes (two calls of up to 1024), read from this process in reverse:
+    each lands 8 bytes after the one before it in the scratch buffer."""
+    from fkv.connector.transport._cma import _read_points
+
+    n = 1100
+    src = (np.arange(8 * n) % 253).astype(np.uint8)
+    points = np.array([(src.ctypes.data + 8 * (n - 1 - i), 8) for i in range(n)],
+                      dtype=np.uint64)
+    scratch = np.zeros(8 * n, dtype=np.uint8)
+    assert _read_points(os.getpid(), points, scratch) == 0
+    assert np.array_equal(scratch.reshape(n, 8), src.reshape(n, 8)[::-1])
+
+
+def _regions_peer(h: Holder, regions: tuple[tuple[int, int], ...]) -> Any:
+    """A peer announcing ``regions`` of the holder's process, vouched for by its board."""
+    peer = types.SimpleNamespace(board=h.peer().board, regions=regions)
+    h.board.vouch_for(h.pid, regions)
+    return peer
+
+
+def test_the_probe_reads_both_ends_of_each_region_and_nothing_past_them() -> None:
+    """Region 1's middle page is unmapped: a region ending one byte into it is refused (its
+    last bytes are read), one ending right before it or of 4 bytes just before it is not."""
+    h = Holder("hole")
+    try:
+        mine = np.zeros(h.size, dtype=np.uint8)
+        local = [(mine.ctypes.data, mine.size)]
+        hole = h.bases[1] + h.size // 2
+        for regions in (((h.bases[1], h.size // 2),), ((hole - 4, 4),), ((hole - 8, 8),)):
+            SameHostCopy(local, None, {0: _regions_peer(h, regions)}, "p").close()
+        for regions in (((h.bases[1], h.size // 2 + 1),), ((hole - 4, 5),),
+                        ((h.bases[0], h.size), (hole - 7 * PAGE, 7 * PAGE + 1))):
+            with pytest.raises(FkvError) as e:
+                SameHostCopy(local, None, {3: _regions_peer(h, regions)}, "p")
+            assert str(e.value) == (f"cannot copy from prefill rank 3's process {h.pid}: an "
+                                    f"announced region is not mapped in process {h.pid} "
+                                    f"(EFAULT)")
+    finally:
+        h.close()
+
+
+def test_a_process_that_exited_unreaped_is_refused() -> None:
+    """A zombie still has its /proc entry and its owner: the pidfd says it exited."""
+    h = Holder()
+    zombie = subprocess.Popen(["true"])
+    try:
+        while True:
+            with open(f"/proc/{zombie.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.001)
+        mine = np.zeros(h.size, dtype=np.uint8)
+        with pytest.raises(FkvError) as e:
+            SameHostCopy([(mine.ctypes.data, mine.size)], None, {1: h.peer(pid=zombie.pid)}, "p")
+        assert str(e.value) == f"prefill rank 1's process {zombie.pid} exited while it was checked"
+    finally:
+        zombie.wait()
+        h.close()
+
+
+def test_without_pidfds_an_exit_is_seen_through_the_pid(holder: Holder,
+                                                         monkeypatch: Any) -> None:
+    def no_pidfd(pid: int) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    local, copier = _copier(holder)
+    try:
+        assert copier.sources[0].pidfd == -1
+        assert not copier.sources[0].exited()
+        lv, rv, nbytes = copier.vectors(0, _rows([(0, 0, 0, 0, PAGE)]))
+        copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        assert np.array_equal(local[0, :PAGE], _pattern(0, PAGE))
+        holder.close()
+        assert copier.sources[0].exited()
+        with pytest.raises(TransferFailed, match=rf"prefill rank 0 of engine 'p' \(pid "
+                                                 rf"{holder.pid}\) exited: "):
+            copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+    finally:
+        copier.close()
+
+
+def _fds() -> list[str]:
+    return sorted(os.listdir("/proc/self/fd"))
+
+
+def test_a_refused_process_leaves_no_descriptor_open(holder: Holder, monkeypatch: Any) -> None:
+    """The refused source's pidfd and board, and every source made before it, are closed."""
+    from fkv.connector.transport._board import BoardView
+
+    mine = np.zeros(holder.size, dtype=np.uint8)
+    regions = [(mine.ctypes.data, mine.size)]
+    good = holder.peer()
+    bad = types.SimpleNamespace(board=good.board,
+                                regions=((holder.bases[0], holder.size), (4096, holder.size)))
+    before = _fds()
+    with pytest.raises(FkvError, match="not vouch"):
+        SameHostCopy(regions, None, {0: good, 1: bad}, "p")
+    assert _fds() == before
+    real = os.getuid()
+    monkeypatch.setattr(BoardView, "owner", lambda self: real + 7)
+    with pytest.raises(FkvError, match=f"belongs to uid {real + 7}"):
+        SameHostCopy(regions, None, {0: good}, "p")
+    assert _fds() == before
+
+
+def test_closing_a_copier_closes_each_source_once(holder: Holder) -> None:
+    before = _fds()
+    local, copier = _copier(holder)
+    src = copier.sources[0]
+    assert src.pidfd >= 0 and src.board is not None and _fds() != before
+    copier.close()
+    assert copier.sources == {} and src.pidfd == -1 and src.board is None
+    assert _fds() == before
+    src.close()
+    copier.close()
+    assert _fds() == before
+
+
+def test_a_call_that_fails_with_an_errno_names_it() -> None:
+    """A row starting in region 1's unmapped page: the call reads nothing and says EFAULT."""
+    h = Holder("hole")
+    try:
+        local, copier = _copier(h)
+        lv, rv, nbytes = copier.vectors(0, _rows([(1, 8 * PAGE, 1, 0, PAGE)]))
+        with pytest.raises(TransferFailed) as e:
+            copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        assert str(e.value) == (
+            f"copy from prefill rank 0 of engine 'p' (pid {h.pid}) failed: an announced region "
+            f"is not mapped in process {h.pid} (EFAULT): the prefill process may have died: "
+            f"reconnect once it is back (client.reconnect())")
+        assert not local.any()
+        copier.close()
+    finally:
+        h.close()
+
+
+def test_the_timeout_is_checked_between_calls_only(holder: Holder) -> None:
+    """A deadline already past: a copy of one call still lands; one of 1500 rows makes its
+    first call (1024 rows land) and fails before the second."""
+    local, copier = _copier(holder)
+    try:
+        per = holder.size // 32
+        lv, rv, nbytes = copier.vectors(0, _rows([(0, i * 32, 0, i * 32, 32)
+                                                  for i in range(IOV_MAX)]))
+        copier.copy(0, lv, rv, nbytes, deadline=0.0)
+        assert np.array_equal(local[0, :IOV_MAX * 32], _pattern(0, IOV_MAX * 32))
+        local[:] = 0
+        lv, rv, nbytes = copier.vectors(0, _rows([(i // per, i % per * 32, i // per,
+                                                   i % per * 32, 32) for i in range(1500)]))
+        with pytest.raises(TransferFailed) as e:
+            copier.copy(0, lv, rv, nbytes, deadline=0.0)
+        assert str(e.value) == (
+            f"copy from prefill rank 0 of engine 'p' (pid {holder.pid}) failed: it did not "
+            f"finish before the read's timeout: the prefill process may have died: reconnect "
+            f"once it is back (client.reconnect())")
+        flat = local.ravel()
+        assert np.array_equal(flat[:IOV_MAX * 32], _pattern(0, IOV_MAX * 32))
+        assert not flat[IOV_MAX * 32:].any()
+    finally:
+        copier.close()
+
+
+def test_prime_skips_empty_copies_unknown_ranks_and_takes_the_cap_and_budget_inclusive(
+        holder: Holder, monkeypatch: Any) -> None:
+    from fkv.connector.transport import _cma
+
+    local, copier = _copier(holder)
+    try:
+        empty = np.empty((0, 2), dtype=np.uint64)
+        assert not copier.prime(0, empty, empty, 0)
+        lv, rv, nbytes = copier.vectors(0, _rows([(0, 0, 0, 0, 3 * PAGE)]))
+        assert not copier.prime(7, lv, rv, nbytes)
+        assert copier.primed == 0
+        monkeypatch.setattr(_cma, "_PRIME_BYTES", nbytes)
+        assert copier.prime(0, lv, rv, nbytes) and copier.primed == 1
+        copier._prime_rate = 0.5  # noqa: SLF001
+        assert copier.prime(0, lv, rv, nbytes, budget=nbytes * 0.5) and copier.primed == 2
+        copier._prime_rate = 0.5  # noqa: SLF001
+        assert not copier.prime(0, lv, rv, nbytes, budget=nbytes * 0.5 - 1)
+        assert copier.primed == 2 and not local.any()
+    finally:
+        copier.close()
+
+
+def _record_runs(monkeypatch: Any) -> list[tuple[int, int]]:
+    """Record (rows, bytes) of every ``_copy_rows`` call (each thread's run), then copy."""
+    from fkv.connector.transport import _cma
+
+    runs: list[tuple[int, int]] = []
+    real = _cma._copy_rows  # noqa: SLF001
+
+    def record(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int,
+               deadline: float) -> str:
+        runs.append((local.shape[0], nbytes))
+        return real(pid, local, remote, nbytes, deadline)
+
+    monkeypatch.setattr(_cma, "_copy_rows", record)
+    return runs
+
+
+@pytest.mark.parametrize(("threads", "nrows", "want"), [
+    (4, 128, [(32, 2 << 20)] * 4),           # 8 MiB: four runs of 2 MiB
+    (2, 128, [(64, 4 << 20)] * 2),           # 8 MiB, two threads
+    (4, 64, [(32, 2 << 20)] * 2),            # exactly 4 MiB: split in two (2 MiB each at least)
+    (4, 63, [(63, 63 << 16)]),               # under 4 MiB: one run in this thread
+    (4, 1, [(1, 4 << 20)]),                  # one row: nothing to split
+])
+def test_a_copy_is_split_into_runs_of_at_least_two_mib(threads: int, nrows: int,
+                                                        want: list[tuple[int, int]],
+                                                        monkeypatch: Any) -> None:
+    h = Holder(size="big")
+    try:
+        local = np.zeros((2, h.size), dtype=np.uint8)
+        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
+                              {0: h.peer()}, "p", threads)
+        row = h.size if nrows == 1 else 64 << 10
+        per = h.size // row
+        rows = _rows([(i // per, i % per * row, i // per, i % per * row, row)
+                      for i in range(nrows)])
+        lv, rv, nbytes = copier.vectors(0, rows)
+        runs = _record_runs(monkeypatch)
+        copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        assert sorted(runs) == sorted(want)
+        assert (copier._pool is None) == (len(want) == 1)  # noqa: SLF001
+        ref = np.concatenate([_pattern(0, h.size), _pattern(1, h.size)])
+        assert np.array_equal(local.ravel()[:nbytes], ref[:nbytes])
+        assert not local.ravel()[nbytes:].any()
+        copier.close()
+    finally:
+        h.close()
+
+
+def test_split_copies_share_one_pool_that_close_shuts_down() -> None:
+    h = Holder(size="big")
+    try:
+        local = np.zeros((2, h.size), dtype=np.uint8)
+        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
+                              {0: h.peer()}, "p", threads=2)
+        lv, rv, nbytes = copier.vectors(0, _rows([(r, 0, r, 0, h.size) for r in range(2)]))
+        copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        pool = copier._pool  # noqa: SLF001
+        copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        assert copier._pool is pool  # noqa: SLF001
+        copier.close()
+        with pytest.raises(RuntimeError, match="shutdown"):
+            pool.submit(int)
+    finally:
+        h.close()
+
+
+def test_a_split_copy_whose_own_run_is_short_fails_the_read() -> None:
+    """The run this thread copies (the first) crosses the hole; the pool's run lands."""
+    h = Holder("hole", size="big")
+    try:
+        local = np.zeros((2, h.size), dtype=np.uint8)
+        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
+                              {0: h.peer()}, "p", threads=4)
+        lv, rv, nbytes = copier.vectors(0, _rows([(1, 0, 1, 0, h.size), (0, 0, 0, 0, h.size)]))
+        with pytest.raises(TransferFailed) as e:
+            copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
+        assert str(e.value) == (
+            f"copy from prefill rank 0 of engine 'p' (pid {h.pid}) failed: it read "
+            f"{h.size // 2} of {h.size} bytes: the prefill process may have died: reconnect "
+            f"once it is back (client.reconnect())")
+        assert np.array_equal(local[0], _pattern(0, h.size))
+        copier.close()
+    finally:
+        h.close()
+
