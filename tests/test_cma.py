@@ -769,3 +769,15 @@ def test_a_split_copy_whose_own_run_is_short_fails_the_read() -> None:
     finally:
         h.close()
 
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_row_whose_end_overflows_int64_is_refused(local: bool) -> None:
+    """Offset and length each inside int64, their sum not: the row still leaves its region."""
+    bases = np.array([0x10000, 0x90000], dtype=np.uint64)
+    sizes = np.array([0x1000, 0x1000], dtype=np.int64)
+    for offset, length in ((0x800, (1 << 63) - 1), (1 << 62, 1 << 62)):
+        rows = np.array([(0, 0, offset, 0, offset, length)], dtype=np.int64)
+        with pytest.raises(FkvError) as e:
+            iovecs(rows, bases, sizes, local=local)
+        side = "local" if local else "remote"
+        assert str(e.value) == f"a plan row leaves its {side} region; nothing was copied"

@@ -165,7 +165,9 @@ def iovecs(rows: np.ndarray, bases: np.ndarray, sizes: np.ndarray, *, local: boo
     if ((region < (-1 if local else 0)) | (region >= n)).any():
         raise FkvError(f"a plan row names a {side} region outside 0..{n - 1}; nothing was copied")
     index = np.where(region < 0, bases.shape[0] - 1, region)
-    if ((offset < 0) | (length <= 0) | (offset + length > sizes[index])).any():
+    size = sizes[index]
+    # length against the room left (offset + length could wrap past int64 and pass)
+    if ((offset < 0) | (length <= 0) | (offset > size) | (length > size - offset)).any():
         raise FkvError(f"a plan row leaves its {side} region; nothing was copied")
     out = np.empty((rows.shape[0], 2), dtype=np.uint64)
     out[:, 0] = bases[index] + offset.astype(np.uint64)
