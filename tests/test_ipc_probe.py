@@ -5,6 +5,7 @@ driver's answers to hostile handles are in tests/test_ipc.py (``-m gpu``)."""
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import subprocess
@@ -154,10 +155,127 @@ def test_what_cuda_refuses_is_named_with_its_code() -> None:
     assert str(e.value) == "reading the mapped regions failed: CUDA_ERROR_LAUNCH_FAILED (719)"
 
 
+def test_the_probe_reads_a_byte_every_65536_bytes_in_copies_of_at_most_32768_rows() -> None:
+    n = 32769 * 65536 + 1
+    lib = FakeDriver({H0: n})
+    assert _ipc_probe._run(request(regions=[(0, 0, n)]), lib) == {"refusal": "",
+                                                                  "events_ok": True}
+    b = lib.bases[H0]
+    assert [c[1:4] for c in lib.calls if c[0] == "copy"] == [
+        (b, 65536, 32768), (b + 32768 * 65536, 65536, 2), (b + n - 1, 1, 1)]
+
+
+@pytest.mark.parametrize(("call", "what"), [
+    ("cuInit", "cuInit"), ("cuDeviceGet", "cuDeviceGet"),
+    ("cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain"),
+    ("cuCtxSetCurrent", "cuCtxSetCurrent"),
+    ("cuMemGetAddressRange_v2", "cuMemGetAddressRange of the mapped allocation"),
+])
+def test_a_setup_call_that_cuda_refuses_is_named_with_its_code(call, what) -> None:
+    lib = FakeDriver({H0: STRIDE})
+    setattr(lib, call, lambda *args: 1)
+    with pytest.raises(_ipc_probe._Refused) as e:
+        _ipc_probe._run(request(regions=[(0, 0, STRIDE)]), lib)
+    assert str(e.value) == f"{what} failed: CUDA_ERROR_INVALID_VALUE (1)"
+    assert [c for c in lib.calls if c[0] == "copy"] == []
+
+
+def test_an_error_code_cuda_cannot_name_is_shown_as_a_question_mark() -> None:
+    lib = FakeDriver({H0: STRIDE})
+    lib.cuInit = lambda flags: 999
+    lib.cuGetErrorName = lambda code, ref: 1  # leaves the name NULL
+    with pytest.raises(_ipc_probe._Refused) as e:
+        _ipc_probe._run(request(), lib)
+    assert str(e.value) == "cuInit failed: ? (999)"
+
+
+def test_the_probe_makes_the_asked_devices_primary_context_current() -> None:
+    lib = FakeDriver({H0: STRIDE})
+    seen = []
+
+    def device_get(ref, ordinal):
+        ref._obj.value = 40 + ordinal
+        return 0
+
+    def retain(ref, dev):
+        seen.append(("retain", dev.value))
+        ref._obj.value = 0xC0DE
+        return 0
+
+    lib.cuInit = lambda flags: (seen.append(("init", flags)), 0)[1]
+    lib.cuDeviceGet = device_get
+    lib.cuDevicePrimaryCtxRetain = retain
+    lib.cuCtxSetCurrent = lambda ctx: (seen.append(("current", ctx.value)), 0)[1]
+    assert _ipc_probe._run(request(regions=[(0, 0, STRIDE)], device=2), lib) == {
+        "refusal": "", "events_ok": True}
+    assert seen == [("init", 0), ("retain", 42), ("current", 0xC0DE)]
+
+
+def test_the_mapped_base_reaches_the_driver_as_64_bits() -> None:
+    """The driver's functions come from a C library without prototypes: the probe declares
+    them, else a 64-bit address is cut to a C int."""
+    lib = FakeDriver({H0: 3 * STRIDE})
+    base = lib.bases[H0]
+    seen = []
+
+    def address_range(start, size, got):
+        seen.append(got)
+        if got != base:
+            return 1
+        ctypes.c_uint64.from_address(start).value = base
+        ctypes.c_size_t.from_address(size).value = 3 * STRIDE
+        return 0
+
+    c_func = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_uint64)(address_range)
+
+    class Unprototyped(ctypes._CFuncPtr):  # as ctypes.CDLL makes them
+        _flags_ = ctypes._FUNCFLAG_CDECL
+        _restype_ = ctypes.c_int
+
+    lib.cuMemGetAddressRange_v2 = Unprototyped(ctypes.cast(c_func, ctypes.c_void_p).value)
+    assert _ipc_probe._run(request(), lib) == {"refusal": "", "events_ok": True}
+    assert seen == [base]
+
+
+def test_every_copy_lands_in_a_host_buffer_that_holds_its_rows(monkeypatch) -> None:
+    buffers = {}
+    addressof = ctypes.addressof
+
+    def recording_addressof(obj):
+        buffers[addressof(obj)] = ctypes.sizeof(obj)
+        return addressof(obj)
+
+    monkeypatch.setattr(ctypes, "addressof", recording_addressof)
+    n = ROWS * STRIDE + 1
+    lib = FakeDriver({H0: n})
+    copies = []
+    copy = lib.cuMemcpy2D_v2
+
+    def checked_copy(ref):
+        c = ref._obj
+        copies.append(buffers.get(c.dstHost, 0) >= (c.Height - 1) * c.dstPitch + c.WidthInBytes)
+        return copy(ref)
+
+    lib.cuMemcpy2D_v2 = checked_copy
+    assert _ipc_probe._run(request(regions=[(0, 0, n)]), lib)["refusal"] == ""
+    assert copies == [True, True, True]
+
+
+def test_an_event_whose_query_faults_the_context_is_not_used() -> None:
+    lib = FakeDriver({H0: STRIDE}, events={E0: 0})
+    syncs = []
+    lib.cuCtxSynchronize = lambda: (syncs.append(1), 0 if len(syncs) == 1 else 719)[1]
+    got = _ipc_probe._run(request(regions=[(0, 0, STRIDE)], events=(E0,)), lib)
+    assert got == {"refusal": "", "events_ok": False}
+    assert len(syncs) == 2
+
+
 @pytest.mark.parametrize(("events", "codes", "ok", "queried"), [
     ((E0, H1), {E0: 0, H1: 600}, True, 2),  # done and not yet done both answer
     ((E0, H1), {E0: 0, H1: 719}, False, 2),  # a query that fails
     ((E0, H1), {E0: 0}, False, 1),  # the second does not open
+    ((E0, H1), {E0: 719, H1: 0}, False, 1),  # the first query fails: the second is not asked
     ((), {}, True, 0),
 ])
 def test_events_must_open_and_answer_a_query(events, codes, ok, queried) -> None:
@@ -199,6 +317,8 @@ def test_probe_sends_the_request_and_reads_the_answer(monkeypatch) -> None:
     ('{"refusal": 3, "events_ok": true}\n', "", 0, "exit status 0"),  # not a string
     ('{"refusal": "", "events_ok": 1}\n', "", 0, "exit status 0"),  # not a bool
     ("[1, 2]\n", "x\n", 0, "x"),
+    ('{"refusal": ""\n', "", 1, "exit status 1"),  # cut short: not JSON
+    ("", "E" * 300 + "\n", 1, "E" * 200),  # a long last line is cut at 200 characters
 ])
 def test_a_probe_without_an_answer_refuses(monkeypatch, stdout, stderr, rc, why) -> None:
     monkeypatch.setattr(subprocess, "run", lambda argv, **kw: subprocess.CompletedProcess(
