@@ -1392,6 +1392,192 @@ def test_streaming_packs_only_published_layers(cluster: Any) -> None:
         P.call("stop", name=name)
 
 
+# -- the pack buffer in this process (no NIXL) ----------------------------------------------------
+
+class _RecordingAgent:
+    def __init__(self) -> None:
+        self.registered: list[Any] = []
+
+    def register(self, regions: Any, mem_type: str, device_id: int) -> None:
+        self.registered.append((regions, mem_type, device_id))
+
+
+def _packer(monkeypatch: Any, pack_bytes: int, *, path: str = "triton", **spec_kw: Any) -> Any:
+    """A CPU :class:`Packer` of a cache (12 blocks of 4 tokens, 8 heads of 16, bf16, 2 layers
+    unless ``spec_kw`` says otherwise) whose element ``i`` of layer ``l`` is ``l * 10**4 + i``
+    (exact in bf16 only up to 256: compared as bytes), gathering with ``path``."""
+    import torch
+
+    import fkv
+    from fkv.connector.transport._packer import Packer
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if path == "triton" else "0")
+    spec = fkv.KVCacheSpec(**{"num_blocks": 12, "block_size": 4, "num_kv_heads": 8,
+                              "head_size": 16, "dtype": "bfloat16", "num_layers": 2, **spec_kw})
+    views = fkv.allocate(spec, "cpu")
+    for layer, view in enumerate(views):
+        view.copy_(torch.arange(view.numel(), dtype=torch.float32).view(view.shape)
+                   .add_(layer * 10**4).to(view.dtype))
+    return Packer(spec, views, torch.device("cpu"), pack_bytes, _RecordingAgent(), "DRAM", 0)
+
+
+def _pack(block_ids: list[int], num_tokens: int, heads: tuple[int, int] = (0, 8),
+          token: int = 1, **kw: Any) -> Any:
+    from fkv.connector.transport import _side
+
+    return _side.Pack(token=token, request_id="r", block_ids=block_ids, heads=heads,
+                      num_tokens=num_tokens, timeout=kw.pop("timeout", 30.0), **kw)
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_a_pack_holds_each_asked_layer_at_its_stride_in_its_slot(monkeypatch: Any,
+                                                                 path: str) -> None:
+    """Layers ``[a, b)`` of blocks ``[5, 1]``, heads 2-6: layer ``a + l`` at ``offset + l *
+    layer_bytes`` as ``[n, 2, h, N, D]``, the bytes of the cache's elements."""
+    import torch
+
+    from fkv.connector.transport import _side
+
+    packer = _packer(monkeypatch, 64 * 1024, path=path, num_layers=4)
+    packer.buffer.fill_(0xA5)
+    first = packer.pack(_pack([7], 4, timeout=5.0), 30.0)  # the next pack's slot is not at 0
+    got = packer.pack(_pack([5, 1], 8, heads=(2, 6), layers=(1, 3)), 30.0)
+    assert isinstance(got, _side.Packed), got
+    layer_bytes = 2 * 2 * 4 * 4 * 16 * 2
+    assert (first.offset, first.nbytes) == (0, 4 * 2 * 8 * 4 * 16 * 2)
+    assert (got.offset, got.nbytes) == (first.nbytes, 2 * layer_bytes)
+    for l, layer in enumerate((1, 2)):
+        want = packer.views[layer][torch.tensor([5, 1])][:, :, :, 2:6, :].permute(0, 1, 3, 2, 4)
+        start = got.offset + l * layer_bytes
+        assert bytes(packer.buffer[start:start + layer_bytes].numpy()) == \
+            bytes(want.contiguous().view(torch.uint8).flatten().numpy()), (path, layer)
+    end = got.offset + got.nbytes
+    assert bytes(packer.buffer[end:].numpy()) == b"\xa5" * (packer.capacity - end)
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_an_mla_pack_is_the_blocks_latent_rows(monkeypatch: Any, path: str) -> None:
+    import torch
+
+    packer = _packer(monkeypatch, 8192, path=path, backend="mla", num_kv_heads=1, head_size=32)
+    got = packer.pack(_pack([3, 0], 8, heads=(0, 1)), 30.0)
+    layer_bytes = 2 * 4 * 32 * 2
+    assert (got.offset, got.nbytes) == (0, 2 * layer_bytes)
+    for layer in (0, 1):
+        want = packer.views[layer][torch.tensor([3, 0])]
+        start = layer * layer_bytes
+        assert bytes(packer.buffer[start:start + layer_bytes].numpy()) == \
+            bytes(want.contiguous().view(torch.uint8).flatten().numpy()), (path, layer)
+
+
+def test_pack_refusals_name_the_first_bad_field_exactly(monkeypatch: Any) -> None:
+    from fkv.connector.transport import _side
+
+    packer = _packer(monkeypatch, 36 * 1024)
+    refusals = {
+        "'block_ids'[1] = 12 is outside this rank's cache [0, num_blocks=12)":
+            {"block_ids": [3, 12, 13]},
+        "'heads' (2, 2) must be a range (a, b) with 0 <= a < b <= 8 (this rank's KV heads)":
+            {"heads": (2, 2)},
+        "'num_tokens' 4 needs 1 blocks of 4 tokens but 'block_ids' holds 2": {"num_tokens": 4},
+        "12 blocks x 8 heads x 2 layers is 49152 bytes but this rank's pack buffer holds 36864 "
+        "(serve(..., pack_bytes=)); ask for fewer blocks at a time":
+            {"block_ids": list(range(12)), "num_tokens": 48},
+    }
+    for message, kw in refusals.items():
+        got = packer.pack(_pack(**{"block_ids": [1, 2], "num_tokens": 8, **kw}), 30.0)
+        assert got == _side.Error(message=f"pack refused: {message}; nothing was packed",
+                                  token=1), got
+    assert packer.slots.held == {}
+    assert isinstance(packer.pack(_pack([1], 4, heads=(0, 8)), 30.0), _side.Packed)
+
+
+def test_a_pack_may_fill_the_buffer_exactly_and_busy_names_the_bytes_held(
+        monkeypatch: Any) -> None:
+    from fkv.connector.transport import _side
+
+    packer = _packer(monkeypatch, 32 * 1024 + 100)  # rounded up to a multiple of 256
+    assert packer.capacity == 33024
+    whole = packer.pack(_pack(list(range(8)), 32), 30.0)  # 32 KiB
+    assert isinstance(whole, _side.Packed) and (whole.offset, whole.nbytes) == (0, 32768), whole
+    busy = packer.pack(_pack([1, 2], 8, token=2), 30.0)
+    assert busy == _side.Error(message="pack buffer busy: 32768 of 33024 bytes held by other "
+                                       "reads; ask again", retry=True, token=2), busy
+    assert packer.free(b"\xfffkv-free:" + str(whole.slot).encode()) is True
+    exact = _packer(monkeypatch, 36 * 1024)
+    got = exact.pack(_pack(list(range(9)), 36), 30.0)  # 9 blocks x 4 KiB: the whole buffer
+    assert isinstance(got, _side.Packed) and (got.offset, got.nbytes) == (0, 36864), got
+
+
+def test_a_slot_is_reserved_for_the_shorter_of_timeout_and_lease_plus_the_grace(
+        monkeypatch: Any) -> None:
+    from fkv.connector.transport import _packer as packer_module
+
+    packer = _packer(monkeypatch, 36 * 1024)
+    monkeypatch.setattr(packer_module.time, "monotonic", lambda: 1000.0)
+    short = packer.pack(_pack([1], 4, timeout=5.0), 30.0)
+    long = packer.pack(_pack([2], 4, timeout=90.0, token=2), 30.0)
+    assert (short.expires_in, long.expires_in) == (5.0, 30.0)
+    assert packer.slots.held[short.slot] == (0, 4096, 1015.0)
+    assert packer.slots.held[long.slot] == (4096, 4096, 1040.0)
+
+
+def test_a_pack_takes_the_room_of_slots_whose_lease_ran_out(monkeypatch: Any) -> None:
+    from fkv.connector.transport import _packer as packer_module
+    from fkv.connector.transport import _side
+
+    packer = _packer(monkeypatch, 8192)
+    now = [1000.0]
+    monkeypatch.setattr(packer_module.time, "monotonic", lambda: now[0])
+    old = packer.pack(_pack([1, 2], 8, timeout=5.0), 30.0)
+    assert isinstance(old, _side.Packed)
+    now[0] = 1015.0  # the reservation's last moment: the slot has expired
+    new = packer.pack(_pack([3, 4], 8, token=2), 30.0)
+    assert isinstance(new, _side.Packed) and new.offset == 0, new
+    assert list(packer.slots.held) == [new.slot]
+
+
+def test_a_gather_that_fails_leaves_no_slot_held(monkeypatch: Any) -> None:
+    packer = _packer(monkeypatch, 8192)
+
+    def fail(*args: Any) -> None:
+        raise RuntimeError("gather failed")
+
+    monkeypatch.setattr(packer, "_gather", fail)
+    with pytest.raises(RuntimeError, match="gather failed"):
+        packer.pack(_pack([1, 2], 8), 30.0)
+    assert packer.slots.held == {}
+
+
+def test_free_frees_only_a_held_slot_named_exactly(monkeypatch: Any) -> None:
+    from fkv.connector.transport._packer import FREE_PREFIX
+
+    packer = _packer(monkeypatch, 8192)
+    slot = packer.pack(_pack([1], 4), 30.0).slot
+    assert packer.free(FREE_PREFIX + b"x") is False
+    assert packer.free(FREE_PREFIX + str(slot + 1).encode()) is False
+    assert list(packer.slots.held) == [slot]
+    assert packer.free(FREE_PREFIX + str(slot).encode()) is True
+    assert packer.free(FREE_PREFIX + str(slot).encode()) is False
+    assert packer.slots.held == {}
+
+
+def test_slots_are_first_fit_and_ids_are_63_bit_random() -> None:
+    from fkv.connector.transport._packer import _Slots
+
+    slots = _Slots(4 * 256)
+    a, b, c = (slots.allocate(256, 10.0) for _ in range(3))
+    assert [a[1], b[1], c[1]] == [0, 256, 512]
+    del slots.held[b[0]]
+    assert slots.allocate(200, 10.0)[1] == 256  # the exact gap between a and c
+    assert slots.allocate(256, 10.0)[1] == 768  # the last 256 bytes: full
+    assert slots.allocate(1, 10.0) is None and slots.used() == 1024
+    assert slots.expire(9.5) == 0 and slots.expire(10.0) == 4 and slots.held == {}
+    ids = [slots.allocate(1, 1.0)[0] for _ in range(3)] + [
+        _Slots(256).allocate(1, 1.0)[0] for _ in range(61)]
+    assert all(0 <= s < 1 << 63 for s in ids) and max(ids) >= 1 << 40
+
+
 def test_whole_request_pack_is_the_message_it_was() -> None:
     """A Pack without a layer range encodes without the field (byte for byte the message of a
     decode rank that predates it, which a prefill rank that predates it takes), and a message
