@@ -280,9 +280,7 @@ def test_a_large_copy_is_split_between_threads_and_lands_every_byte(threads: int
     or split into runs of about equal bytes copied by this thread and the pool's."""
     h = Holder(size="big")
     try:
-        local = np.zeros((2, h.size), dtype=np.uint8)
-        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
-                              {0: h.peer()}, "p", threads)
+        local, copier = _copier(h, threads)
         row = 64 << 10
         per = h.size // row
         rows = _rows([(i // per, i % per * row, 1 - i // per, (per - 1 - i % per) * row, row)
@@ -298,24 +296,6 @@ def test_a_large_copy_is_split_between_threads_and_lands_every_byte(threads: int
             assert copier._pool._max_workers == threads - 1
         copier.close()
         assert copier._pool is None
-    finally:
-        h.close()
-
-
-def test_a_split_copy_with_a_short_run_fails_the_read() -> None:
-    h = Holder("hole", size="big")
-    try:
-        local = np.zeros((2, h.size), dtype=np.uint8)
-        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
-                              {0: h.peer()}, "p", threads=4)
-        rows = _rows([(r, 0, r, 0, h.size) for r in range(2)])  # region 1 holds the hole
-        lv, rv, nbytes = copier.vectors(0, rows)
-        with pytest.raises(TransferFailed, match=rf"copy from prefill rank 0 of engine 'p' "
-                                                 rf"\(pid {h.pid}\) failed: it read "
-                                                 rf"{h.size // 2} of {h.size} bytes"):
-            copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
-        assert np.array_equal(local[0], _pattern(0, h.size))  # the other run landed
-        copier.close()
     finally:
         h.close()
 
@@ -712,9 +692,7 @@ def test_a_copy_is_split_into_runs_of_at_least_two_mib(threads: int, nrows: int,
                                                         monkeypatch: Any) -> None:
     h = Holder(size="big")
     try:
-        local = np.zeros((2, h.size), dtype=np.uint8)
-        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
-                              {0: h.peer()}, "p", threads)
+        local, copier = _copier(h, threads)
         row = h.size if nrows == 1 else 64 << 10
         per = h.size // row
         rows = _rows([(i // per, i % per * row, i // per, i % per * row, row)
@@ -735,9 +713,7 @@ def test_a_copy_is_split_into_runs_of_at_least_two_mib(threads: int, nrows: int,
 def test_split_copies_share_one_pool_that_close_shuts_down() -> None:
     h = Holder(size="big")
     try:
-        local = np.zeros((2, h.size), dtype=np.uint8)
-        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
-                              {0: h.peer()}, "p", threads=2)
+        local, copier = _copier(h, 2)
         lv, rv, nbytes = copier.vectors(0, _rows([(r, 0, r, 0, h.size) for r in range(2)]))
         copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
         pool = copier._pool  # noqa: SLF001
@@ -750,14 +726,14 @@ def test_split_copies_share_one_pool_that_close_shuts_down() -> None:
         h.close()
 
 
-def test_a_split_copy_whose_own_run_is_short_fails_the_read() -> None:
-    """The run this thread copies (the first) crosses the hole; the pool's run lands."""
+@pytest.mark.parametrize("regions", [(0, 1), (1, 0)], ids=["pool's run short", "own run short"])
+def test_a_split_copy_with_a_short_run_fails_the_read(regions: tuple[int, int]) -> None:
+    """Region 1 holds the hole: the run that crosses it (the pool's, or the one this thread
+    copies itself, the first) fails the read, naming the bytes read; the other run lands."""
     h = Holder("hole", size="big")
     try:
-        local = np.zeros((2, h.size), dtype=np.uint8)
-        copier = SameHostCopy([(local[i].ctypes.data, h.size) for i in range(2)], None,
-                              {0: h.peer()}, "p", threads=4)
-        lv, rv, nbytes = copier.vectors(0, _rows([(1, 0, 1, 0, h.size), (0, 0, 0, 0, h.size)]))
+        local, copier = _copier(h, 4)
+        lv, rv, nbytes = copier.vectors(0, _rows([(r, 0, r, 0, h.size) for r in regions]))
         with pytest.raises(TransferFailed) as e:
             copier.copy(0, lv, rv, nbytes, deadline=float("inf"))
         assert str(e.value) == (
