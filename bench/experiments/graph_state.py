@@ -26,7 +26,9 @@ flush before each replay). Modes:
 - ``compare-<dtype>-<layout>``: the library default, the engine-style kernel, the contiguous copy
   and the empty kernel, each captured twice, once instantiated as torch does (flags 1) and once
   for device launch (flags 4), the two alternating (``GRAPH_STATE_MODES=compare`` runs the four
-  dtype and layout pairs).
+  dtype and layout pairs);
+- ``mix-*``: which part of the compare run's set-up gives its fast state (``mix``'s docstring);
+  ``GRAPH_STATE_MODES=mix`` runs them all.
 
     python bench/experiments/graph_state.py   # GPU; JSON to $OUT
 """
@@ -161,9 +163,50 @@ def compare(mode: str) -> None:
               flush=True)
 
 
+def mix(mode: str) -> None:
+    """What puts graphs in the fast state of the compare run: the library's write and the empty
+    kernel (bf16 NHD), each in a graph instantiated as torch's (flag 1 through the driver, or
+    ``torch`` itself: ``capture_graph``) and one for device launch (flag 4). ``mix-control``:
+    the compare run's order, every graph timed; ``mix-untimed``: only the flag-1 graphs timed;
+    ``mix-4first`` / ``mix-1first``: every graph of one kind instantiated before the other's;
+    ``mix-torch``: torch's graphs in place of flag 1; ``mix-torch-untimed``: those, alone timed."""
+    names = ("default", "empty")
+    buf, calls = decode_calls(names)  # (puts the repository on sys.path)
+    from fkv.bench._common import capture_graph
+
+    torch_graphs = mode.startswith("mix-torch")
+    host = (lambda n: capture_graph(calls[n])) if torch_graphs else \
+        (lambda n: _RawGraph(calls[n], 1))
+    if mode == "mix-4first":
+        made = {(n, 4): _RawGraph(calls[n], 4) for n in names}
+        made.update({(n, 1): host(n) for n in names})
+    elif mode == "mix-1first":
+        made = {(n, 1): host(n) for n in names}
+        made.update({(n, 4): _RawGraph(calls[n], 4) for n in names})
+    else:
+        made = {}
+        for n in names:
+            made[n, 1] = host(n)
+            made[n, 4] = _RawGraph(calls[n], 4)
+    order = [(n, f) for n in names for f in (1, 4)]
+    if mode.endswith("untimed"):
+        order = [(n, 1) for n in names]
+    us = {key: [] for key in order}
+    for _ in range(3):
+        for key in order:
+            us[key].append(_per_call_us(made[key].replay, len(calls[key[0]]), buf))
+    for (n, f), u in us.items():
+        kind = "device launch" if f == 4 else ("torch" if torch_graphs else "flag 1")
+        print("ROW " + json.dumps({"mode": mode, "variant": n, "graph": kind, "us": u}),
+              flush=True)
+
+
 def child(mode: str) -> None:
     if mode.startswith("compare-"):
         compare(mode)
+        return
+    if mode.startswith("mix-"):
+        mix(mode)
         return
     second = "contiguous" if mode == "state" else "empty"
     buf, calls = decode_calls(("default", second))  # (puts the repository on sys.path)
@@ -218,6 +261,9 @@ def main() -> None:
     if modes == ["compare"]:
         modes = [f"compare-{d}-{lay}" for d in ("bfloat16", "float8_e4m3fn")
                  for lay in ("NHD", "HND")]
+    if modes == ["mix"]:
+        modes = ["mix-control", "mix-untimed", "mix-4first", "mix-1first", "mix-torch",
+                 "mix-torch-untimed"]
     for repeat in range(int(os.environ.get("GRAPH_STATE_REPEATS", "1"))):
         for mode in modes:
             found = child_rows(HERE, mode, {**os.environ, **ENV.get(mode, {})})
