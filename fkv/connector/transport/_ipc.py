@@ -25,18 +25,14 @@ import os
 import socket
 from typing import Any
 
+from fkv.connector.transport._ipc_probe import _LAZY_ENABLE_PEER_ACCESS, _Handle, probe
 from fkv.connector.wire import IpcInfo, Peer
 from fkv.errors import FkvError
 
 __all__ = ["Mapping", "export_regions", "host_identity", "ipc_refusal", "local_device_of"]
 
-_LAZY_ENABLE_PEER_ACCESS = 1
 _KDL_CUDA = 2
 _KDL_UINT = 1
-
-
-class _Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
 @functools.cache
@@ -216,7 +212,6 @@ class Mapping:
     def __init__(self, peer: Peer, device: Any) -> None:
         import torch
 
-        from fkv.connector.transport._ipc_probe import probe
         from fkv.tensors import _inverse, torch_dtype
 
         reason = ipc_refusal(peer, device)

@@ -34,6 +34,9 @@ _NOT_READY = 600
 
 
 class _Handle(ctypes.Structure):
+    """``CUipcMemHandle`` / ``CUipcEventHandle`` (``_ipc`` uses it too: this file may import
+    nothing of fkv, since it runs alone with ``python -I``)."""
+
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
@@ -51,7 +54,7 @@ class _Copy2D(ctypes.Structure):
 
 
 class _Refused(Exception):
-    pass
+    """A driver call failed: the handles must not be mapped (the message says which and why)."""
 
 
 def _run(request: dict[str, Any], lib: Any) -> dict[str, Any]:
@@ -129,15 +132,24 @@ def probe(device: int, handles: list[bytes], regions: list[tuple[int, int, int]]
                               timeout=_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return f"trying them in a separate process took over {_TIMEOUT_S:.0f} s", False
-    lines = proc.stdout.strip().splitlines()
-    try:
-        got = json.loads(lines[-1])
-        if isinstance(got["refusal"], str) and isinstance(got["events_ok"], bool):
-            return got["refusal"], got["events_ok"]
-    except (IndexError, ValueError, KeyError, TypeError):
-        pass
+    got = _answer(proc.stdout)
+    if got is not None:
+        return got
     tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
     return f"trying them in a separate process ended without an answer ({tail[0][:200]})", False
+
+
+def _answer(stdout: str) -> tuple[str, bool] | None:
+    """The probe's answer, its last line of output; None when that is not one."""
+    lines = stdout.strip().splitlines()
+    try:
+        got = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
+    if isinstance(got, dict) and isinstance(got.get("refusal"), str) \
+            and isinstance(got.get("events_ok"), bool):
+        return got["refusal"], got["events_ok"]
+    return None
 
 
 def _main(lib: Any = None) -> None:
