@@ -28,7 +28,7 @@ flush before each replay). Modes:
   for device launch (flags 4), the two alternating (``GRAPH_STATE_MODES=compare`` runs the four
   dtype and layout pairs);
 - ``mix-*``: which part of the compare run's set-up gives its fast state (``mix``'s docstring);
-  ``GRAPH_STATE_MODES=mix`` runs them all.
+  ``GRAPH_STATE_MODES=mix`` runs them all, with ``mix-engine`` (``engine``'s docstring).
 
     python bench/experiments/graph_state.py   # GPU; JSON to $OUT
 """
@@ -201,9 +201,41 @@ def mix(mode: str) -> None:
               flush=True)
 
 
+def engine(mode: str) -> None:
+    """As an engine captures its decode graphs: 40 torch graphs of the 32 writes on one shared
+    memory pool, then an empty-kernel graph; the first, 20th and 40th write graphs and the empty
+    one timed three times each."""
+    buf, calls = decode_calls(("default", "empty"))
+    import torch
+
+    pool = torch.cuda.graph_pool_handle()
+    graphs = []
+    for _ in range(40):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            for call in calls["default"]:
+                call()
+        graphs.append(g)
+    from fkv.bench._common import capture_graph
+
+    empty = capture_graph(calls["empty"])
+    timed = {"write 1st": graphs[0], "write 20th": graphs[19], "write 40th": graphs[39],
+             "empty": empty}
+    us = {k: [] for k in timed}
+    for _ in range(3):
+        for k, g in timed.items():
+            us[k].append(_per_call_us(g.replay, 32, buf))
+    for k, u in us.items():
+        print("ROW " + json.dumps({"mode": mode, "variant": k, "graph": "torch pool", "us": u}),
+              flush=True)
+
+
 def child(mode: str) -> None:
     if mode.startswith("compare-"):
         compare(mode)
+        return
+    if mode == "mix-engine":
+        engine(mode)
         return
     if mode.startswith("mix-"):
         mix(mode)
@@ -263,7 +295,7 @@ def main() -> None:
                  for lay in ("NHD", "HND")]
     if modes == ["mix"]:
         modes = ["mix-control", "mix-untimed", "mix-4first", "mix-1first", "mix-torch",
-                 "mix-torch-untimed"]
+                 "mix-torch-untimed", "mix-engine"]
     for repeat in range(int(os.environ.get("GRAPH_STATE_REPEATS", "1"))):
         for mode in modes:
             found = child_rows(HERE, mode, {**os.environ, **ENV.get(mode, {})})
