@@ -169,15 +169,27 @@ def mix(mode: str) -> None:
     ``torch`` itself: ``capture_graph``) and one for device launch (flag 4). ``mix-control``:
     the compare run's order, every graph timed; ``mix-untimed``: only the flag-1 graphs timed;
     ``mix-4first`` / ``mix-1first``: every graph of one kind instantiated before the other's;
-    ``mix-torch``: torch's graphs in place of flag 1; ``mix-torch-untimed``: those, alone timed."""
+    ``mix-torch``: torch's graphs in place of flag 1; ``mix-torch-untimed``: those, alone timed;
+    ``mix-recipe``: a one-node device-launch graph instantiated before torch's graphs and launched
+    once after their capture, then torch's graphs alone timed."""
     names = ("default", "empty")
     buf, calls = decode_calls(names)  # (puts the repository on sys.path)
     from fkv.bench._common import capture_graph
 
-    torch_graphs = mode.startswith("mix-torch")
+    torch_graphs = mode.startswith("mix-torch") or mode == "mix-recipe"
     host = (lambda n: capture_graph(calls[n])) if torch_graphs else \
         (lambda n: _RawGraph(calls[n], 1))
-    if mode == "mix-4first":
+    if mode == "mix-recipe":
+        # one single-node device-launch graph instantiated before torch's graphs, launched once
+        # after them, never timed: a recipe an engine could follow at start-up
+        primer = _RawGraph(calls["empty"][:1], 4)
+        made = {(n, 1): capture_graph(calls[n]) for n in names}
+        primer.replay()
+        import torch
+
+        torch.cuda.synchronize()
+        made["primer", 4] = primer
+    elif mode == "mix-4first":
         made = {(n, 4): _RawGraph(calls[n], 4) for n in names}
         made.update({(n, 1): host(n) for n in names})
     elif mode == "mix-1first":
@@ -189,7 +201,7 @@ def mix(mode: str) -> None:
             made[n, 1] = host(n)
             made[n, 4] = _RawGraph(calls[n], 4)
     order = [(n, f) for n in names for f in (1, 4)]
-    if mode.endswith("untimed"):
+    if mode.endswith("untimed") or mode == "mix-recipe":
         order = [(n, 1) for n in names]
     us = {key: [] for key in order}
     for _ in range(3):
