@@ -465,3 +465,89 @@ def test_a_side_server_takes_frames_up_to_the_side_message_limit_and_two_in_all(
         for c in conns:
             c.close()
         server.close()
+
+
+def _tp2(rank: int, engine_id: str = "p", tp: int = 2) -> EngineDesc:
+    return EngineDesc(engine_id=engine_id, tp_size=tp, tp_rank=rank, total_num_kv_heads=tp)
+
+
+def _publish(rank: int = 1, *, engine: EngineDesc | None = None, spec=SPEC,
+             secret: bytes = b"s" * 16) -> bytes:
+    peer = W.encode(engine or _tp2(rank), spec, [(1 << 30, spec.region_bytes)],
+                    agent_metadata=b"\0" * 64)
+    return _side.encode_message(_side.Publish(rank=rank, peer=peer, mem_type="DRAM",
+                                              secret=secret))
+
+
+NOT_JOINED = _side.Error(message="prefill engine 'p': ranks [1] of tp_size 2 have not joined yet",
+                         retry=True)
+
+
+@pytest.mark.parametrize(("payload", "why"), [
+    (_publish(engine=_tp2(1, engine_id="q")), "engine_id 'q' is not 'p'"),
+    (_publish(engine=_tp2(1, tp=4)), "tp_size 4 is not 2"),
+    (_publish(0, engine=_tp2(0)), "rank 0 (engine says 0) must be in [1, 2)"),
+    (_publish(1, engine=_tp2(0)), "rank 1 (engine says 0) must be in [1, 2)"),
+    (_publish(2, engine=_tp2(1)), "rank 2 (engine says 1) must be in [1, 2)"),
+    (_publish(spec=SPEC.evolve(num_blocks=4)),
+     f"spec {SPEC.evolve(num_blocks=4)!r} differs from rank 0's {SPEC!r} (every rank of an "
+     f"engine must share one spec, num_blocks included)"),
+    (_publish(secret=b"s" * 15), "the secret is 15 bytes; at least 16 random bytes are needed "
+                                 "(every rank > 0 draws one at start: upgrade that rank's fkv)"),
+])
+def test_a_publish_that_is_not_this_engines_next_rank_is_refused_naming_why(payload: bytes,
+                                                                            why: str) -> None:
+    """Rank 0 keeps a Publish only from a rank ``1..tp-1`` of its own engine (the rank the
+    message names being the one its metadata says), with rank 0's spec and a 16-byte secret: a
+    Publish for rank 0 itself would replace the metadata every decode rank reads. A refused one
+    changes nothing (Fetch still waits for rank 1) and is counted; a good one then joins."""
+    with serve(_tp2(0), SPEC, fkv.allocate(SPEC)) as server:
+        assert ask(server.address, payload) == _side.Error(message="publish refused: " + why)
+        assert server.stats()["refused_messages"] == {"publish": 1}
+        assert ask(server.address, _side.encode_message(_side.Fetch())) == NOT_JOINED
+        assert ask(server.address, _publish()) == _side.Ok(engine_id="p")
+        ranks = ask(server.address, _side.encode_message(_side.Fetch()))
+        assert isinstance(ranks, _side.Ranks) and len(ranks.ranks) == 2
+        assert [W.decode_untrusted(r.peer).engine.tp_rank for r in ranks.ranks] == [0, 1]
+        assert list(server.errors) == []
+
+
+def test_a_rank_above_0_answers_packs_only() -> None:
+    """Rank 1 of a 2-rank engine (joined through rank 0) refuses Fetch and Publish, naming rank
+    0; rank 0 answers the engine's Fetch with both ranks."""
+    with serve(_tp2(0), SPEC, fkv.allocate(SPEC)) as rank0, \
+            serve(_tp2(1), SPEC, fkv.allocate(SPEC), join=rank0.address) as rank1:
+        refused = _side.Error(message="prefill rank 1 answers pack requests only; ask rank 0 for "
+                              "the engine's metadata")
+        assert ask(rank1._sock.address, _side.encode_message(_side.Fetch())) == refused
+        assert ask(rank1._sock.address, _publish()) == refused
+        assert ask(rank1._sock.address, _side.encode_message(_side.Ping())) == \
+            _side.Ok(engine_id="p")
+        ranks = ask(rank0.address, _side.encode_message(_side.Fetch()))
+        assert [r.address for r in ranks.ranks] == [rank0.address, rank1._sock.address]
+
+
+@pytest.mark.parametrize("length", [0, 15])
+def test_a_hello_with_a_secret_under_16_bytes_is_refused_and_16_are_enough(length: int) -> None:
+    with serve(_tp2(0, tp=1), SPEC, fkv.allocate(SPEC)) as server:
+        hello = _side.Hello(engine_id="d", rank=0, tp_size=1, agent="agent-d",
+                            secret=b"k" * length)
+        assert ask(server.address, _side.encode_message(hello)) == _side.Error(
+            message=f"hello refused: the secret is {length} bytes; at least 16 random bytes are "
+                    f"needed (every decode process draws one at start: upgrade that rank's fkv)")
+        assert server.stats()["refused_messages"] == {"hello": 1}
+        assert server.diagnostics()["counts"]["bindings"] == 0
+        hello = msgspec.structs.replace(hello, secret=b"k" * 16)
+        assert ask(server.address, _side.encode_message(hello)) == \
+            _side.Ok(engine_id="p", outbox=False)
+        assert server.diagnostics()["counts"]["bindings"] == 1
+
+
+def test_a_publish_whose_metadata_does_not_decode_is_refused_and_counted() -> None:
+    with serve(_tp2(0), SPEC, fkv.allocate(SPEC)) as server:
+        reply = ask(server.address, _side.encode_message(_side.Publish(
+            rank=1, peer=b"\x93junk", mem_type="DRAM", secret=b"s" * 16)))
+        assert isinstance(reply, _side.Error) and not reply.retry, reply
+        assert server.stats()["refused_messages"] == {"publish": 1}
+        assert ask(server.address, _side.encode_message(_side.Fetch())) == NOT_JOINED
+        assert list(server.errors) == []

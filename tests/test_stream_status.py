@@ -5,6 +5,7 @@ longer than ``MAX_STATUS_WAIT``. CPU, one process, real NIXL, plain frames and C
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -12,6 +13,9 @@ import pytest
 import fkv
 from fkv.connector import CurveKeys, EngineDesc, curve_keypair, serve
 from fkv.connector.transport import _server, _side
+from fkv.connector.transport._lifecycle import notification
+from fkv.connector.transport._sidelimits import frame_request
+from fkv.errors import FkvError
 
 pytestmark = pytest.mark.transport
 
@@ -209,3 +213,97 @@ def test_one_connection_parks_at_most_max_parked_per_peer_polls(
         finally:
             hog.close()
             other.close()
+
+
+def test_a_publish_after_the_table_released_the_request_is_refused_as_not_held() -> None:
+    """Between the table's release (under the lock) and the server thread's clean-up the
+    published count is still there: a publish then is refused as not held, changing nothing."""
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
+        server.hold("r1", [1], layers_ready=0)
+        with server._lock:  # the table's release; the thread's cleanup has not run yet
+            (release,) = server._table.expire(now=1e12)
+        with pytest.raises(FkvError) as e:
+            server.publish("r1", 1)
+        assert str(e.value) == ("publish: request 'r1' is not a streaming request on this rank "
+                                "(it is not held); start it with server.hold(request_id, "
+                                "block_ids, layers_ready=0)")
+        assert server._published == {"r1": 0}  # untouched until the clean-up
+        server._released_now(release)
+        assert server.layers_ready("r1") is None and server._published == {}
+
+
+@pytest.mark.parametrize("event", [None, "slow"])
+def test_a_publish_renews_the_lease_to_the_servers(event: object) -> None:
+    """A held request's lease restarts at each publish, with the server's lease (here 60 s),
+    whether its layers are visible at once or wait for their event."""
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC), lease=60.0) as server:
+        server.hold("r1", [1], layers_ready=0, lease=0.5)
+        server.publish("r1", 1, event=SlowEvent(0.5) if event else None)
+        with server._lock:  # what the server thread's expiry would find 30 s from now
+            early = server._table.expire(now=time.monotonic() + 30.0)
+            late = server._table.expire(now=time.monotonic() + 61.0)
+        assert early == []
+        (release,) = late
+        assert (release.request_id, release.reason) == ("r1", "lease expired")
+
+
+def test_a_publish_that_completes_an_early_notified_request_releases_it_through_on_release(
+        ) -> None:
+    """Every expected reader notified before the last layer was published: the publish of the
+    last layer releases the request, and the server thread runs ``on_release`` for it once."""
+    released: list[tuple] = []
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC),
+               on_release=lambda *a: released.append(a)) as server:
+        reply = _side.decode_reply(frame_request(
+            server.address, _side.encode_message(_side.Hello(
+                engine_id="d", rank=0, tp_size=1, agent="agent-d", secret=os.urandom(16))),
+            timeout=10.0, max_frame=_side.MAX_SIDE_MESSAGE_BYTES))
+        assert reply == _side.Ok(engine_id="p", outbox=False), reply
+        server.hold("r1", [4, 6], layers_ready=1, decode_engine_id="d", decode_tp=1)
+        server._notified("agent-d", notification("r1", "d", 0), time.monotonic())
+        assert server.diagnostics()["counts"]["premature"] == 1
+        assert server.pending() == {"r1"} and released == []
+        server.publish("r1", 3)
+        deadline = soon()
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(r, list(b), why) for r, b, why in released] == [("r1", [4, 6], "notified")]
+        assert server.pending() == set() and server.released() == {"r1": "notified"}
+        assert list(server.errors) == []
+
+
+def test_an_on_release_that_raises_is_reported_and_the_rest_of_its_batch_is_released() -> None:
+    """Two releases delivered by the server thread in one batch: the first one's ``on_release``
+    raises; it lands in ``server.errors`` and the second one's ``on_release`` still runs."""
+    got: list[str] = []
+
+    def on_release(request_id: str, block_ids: object, why: str) -> None:
+        got.append(request_id)
+        if request_id == "a":
+            raise RuntimeError("boom")
+
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC), on_release=on_release) as server:
+        server.hold("a", [1])
+        server.hold("b", [2])
+        with server._lock:  # both released at once, delivered by the thread in one batch
+            releases = server._table.expire(now=1e12)
+            server._due.extend(sorted(releases, key=lambda r: r.request_id))
+        deadline = soon()
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == ["a", "b"]
+        assert list(server.errors) == ["on_release('a') raised RuntimeError: boom"]
+        assert server.pending() == set()
+
+
+def test_a_lease_that_runs_out_is_released_and_counted() -> None:
+    released: list[tuple] = []
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC),
+               on_release=lambda *a: released.append(a)) as server:
+        server.hold("r1", [3], lease=0.05)
+        deadline = soon()
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(r, list(b), why) for r, b, why in released] == [("r1", [3], "lease expired")]
+        assert server.released() == {"r1": "lease expired"}
+        assert server.stats()["lease_expiries"] == 1

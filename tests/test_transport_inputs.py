@@ -120,6 +120,10 @@ def test_a_rank_above_0_needs_rank_0s_public_key_up_front() -> None:
                   "(got 5)"),
     ({"host": ""}, "'host' must be a non-empty str: the interface to bind, like '127.0.0.1' "
                    "(got '')"),
+    ({"join": "tcp://127.0.0.1:1"}, "'join' must be None on rank 0 (rank 0 answers the side "
+                                    "channel) (got 'tcp://127.0.0.1:1')"),
+    ({"pack_bytes": -1}, "'pack_bytes' must be None (default) or a non-negative int (got -1)"),
+    ({"pack_bytes": True}, "'pack_bytes' must be None (default) or a non-negative int (got True)"),
 ])
 def test_serve_refuses_bad_arguments_up_front(kwargs: dict, message: str) -> None:
     with pytest.raises(FkvError) as e:
@@ -207,6 +211,45 @@ def test_publish_refuses_an_event_before_any_state_changes(event: object, shown:
         assert server.layers_ready("s1") == 3
         assert list(server.errors) == []
 
+
+@pytest.mark.parametrize(("kwargs", "shown"), [({"decode_engine_id": "d"}, "('d', None)"),
+                                               ({"decode_tp": 2}, "(None, 2)")])
+def test_hold_takes_the_readers_engine_and_tp_together(kwargs: dict, shown: str) -> None:
+    """``decode_engine_id`` without ``decode_tp`` (or the reverse) is refused naming both, before
+    anything is recorded: before the check, ``decode_tp`` alone was dropped without a word."""
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
+        with pytest.raises(FkvError) as e:
+            server.hold("r1", [1], **kwargs)
+        assert str(e.value) == f"'decode_engine_id/decode_tp' must be both or neither (got {shown})"
+        assert server.pending() == set()
+
+
+@pytest.mark.parametrize("layers_ready", [True, 1.0, "1", -1, 4])
+def test_publish_refuses_layers_ready_that_is_not_an_int_in_range(layers_ready: object) -> None:
+    with serve(engine("p"), SPEC.evolve(num_layers=3), fkv.allocate(SPEC.evolve(num_layers=3))
+               ) as server:
+        server.hold("s1", [5], layers_ready=0)
+        with pytest.raises(FkvError) as e:
+            server.publish("s1", layers_ready)
+        assert str(e.value) == (f"'layers_ready' must be an int in [0, 3] (layers only move "
+                                f"forward, up to spec.num_layers=3) (got {layers_ready!r})")
+        assert server.layers_ready("s1") == 0
+
+
+def test_publish_refuses_going_back_and_the_count_stays() -> None:
+    spec = SPEC.evolve(num_layers=3)
+    with serve(engine("p"), spec, fkv.allocate(spec)) as server:
+        server.hold("s1", [5], layers_ready=0)
+        server.publish("s1", 2)
+        with pytest.raises(FkvError) as e:
+            server.publish("s1", 1)
+        assert str(e.value) == ("'layers_ready' must be an int in [2, 3] (layers only move "
+                                "forward, up to spec.num_layers=3) (got 1)")
+        assert server.layers_ready("s1") == 2
+        server.publish("s1", 2)  # the same count again: allowed
+        server.publish("s1", 3)
+        assert server.layers_ready("s1") == 3
+        assert list(server.errors) == []
 
 # -- connect, read, reconnect --------------------------------------------------------------------
 
