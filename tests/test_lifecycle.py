@@ -8,6 +8,7 @@ expected-reader helper against the plan's own reads.
 from __future__ import annotations
 
 import itertools
+import re
 import time
 
 import pytest
@@ -628,3 +629,222 @@ def test_expire_after_renewals_reuse_and_many_releases():
     assert len(t._deadlines) <= 2 * len(t.pending()) + 1025
     assert t.expire(now=200.0) == [Release("z", [9], "lease expired")]
     assert t.pending() == frozenset() and not t.holds("z")
+
+
+# -- bounds and refusals pinned by a mutation audit ------------------------------------------------
+
+def test_longest_notification_round_trips_and_one_byte_more_is_refused():
+    """Every field at its limit (a 4096-byte request id, a 256-byte engine id, rank 65535,
+    ``failed``) is sent and parsed; one byte more in either id is refused on both sides."""
+    from fkv.connector.transport._lifecycle import MAX_ENGINE_ID_BYTES, MAX_REQUEST_ID_BYTES
+
+    rid, eid = "r" * MAX_REQUEST_ID_BYTES, "\u00e9" * (MAX_ENGINE_ID_BYTES // 2)   # 2 bytes each
+    message = notification(rid, eid, 65535, "failed")
+    assert len(message) == 5 + 4096 + 1 + 256 + 1 + 5 + 1 + 6
+    assert parse_notification(message) == Notification(rid, (eid, 65535), "failed")
+    assert parse_notification(b"fkv1|" + b"r" * 4097 + b"|d|0|done") == \
+        "request id is empty or longer than 4096 bytes"
+    assert parse_notification(b"fkv1|r|" + b"e" * 257 + b"|0|done") == \
+        "engine id is empty or longer than 256 bytes"
+    with pytest.raises(FkvError) as e:
+        notification("r", "e" * 257, 0)
+    assert str(e.value).startswith("'reader[0]' must be a non-empty UTF-8 str without '|' of at "
+                                   "most 256 bytes (got ")
+    with pytest.raises(FkvError) as e:
+        notification("r", D, 65536)
+    assert str(e.value) == "'reader[1]' must be an int in [0, 65536) (got 65536)"
+
+
+def test_constructor_and_helpers_refuse_zero_and_bool():
+    for name in ("num_layers", "history", "diagnostics", "max_bindings", "prefill_tp"):
+        kw = {"num_layers": 1, name: 0}
+        with pytest.raises(FkvError) as e:
+            Requests(**kw)
+        assert str(e.value) == f"'{name}' must be a positive int (got 0)"
+    with pytest.raises(FkvError) as e:
+        expected_readers(D, 0, 1, 0)
+    assert str(e.value) == "'decode_tp' must be an int in [1, 65536] (got 0)"
+    with pytest.raises(FkvError) as e:
+        expected_readers(D, 1, 0, 0)
+    assert str(e.value) == "'prefill_tp' must be an int in [1, 65536] (got 0)"
+    t = table()
+    for call in (lambda: t.hold("r", None, None, now=True, lease=1),
+                 lambda: t.expire(now=float("nan")),
+                 lambda: t.notified("a", b"x", now=float("inf"))):
+        with pytest.raises(FkvError) as e:
+            call()
+        assert str(e.value).startswith("'now' must be a finite number of seconds (got ")
+    t.hold("r", [1], None, now=0, lease=1, layers_ready=0)
+    with pytest.raises(FkvError) as e:
+        t.publish("r", 4, now=float("nan"))
+    assert str(e.value) == "'now' must be a finite number of seconds (got nan)"
+    assert t.layers_ready("r") == 0
+    with pytest.raises(FkvError) as e:
+        t.bind("a", (D, 3), decode_tp=3)
+    assert str(e.value) == ("'decode_tp' must be None or an int in (3, 65536] (the reader's rank "
+                            "is 3) (got 3)")
+
+
+def test_require_binding_false_in_the_constructor():
+    """``require_binding=False`` given to the constructor: an unbound agent speaks for a reader
+    nobody bound (never for a bound one)."""
+    t = Requests(num_layers=1, require_binding=False)
+    t.bind("a1", (D, 1))
+    t.hold("r", [4], frozenset({(D, 0), (D, 1)}), now=0, lease=10)
+    assert t.notified("anyone", notification("r", D, 1), now=1) is None    # (D, 1) is bound
+    assert t.notified("anyone", notification("r", D, 0), now=1) is None    # counts
+    assert t.waiting_for("r") == {(D, 1)}
+    assert (t.stats()["impersonation"], t.stats()["accepted"]) == (1, 1)
+    assert t.notified("a1", notification("r", D, 1), now=2) == Release("r", [4], "notified")
+
+
+def test_sender_names_as_bytes_and_at_the_length_limit():
+    """NIXL may hand the sender as bytes: a UTF-8 name counts as the str; a name of exactly
+    1024 characters is a name, 1025 is foreign."""
+    t = table(num_layers=1)
+    long_name = "n" * 1024
+    t.bind("a0", (D, 0))
+    t.bind(long_name, (D, 1))
+    t.hold("r", [1], expected_readers(D, 2, 1, 0), now=0, lease=10)
+    assert t.notified(b"a0", notification("r", D, 0), now=1) is None
+    assert t.notified("n" * 1025, notification("r", D, 1), now=1) is None
+    assert t.stats()["foreign"] == 1 and t.waiting_for("r") == {(D, 1)}
+    assert t.notified(bytearray(long_name.encode()), notification("r", D, 1), now=1) == \
+        Release("r", [1], "notified")
+    assert t.stats()["accepted"] == 2
+
+
+def test_an_engine_bound_with_a_tp_no_plan_allows_is_refused_not_raised():
+    """Readers left to the first engine: one bound with a decode TP that does not pair with this
+    rank's (3 with prefill TP 2) costs it an ``unexpected_reader``, never an exception."""
+    t = Requests(num_layers=1, prefill_tp=2, prefill_rank=0)
+    t.bind("odd", (D, 0), decode_tp=3)
+    t.hold("r", [1], None, now=0, lease=10)
+    assert t.notified("odd", notification("r", D, 0), now=1) is None
+    assert t.stats()["unexpected_reader"] == 1 and t.waiting_for("r") is None
+    assert "'decode_tp' must be a multiple or divisor of prefill_tp 2" in t.events()[-1][3]
+
+
+def test_readers_named_late_are_protected_from_rebinding():
+    """A reader fixed after the first hold (by a renewal naming it, or by the first engine that
+    reads) is named by a held request from then on: its secret binding cannot be taken over,
+    nor evicted by a flood of binds, until the request is released."""
+    refused = ("bind refused: reader ('decode-e', 1) is named by 1 held request(s) and was bound "
+               "by a process holding its secret")
+    # named by a renewal
+    t = table(num_layers=1)
+    t.bind("d1", (D, 1), secret=b"s" * 16)
+    t.hold("r", [1], None, now=0, lease=10)
+    t.hold("r", None, frozenset({(D, 1)}), now=1, lease=10)
+    with pytest.raises(FkvError, match=re.escape(refused)):
+        t.bind("evil", (D, 1))
+    # fixed by the first engine that reads (P TP=1 -> D TP=2: ranks 0 and 1)
+    t = table(num_layers=1, max_bindings=2)
+    t.bind("d1", (D, 1), decode_tp=2, secret=b"s" * 16)
+    t.bind("d0", (D, 0), decode_tp=2)
+    t.hold("r", [1], None, now=0, lease=10)
+    assert t.notified("d0", notification("r", D, 0), now=1) is None
+    with pytest.raises(FkvError, match=re.escape(refused)):
+        t.bind("evil", (D, 1))
+    with pytest.raises(FkvError, match="bind refused: this prefill rank keeps at most 2"):
+        t.bind("flood", ("x", 0))                 # both bindings are readers of "r"
+    assert t.bound("d1") == (D, 1) and t.bound("d0") == (D, 0)
+    assert t.notified("d1", notification("r", D, 1), now=2) == Release("r", [1], "notified")
+
+
+def test_a_binding_made_without_a_secret_drops_the_old_one():
+    """A reader bound with a secret, then (named by nothing) bound anew without one: the new
+    binding has no secret, so once a request names it anyone may move it (as documented for a
+    binding without a secret). Bindings evicted by a flood forget their secrets."""
+    t = table()
+    t.bind("first", (D, 0), secret=b"s" * 16)
+    t.bind("second", (D, 0))
+    t.hold("r", [1], frozenset({(D, 0)}), now=0, lease=10)
+    t.bind("third", (D, 0))
+    assert t.bound("third") == (D, 0) and t.bound("second") is None
+    flood = table(max_bindings=4)
+    for i in range(100):
+        flood.bind(f"a{i}", (D, i), secret=b"k" * 16)
+    assert flood.stats()["bindings"] == 4 and len(flood._secrets) == 4
+
+
+def test_the_eviction_scan_window_is_exactly_eviction_scan_bindings():
+    """An unnamed binding that is the EVICTION_SCAN-th least recently used is evicted; one just
+    past the window is not looked at (the bind is refused)."""
+    from fkv.connector.transport._lifecycle import EVICTION_SCAN
+
+    for size, evicts in ((EVICTION_SCAN, True), (EVICTION_SCAN + 1, False)):
+        t = table(max_bindings=size)
+        for i in range(size):
+            t.bind(f"b{i}", (D, i))
+        t.hold("named", [1], frozenset((D, i) for i in range(size - 1)), now=0, lease=30)
+        if evicts:
+            t.bind("new", ("x", 0))
+            assert t.bound(f"b{size - 1}") is None and t.bound("new") == ("x", 0)
+        else:
+            with pytest.raises(FkvError, match="bind refused: this prefill rank keeps at most"):
+                t.bind("new", ("x", 0))
+            assert t.bound(f"b{size - 1}") == (D, size - 1) and t.bound("new") is None
+
+
+def test_renewal_checks_its_layer_count_and_compares_blocks_in_order():
+    t = table()
+    t.hold("r", list(range(8)), None, now=0, lease=5, layers_ready=0)
+    t.publish("r", 2, now=0)
+    t.hold("r", None, None, now=1, lease=5, layers_ready=2)     # as many as held: a renewal
+    for bad in (-1, True):
+        with pytest.raises(FkvError) as e:
+            t.hold("r", None, None, now=1, lease=5, layers_ready=bad)
+        assert str(e.value) == (f"'layers_ready' must be an int in [0, 4] (layers already "
+                                f"published never go back; num_layers is 4) (got {bad})")
+    tail = "; release it (or let its lease run out) before holding the id with other blocks"
+    with pytest.raises(FkvError) as e:
+        t.hold("r", [1, 0, 2, 3, 4, 5, 6, 7], None, now=1, lease=5)
+    assert str(e.value) == ("'block_ids' must be the blocks 'r' is already held with ([0, 1, 2, "
+                            "3, 4, 5, 6, 7]) or None (got '[1, 0, 2, 3, 4, 5, 6, 7]')" + tail)
+    t.hold("q", list(range(9)), None, now=0, lease=5)
+    with pytest.raises(FkvError) as e:
+        t.hold("q", list(range(1, 10)), None, now=1, lease=5)
+    assert str(e.value) == ("'block_ids' must be the blocks 'q' is already held with ([0, 1, 2, "
+                            "3, 4, 5, 6, 7, ...]) or None (got '[1, 2, 3, 4, 5, 6, 7, 8, ...]')"
+                            + tail)
+    blocks = "".join(["blocks-", "s"])                      # equal to, not the same object as
+    t.hold("s", blocks, None, now=0, lease=5)
+    t.hold("s", "".join(["blocks-", "s"]), None, now=4, lease=5)
+    assert t.layers_ready("r") == 2
+    assert sorted(t.expire(now=8.9), key=lambda x: x.request_id) == [
+        Release("q", list(range(9)), "lease expired"),
+        Release("r", list(range(8)), "lease expired")]
+    assert t.expire(now=9) == [Release("s", "blocks-s", "lease expired")]
+
+
+def test_released_history_keeps_the_latest_release_of_a_reused_id():
+    """An id held again leaves released() at once; its next release is the most recent one (the
+    oldest go first when the history is full)."""
+    t = table(history=2, require_binding=False)
+    t.hold("a", [1], None, now=0, lease=1)
+    t.hold("b", [2], None, now=0, lease=2)
+    assert t.expire(now=2) == [Release("a", [1], "lease expired"),
+                               Release("b", [2], "lease expired")]
+    t.hold("a", [3], None, now=3, lease=1)
+    assert t.released() == {"b": "lease expired"}
+    assert t.expire(now=4) == [Release("a", [3], "lease expired")]
+    assert list(t.released()) == ["b", "a"]
+    t.hold("c", [4], None, now=5, lease=1)
+    t.expire(now=6)
+    assert list(t.released()) == ["a", "c"]
+
+
+def test_a_lease_held_across_a_compaction_of_the_deadline_heap_still_expires():
+    """Thousands of holds released by notification compact the deadline heap while another
+    request is held: that request's lease still runs out (and not earlier)."""
+    t = table(num_layers=1)
+    t.bind("agent", ("d", 0))
+    t.hold("keep", [7], None, now=0.0, lease=50.0)
+    t.hold("keep", None, None, now=1.0, lease=60.0)                 # renewed: due at 61
+    for i in range(3000):
+        t.hold(f"r{i}", [i], frozenset({("d", 0)}), now=1.0, lease=100.0)
+        assert t.notified("agent", notification(f"r{i}", "d", 0), now=1.0) is not None
+    assert len(t._deadlines) < 1100                                 # compacted
+    assert t.expire(now=60.9) == []
+    assert t.expire(now=61.0) == [Release("keep", [7], "lease expired")]
