@@ -768,6 +768,29 @@ def test_a_binding_made_without_a_secret_drops_the_old_one():
     assert flood.stats()["bindings"] == 4 and len(flood._secrets) == 4
 
 
+def test_a_reader_rebinding_at_a_full_table_takes_its_own_place():
+    """A bound reader reconnecting with a new agent does not grow the table: it evicts nothing,
+    and is not refused when every other binding is a reader of a held request. A refused bind
+    names how many bindings were looked at (here fewer than EVICTION_SCAN)."""
+    t = table(max_bindings=3)
+    for i in range(3):
+        t.bind(f"a{i}", (D, i))
+    t.hold("r", [1], frozenset({(D, 0), (D, 1)}), now=0, lease=30)
+    t.bind("a2-new", (D, 2))
+    assert [t.bound(a) for a in ("a0", "a1", "a2", "a2-new")] == [(D, 0), (D, 1), None, (D, 2)]
+    assert t.stats()["bindings"] == 3 and t.stats()["bindings_evicted"] == 0
+    t.bind("a1-new", (D, 1))                   # a named reader without a secret: it moves
+    assert t.bound("a1") is None and t.bound("a1-new") == (D, 1)
+    t.bind("a0", ("other", 0))                 # a bound agent moving to another reader
+    assert t.bound("a0") == ("other", 0) and t.stats()["bindings"] == 3
+    assert t.stats()["bindings_evicted"] == 0
+    t.hold("q", [2], frozenset({("other", 0), (D, 2)}), now=0, lease=30)
+    with pytest.raises(FkvError) as e:
+        t.bind("flood", ("x", 0))
+    assert str(e.value) == ("bind refused: this prefill rank keeps at most 3 reader bindings "
+                            "and the 3 least recently used are readers of held requests")
+
+
 def test_the_eviction_scan_window_is_exactly_eviction_scan_bindings():
     """An unnamed binding that is the EVICTION_SCAN-th least recently used is evicted; one just
     past the window is not looked at (the bind is refused)."""

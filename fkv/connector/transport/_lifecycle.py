@@ -333,8 +333,10 @@ class Requests:
                                f"secret; only that process can rebind it or its agent until "
                                f"they are released (a new decode process can take a new engine "
                                f"id)")
-        if agent_name not in self._agents and len(self._agents) >= self._max_bindings:
-            self._evict_one(reader)
+        # a bind grows the table only when neither its agent nor its reader is bound already
+        # (a reader reconnecting with a new agent takes its old binding's place)
+        if not replaced and len(self._agents) >= self._max_bindings:
+            self._evict_one()
         self.unbind(agent_name)
         old = self._readers.pop(reader, None)
         if old is not None:
@@ -349,16 +351,17 @@ class Requests:
         if decode_tp is not None:
             self._decode_tp[agent_name] = decode_tp
 
-    def _evict_one(self, keep: Reader) -> None:
-        """Drop the least recently used binding whose reader no held request names (nor
-        ``keep``, the reader being bound); FkvError when the oldest EVICTION_SCAN all are."""
+    def _evict_one(self) -> None:
+        """Drop the least recently used binding whose reader no held request names; FkvError
+        when the oldest EVICTION_SCAN (or all, when fewer) are."""
         for agent, who in itertools.islice(self._agents.items(), EVICTION_SCAN):
-            if who != keep and not self._named[who]:
+            if not self._named[who]:
                 self.unbind(agent)
                 self._counts["bindings_evicted"] += 1
                 return
+        scanned = min(EVICTION_SCAN, len(self._agents))
         raise FkvError(f"bind refused: this prefill rank keeps at most {self._max_bindings} "
-                       f"reader bindings and the {EVICTION_SCAN} least recently used are readers "
+                       f"reader bindings and the {scanned} least recently used are readers "
                        f"of held requests")
 
     def unbind(self, agent_name: str) -> None:
