@@ -2151,3 +2151,638 @@ def test_two_hosts_over_veth(cluster: Any, two_hosts: Any) -> None:
     finally:
         for p in procs:
             p.close()
+
+
+# -- packed reads against a hostile pack peer, in this process -------------------------------------
+# A real PackedPath and real _Dealers (a socketpair each, the bytes on the wire as a prefill rank
+# sends them) against a fake NIXL agent (READs recorded, never moved) and a recorded scatter.
+# Remote blocks of 4 tokens, 4 heads, 2 layers of bf16: 2 KiB packed per block per rank read; a
+# chunk holds 2 blocks (8 tokens), 2 chunks in flight.
+
+_PACK_CAP = 1 << 16    # each fake prefill rank's pack buffer
+_PACK_BASE = 1 << 40   # where it lies in the fake prefill's memory
+
+
+class _PackPeer:
+    """A prefill rank's pack address: every Pack sent gets what ``answer(rank, pack)`` returns
+    (replies or raw frames, written before the sender waits; [] or None: never answered)."""
+
+    def __init__(self, rank: int, answer: Any) -> None:
+        from fkv.connector.transport import _side
+        from fkv.connector.transport._packed_path import _Dealer
+        from fkv.connector.transport._sidelimits import FrameDecoder, encode_frame
+
+        class Dealer(_Dealer):
+            def __init__(dealer, sock: Any) -> None:  # the base class's fields, no connect
+                import collections
+
+                dealer.address = f"tcp://127.0.0.1:{9000 + rank}"
+                dealer._curve, dealer._sock = None, None
+                dealer._plain, dealer._frames, dealer._replies = sock, collections.deque(), []
+                dealer._decoder = FrameDecoder(max_frame=_side.MAX_SIDE_MESSAGE_BYTES)
+                dealer.outstanding, dealer.abandoned, dealer.orphans = set(), {}, []
+
+            def send(dealer, msg: Any) -> None:
+                super().send(msg)
+                frames: list[bytes] = []
+                while not frames:
+                    frames = self.decoder.feed(self.sock.recv(1 << 16))
+                pack = _side.decode_request(frames[0])
+                self.packs.append(pack)
+                for reply in answer(rank, pack) or []:
+                    if reply == "close":  # the prefill process went away
+                        self.sock.shutdown(socket.SHUT_RDWR)
+                        return
+                    self.sock.sendall(encode_frame(reply if isinstance(reply, bytes)
+                                                   else _side.encode_message(reply)))
+
+        mine, self.sock = socket.socketpair()
+        self.decoder = FrameDecoder(max_frame=_side.MAX_SIDE_MESSAGE_BYTES)
+        self.packs: list[Any] = []
+        self.dealer = Dealer(mine)
+
+
+class _FakeAgent:
+    """NIXL as packed reads use it: READs posted are recorded and finish at once (``stuck``: the
+    first stays in progress past every wait)."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[Any, Any, str, int, bytes]] = []
+        self.released: list[Any] = []
+        self.notified: list[tuple[str, bytes]] = []
+        self.waits: list[float] = []
+        self.stuck = False
+        self.notify_fails = False
+
+    def read_descs(self, local: Any, local_mem: str, remote: Any, remote_mem: str, name: str,
+                   nbytes: int, notif: bytes) -> Any:
+        from fkv.connector.transport._agent import Xfer
+
+        self.posted.append((local.tolist(), remote.tolist(), name, nbytes, notif))
+        return Xfer(None, name, nbytes)
+
+    def wait(self, xfers: list[Any], deadline: float, spin: float = 0.0) -> Any:
+        self.waits.append(deadline)
+        if self.stuck:
+            return xfers[0]
+        for x in xfers:
+            x.state = "DONE"
+        return None
+
+    def poll(self, x: Any) -> str:
+        return x.state
+
+    def release(self, x: Any) -> None:
+        self.released.append(x)
+
+    def notify(self, name: str, message: bytes) -> None:
+        from fkv.connector.transport._base import TransferFailed
+
+        if self.notify_fails:
+            raise TransferFailed(f"could not notify {name!r}")
+        self.notified.append((name, message))
+
+
+@pytest.fixture
+def packed() -> Any:
+    """``packed(answer, ranks=1)``: :func:`_make_packed`, its sockets closed afterwards."""
+    opened: list[_PackPeer] = []
+    yield lambda answer, ranks=1, per_block=2048: _make_packed(answer, ranks, opened, per_block)
+    for peer in opened:
+        peer.dealer.close()
+        peer.sock.close()
+
+
+def _make_packed(answer: Any, ranks: int, opened: list[Any], per_block: int = 2048) -> Any:
+    """A PackedPath reading ``ranks`` fake prefill ranks (heads split between them), its fake
+    agent, peers and the scatters it did (chunk area, offsets, tokens, layers)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import fkv
+    from fkv.connector.transport._packed_path import PackedPath, PackedSizing
+
+    rs = fkv.KVCacheSpec(num_blocks=64, block_size=4, num_kv_heads=4 * ranks, head_size=16,
+                         num_layers=2)
+    h = 4
+    reads = [SimpleNamespace(remote_rank=r, remote_heads=(0, h), local_heads=(r * h, r * h + h))
+             for r in range(ranks)]
+    agent = _FakeAgent()
+    area = ranks * 4096
+    staging = torch.zeros(2 * area, dtype=torch.uint8)
+    conn = SimpleNamespace(
+        local=SimpleNamespace(agent=agent, spec=rs, device=torch.device("cpu"), device_id=3,
+                              mem_type="DRAM"),
+        plan=SimpleNamespace(reads=reads, notifications=1), remote_spec=rs, engine_id="P",
+        entries={r: SimpleNamespace(address=f"tcp://127.0.0.1:{9000 + r}", pack_bytes=_PACK_CAP,
+                                    pack_base=_PACK_BASE, mem_type="DRAM") for r in range(ranks)},
+        peers={r: SimpleNamespace(device_id=5) for r in range(ranks)},
+        names={r: f"a{r}" for r in range(ranks)}, staging=staging, spin=0.0)
+    path = object.__new__(PackedPath)
+    sizing = PackedSizing((per_block,) * ranks, 8, 2 * area, 2, area)
+    path.conn, path.per_block, path.chunk_tokens = conn, list(sizing.per_block), 8
+    path.buffer_bytes, path.depth, path.area_bytes = sizing.buffer_bytes, 2, area
+    path.step, path.block_bytes, path.chunk_bytes = 4, per_block * ranks, 0
+    path.spin, path.quarantine, path._events, path.triton, path.last = 0.0, {}, {}, False, {}
+    peers = [_PackPeer(r, answer) for r in range(ranks)]
+    opened += peers
+    path.dealers = {r: p.dealer for r, p in enumerate(peers)}
+    scattered: list[tuple[int, list[int], int, Any]] = []
+    path._local_ids = lambda local: local
+    path._scatter = lambda chunk, ids: scattered.append(
+        (chunk.area, list(chunk.offsets), chunk.tokens, chunk.layers))
+    return path, agent, peers, scattered
+
+
+def _packed_read(path: Any, tokens: int = 20, timeout: float = 5.0, **kw: Any) -> Any:
+    import numpy as np
+
+    from fkv.connector.transport._base import Tally
+
+    from fkv.connector.transport import _packed_path
+
+    tally = Tally()
+    blocks = -(-tokens // 4)
+    path.read("r1", np.arange(blocks) + 40, np.arange(blocks) + 10, tokens,
+              _packed_path.time.monotonic() + timeout, tally, **kw)  # (a test's clock)
+    return tally
+
+
+def _slots(per_block: int = 2048) -> Any:
+    """``answer`` for _packed: every Pack packed in a fresh slot (10 + its token) after the
+    ones before, the slot reserved for the pack's timeout."""
+    from fkv.connector.transport import _side
+
+    def answer(rank: int, pack: Any) -> list[Any]:
+        first, end = pack.layers or (0, 2)
+        nbytes = len(pack.block_ids) * per_block // 2 * (end - first)
+        return [_side.Packed(token=pack.token, slot=10 + pack.token, offset=256 * pack.token,
+                             nbytes=nbytes, expires_in=pack.timeout)]
+    return answer
+
+
+def test_a_packed_read_posts_every_pack_into_its_part_of_its_chunks_area(packed: Any) -> None:
+    """20 tokens from 2 ranks: chunks of 8, 8 and 4 tokens, 2 in flight. Each READ moves
+    exactly the pack's bytes from where the reply said it lies into the rank's part of the
+    chunk's staging area (areas alternate), carrying the slot's free notification; every READ is
+    released once landed, no slot freed by notification, each chunk scattered once."""
+    from fkv.connector.transport._packer import FREE_PREFIX
+
+    path, agent, peers, scattered = packed(_slots(), ranks=2)
+    t0 = time.monotonic()
+    tally = _packed_read(path, tokens=20)
+    base = path.conn.staging.data_ptr()
+    packs = [p.packs for p in peers]
+    assert [[(m.block_ids, m.heads, m.num_tokens, m.layers) for m in ps] for ps in packs] == [
+        [([10, 11], (0, 4), 8, None), ([12, 13], (0, 4), 8, None), ([14], (0, 4), 4, None)]] * 2
+    assert all(0 < m.timeout <= 5.0 and t0 + m.timeout < t0 + 5.0 + 1 for ps in packs for m in ps)
+    expect = []
+    for c, area in enumerate((0, 1, 0)):
+        nbytes = 4096 if c < 2 else 2048
+        for r in range(2):
+            token = packs[r][c].token
+            expect.append(([[base + area * 8192 + r * nbytes, nbytes, 3]],
+                           [[_PACK_BASE + 256 * token, nbytes, 5]], f"a{r}", nbytes,
+                           FREE_PREFIX + str(10 + token).encode()))
+    assert agent.posted == expect
+    assert scattered == [(0, [0, 4096], 8, None), (1, [0, 4096], 8, None), (0, [0, 2048], 4, None)]
+    assert len(agent.released) == 6 and agent.notified == [] and path.quarantine == {}
+    assert (tally.bytes, tally.descriptors) == (20480, 6)
+    assert path.last == {"chunks": 3, "depth": 2, "in_flight": 2, "retries": 0, "quarantined": 0}
+    assert all(not p.dealer.outstanding and not p.dealer.abandoned for p in peers)
+
+
+def test_one_short_chunk_is_in_flight_alone(packed: Any) -> None:
+    path, agent, peers, scattered = packed(_slots())
+    _packed_read(path, tokens=3)
+    assert path.last == {"chunks": 1, "depth": 1, "in_flight": 1, "retries": 0, "quarantined": 0}
+    assert scattered == [(0, [0], 3, None)]
+
+
+def test_a_layer_range_packs_only_those_layers_and_the_whole_range_is_a_plain_pack(
+        packed: Any) -> None:
+    from fkv.errors import FkvError
+
+    path, agent, peers, scattered = packed(_slots())
+    tally = _packed_read(path, tokens=8, layers=(1, 2))
+    assert [(m.layers, m.num_tokens) for m in peers[0].packs] == [((1, 2), 8)]
+    assert agent.posted[0][3] == 2048 and tally.bytes == 2048
+    assert scattered == [(0, [0], 8, (1, 2))]
+    _packed_read(path, tokens=8, layers=(0, 2))
+    assert peers[0].packs[-1].layers is None and scattered[-1] == (0, [0], 8, None)
+    for bad in ((1, 1), (2, 1), (-1, 1), (0, 3)):
+        with pytest.raises(FkvError, match=re.escape(
+                f"PackedPath.read: 'layers' {bad} must be a range (a, b) with 0 <= a < b <= 2")):
+            _packed_read(path, tokens=8, layers=bad)
+    assert len(peers[0].packs) == 2
+
+
+def _hostile_cases() -> dict[str, Any]:
+    from fkv.connector.transport import _side
+
+    who = "prefill rank 1 of engine 'P' (tcp://127.0.0.1:9001)"
+    return {
+        # name: (rank 1's replies to its first Pack (token t), the error)
+        "fewer bytes": (lambda t: [_side.Packed(token=t, slot=7, offset=0, nbytes=3840)],
+                        f"{who} packed 3840 bytes at offset 0 of its 65536-byte buffer; "
+                        f"expected 4096 bytes inside it"),
+        "more bytes": (lambda t: [_side.Packed(token=t, slot=7, offset=0, nbytes=8192)],
+                       f"{who} packed 8192 bytes at offset 0 of its 65536-byte buffer; "
+                       f"expected 4096 bytes inside it"),
+        "ends past the buffer": (
+            lambda t: [_side.Packed(token=t, slot=7, offset=_PACK_CAP - 3840, nbytes=4096)],
+            f"{who} packed 4096 bytes at offset 61696 of its 65536-byte buffer; expected "
+            f"4096 bytes inside it"),
+        "refused": (lambda t: [_side.Error(message="pack refused: no", token=t)],
+                    f"{who}: pack refused: no"),
+        "a layers reply": (
+            lambda t: [_side.Layers(token=t, layers_ready=2, held=True)],
+            f"{who} answered pack request {{t}} with a 'layers' reply; expected 'packed' or "
+            f"'error'"),
+        "silence": (lambda t: [], f"{who} did not answer the pack request before the read's "
+                                  f"timeout: the prefill process is hung, dead or unreachable: "
+                                  f"reconnect once it is back (client.reconnect())"),
+        "another chunk's token": (
+            lambda t: [_side.Packed(token=t + 1, slot=7, offset=0, nbytes=4096)],
+            f"{who} did not answer the pack request before the read's timeout"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_hostile_cases()))
+def test_a_bad_pack_reply_fails_the_read_naming_it_and_frees_what_it_held(packed: Any,
+                                                                        case: str) -> None:
+    """Rank 0 packs honestly, rank 1 answers its first Pack badly: the read raises
+    TransferFailed naming the rank and what was wrong, before any READ is posted or anything
+    scattered; rank 0's slot of that chunk is freed by notification, and a Packed that was
+    refused is freed too (its slot is held on the prefill side)."""
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._base import TransferFailed
+    from fkv.connector.transport._packer import FREE_PREFIX
+
+    replies, error = _hostile_cases()[case]
+    honest = _slots()
+
+    def answer(rank: int, pack: Any) -> list[Any]:
+        if rank == 1 and pack.block_ids[0] == 10:
+            return replies(pack.token)
+        return honest(rank, pack)
+
+    path, agent, peers, scattered = packed(answer, ranks=2)
+    with pytest.raises(TransferFailed) as e:
+        _packed_read(path, tokens=20, timeout=0.3 if "silence" in case or "token" in case else 5)
+    first = peers[1].packs[0].token
+    assert str(e.value).startswith(error.replace("{t}", str(first))), str(e.value)
+    assert isinstance(e.value, TransferFailed) and agent.posted == [] and scattered == []
+    freed = [("a0", FREE_PREFIX + str(10 + peers[0].packs[0].token).encode())]
+    sent = replies(first)
+    if sent and isinstance(sent[0], _side.Packed) and sent[0].token == first:
+        freed.append(("a1", FREE_PREFIX + b"7"))
+    # the second chunk's packs (answered at once) came back to nobody: freed too
+    freed += [(f"a{r}", FREE_PREFIX + str(10 + peers[r].packs[1].token).encode())
+              for r in (0, 1)]
+    assert sorted(agent.notified) == sorted(freed)
+    assert all(not p.dealer.outstanding and not p.dealer._replies for p in peers)
+    assert peers[1].dealer.abandoned == ({first: None} if "silence" in case or "token" in case
+                                         else {})
+
+
+class _Clock:
+    """``time`` as _packed_path sees it: stands still but for its sleeps and ``advance``."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def perf_counter(self) -> float:
+        return time.perf_counter()
+
+
+@pytest.fixture
+def clock(monkeypatch: Any) -> _Clock:
+    from fkv.connector.transport import _packed_path
+
+    fake = _Clock()
+    monkeypatch.setattr(_packed_path, "time", fake)
+    return fake
+
+
+def test_a_pack_may_end_exactly_at_the_end_of_the_buffer(packed: Any) -> None:
+    from fkv.connector.transport import _side
+
+    def answer(rank: int, pack: Any) -> list[Any]:
+        return [_side.Packed(token=pack.token, slot=1, offset=_PACK_CAP - 4096, nbytes=4096)]
+
+    path, agent, peers, scattered = packed(answer)
+    _packed_read(path, tokens=8)
+    assert agent.posted[0][1] == [[_PACK_BASE + _PACK_CAP - 4096, 4096, 5]]
+
+
+def test_packs_of_unaligned_sizes_start_aligned_in_the_staging_area(packed: Any) -> None:
+    path, agent, peers, scattered = packed(_slots(1088), ranks=2, per_block=1088)
+    _packed_read(path, tokens=8)
+    base = path.conn.staging.data_ptr()
+    assert [p[0] for p in agent.posted] == [[[base, 2176, 3]], [[base + 2304, 2176, 3]]]
+    assert scattered == [(0, [0, 2304], 8, None)]
+
+
+def test_requests_go_in_chunks_of_about_chunk_bytes(packed: Any) -> None:
+    path, agent, peers, scattered = packed(_slots(), ranks=2)
+    path.chunk_bytes = 4096  # one block from each rank
+    _packed_read(path, tokens=12)
+    assert [m.block_ids for m in peers[0].packs] == [[10], [11], [12]]
+    _packed_read(path, tokens=12, layers=(0, 1))  # half the bytes per block: 2 blocks a chunk
+    assert [m.block_ids for m in peers[0].packs[3:]] == [[10, 11], [12]]
+
+
+def test_a_read_skips_quarantined_areas(packed: Any) -> None:
+    from fkv.connector.transport._agent import Xfer
+
+    path, agent, peers, scattered = packed(_slots())
+    path.quarantine = {0: [Xfer(None, "a0", 4096)]}
+    _packed_read(path, tokens=20)
+    assert [s[0] for s in scattered] == [1, 1, 1]
+    assert path.last == {"chunks": 3, "depth": 1, "in_flight": 1, "retries": 0, "quarantined": 1}
+
+
+def test_the_shortest_slot_reservation_from_each_packs_request_bounds_the_wait(
+        packed: Any, clock: _Clock) -> None:
+    """A READ is waited for until the earliest reservation of its packs ends, counted from when
+    each pack was (last) asked: rank 0 answers busy once, each reply takes the peer 1 s."""
+    from fkv.connector.transport import _side
+
+    t0 = clock.now
+
+    def answer(rank: int, pack: Any) -> list[Any]:
+        clock.now += 1.0
+        if rank == 0 and len(peers_[0].packs) == 1:
+            return [_side.Error(message="busy", retry=True, token=pack.token)]
+        return [_side.Packed(token=pack.token, slot=1, offset=0, nbytes=4096,
+                             expires_in=3.0 if rank == 0 else 2.5)]
+
+    path, agent, peers_, scattered = packed(answer, ranks=2)
+    _packed_read(path, tokens=8, timeout=100.0)
+    # rank 0 asked at t0, again at t0 + 2 + 0.0002 (after rank 1's reply and the pause);
+    # rank 1 asked at t0 + 1
+    assert agent.waits == [pytest.approx(min(t0 + 2.0002 + 3.0, t0 + 1.0 + 2.5), abs=1e-9)]
+    assert path.last["retries"] == 1
+
+
+def test_a_reply_without_a_reservation_waits_until_the_reads_timeout(packed: Any,
+                                                                     clock: _Clock) -> None:
+    """``expires_in=0`` states no reservation: the READ is waited for until the read's timeout,
+    and failing then says only that."""
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._base import TransferFailed
+
+    def answer(rank: int, pack: Any) -> list[Any]:
+        return [_side.Packed(token=pack.token, slot=1, offset=0, nbytes=4096)]
+
+    path, agent, peers, scattered = packed(answer)
+    _packed_read(path, tokens=8, timeout=7.0)
+    assert agent.waits == [clock.now + 7.0]
+    agent.stuck = True
+    with pytest.raises(TransferFailed) as e:
+        _packed_read(path, tokens=8, timeout=7.0)
+    assert str(e.value) == ("READ from prefill rank 0 of engine 'P' (a0) did not finish before "
+                            "the read's timeout: the prefill process is hung, dead or unreachable")
+
+
+def test_a_read_outliving_its_slots_reservation_fails_and_keeps_its_area(packed: Any,
+                                                                         clock: _Clock) -> None:
+    """Rank 0's READ is still in progress when the slot reservation (2 s) ends, rank 1's failed:
+    the read fails naming why, nothing counts as moved, the running READ keeps its area
+    quarantined (its handle unreleased) and the failed one is released."""
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._base import TransferFailed
+
+    def answer(rank: int, pack: Any) -> list[Any]:
+        return [_side.Packed(token=pack.token, slot=1, offset=0, nbytes=4096, expires_in=2.0)]
+
+    path, agent, peers, scattered = packed(answer, ranks=2)
+    agent.stuck = True
+    real_wait = agent.wait
+
+    def wait(xfers: list[Any], deadline: float, spin: float = 0.0) -> Any:
+        xfers[1].state = "ERR"
+        return real_wait(xfers, deadline, spin)
+
+    agent.wait = wait
+    with pytest.raises(TransferFailed) as e:
+        _packed_read(path, tokens=8, timeout=30.0)
+    assert str(e.value) == (
+        "READ from prefill rank 0 of engine 'P' (a0) did not finish before the read's timeout: "
+        "the prefill process is hung, dead or unreachable (stopped at the end of the pack slots' "
+        "reservation, before the read's timeout: a later READ could find the slot given to "
+        "another pack)")
+    assert agent.waits == [clock.now + 2.0] and scattered == []
+    assert [x.state for x in path.quarantine[0]] == ["PROC"] and len(path.quarantine) == 1
+    assert [x.state for x in agent.released] == ["ERR"] and agent.notified == []
+    assert path.last["quarantined"] == 1
+
+
+def test_a_failed_read_counts_only_the_bytes_of_finished_reads(packed: Any) -> None:
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._base import Tally, TransferFailed
+
+    path, agent, peers, scattered = packed(
+        lambda rank, pack: [_side.Packed(token=pack.token, slot=1, offset=0, nbytes=4096)],
+        ranks=2)
+    agent.stuck = True
+    real_wait = agent.wait
+
+    def wait(xfers: list[Any], deadline: float, spin: float = 0.0) -> Any:
+        xfers[0].state = "ERR"
+        xfers[1].state = "DONE"
+        return real_wait(xfers, deadline, spin)
+
+    agent.wait, tally = wait, Tally()
+    import numpy as np
+
+    with pytest.raises(TransferFailed, match=r"READ from prefill rank 0 .* failed \(NIXL state "
+                                             r"ERR\)"):
+        path.read("r1", np.arange(2), np.arange(2), 8, time.monotonic() + 5, tally)
+    assert tally.bytes == 4096 and len(agent.released) == 2 and path.quarantine == {}
+
+
+def test_a_busy_pack_buffer_is_asked_again_until_the_deadline(packed: Any, clock: _Clock
+                                                              ) -> None:
+    """Busy answers are asked again (a fresh Pack each time) with pauses growing to 5 ms: 30
+    busy answers within a 1 s timeout still read; answers busy without end fail at the
+    timeout, naming the last answer."""
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._base import TransferFailed
+
+    busy = [30]
+
+    def answer(rank: int, pack: Any) -> list[Any]:
+        if busy[0]:
+            busy[0] -= 1
+            return [_side.Error(message=f"busy {busy[0]}", retry=True, token=pack.token)]
+        return [_side.Packed(token=pack.token, slot=1, offset=0, nbytes=4096)]
+
+    path, agent, peers, scattered = packed(answer)
+    _packed_read(path, tokens=8, timeout=1.0)
+    assert path.last["retries"] == 30 and len(peers[0].packs) == 31
+    assert len({m.token for m in peers[0].packs}) == 31 and len(agent.posted) == 1
+    assert not peers[0].dealer.outstanding and not peers[0].dealer._replies
+    busy[0] = 100000  # (no end within the timeout)
+    t0 = clock.now
+    with pytest.raises(TransferFailed) as e:
+        _packed_read(path, tokens=8, timeout=0.05)
+    assert str(e.value).startswith("prefill rank 0 of engine 'P' (tcp://127.0.0.1:9000): the pack "
+                                   "buffer stayed busy until the read's timeout (busy 9"), e.value
+    assert t0 + 0.045 < clock.now <= t0 + 0.05 and len(agent.posted) == 1
+
+
+@pytest.mark.parametrize("late", ["packed", "busy"])
+def test_packs_a_failed_read_abandoned_are_freed_when_their_replies_come(packed: Any,
+                                                                         late: str) -> None:
+    """Chunk 1's Pack is refused while chunk 2's is out: the read fails, chunk 2's reply (here
+    already sent) is taken by the failure's drain, and its slot freed; a busy answer frees
+    nothing. No token stays outstanding or abandoned."""
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._base import TransferFailed
+    from fkv.connector.transport._packer import FREE_PREFIX
+
+    def answer(rank: int, pack: Any) -> list[Any]:
+        if pack.block_ids[0] == 10:
+            return [_side.Error(message="pack refused: no", token=pack.token)]
+        if late == "busy":
+            return [_side.Error(message="busy", retry=True, token=pack.token)]
+        return [_side.Packed(token=pack.token, slot=5, offset=0, nbytes=4096)]
+
+    path, agent, peers, scattered = packed(answer)
+    with pytest.raises(TransferFailed, match="pack refused: no"):
+        _packed_read(path, tokens=20)
+    assert agent.notified == ([("a0", FREE_PREFIX + b"5")] if late == "packed" else [])
+    dealer = peers[0].dealer
+    assert not dealer.outstanding and not dealer.abandoned and not dealer._replies
+    assert not dealer.orphans and agent.posted == []
+
+
+def test_a_late_reply_to_an_abandoned_pack_is_freed_by_the_next_read(packed: Any) -> None:
+    """Chunk 2's reply comes only after the failed read returned (with the next read's first
+    reply): that read frees its slot before it returns."""
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._base import TransferFailed
+    from fkv.connector.transport._packer import FREE_PREFIX
+
+    held: list[Any] = []
+    honest = _slots()
+
+    def answer(rank: int, pack: Any) -> list[Any]:
+        if len(peers[0].packs) == 1:
+            return [_side.Error(message="pack refused: no", token=pack.token)]
+        if len(peers[0].packs) == 2:
+            held.append(_side.Packed(token=pack.token, slot=5, offset=0, nbytes=4096))
+            return []
+        return [*honest(rank, pack), *held]
+
+    path, agent, peers, scattered = packed(answer)
+    with pytest.raises(TransferFailed, match="pack refused: no"):
+        _packed_read(path, tokens=20)
+    assert agent.notified == [] and peers[0].dealer.abandoned == {peers[0].packs[1].token: None}
+    _packed_read(path, tokens=8)
+    assert agent.notified == [("a0", FREE_PREFIX + b"5")] and not peers[0].dealer.abandoned
+
+
+def test_a_slot_that_cannot_be_freed_leaves_the_reads_own_error(packed: Any) -> None:
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._base import TransferFailed
+
+    def answer(rank: int, pack: Any) -> list[Any]:
+        if rank == 1:
+            return [_side.Error(message="pack refused: no", token=pack.token)]
+        return [_side.Packed(token=pack.token, slot=5, offset=0, nbytes=4096)]
+
+    path, agent, peers, scattered = packed(answer, ranks=2)
+    agent.notify_fails = True
+    with pytest.raises(TransferFailed) as e:
+        _packed_read(path, tokens=8)
+    assert str(e.value) == "prefill rank 1 of engine 'P' (tcp://127.0.0.1:9001): pack refused: no"
+
+
+def test_a_pack_peer_that_closes_the_connection_fails_the_read_naming_it(packed: Any) -> None:
+    from fkv.connector.transport._base import TransferFailed
+
+    path, agent, peers, scattered = packed(lambda rank, pack: ["close"])
+    with pytest.raises(TransferFailed) as e:
+        _packed_read(path, tokens=8)
+    assert str(e.value) == (
+        "prefill rank 0 of engine 'P' (tcp://127.0.0.1:9000): the prefill side channel at "
+        "tcp://127.0.0.1:9000 closed the connection: the prefill process is dead or "
+        "unreachable: reconnect once it is back (client.reconnect())")
+
+
+def test_pack_read_tables_split_into_aligned_pieces_but_the_last() -> None:
+    from fkv.connector.transport._packed_path import _tables
+
+    local, remote = _tables(1000, 5000, 513, 2, 1, 2)
+    assert local.tolist() == [[1000, 512, 1], [1512, 1, 1]]
+    assert remote.tolist() == [[5000, 512, 2], [5512, 1, 2]]
+    local, remote = _tables(0, 1 << 40, 1000, 3, 0, 7)
+    assert local.tolist() == [[0, 512, 0], [512, 488, 0]]
+    assert remote.tolist() == [[1 << 40, 512, 7], [(1 << 40) + 512, 488, 7]]
+    local, _ = _tables(0, 0, 100, 1, 0, 0)
+    assert local.tolist() == [[0, 100, 0]]
+
+
+def test_a_quarantined_area_comes_back_only_once_all_its_reads_finished(packed: Any) -> None:
+    from fkv.connector.transport._agent import Xfer
+
+    path, agent, peers, scattered = packed(_slots())
+    done, running = Xfer(None, "a0", 1), Xfer(None, "a0", 2)
+    done.state = "DONE"
+    path.quarantine = {1: [done, running]}
+    path._reclaim()
+    assert path.quarantine == {1: [done, running]} and agent.released == []
+    path.close()  # NIXL keeps or cancels them: the handles go back at close
+    assert agent.released == [done, running] and path.quarantine == {} and path.dealers == {}
+
+
+def test_the_pack_dealer_drops_replies_without_a_token_and_bounds_the_abandoned() -> None:
+    import zmq
+
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._packed_path import _MAX_ABANDONED, _Dealer
+    from fkv.connector.transport._sidelimits import encode_frame
+
+    listen = socket.create_server(("127.0.0.1", 0))
+    ctx = zmq.Context()
+    dealer = _Dealer(ctx, f"tcp://127.0.0.1:{listen.getsockname()[1]}")
+    peer, _ = listen.accept()
+    try:
+        for token in range(1, _MAX_ABANDONED + 2):
+            dealer.abandon(token)
+        assert list(dealer.abandoned)[:1] == [2] and len(dealer.abandoned) == _MAX_ABANDONED
+        for msg in (_side.Ok(engine_id="x"), _side.Ranks(ranks=[]),
+                    _side.Packed(token=3, slot=30, offset=0, nbytes=1)):
+            peer.sendall(encode_frame(_side.encode_message(msg)))
+        deadline = time.monotonic() + 5
+        while not dealer.orphans and time.monotonic() < deadline:
+            dealer.drain()
+        assert dealer.orphans == [_side.Packed(token=3, slot=30, offset=0, nbytes=1)]
+        assert dealer._replies == []
+    finally:
+        dealer.close()
+        peer.close()
+        listen.close()
+        ctx.term()
+
+
+def test_a_read_first_takes_back_areas_whose_reads_finished(packed: Any) -> None:
+    from fkv.connector.transport._agent import Xfer
+
+    path, agent, peers, scattered = packed(_slots())
+    finished = Xfer(None, "a0", 4096)
+    finished.state = "DONE"
+    path.quarantine = {0: [finished]}
+    _packed_read(path, tokens=20)
+    assert path.last == {"chunks": 3, "depth": 2, "in_flight": 2, "retries": 0, "quarantined": 0}
+    assert agent.released[0] is finished and [s[0] for s in scattered] == [0, 1, 0]

@@ -465,6 +465,10 @@ class PackedPath:
                                              f"{reply.offset} of its {cap}-byte buffer; expected "
                                              f"{nbytes} bytes inside it")
                     break
+                if not isinstance(reply, _side.Error):  # a Layers carrying the pack's token
+                    raise TransferFailed(f"{who} answered pack request {reply.token} with a "
+                                         f"{type(reply).__name__.lower()!r} reply; expected "
+                                         f"'packed' or 'error'")
                 if not reply.retry:
                     raise TransferFailed(f"{who}: {reply.message}")
                 if time.monotonic() + pause >= deadline:
