@@ -2786,3 +2786,26 @@ def test_a_read_first_takes_back_areas_whose_reads_finished(packed: Any) -> None
     _packed_read(path, tokens=20)
     assert path.last == {"chunks": 3, "depth": 2, "in_flight": 2, "retries": 0, "quarantined": 0}
     assert agent.released[0] is finished and [s[0] for s in scattered] == [0, 1, 0]
+
+
+def test_a_read_failing_at_its_third_chunk_frees_only_that_chunks_unread_slots(packed: Any
+                                                                                ) -> None:
+    """Chunk 1 landed (its READs freed its slots), chunk 2's READs are in flight (their area
+    quarantined, their slots freed by them), rank 1 refuses chunk 3: only rank 0's slot of
+    chunk 3 is freed by notification."""
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._base import TransferFailed
+    from fkv.connector.transport._packer import FREE_PREFIX
+
+    honest = _slots()
+
+    def answer(rank: int, pack: Any) -> list[Any]:
+        if rank == 1 and pack.block_ids[0] == 14:
+            return [_side.Error(message="pack refused: no", token=pack.token)]
+        return honest(rank, pack)
+
+    path, agent, peers, scattered = packed(answer, ranks=2)
+    with pytest.raises(TransferFailed, match="pack refused: no"):
+        _packed_read(path, tokens=20)
+    assert agent.notified == [("a0", FREE_PREFIX + str(10 + peers[0].packs[2].token).encode())]
+    assert [s[0] for s in scattered] == [0] and list(path.quarantine) == [1]
