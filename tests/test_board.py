@@ -587,6 +587,78 @@ def test_a_publish_late_for_its_window_is_heard_through_the_futex(
         watch.cleanup()
 
 
+def test_a_stream_that_speeds_up_is_paced_by_its_newest_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers 10 ms apart, then one 4 ms after the last: the pace follows the faster newest
+    interval (about 4.1 ms, the news of each came through a 100 us futex wake-up), not the
+    running mean (7 ms): spinning early costs a little CPU, late a wake-up."""
+    times = [100.010, 100.020, 100.024]
+    watch, clock, board = _paced_watch(monkeypatch, times)
+    try:
+        watch.start("r")
+        for after in range(3):
+            assert watch.beyond("r", after, clock.now + 1.0) == after + 1
+        assert 0 <= round((clock.now - times[2]) * 1e6) <= 110  # a futex wake-up heard it
+        assert 4000 <= round(watch._pace * 1e6) <= 4110, watch._pace  # noqa: SLF001
+    finally:
+        watch.cleanup()
+
+
+def test_a_publish_right_after_the_wait_starts_is_heard_spinning_before_any_sleep(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer comes 200 us into the wait, inside its first ``BOARD_SPIN_FUTEX`` s (0.5 ms):
+    read without sleeping, within a few loop steps, no futex wait at all."""
+    watch, clock, board = _paced_watch(monkeypatch, [100.0002])
+    try:
+        watch.start("r")
+        assert watch.beyond("r", 0, clock.now + 1.0) == 1
+        assert board.sleeps == []
+        assert 0 <= round((clock.now - 100.0002) * 1e6) <= 10
+    finally:
+        watch.cleanup()
+
+
+def test_a_wait_on_the_board_ends_at_its_deadline_not_a_sleep_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No layer comes before a deadline 3 ms away: the futex sleeps (2 ms at most each) are cut
+    to the time left, so the wait returns 0 layers within a wake-up (100 us) of its deadline."""
+    watch, clock, board = _paced_watch(monkeypatch, [])
+    try:
+        watch.start("r")
+        deadline = clock.now + 0.003
+        assert watch.beyond("r", 0, deadline) == 0
+        assert 0 <= round((clock.now - deadline) * 1e6) <= 110
+        assert len(board.sleeps) == 2
+        assert all(end <= deadline + 0.00011 for _, end in board.sleeps), board.sleeps
+    finally:
+        watch.cleanup()
+
+
+def test_a_deadline_inside_the_spin_window_ends_the_spin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers every 10 ms, then none: the wait for layer 3 spins from 1 ms before its predicted
+    time (100.040); its deadline, 100.040, ends the spin there, not at the window's end."""
+    times = [100.010, 100.020, 100.030]
+    watch, clock, board = _paced_watch(monkeypatch, times)
+    try:
+        watch.start("r")
+        for after in range(3):
+            assert watch.beyond("r", after, clock.now + 1.0) == after + 1
+        assert watch.spun_news == 1
+        deadline = 100.040
+        window = _stream_module().spin_window(watch._last_news, watch._last_count,  # noqa: SLF001
+                                              watch._pace, 3)  # noqa: SLF001
+        assert window[0] < deadline < window[1], window
+        assert watch.beyond("r", 3, deadline) == 3
+        assert 0 <= round((clock.now - deadline) * 1e6) <= 10
+    finally:
+        watch.cleanup()
+
+
+def _stream_module() -> object:
+    from fkv.connector.transport import _stream
+    return _stream
+
+
 def test_a_closing_server_marks_its_board_stopped_and_a_cut_board_reads_stopped() -> None:
     """Same-host copies read the flag after each copy: a server that closed (or a board file
     someone truncated) must read as stopped, a serving one never."""

@@ -14,7 +14,8 @@ import torch
 
 import fkv
 from fkv.connector import EngineDesc, connect, serve
-from fkv.connector.transport import _board
+from fkv.connector.transport import _board, _side
+from fkv.connector.transport._base import SideChannelError, TransferFailed
 from fkv.errors import FkvError
 
 pytestmark = pytest.mark.transport
@@ -242,3 +243,320 @@ def test_a_streaming_request_released_mid_read_fails_the_read_at_once(
                 "streaming request 's2': layers 0..0 landed of 3; prefill rank 0 of engine 'p' no "
                 "longer holds the request (released before this read ended: its lease ran out, "
                 "or its server released it); nothing is reported as done"), result.error
+
+
+# -- hostile Status answers, in process: a Watch over scripted prefill ranks and a hand-moved clock
+
+
+class _Clock:
+    """A fake ``time`` for ``_stream``: each ``monotonic`` read advances it by 1 us."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+class _Rank:
+    """A prefill rank's side channel as a Watch sees it (a ``_side.Dealer``): ``sent`` records
+    each request; the i-th Status sent is answered by ``script[i]``, ``(at, reply)`` with reply
+    ``(layers_ready, held)`` or a ``_side.Error`` message (str), seen once the clock is at
+    ``at``; a Status past the script is never answered. ``wait`` moves the clock to its reply
+    or its deadline."""
+
+    def __init__(self, clock: _Clock, script: list[tuple[float, object]] | None = None) -> None:
+        self.clock, self.script = clock, list(script or [])
+        self.sent: list[_side.Status] = []
+        self.due: dict[int, tuple[float, object]] = {}
+
+    def send(self, msg: _side.Status) -> None:
+        if len(self.sent) < len(self.script):
+            at, answer = self.script[len(self.sent)]
+            reply = (_side.Error(message=answer, token=msg.token) if isinstance(answer, str)
+                     else _side.Layers(token=msg.token, layers_ready=answer[0], held=answer[1]))
+            self.due[msg.token] = (at, reply)
+        self.sent.append(msg)
+
+    def ready(self, token: int) -> object:
+        at, reply = self.due.get(token, (float("inf"), None))
+        return self.due.pop(token)[1] if at <= self.clock.now else None
+
+    def wait(self, token: int, deadline: float) -> object:
+        at, _ = self.due.get(token, (float("inf"), None))
+        self.clock.now = max(self.clock.now, min(at, deadline))
+        return self.ready(token)
+
+    def close(self) -> None:
+        pass
+
+
+def _watch(monkeypatch: pytest.MonkeyPatch, *scripts: list[tuple[float, object]],
+           boards: dict[int, object] | None = None) -> tuple[object, _Clock, list[_Rank]]:
+    """A Watch of one rank per script (its dealer a ``_Rank``), on a fake clock."""
+    from fkv.connector.transport import _stream
+
+    clock = _Clock()
+    monkeypatch.setattr(_stream, "time", clock)
+    monkeypatch.setattr(_stream, "_yield", lambda: None)
+    watch = _stream.Watch(None, [], (), "P", boards=boards)
+    ranks = [_Rank(clock, script) for script in scripts]
+    watch.dealers.update(enumerate(ranks))
+    return watch, clock, ranks
+
+
+def test_a_rank_that_does_not_hold_the_request_counts_no_layer_whatever_it_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Layers(layers_ready=3, held=False)``: a rank that does not hold the request (yet) has
+    published nothing of it, whatever count it names: the read waits (asking again) until its
+    deadline and learns of 0 layers."""
+    watch, clock, (rank,) = _watch(monkeypatch, [(0.0, (3, False))])
+    watch.start("s1")
+    deadline = clock.now + 0.5
+    assert watch.beyond("s1", 0, deadline) == 0
+    assert clock.now >= deadline
+    assert [(m.request_id, m.after) for m in rank.sent] == [("s1", 0), ("s1", 0)]
+
+
+def test_a_late_answer_to_the_previous_requests_poll_counts_nothing_for_the_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The poll of request a is still out when the read of b starts; its answer (3 layers of a)
+    then comes: it is not taken for b, which is asked for on its own and, never answered,
+    reads as 0 layers at the deadline."""
+    watch, clock, (rank,) = _watch(monkeypatch, [(0.0, (3, True))])
+    watch.start("a")
+    watch.ask("a", 0)
+    watch.start("b")
+    assert watch.beyond("b", 0, clock.now + 0.5) == 0
+    assert [m.request_id for m in rank.sent] == ["a", "b"]
+
+
+def test_a_layer_is_readable_once_every_rank_published_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 says 3 layers, rank 1 says 1: the watch answers 1. Asked past 1, only rank 1 gets
+    a poll (rank 0 already said more), and a rank with a poll out is not asked again; a rank
+    that never answers holds the count at 0. Each poll asks for news past ``after`` (a long
+    poll of ``LONG_POLL`` s) with the caller's ``recorded``."""
+    from fkv.connector.transport import _stream
+
+    watch, clock, ranks = _watch(monkeypatch, [(0.0, (3, True)), (0.0, (2, True))],
+                                 [(0.0, (1, True))])
+    watch.start("s1")
+    watch.ask("s1", 0)
+    watch.ask("s1", 0)
+    assert [len(r.sent) for r in ranks] == [1, 1]
+    assert watch.beyond("s1", 0, clock.now + 0.5) == 1
+    watch.ask("s1", 1, recorded=True)
+    assert [len(r.sent) for r in ranks] == [1, 2]
+    token = ranks[1].sent[1].token
+    assert ranks[1].sent[1] == _side.Status(token=token, request_id="s1", after=1,
+                                            wait=_stream.LONG_POLL, recorded=True)
+    deadline = clock.now + 0.5
+    assert watch.beyond("s1", 1, deadline, recorded=True) == 1  # rank 1 silent: the deadline
+    assert clock.now >= deadline
+    watch.start("s2")                                       # rank 0 answers 2, rank 1 nothing
+    assert watch.beyond("s2", 0, clock.now + 0.5) == 0
+    assert ranks[0].sent[-1] == _side.Status(token=ranks[0].sent[-1].token, request_id="s2",
+                                             after=0, wait=_stream.LONG_POLL, recorded=False)
+
+
+def test_a_count_going_backwards_takes_back_no_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank says 3 layers, then (asked past 3) 1: the 3 stand (a published layer is never
+    unpublished); the wait goes on to its deadline."""
+    watch, clock, (rank,) = _watch(monkeypatch, [(0.0, (3, True)), (0.0, (1, True))])
+    watch.start("s1")
+    assert watch.beyond("s1", 0, clock.now + 0.5) == 3
+    assert watch.beyond("s1", 3, clock.now + 0.5) == 3
+    assert [m.after for m in rank.sent] == [0, 3, 3]
+
+
+def test_a_new_read_forgets_the_counts_of_the_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """3 layers of a were heard; a read of another request (``beyond`` of c alone, or
+    ``start`` of b) counts from 0; a poll still out is collected, not sent again."""
+    watch, clock, (rank,) = _watch(monkeypatch, [(0.0, (3, True))])
+    watch.start("a")
+    assert watch.beyond("a", 0, clock.now + 0.5) == 3
+    assert watch.beyond("c", 0, clock.now, wait=False) == 0
+    watch.start("b")
+    assert watch.beyond("b", 0, clock.now, wait=False) == 0
+    assert [m.request_id for m in rank.sent] == ["a", "c"]  # c's poll, still out, is kept
+
+
+def test_a_rank_refusing_the_status_fails_the_read_naming_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``Error`` answer to a Status (no ``layers_ready``, no ``held``) fails the read with
+    TransferFailed naming the rank and quoting the refusal."""
+    watch, clock, (rank,) = _watch(monkeypatch, [(0.0, "no streaming here")])
+    watch.start("s1")
+    with pytest.raises(TransferFailed) as e:
+        watch.beyond("s1", 0, clock.now + 0.5)
+    assert str(e.value) == "prefill rank 0 of engine 'P' refused the layer status: no " \
+                           "streaming here"
+
+
+def test_a_status_that_cannot_be_sent_fails_as_a_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose side channel refuses the request (``send`` raises SideChannelError): ``ask``
+    and ``beyond`` raise TransferFailed naming the engine, the cause after it."""
+    watch, clock, (rank,) = _watch(monkeypatch, [])
+
+    def refuse(msg: object) -> None:
+        raise SideChannelError("the request to tcp://x:1 could not be sent (EPIPE): the prefill "
+                               "rank is not reachable")
+
+    monkeypatch.setattr(rank, "send", refuse)
+    watch.start("s1")
+    for call in (lambda: watch.ask("s1", 0), lambda: watch.beyond("s1", 0, clock.now + 0.5)):
+        with pytest.raises(TransferFailed) as e:
+            call()
+        assert str(e.value) == "layer status from prefill engine 'P': the request to tcp://x:1 " \
+                               "could not be sent (EPIPE): the prefill rank is not reachable"
+
+
+def test_a_rank_without_a_side_channel_address_cannot_be_watched() -> None:
+    from fkv.connector.transport import _stream
+
+    entry = type("Entry", (), {"address": ""})()
+    with pytest.raises(TransferFailed) as e:
+        _stream.Watch(None, [entry], (0,), "P")
+    assert str(e.value) == "prefill rank 0 of engine 'P' announced no side-channel address: it " \
+                           "cannot serve streaming requests"
+
+
+class _Board:
+    """A same-host rank's publish board on the fake clock: it holds the request from
+    ``held_at`` on (before: no word of it), its count the publishes in ``times`` already past;
+    ``wait`` sleeps until the next hold or publish, or its timeout (a wake-up takes 100 us)."""
+
+    def __init__(self, clock: _Clock, times: list[float], held_at: float = 0.0, pid: int = 0,
+                 can_wait: bool = True) -> None:
+        self.clock, self.times, self.held_at = clock, times, held_at
+        self.pid, self.can_wait = pid, can_wait
+
+    def _count(self) -> int:
+        return sum(t <= self.clock.now for t in self.times)
+
+    def sequence(self) -> int:
+        return self._count() + (self.clock.now >= self.held_at)
+
+    def layers(self, request_id: str, recorded: bool) -> int | None:
+        return self._count() if self.clock.now >= self.held_at else None
+
+    def wait(self, sequence: int, seconds: float) -> bool:
+        start = self.clock.now
+        nxt = min((t for t in [*self.times, self.held_at] if t > start), default=start + seconds)
+        self.clock.now = min(start + seconds, nxt) + 0.0001
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_boards_and_long_polls_together_give_the_smallest_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 answers only by its long poll (2 layers, at 100.008); the boards of ranks 1 and 2
+    say 3 layers by 100.003 and 1 layer at 100.005. The wait sleeps on the boards and naps on
+    rank 0's poll, and ends when all three are past layer 0: 1 layer, at 100.008."""
+    watch, clock, ranks = _watch(monkeypatch, [(100.008, (2, True))], [], [])
+    watch.boards.update({1: _Board(clock, [100.001, 100.002, 100.003]),
+                         2: _Board(clock, [100.005])})
+    watch.start("r")
+    assert watch.beyond("r", 0, clock.now + 1.0) == 1
+    assert 0 <= round((clock.now - 100.008) * 1e6) <= 10
+    assert [len(r.sent) for r in ranks] == [1, 0, 0]  # the boards' ranks are asked nothing
+
+
+def test_a_board_that_cannot_be_slept_on_still_gets_a_long_poll(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked past layer 0: rank 0's board holds the request but has no futex (it would be read
+    in a busy loop), rank 1's holds it and can be slept on, rank 2's does not hold it. Ranks 0
+    and 2 get a long poll, rank 1 none."""
+    watch, clock, ranks = _watch(monkeypatch, [], [], [])
+    watch.boards.update({0: _Board(clock, [], can_wait=False), 1: _Board(clock, []),
+                         2: _Board(clock, [], held_at=float("inf"))})
+    watch.start("r")
+    watch.ask("r", 0)
+    assert [len(r.sent) for r in ranks] == [1, 0, 1]
+
+
+def test_a_board_whose_process_is_gone_fails_the_wait_naming_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A board announcing process 2147483647 (no such process) that never publishes: the wait
+    fails within ``ALIVE_CHECK`` s naming the rank, the process and the awaited layer. A board
+    of a live process (ours) is waited on until the deadline."""
+    from fkv.connector.transport import _stream
+
+    watch, clock, _ = _watch(monkeypatch, [])
+    watch.boards[0] = _Board(clock, [], pid=2147483647)
+    watch.start("r")
+    start = clock.now
+    with pytest.raises(TransferFailed) as e:
+        watch.beyond("r", 0, clock.now + 1.0)
+    assert str(e.value) == "prefill rank 0 of engine 'P' (process 2147483647) exited before it " \
+                           "published layer 0"
+    assert clock.now - start < _stream.ALIVE_CHECK + 0.003
+    watch.boards[0] = _Board(clock, [100.0], pid=os.getpid())
+    deadline = clock.now + 0.05
+    assert watch.beyond("r", 1, deadline) == 1
+    assert clock.now >= deadline
+
+
+def test_a_not_held_answer_to_a_poll_sent_before_the_hold_is_not_a_release(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read starts before the hold: the board has no word of the request, so a long poll
+    goes out. The hold comes at 100.001 (the board wakes the reader, who now sees the rank
+    hold it); the poll's answer, computed before the hold ("not held"), arrives at 100.0012.
+    That answer says nothing about a release: the read waits for layer 1 (100.004). Before:
+    the reader had noted the rank holding the request (from the board) and took the late
+    answer for a release, failing the read ("no longer holds the request")."""
+    watch, clock, (rank,) = _watch(monkeypatch, [(100.0012, (0, False))])
+    watch.boards[0] = _Board(clock, [100.004], held_at=100.001)
+    watch.start("r")
+    assert watch.beyond("r", 0, clock.now + 1.0) == 1
+    assert len(rank.sent) == 1
+
+
+def test_a_board_count_going_backwards_takes_back_no_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A board says 3 layers, then 1 (a hostile or cut board): the 3 stand, and the wait for
+    layer 3 goes on to its deadline."""
+    watch, clock, _ = _watch(monkeypatch, [])
+    board = _Board(clock, [100.0, 100.0, 100.0])
+    watch.boards[0] = board
+    watch.start("r")
+    assert watch.beyond("r", 0, clock.now + 1.0) == 3
+    board.times = [100.0]
+    deadline = clock.now + 0.01
+    assert watch.beyond("r", 3, deadline) == 3
+    assert clock.now >= deadline
+
+
+def test_a_board_whose_futex_fails_hands_the_wait_to_the_long_poll_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The board's futex wait fails (its page went away: the view stops waiting on it, as
+    ``BoardView.wait`` does): the rank is asked by long poll and the wait naps on its socket
+    from then on, rather than reading the board busy for ``BOARD_SPIN`` s first."""
+    from fkv.connector.transport import _stream
+
+    watch, clock, (rank,) = _watch(monkeypatch, [(100.02, (1, True))])
+    board = _Board(clock, [])
+    naps: list[float] = []
+    futex: list[float] = []
+    real_wait = rank.wait
+
+    def failing(sequence: int, seconds: float) -> bool:
+        futex.append(clock.now)
+        board.can_wait = False
+        return False
+
+    def nap(token: int, deadline: float) -> object:
+        naps.append(clock.now)
+        return real_wait(token, deadline)
+
+    monkeypatch.setattr(board, "wait", failing)
+    monkeypatch.setattr(rank, "wait", nap)
+    watch.boards[0] = board
+    watch.start("r")
+    assert watch.beyond("r", 0, clock.now + 1.0) == 1
+    assert len(futex) == 1 and len(rank.sent) == 1
+    assert naps and 0 <= round((naps[0] - futex[0]) * 1e6) <= 20, (futex, naps[:3])
+    assert all(round((b - a) * 1e6) <= round(_stream.BOARD_NAP * 1e6) + 20
+               for a, b in zip(naps, naps[1:]))

@@ -307,3 +307,23 @@ def test_a_lease_that_runs_out_is_released_and_counted() -> None:
         assert [(r, list(b), why) for r, b, why in released] == [("r1", [3], "lease expired")]
         assert server.released() == {"r1": "lease expired"}
         assert server.stats()["lease_expiries"] == 1
+
+
+def test_a_look_without_waiting_takes_the_answer_already_on_the_socket() -> None:
+    """``beyond(..., wait=False)`` (a streamed read's first look at each layer) takes a long
+    poll's answer that has arrived, not only one read off the socket earlier: 2 layers."""
+    import select
+
+    from fkv.connector.transport import _stream
+
+    with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
+        server.hold("r1", [1, 2], layers_ready=2)
+        entry = type("Entry", (), {"address": server.address})()
+        watch = _stream.Watch(server._ctx, [entry], (0,), "p")
+        try:
+            watch.start("r1")
+            watch.ask("r1", 0)
+            assert select.select([watch.dealers[0]._plain], [], [], 5.0)[0]  # the answer is in
+            assert watch.beyond("r1", 0, time.monotonic(), wait=False) == 2
+        finally:
+            watch.close()

@@ -95,7 +95,8 @@ class Watch:
         self._last_news: float | None = None
         self._last_count = 0
         self._pace: float | None = None
-        self._out: dict[int, tuple[int, str]] = {}   # rank -> (token, request) of its long poll
+        # rank -> (token, request, whether the rank was seen holding it then) of its long poll
+        self._out: dict[int, tuple[int, str, bool]] = {}
         self._request = ""                            # the request _known counts layers of
         self._known: dict[int, int] = {}              # rank -> layers it said are published
         self._held: set[int] = set()                  # ranks seen holding the request
@@ -156,7 +157,7 @@ class Watch:
                 token = next(_tokens)
                 dealer.send(_side.Status(token=token, request_id=request_id, after=after,
                                          wait=LONG_POLL, recorded=recorded))
-                self._out[rank] = (token, request_id)
+                self._out[rank] = (token, request_id, rank in self._held)
         except SideChannelError as e:
             raise TransferFailed(f"layer status from prefill engine {self.engine_id!r}: {e}") \
                 from e
@@ -296,7 +297,7 @@ class Watch:
     def _collect(self, rank: int, deadline: float | None) -> None:
         """Take rank's long-poll reply: waiting until ``deadline``, or (None) only if it is
         there already."""
-        token, request_id = self._out[rank]
+        token, request_id, held = self._out[rank]
         dealer = self.dealers[rank]
         reply = dealer.ready(token) if deadline is None else dealer.wait(token, deadline)
         if reply is None:  # the deadline: the caller says which layer never came
@@ -306,9 +307,11 @@ class Watch:
             raise TransferFailed(f"prefill rank {rank} of engine {self.engine_id!r} refused "
                                  f"the layer status: {getattr(reply, 'message', reply)}")
         if request_id == self._request:
-            if not reply.held and rank in self._held:
-                # held earlier in this read, not now: released before this reader notified (its
-                # lease ran out, or the server released it); no layer will come
+            if not reply.held and held:
+                # held earlier in this read (before the poll went out), not now: released
+                # before this reader notified (its lease ran out, or the server released it); no
+                # layer will come. A poll sent before the rank was seen holding the request may
+                # be answered "not held" from before the hold (its board showed the hold first)
                 raise TransferFailed(f"prefill rank {rank} of engine {self.engine_id!r} no longer "
                                      f"holds the request (released before this read ended: its "
                                      f"lease ran out, or its server released it)")
