@@ -592,3 +592,72 @@ def test_an_outbox_never_closed_is_removed_when_its_process_exits() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     path = done.stdout.strip()
     assert path.startswith("/dev/shm/fkv-outbox-") and not os.path.exists(path)
+
+
+def _reader_hello(server, agent: str, outbox: object, secret: bytes) -> object:
+    ctx = zmq.Context()
+    try:
+        return _side.request(ctx, server.address, _side.Hello(
+            engine_id="d", rank=0, tp_size=1, agent=agent, secret=secret, outbox=outbox), 5.0)
+    finally:
+        ctx.term()
+
+
+@pytest.mark.transport
+def test_a_new_hello_closes_the_outbox_the_agent_or_its_reader_had() -> None:
+    """Decode reader ('d', 0) says Hello as agent-a with one outbox, again as agent-a with a new
+    one (the old one is closed: its writer uses NIXL), then reconnects as agent-b without one
+    (agent-a is no longer bound: its outbox is closed too)."""
+    here = host_identity()
+    one, two = Outbox(), Outbox()
+    secret = os.urandom(16)
+    try:
+        with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
+            info = _side.OutboxInfo(host=here, name=one.name, token=one.token)
+            assert _reader_hello(server, "agent-a", info, secret) == \
+                _side.Ok(engine_id="p", outbox=True)
+            info = _side.OutboxInfo(host=here, name=two.name, token=two.token)
+            assert _reader_hello(server, "agent-a", info, secret) == \
+                _side.Ok(engine_id="p", outbox=True)
+            assert not one.put(b"after")  # closed by the server
+            assert [b.name for b in server._outboxes.values()] == [two.name]
+            assert two.put(b"open")
+            assert _reader_hello(server, "agent-b", None, secret) == \
+                _side.Ok(engine_id="p", outbox=False)
+            assert server._outboxes == {}
+            assert not two.put(b"after")
+    finally:
+        one.close()
+        two.close()
+
+
+@pytest.mark.transport
+def test_outboxes_are_read_every_turn_while_something_is_held_else_every_idle_look(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With OUTBOX_IDLE_LOOK an hour: nothing held, an outbox is read once (at the first turn
+    after its hello) and then not again; once a request is held it is read at once (the stray
+    record then counted refused). A server that stops closes its outboxes."""
+    from fkv.connector.transport import _server
+
+    monkeypatch.setattr(_server, "OUTBOX_IDLE_LOOK", 3600.0)
+    b = Outbox()
+    try:
+        with serve(engine("p"), SPEC, fkv.allocate(SPEC)) as server:
+            info = _side.OutboxInfo(host=host_identity(), name=b.name, token=b.token)
+            assert _hello(server, "agent-a", info) == _side.Ok(engine_id="p", outbox=True)
+            deadline = time.monotonic() + 10
+            while server._outbox_due == 0.0 and time.monotonic() < deadline:
+                time.sleep(0.005)  # the first look, right after the hello
+            assert server._outbox_due > time.monotonic() + 3000
+            assert b.put(b"stray")
+            time.sleep(0.3)
+            assert server._outboxes["agent-a"].taken == 0
+            server.hold("r1", [1])
+            deadline = time.monotonic() + 10
+            while server._outboxes["agent-a"].taken == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert server._outboxes["agent-a"].taken == 1
+            assert server.stats()["refused_messages"] == {"malformed": 1}
+        assert not b.put(b"after")  # the server closed the outbox as it stopped
+    finally:
+        b.close()

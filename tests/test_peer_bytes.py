@@ -551,3 +551,263 @@ def test_a_publish_whose_metadata_does_not_decode_is_refused_and_counted() -> No
         assert server.stats()["refused_messages"] == {"publish": 1}
         assert ask(server.address, _side.encode_message(_side.Fetch())) == NOT_JOINED
         assert list(server.errors) == []
+
+
+# -- holes found by mutation, second pass (2026-12-04) ------------------------------------------------
+PSPEC = fkv.KVCacheSpec(layout="HND", num_blocks=8, block_size=4, num_kv_heads=2, head_size=8,
+                        num_layers=3)
+
+
+def _pack(token: int, request_id: str = "r", blocks: tuple = (1,), **kw) -> bytes:
+    return _side.encode_message(_side.Pack(token=token, request_id=request_id,
+                                           block_ids=list(blocks), heads=(0, 2),
+                                           num_tokens=4 * len(blocks), timeout=30.0, **kw))
+
+
+def test_a_pack_to_a_rank_without_a_pack_buffer_is_refused_with_its_token() -> None:
+    with serve(engine(0), PSPEC, fkv.allocate(PSPEC), pack_bytes=0) as server:
+        assert ask(server.address, _pack(7)) == _side.Error(
+            message="prefill rank 0 serves no pack buffer (serve(..., pack_bytes=0))", token=7)
+        assert list(server.errors) == []
+
+
+def test_a_pack_that_finds_the_buffer_full_takes_the_waiting_frees_first(monkeypatch) -> None:
+    """The buffer holds one pack (3 layers x 256 bytes). The second pack finds it full; the free
+    of the first slot is waiting among the notifications (handed over only once the pack was
+    refused): the server takes it and packs into the freed slot. A free is no reader's
+    notification: nothing counted, nothing refused."""
+    from fkv.connector.transport._packer import FREE_PREFIX
+
+    with serve(engine(0), PSPEC, fkv.allocate(PSPEC), pack_bytes=768) as server:
+        first = ask(server.address, _pack(1))
+        assert isinstance(first, _side.Packed) and (first.offset, first.nbytes) == (0, 768)
+        waiting: list = []
+        agent, packer = server._agent, server._packer
+        real_notifications, real_pack = agent.notifications, packer.pack
+
+        def notifications() -> list:
+            out, waiting[:] = list(waiting), []
+            return out + real_notifications()
+
+        def pack(msg, *args, **kw):
+            reply = real_pack(msg, *args, **kw)
+            if isinstance(reply, _side.Error) and reply.retry:
+                waiting.append(("agent-d", FREE_PREFIX + str(first.slot).encode()))
+            return reply
+
+        monkeypatch.setattr(agent, "notifications", notifications)
+        monkeypatch.setattr(packer, "pack", pack)
+        second = ask(server.address, _pack(2, blocks=(5,)))
+        assert isinstance(second, _side.Packed), second
+        assert (second.token, second.offset, second.nbytes) == (2, 0, 768)
+        assert second.slot != first.slot and server.packs_held() == 1
+        assert server.stats()["notifications"] == 0
+        assert server.stats()["refused_messages"] == {}
+        assert list(server.errors) == []
+
+
+def test_a_layer_range_packs_only_published_layers_of_a_held_request() -> None:
+    with serve(engine(0), PSPEC, fkv.allocate(PSPEC), pack_bytes=4096) as server:
+        server.hold("s1", [1, 2], layers_ready=1)
+        assert ask(server.address, _pack(1, "s1", (1, 2), layers=(0, 2))) == _side.Error(
+            message="pack refused: layers (0, 2) of streaming request 's1' asked but only 1 of 3 "
+                    "layers are published on this rank (layers [0, 1)); a reader packs only "
+                    "published layers; nothing was packed", token=1)
+        assert ask(server.address, _pack(2, "s2", (1, 2), layers=(0, 1))) == _side.Error(
+            message="pack refused: 'layers' (0, 1) asks a layer range of request 's2', which "
+                    "this rank does not hold (a layer range is packed only for a held streaming "
+                    "request; it may have been released or its lease expired); nothing was "
+                    "packed", token=2)
+        assert server.packs_held() == 0
+        ok = ask(server.address, _pack(3, "s1", (1, 2), layers=(0, 1)))
+        assert isinstance(ok, _side.Packed) and (ok.token, ok.nbytes) == (3, 512), ok
+        assert server.packs_held() == 1
+
+
+@pytest.mark.parametrize("where", ["_gather", "sync"])
+def test_a_pack_whose_gather_fails_is_refused_with_its_token_and_frees_its_slot(
+        monkeypatch, where: str) -> None:
+    """The gather raising as it is launched, or when the server waits for it before the reply:
+    the requester gets an error naming it (with its token), no slot stays reserved, and the
+    server keeps packing."""
+    with serve(engine(0), PSPEC, fkv.allocate(PSPEC), pack_bytes=768) as server:
+        packer = server._packer
+        real = getattr(packer, where)
+        calls = []
+
+        def fail(*args, **kw):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("device lost")
+            return real(*args, **kw)
+
+        monkeypatch.setattr(packer, where, fail)
+        assert ask(server.address, _pack(4)) == _side.Error(
+            message="pack failed on prefill rank 0: RuntimeError: device lost", token=4)
+        assert server.packs_held() == 0
+        again = ask(server.address, _pack(5))  # the whole buffer: nothing of the first is held
+        assert isinstance(again, _side.Packed) and again.nbytes == 768, again
+        assert list(server.errors) == []
+
+
+def test_a_publish_making_a_fetch_reply_of_exactly_the_side_message_limit_is_kept() -> None:
+    """Rank 3's metadata is sized so that the engine's Fetch reply is exactly
+    MAX_SIDE_MESSAGE_BYTES: kept (a byte more is refused naming both sizes), the Fetch reply
+    goes out whole, and rank 3 retrying its Publish (replacing its entry, not adding one) is
+    accepted."""
+    limit, big = _side.MAX_SIDE_MESSAGE_BYTES, W.MAX_AGENT_METADATA_BYTES
+
+    def publish(r: int, filler: int) -> _side.Publish:
+        peer = W.encode(engine(r, 4), SPEC, [(1 << 30, SPEC.region_bytes)],
+                        agent_metadata=b"\0" * filler)
+        return _side.Publish(rank=r, peer=peer, mem_type="DRAM", secret=bytes([r]) * 16)
+
+    def entry(msg: _side.Publish) -> _side.RankEntry:
+        return _side.RankEntry(peer=msg.peer, mem_type=msg.mem_type, address=msg.address,
+                               pack_base=msg.pack_base, pack_bytes=msg.pack_bytes)
+
+    with serve(engine(0, 4), SPEC, fkv.allocate(SPEC)) as server:
+        ones = [publish(1, big), publish(2, big)]
+        own = server._ranks[0]
+
+        def size(filler: int) -> int:
+            return len(_side.encode_message(_side.Ranks(
+                ranks=[own, *map(entry, ones), entry(publish(3, filler))])))
+
+        filler = (1 << 20) + limit - size(1 << 20)
+        assert size(filler) == limit
+        for msg in ones:
+            assert ask(server.address, _side.encode_message(msg), timeout=60) == \
+                _side.Ok(engine_id="p")
+        over = publish(3, filler + 1)
+        assert ask(server.address, _side.encode_message(over), timeout=60) == _side.Error(
+            message=f"publish refused: with this rank's {len(over.peer)} bytes of metadata the "
+                    f"engine's ranks would make a {limit + 1}-byte reply, more than the side "
+                    f"channel's {limit}")
+        exact = _side.encode_message(publish(3, filler))
+        assert ask(server.address, exact, timeout=60) == _side.Ok(engine_id="p")
+        reply = frame_request(server.address, _side.encode_message(_side.Fetch()), timeout=60,
+                              max_frame=limit)
+        assert len(reply) == limit
+        assert [r.peer for r in _side.decode_reply(reply).ranks] == \
+            [own.peer, *(m.peer for m in ones), publish(3, filler).peer]
+        assert ask(server.address, exact, timeout=60) == _side.Ok(engine_id="p")  # a retry
+        assert server.stats()["refused_messages"] == {"publish": 1}
+        assert list(server.errors) == []
+
+
+def test_a_connection_whose_reply_cannot_be_sent_is_closed(monkeypatch) -> None:
+    """Sending a reply raises: the server notes it and closes that connection (its requester
+    learns at once instead of waiting out its timeout), then keeps answering."""
+    from fkv.connector.transport._sidelimits import SideLimitError
+
+    with serve(engine(0), SPEC, fkv.allocate(SPEC)) as server:
+        sock = server._sock
+        real, calls = sock.reply, []
+
+        def reply(envelope, payload):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("wire cut")
+            return real(envelope, payload)
+
+        monkeypatch.setattr(sock, "reply", reply)
+        ping = _side.encode_message(_side.Ping())
+        sent = time.monotonic()
+        with pytest.raises(SideLimitError, match="closed the"):
+            frame_request(server.address, ping, timeout=10.0,
+                          max_frame=_side.MAX_SIDE_MESSAGE_BYTES)
+        assert time.monotonic() - sent < 5.0
+        assert list(server.errors) == ["reply not sent: RuntimeError: wire cut"]
+        assert ask(server.address, ping) == _side.Ok(engine_id="p")
+
+
+def test_a_request_of_several_frames_is_refused_and_counted() -> None:
+    """On the CURVE ROUTER a request of two body frames is answered "expected one message frame"
+    and counted refused ``frames``; the connection's next request is answered."""
+    zmq = pytest.importorskip("zmq")
+    from fkv.connector import CurveKeys, curve_keypair
+    from fkv.connector.transport._sidelimits import harden_client
+
+    server_pub, server_sec = curve_keypair()
+    pub, sec = curve_keypair()
+    curve = CurveKeys(server_pub, server_sec, allowed=frozenset({pub}))
+    with serve(engine(0), SPEC, fkv.allocate(SPEC), curve=curve) as server:
+        sock = server._ctx.socket(zmq.DEALER)
+        try:
+            harden_client(sock, curve=CurveKeys(pub, sec, server=server_pub))
+            sock.connect(server.address)
+            sock.send_multipart([b"", _side.encode_message(_side.Ping()), b"more"])
+            assert sock.poll(10000)
+            empty, reply = sock.recv_multipart()
+            assert _side.decode_reply(reply) == _side.Error(message="expected one message frame")
+            assert server.stats()["refused_messages"] == {"frames": 1}
+            sock.send_multipart([b"", _side.encode_message(_side.Ping())])
+            assert sock.poll(10000)
+            assert _side.decode_reply(sock.recv_multipart()[1]) == _side.Ok(engine_id="p")
+        finally:
+            sock.close(0)
+
+
+def _inject(monkeypatch, server) -> list:
+    """Notifications put in the returned list reach the server thread as if NIXL had delivered
+    them (an exception put there is raised by the next look instead)."""
+    waiting: list = []
+    agent = server._agent
+    real = agent.notifications
+
+    def notifications() -> list:
+        if waiting and isinstance(waiting[0], BaseException):
+            raise waiting.pop(0)
+        out, waiting[:] = list(waiting), []
+        return out + real()
+
+    monkeypatch.setattr(agent, "notifications", notifications)
+    return waiting
+
+
+def test_a_free_sent_to_a_rank_without_a_pack_buffer_is_ignored_and_counted(monkeypatch) -> None:
+    from fkv.connector.transport._packer import FREE_PREFIX
+
+    with serve(engine(0), PSPEC, fkv.allocate(PSPEC), pack_bytes=0) as server:
+        _inject(monkeypatch, server).append(("agent-d", FREE_PREFIX + b"12"))
+        deadline = time.monotonic() + 10
+        while not server.errors and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert list(server.errors) == [
+            f"ignored a free of no held slot {FREE_PREFIX + b'12'!r}"]
+        assert server.stats()["refused_messages"] == {"unknown_slot": 1}
+        assert server.stats()["notifications"] == 0
+
+
+def test_an_undecodable_batch_of_notifications_is_reported_counted_and_serving_goes_on(
+        monkeypatch) -> None:
+    from fkv.connector.transport._agent import UndecodableNotifications
+    from fkv.connector.transport._packer import FREE_PREFIX
+
+    with serve(engine(0), PSPEC, fkv.allocate(PSPEC)) as server:
+        waiting = _inject(monkeypatch, server)
+        waiting.append(UndecodableNotifications("a batch had a sender name that is not UTF-8"))
+        deadline = time.monotonic() + 10
+        while waiting and time.monotonic() < deadline:
+            time.sleep(0.005)
+        waiting.append(("agent-d", FREE_PREFIX + b"12"))  # the next batch is still taken
+        while len(server.errors) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert list(server.errors) == ["a batch had a sender name that is not UTF-8",
+                                       f"ignored a free of no held slot {FREE_PREFIX + b'12'!r}"]
+        assert server.stats()["refused_messages"] == {"undecodable_notifications": 1,
+                                                      "unknown_slot": 1}
+
+
+def test_a_ranks_publish_with_its_own_secret_replaces_its_entry() -> None:
+    """Rank 1 publishing again with the secret of its first Publish (the same process) replaces
+    its entry: Fetch answers the new one."""
+    with serve(_tp2(0), SPEC, fkv.allocate(SPEC)) as server:
+        first = _side.decode_request(_publish())
+        assert ask(server.address, _side.encode_message(first)) == _side.Ok(engine_id="p")
+        moved = msgspec.structs.replace(first, address="tcp://127.0.0.1:9", pack_bytes=4096)
+        assert ask(server.address, _side.encode_message(moved)) == _side.Ok(engine_id="p")
+        ranks = ask(server.address, _side.encode_message(_side.Fetch())).ranks
+        assert (ranks[1].address, ranks[1].pack_bytes) == ("tcp://127.0.0.1:9", 4096)
+        assert server.stats()["refused_messages"] == {}

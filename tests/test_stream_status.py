@@ -327,3 +327,42 @@ def test_a_look_without_waiting_takes_the_answer_already_on_the_socket() -> None
             assert watch.beyond("r1", 0, time.monotonic(), wait=False) == 2
         finally:
             watch.close()
+
+
+class _RaisingEvent:
+    """An event whose ``synchronize`` raises (a CUDA error): the waiter goes on regardless."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        raise RuntimeError("an illegal memory access was encountered")
+
+
+def test_the_event_waiter_survives_a_failing_event_and_a_failing_callback() -> None:
+    """The publish event waiter calls ``done`` after each event, even one whose ``synchronize``
+    raised; a ``done`` that raises is reported in the server's errors, and the waiter keeps
+    waiting for the next events."""
+    import collections
+
+    calls: list[int] = []
+    errors: collections.deque[str] = collections.deque(maxlen=100)
+
+    def done() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("done failed")
+
+    waiter = _server._EventWaiter(done, errors)
+    try:
+        for event in (_RaisingEvent(), SlowEvent(0.0), SlowEvent(0.0)):
+            waiter.put(event)
+        deadline = soon()
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(calls) == 3
+        assert list(errors) == ["publish event waiter: RuntimeError: done failed"]
+        assert waiter._thread.is_alive()
+    finally:
+        waiter.stop()
+    assert not waiter._thread.is_alive()

@@ -504,6 +504,13 @@ class SideServer:
             return False
         return True
 
+    def close_connection(self, envelope: Any) -> None:
+        """Drop the plain-TCP connection a request came on (its requester then learns at once;
+        left open, a connection waiting for its answer holds its slot for good). A ZMQ peer's
+        connection is not ours to close: a no-op."""
+        if self._frames is not None:
+            self._frames.close_connection(envelope)
+
     def stats(self) -> dict[str, int]:
         return self._frames.stats() if self._frames is not None else {}
 
