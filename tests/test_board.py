@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -587,6 +588,13 @@ def test_a_publish_late_for_its_window_is_heard_through_the_futex(
         watch.cleanup()
 
 
+def _hear_three_layers(watch: Any, clock: Any) -> None:
+    """Start watching request "r" and hear its layers 1, 2 and 3 one at a time."""
+    watch.start("r")
+    for after in range(3):
+        assert watch.beyond("r", after, clock.now + 1.0) == after + 1
+
+
 def test_a_stream_that_speeds_up_is_paced_by_its_newest_interval(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Layers 10 ms apart, then one 4 ms after the last: the pace follows the faster newest
@@ -595,9 +603,7 @@ def test_a_stream_that_speeds_up_is_paced_by_its_newest_interval(
     times = [100.010, 100.020, 100.024]
     watch, clock, board = _paced_watch(monkeypatch, times)
     try:
-        watch.start("r")
-        for after in range(3):
-            assert watch.beyond("r", after, clock.now + 1.0) == after + 1
+        _hear_three_layers(watch, clock)
         assert 0 <= round((clock.now - times[2]) * 1e6) <= 110  # a futex wake-up heard it
         assert 4000 <= round(watch._pace * 1e6) <= 4110, watch._pace  # noqa: SLF001
     finally:
@@ -640,9 +646,7 @@ def test_a_deadline_inside_the_spin_window_ends_the_spin(monkeypatch: pytest.Mon
     times = [100.010, 100.020, 100.030]
     watch, clock, board = _paced_watch(monkeypatch, times)
     try:
-        watch.start("r")
-        for after in range(3):
-            assert watch.beyond("r", after, clock.now + 1.0) == after + 1
+        _hear_three_layers(watch, clock)
         assert watch.spun_news == 1
         deadline = 100.040
         window = _stream_module().spin_window(watch._last_news, watch._last_count,  # noqa: SLF001
