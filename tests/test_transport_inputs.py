@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -272,6 +273,13 @@ def prefill():
     ({"timeout": -1}, SECONDS.format("timeout", -1)),
     ({"timeout": 0}, SECONDS.format("timeout", 0)),
     ({"timeout": True}, SECONDS.format("timeout", True)),
+    ({"staging_bytes": -1}, "'staging_bytes' must be a non-negative int (got -1)"),
+    ({"staging_bytes": True}, "'staging_bytes' must be a non-negative int (got True)"),
+    ({"staging_bytes": 1.5}, "'staging_bytes' must be a non-negative int (got 1.5)"),
+    ({"pack_threshold": -1}, "'pack_threshold' must be a non-negative int (got -1)"),
+    ({"pack_threshold": False}, "'pack_threshold' must be a non-negative int (got False)"),
+    ({"strategy": "fast"}, "'strategy' must be one of ('auto', 'ipc', 'nixl', 'packed', 'direct', "
+                           "'staging') (got 'fast')"),
 ])
 def test_connect_refuses_bad_arguments_up_front(prefill, kwargs: dict, message: str) -> None:
     server, _ = prefill
@@ -405,3 +413,473 @@ def test_a_full_prefix_hit_only_notifies_and_the_prefill_releases_the_request(pr
         assert str(e.value) == ("block id lists must both be empty or both non-empty (local 0, "
                                 "remote 1 blocks); nothing was transferred")
     assert all(bool((layer == 7.0).all()) for layer in dst)
+
+
+# -- holes found by the _client mutation audit (2026-12-04) ----------------------------------------
+
+@pytest.mark.parametrize("address", [5, None, b"tcp://127.0.0.1:1"])
+def test_connect_refuses_an_address_that_is_not_a_str(address: object) -> None:
+    with pytest.raises(FkvError) as e:
+        connect(engine("d"), SPEC, fkv.allocate(SPEC), remote_address=address, timeout=2.0)
+    assert str(e.value) == (f"'remote_address' must be a str like 'tcp://127.0.0.1:5555' "
+                            f"(got {address!r})")
+
+
+def test_connect_takes_a_zero_staging_buffer_and_pack_threshold(prefill) -> None:
+    """0 is a non-negative int: no staging buffer, pack every request (where packing applies)."""
+    server, src = prefill
+    dst = fkv.allocate(SPEC)
+    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address,
+                 staging_bytes=0, pack_threshold=0) as client:
+        server.hold("z1", [2], lease=5.0)
+        result = client.read("z1", [6], [2])
+        assert result.ok, result.error
+    assert all(torch.equal(dst[i][6], src[i][2]) for i in range(SPEC.num_layers))
+
+
+@pytest.mark.parametrize("request_id", ["", 5, None, b"r", ["r"]])
+def test_read_refuses_a_request_id_that_is_not_a_non_empty_str(prefill,
+                                                                request_id: object) -> None:
+    server, _ = prefill
+    dst = fkv.allocate(SPEC)
+    for layer in dst:
+        layer.fill_(7.0)
+    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address
+                 ) as client:
+        server.hold("q1", [3], lease=5.0)
+        with pytest.raises(FkvError) as e:
+            client.read(request_id, [0], [3])
+        assert str(e.value) == f"'request_id' must be a non-empty str (got {request_id!r})"
+        assert client.stats()["paths"] == {} and client.stats()["failures"] == {}
+    assert all(bool((layer == 7.0).all()) for layer in dst)
+
+
+_WHO = "prefill rank 1 of engine 'p' (agent-p1)"
+
+
+@pytest.mark.parametrize(("error", "kind"), [
+    (f"READ from {_WHO} did not finish before the read's timeout: the prefill process is hung, "
+     f"dead or unreachable", "timeout"),
+    # the plan path's wrapping of that timeout also says the process may have died: a timeout
+    (f"prefill rank 1 of engine 'p': READ from {_WHO} did not finish before the read's timeout: "
+     f"the prefill process is hung, dead or unreachable; the prefill process may have died: "
+     f"reconnect once it is back (client.reconnect())", "timeout"),
+    ("prefill rank 0 of engine 'p': the pack buffer stayed busy until the read's timeout (busy)",
+     "timeout"),
+    (f"READ from {_WHO} failed (NIXL state ERR): the prefill process may have died: reconnect "
+     f"once it is back (client.reconnect())", "peer_failed"),
+    ("prefill engine 'p': prefill process 4242 exited during the read", "peer_failed"),
+    ("prefill rank 1 of engine 'p': boom; the prefill process may have died: reconnect once it "
+     "is back (client.reconnect())", "peer_failed"),
+    ("prefill rank 0 of engine 'p': pack refused: 'layers' must be ...", "refused"),
+    ("prefill rank 0 of engine 'p': pack failed on prefill rank 0: RuntimeError: x", "refused"),
+    ("prefill side channel at tcp://127.0.0.1:1: no reply within 1 s", "other"),
+])
+def test_failure_kind_names_the_reason_of_each_failure_text(error: str, kind: str) -> None:
+    """The telemetry reason (``stats()["failures"]``) of a failed read, from its error text:
+    a timeout first (a wrapped timeout also says the process may have died), then a dead peer,
+    then a refusal, else "other"."""
+    from fkv.connector.transport._client import failure_kind
+
+    assert failure_kind(error) == kind
+
+
+def test_read_refuses_a_repeated_local_block_before_anything_moves(prefill) -> None:
+    """Two remote blocks into one local block would land two tokens in one slot: refused
+    before any READ (a repeated *remote* block is a legal read)."""
+    server, src = prefill
+    dst = fkv.allocate(SPEC)
+    for layer in dst:
+        layer.fill_(7.0)
+    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address
+                 ) as client:
+        server.hold("dup1", [3, 1], lease=5.0)
+        with pytest.raises(FkvError) as e:
+            client.read("dup1", [4, 4], [3, 1])
+        assert str(e.value) == ("'local_block_ids' repeats block 4: two tokens would land in one "
+                                "slot; pass each local block once; nothing was transferred")
+        assert all(bool((layer == 7.0).all()) for layer in dst)
+        result = client.read("dup1", [4, 5], [3, 3])
+        assert result.ok, result.error
+    assert all(torch.equal(dst[i][4], src[i][3]) and torch.equal(dst[i][5], src[i][3])
+               for i in range(SPEC.num_layers))
+
+
+class FakeRank0:
+    """A fake prefill rank 0 on a thread of this process: the i-th Fetch gets ``replies(i)``,
+    any other request ``other(msg)``."""
+
+    def __init__(self, replies, other=None) -> None:
+        import threading
+
+        from fkv.connector.transport import _side
+        from fkv.connector.transport._sidelimits import FrameServer
+
+        self._side = _side
+        self.server = FrameServer("tcp://127.0.0.1:0", max_frame=_side.MAX_SIDE_MESSAGE_BYTES)
+        self.address = self.server.address
+        self.replies, self.other, self.fetches = replies, other, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for conn, payload in self.server.poll(0.005):
+                msg = self._side.decode_request(payload)
+                if isinstance(msg, self._side.Fetch):
+                    reply = self.replies(self.fetches)
+                    self.fetches += 1
+                else:
+                    reply = self.other(msg)
+                self.server.reply(conn, self._side.encode_message(reply))
+
+    def __enter__(self) -> FakeRank0:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.server.close()
+
+
+def _rank(rank: int, engine_id: str = "p", tp: int = 2, spec=SPEC):
+    from fkv.connector import wire
+    from fkv.connector.transport import _side
+
+    peer = wire.encode(EngineDesc(engine_id=engine_id, tp_size=tp, tp_rank=rank,
+                                  total_num_kv_heads=2 * tp),
+                       spec, [((1 << 30) + i * spec.region_bytes, spec.region_bytes)
+                             for i in range(spec.num_regions)], agent_metadata=b"\0" * 64)
+    return _side.RankEntry(peer=peer, mem_type="DRAM")
+
+
+def _connect_to(address: str, timeout: float = 10.0):
+    return connect(engine("d"), SPEC, fkv.allocate(SPEC), remote_address=address, timeout=timeout)
+
+
+def test_connect_refuses_ranks_listed_out_of_order() -> None:
+    from fkv.connector.transport import SideChannelError, _side
+
+    with FakeRank0(lambda i: _side.Ranks(ranks=[_rank(1), _rank(0)])) as fake:
+        with pytest.raises(SideChannelError) as e:
+            _connect_to(fake.address)
+        assert str(e.value) == (f"prefill side channel at {fake.address} listed ranks [1, 0] out "
+                                f"of order")
+        assert fake.fetches == 1
+
+
+def test_connect_refuses_ranks_that_disagree_naming_every_reason() -> None:
+    from fkv.connector.transport import HandshakeRejected, _side
+
+    with FakeRank0(lambda i: _side.Ranks(ranks=[_rank(0), _rank(1, engine_id="q")])) as fake:
+        with pytest.raises(HandshakeRejected) as e:
+            _connect_to(fake.address)
+        assert str(e.value).startswith(f"prefill side channel at {fake.address}: its ranks "
+                                       f"disagree:\n  - ")
+        assert [r.path for r in e.value.reasons] == ["remote[1].engine.engine_id"], e.value.reasons
+
+
+def test_connect_asks_again_while_ranks_join_and_not_after_a_refusal() -> None:
+    """A retry Error (ranks still joining) is asked again until the Ranks come (here: out of
+    order, refused with that error); a plain Error fails the connect at once, its text kept."""
+    from fkv.connector.transport import SideChannelError, _side
+
+    joining = _side.Error(message="ranks [1] of tp_size 2 have not joined yet", retry=True)
+    with FakeRank0(lambda i: joining if i < 3 else _side.Ranks(ranks=[_rank(1), _rank(0)])
+                   ) as fake:
+        with pytest.raises(SideChannelError, match="listed ranks \\[1, 0\\] out of order"):
+            _connect_to(fake.address)
+        assert fake.fetches == 4
+    with FakeRank0(lambda i: _side.Error(message="go away")) as fake:
+        with pytest.raises(SideChannelError) as e:
+            _connect_to(fake.address)
+        assert str(e.value) == f"prefill side channel at {fake.address}: go away"
+        assert fake.fetches == 1
+    with FakeRank0(lambda i: _side.Ok(engine_id="p")) as fake:
+        with pytest.raises(SideChannelError) as e:
+            _connect_to(fake.address)
+        assert str(e.value) == (f"prefill side channel at {fake.address}: "
+                                f"{_side.Ok(engine_id='p')!r}")
+        assert fake.fetches == 1
+
+
+@pytest.mark.timeout(60)
+def test_connect_stops_asking_a_rank_0_that_says_retry_for_ever_at_its_timeout() -> None:
+    from fkv.connector.transport import SideChannelError, _side
+
+    joining = _side.Error(message="ranks [1] of tp_size 2 have not joined yet", retry=True)
+    with FakeRank0(lambda i: joining) as fake:
+        with pytest.raises(SideChannelError) as e:
+            _connect_to(fake.address, timeout=0.5)
+        assert str(e.value) == (f"prefill side channel at {fake.address}: ranks [1] of tp_size 2 "
+                                f"have not joined yet")
+
+
+def test_a_read_maps_tokens_across_different_block_sizes() -> None:
+    """Remote blocks of 8 tokens, local blocks of 4: token ``i`` comes from remote block
+    ``rids[i // 8]`` and lands in local block ``lids[i // 4]`` (each list's own block size)."""
+    p_spec = SPEC.evolve(block_size=8, num_blocks=4)
+    src, dst = fkv.allocate(p_spec), fkv.allocate(SPEC)
+    for layer in src:
+        layer.copy_(torch.randn(layer.shape))
+    for layer in dst:
+        layer.fill_(7.0)
+    with serve(engine("p8"), p_spec, src) as server, \
+            connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address
+                    ) as client:
+        server.hold("bs", [3, 1], lease=5.0)
+        result = client.read("bs", [5, 0, 6], [3, 1], num_tokens=12)
+        assert result.ok, result.error
+        with pytest.raises(FkvError) as e:
+            client.read("bs", [5, 0], [3, 1])
+        assert str(e.value) == ("local_block_ids has 2 blocks of 4 tokens and remote_block_ids 2 "
+                                "blocks of 8; 8 tokens need 2 local and 1 remote blocks: pass the "
+                                "blocks of the same tokens on both sides; nothing was transferred")
+    for i in range(SPEC.num_layers):
+        assert torch.equal(dst[i][5], src[i][3][:, :4]) and torch.equal(dst[i][0], src[i][3][:, 4:])
+        assert torch.equal(dst[i][6], src[i][1][:, :4])
+        assert bool((dst[i][[1, 2, 3, 4, 7]] == 7.0).all())
+
+
+def test_reconnect_goes_to_the_new_address_and_a_failed_one_keeps_the_last_good_address(
+        prefill) -> None:
+    """``reconnect(address)`` connects there (and remembers it); a reconnect that fails leaves
+    the client disconnected (reads say so) with the address it last connected to, where a plain
+    ``reconnect()`` goes back."""
+    import socket
+
+    from fkv.connector.transport import SideChannelError
+
+    server_a, _ = prefill
+    src_b = fkv.allocate(SPEC)
+    for layer in src_b:
+        layer.copy_(torch.randn(layer.shape))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    dst = fkv.allocate(SPEC)
+    with serve(engine("pb"), SPEC, src_b) as server_b, \
+            connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server_a.address
+                    ) as client:
+        assert client.peers[0].engine.engine_id == "p"
+        client.reconnect(server_b.address)
+        assert client.address == server_b.address
+        assert client.peers[0].engine.engine_id == "pb"
+        server_b.hold("rb", [2], lease=5.0)
+        result = client.read("rb", [1], [2])
+        assert result.ok, result.error
+        assert all(torch.equal(dst[i][1], src_b[i][2]) for i in range(SPEC.num_layers))
+        with pytest.raises(SideChannelError):
+            client.reconnect(dead, timeout=0.5)
+        assert client.address == server_b.address
+        with pytest.raises(FkvError) as e:
+            client.read("rb", [1], [2])
+        assert str(e.value) == ("the client is not connected (a previous reconnect failed or it "
+                                "was closed): call reconnect()")
+        client.reconnect()
+        assert client.address == server_b.address and client.peers[0].engine.engine_id == "pb"
+        server_b.hold("rb2", [3], lease=5.0)
+        result = client.read("rb2", [4], [3])
+        assert result.ok, result.error
+        assert all(torch.equal(dst[i][4], src_b[i][3]) for i in range(SPEC.num_layers))
+
+
+def test_a_connect_that_fails_closes_what_it_opened(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused connect releases its NIXL agent and ZMQ context (``close``) before raising."""
+    from fkv.connector.transport import SideChannelError, _side
+    from fkv.connector.transport._client import Client
+
+    closed: list[tuple[object, object]] = []
+    real_close = Client.close
+
+    def close(self: Client) -> None:
+        agent, zctx = self._agent, self._zctx
+        real_close(self)
+        closed.append((agent is not None and agent._agent is None and self._agent is None,
+                       zctx is not None and zctx.closed and self._zctx is None))
+
+    monkeypatch.setattr(Client, "close", close)
+    with FakeRank0(lambda i: _side.Error(message="go away")) as fake:
+        with pytest.raises(SideChannelError):
+            _connect_to(fake.address)
+    assert closed == [(True, True)]
+
+
+def test_a_reads_result_matches_what_its_telemetry_recorded(prefill) -> None:
+    """``ReadResult``'s bytes, descriptors, seconds and the per-stage waits are the ones the
+    client's telemetry recorded for the read (a direct read packs nothing: ``pack_seconds`` 0);
+    every layer is reported landed at the end of a whole read."""
+    server, _ = prefill
+    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, fkv.allocate(SPEC),
+                 remote_address=server.address) as client:
+        server.hold("tm", [2, 6], lease=5.0)
+        r = client.read("tm", [3, 4], [2, 6])
+        assert r.ok, r.error
+        (path, stats), = client.stats()["paths"].items()
+        assert path == r.strategy
+        assert (r.bytes, r.descriptors) == (stats["bytes"]["sum"], stats["descriptors"]["sum"])
+        assert r.bytes == 2 * 2 * (2 * 4 * 2 * 8) * 2  # blocks * layers * K+V elements * bf16
+        assert r.seconds == stats["seconds"]["sum"]
+        assert r.transfer_seconds == stats["waits"]["transfer"]["sum"] > 0
+        assert r.pack_seconds == stats["waits"]["pack"]["sum"] == 0.0
+        assert r.layer_seconds == (r.seconds,) * SPEC.num_layers
+
+
+@pytest.mark.parametrize("strategy", ["direct", "packed"])
+def test_a_failed_read_names_its_path_and_counts_one_failure_by_reason(strategy: str) -> None:
+    """A read from a prefill that closed fails (``ok=False``, the error) on the path it took,
+    counted once under its reason; no read is recorded as done."""
+    from fkv.connector.transport._client import failure_kind
+
+    src, dst = fkv.allocate(SPEC), fkv.allocate(SPEC)
+    for layer in src:
+        layer.copy_(torch.randn(layer.shape))
+    server = serve(engine("pc"), SPEC, src)
+    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address,
+                 strategy=strategy) as client:
+        server.hold("gone", [2], lease=30.0)
+        server.close()
+        r = client.read("gone", [5], [2], timeout=2.0)
+        assert (r.ok, r.strategy) == (False, strategy), r
+        assert r.error, r
+        assert client.stats()["failures"] == {failure_kind(r.error): 1}
+        assert client.stats()["paths"] == {}
+
+
+def test_a_reconnect_that_fails_after_loading_a_peers_metadata_replaces_the_nixl_agent(
+        prefill) -> None:
+    """A rank 0 listing a real rank (its NIXL metadata) that then refuses the Hello fails the
+    reconnect after the metadata was loaded: the client drops that agent for a fresh one
+    (registration included), and the next reconnect reads as before."""
+    from fkv.connector.transport import SideChannelError, _side
+    from fkv.connector.transport._sidelimits import frame_request
+
+    server, src = prefill
+    ranks = _side.decode_reply(frame_request(server.address, _side.encode_message(_side.Fetch()),
+                                             timeout=10.0, max_frame=_side.MAX_SIDE_MESSAGE_BYTES))
+    dst = fkv.allocate(SPEC)
+    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address
+                 ) as client:
+        with FakeRank0(lambda i: _side.Ranks(ranks=[msgspec.structs.replace(
+                           ranks.ranks[0], address=fake.address)]),
+                       lambda msg: _side.Error(message="not you")) as fake:
+            agent = client._agent
+            with pytest.raises(SideChannelError) as e:
+                client.reconnect(fake.address, timeout=5.0)
+            assert str(e.value) == ("prefill rank 0 of engine 'p' refused this decode rank's "
+                                    "hello: not you")
+            assert client._agent is not agent and agent._agent is None
+        client.reconnect(server.address)
+        server.hold("fa", [5], lease=5.0)
+        result = client.read("fa", [2], [5])
+        assert result.ok, result.error
+    assert all(torch.equal(dst[i][2], src[i][5]) for i in range(SPEC.num_layers))
+
+
+@pytest.mark.parametrize("layers", [SPEC.num_layers + 1, 1 << 16])
+def test_a_streamed_read_refuses_a_prefill_announcing_more_layers_than_its_spec(
+        prefill, layers: int) -> None:
+    """A prefill rank answering the layer status with more layers published than its spec has
+    fails the read naming the count; nothing is reported as done and no block is written."""
+    from fkv.connector.transport import _side
+    from fkv.connector.transport._sidelimits import frame_request
+
+    server, _ = prefill
+    ranks = _side.decode_reply(frame_request(server.address, _side.encode_message(_side.Fetch()),
+                                             timeout=10.0, max_frame=_side.MAX_SIDE_MESSAGE_BYTES))
+
+    def other(msg):
+        if isinstance(msg, _side.Status):
+            return _side.Layers(token=msg.token, layers_ready=layers, held=True)
+        return _side.Ok(engine_id="p")
+
+    dst = fkv.allocate(SPEC)
+    for layer in dst:
+        layer.fill_(7.0)
+    with FakeRank0(lambda i: _side.Ranks(ranks=[msgspec.structs.replace(
+                       ranks.ranks[0], address=fake.address)]), other) as fake, \
+            connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=fake.address,
+                    strategy="direct") as client:
+        r = client.read("more", [1, 2], [3, 5], timeout=5.0, stream=True)
+        assert (r.ok, r.bytes, r.layer_seconds) == (False, 0, ()), r
+        assert r.error == (f"streaming request 'more': prefill engine 'p' announced {layers} "
+                           f"layers published of the {SPEC.num_layers} its spec has; nothing is "
+                           f"reported as done")
+    assert all(bool((layer == 7.0).all()) for layer in dst)
+
+
+@pytest.mark.parametrize(("local", "remote", "path"), [([], [], "none"), ([6], [4], "direct")])
+def test_a_read_whose_notification_fails_is_not_reported_done(
+        prefill, monkeypatch: pytest.MonkeyPatch, local: list, remote: list, path: str) -> None:
+    """The prefill ranks are told after the last byte; when that fails the read fails (its
+    error, one failure counted, no read recorded), a full prefix hit included."""
+    from fkv.connector.transport import TransferFailed
+
+    server, _ = prefill
+    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, fkv.allocate(SPEC),
+                 remote_address=server.address, strategy="direct") as client:
+        told: list[tuple[tuple[int, ...], bytes]] = []
+
+        def notify(ranks, message):
+            told.append((tuple(ranks), message))
+            raise TransferFailed("notification to prefill rank 0 refused")
+
+        monkeypatch.setattr(client._state.link, "notify", notify)
+        server.hold("nf", [4], lease=5.0)
+        r = client.read("nf", local, remote)
+        assert (r.ok, r.strategy, r.error) == (False, path, "notification to prefill rank 0 "
+                                                            "refused"), r
+        assert [ranks for ranks, _ in told] == [(0,)]
+        assert client.stats()["failures"] == {"refused": 1} and client.stats()["paths"] == {}
+
+
+def test_a_full_prefix_hit_notifies_the_notify_only_ranks_too() -> None:
+    """MLA, a 2-rank prefill engine read by one decode rank: it reads rank 0 and only
+    notifies rank 1. A full prefix hit tells both, and both release the request."""
+    spec = fkv.KVCacheSpec(backend="mla", num_blocks=8, block_size=4, num_kv_heads=1,
+                           head_size=32, num_layers=2)
+    prefill = [EngineDesc(engine_id="p2", tp_size=2, tp_rank=r, total_num_kv_heads=1)
+               for r in range(2)]
+    decode = EngineDesc(engine_id=f"d{next(_DECODE_IDS)}", tp_size=1, tp_rank=0,
+                        total_num_kv_heads=1)
+    with serve(prefill[0], spec, fkv.allocate(spec)) as rank0, \
+            serve(prefill[1], spec, fkv.allocate(spec), join=rank0.address) as rank1, \
+            connect(decode, spec, fkv.allocate(spec), remote_address=rank0.address) as client:
+        assert (client.plan.remote_ranks, client.plan.notify_only_ranks) == ((0,), (1,))
+        for server in (rank0, rank1):
+            server.hold("hit", [3], lease=30.0)
+        result = client.read("hit", [], [])
+        assert (result.ok, result.strategy) == (True, "none"), result
+        deadline = time.monotonic() + 10.0
+        while (rank0.pending() or rank1.pending()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (rank0.released().get("hit"), rank1.released().get("hit")) == \
+            ("notified", "notified")
+
+
+def test_a_streamed_read_from_a_cross_layer_prefill_waits_for_every_layer() -> None:
+    """A cross-layer prefill cache (one buffer of all layers) moves as a whole: a streamed read
+    of a request with 1 of 2 layers published fails at its timeout naming the missing layer,
+    nothing reported done; once every layer is published the read lands it all."""
+    p_spec = SPEC.evolve(backend="flash_attn", cross_layer=True)
+    src, dst = fkv.allocate(p_spec), fkv.allocate(SPEC)
+    for layer in src:
+        layer.copy_(torch.randn(layer.shape))
+    for layer in dst:
+        layer.fill_(7.0)
+    with serve(engine("px"), p_spec, src) as server, \
+            connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address,
+                    strategy="direct") as client:
+        server.hold("half", [3, 1], lease=30.0, layers_ready=1)
+        r = client.read("half", [0, 5], [3, 1], timeout=1.0, stream=True)
+        assert (r.ok, r.bytes, r.layer_seconds) == (False, 0, ()), r
+        assert r.error == ("streaming request 'half': no layer landed, layer 0 of 2 was not "
+                           "published by prefill engine 'px' before the read's timeout; the read "
+                           "is not complete and nothing is reported as done")
+        assert all(bool((layer == 7.0).all()) for layer in dst)
+        server.publish("half", 2)
+        r = client.read("half", [0, 5], [3, 1], timeout=10.0, stream=True)
+        assert r.ok and len(r.layer_seconds) == 2 and r.bytes == 2 * 2 * 256, r
+    assert all(not bool((dst[i][b] == 7.0).all()) for i in range(2) for b in (0, 5))
+    assert all(bool((dst[i][[1, 2, 3, 4, 6, 7]] == 7.0).all()) for i in range(2))
