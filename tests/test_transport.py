@@ -1999,14 +1999,22 @@ def test_prefill_stopped_or_killed_during_a_packed_read_then_reconnect(cluster: 
         victim.kill(signal.SIGKILL)
         victim.proc.wait()
         during = D.result(timeout=30)
-        assert not during["result_ok"] and during["read_seconds"] < 4.0 + 2.0, during
+        assert during["read_seconds"] < 4.0 + 2.0, during
         # Where the failure surfaces is a race the test cannot pin: the pack reply is queued in
         # ZMQ when the process stops itself (its I/O thread may not have flushed it: "did not
         # answer the pack request"); the READ needs the stopped peer ("READ from prefill rank 0"),
         # unless a UCX transport reads its memory without it (cma), and then the notification to
-        # the dead rank fails ("could not notify"). Every stage must give ok=False in time.
-        assert any(stage in during["error"] for stage in (
-            "READ from prefill rank 0", "did not answer the pack request", "could not notify")), during
+        # the dead rank fails ("could not notify"). Every stage must give ok=False in time. On a
+        # loaded machine the READ was once served in the instant between the pack's reply and
+        # the stop (a clean-clone CI run with a helper's tests beside it): then the bytes did
+        # land, and a read reported done must have landed every one of them.
+        if during["result_ok"]:
+            assert D.call("verify", name=name, local=ids, remote=ids[::-1], seed=SEED,
+                          remote_spec=pspec)["mismatch"] is None, during
+        else:
+            assert any(stage in during["error"] for stage in (
+                "READ from prefill rank 0", "did not answer the pack request",
+                "could not notify")), during
         # Before: the process is already dead when the read starts.
         before = D.call("read", name=name, request_id="before", local=ids, remote=ids,
                         timeout=1.5)
