@@ -24,7 +24,6 @@ import collections
 import os
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ import pytest
 
 # the transport tests' harness (pytest runs with --import-mode=importlib)
 sys.path.insert(0, str(Path(__file__).parent))
+from _fake_prefill import FakePrefill  # noqa: E402
 from test_metadata_probe import mutations  # noqa: E402
 from test_transport import (  # noqa: E402
     HEADS,
@@ -53,7 +53,6 @@ from fkv.connector.transport import _side  # noqa: E402
 from fkv.connector.transport._lifecycle import notification  # noqa: E402
 from fkv.connector.transport._sidelimits import (  # noqa: E402
     FrameDecoder,
-    FrameServer,
     encode_frame,
     frame_request,
 )
@@ -129,43 +128,6 @@ def widen(blob: bytes, base: int, nbytes: int) -> bytes:
     raise AssertionError(f"no descriptor at 0x{base:x}")
 
 
-class FakePrefill:
-    """A fake prefill rank 0 (and pack server): a bounded frame server on a thread of this
-    process. ``Fetch`` gets ``Ranks(ranks(i))`` (``i``: how many fetches before), ``Pack`` gets
-    ``pack(msg)`` (None: never answered), everything else ``Ok``."""
-
-    def __init__(self, ranks: Any, pack: Any = None) -> None:
-        self.server = FrameServer("tcp://127.0.0.1:0", max_frame=_side.MAX_SIDE_MESSAGE_BYTES)
-        self.address = self.server.address
-        self.ranks, self.pack = ranks, pack
-        self.fetches = self.packs = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for conn, payload in self.server.poll(0.005):
-                msg = _side.decode_request(payload)
-                if isinstance(msg, _side.Fetch):
-                    reply: Any = _side.Ranks(ranks=self.ranks(self.fetches))
-                    self.fetches += 1
-                elif isinstance(msg, _side.Pack):
-                    self.packs += 1
-                    reply = (self.pack(msg) if self.pack
-                             else _side.Error(message="no", token=msg.token))
-                    if reply is None:
-                        continue  # never answered
-                else:
-                    reply = _side.Ok(engine_id="fake")
-                self.server.reply(conn, _side.encode_message(reply))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.server.close()
-
-
 def serve(P: Proc, spec: dict[str, Any], **kw: Any) -> tuple[str, str]:
     name = f"h{next(_counter)}"
     address = P.call("serve", name=name, spec=spec, engine=engine_dict(f"P-{name}", 1, 0),
@@ -211,7 +173,8 @@ def test_corrupt_metadata_never_kills_the_decode_worker(procs: Any) -> None:
         cases = fixed + mutations(blob, seed=1212)
         assert len(cases) >= 1000
         entries = [crafted(real, "", metadata=b) for _, b in cases]
-        fake = FakePrefill(lambda i: [msgspec.structs.replace(entries[i], address=fake.address)])
+        fake = FakePrefill(lambda i: _side.Ranks(
+            ranks=[msgspec.structs.replace(entries[i], address=fake.address)]))
         # The campaign runs in a decode worker of its own (a death fails the test, naming the
         # batch). It checks every blob first, in one batch, preparing what its connects prepare
         # (the cache key connect looks up): the connects that follow start no probe child.
@@ -304,7 +267,7 @@ def test_huge_and_coprime_geometry_is_refused_naming_the_limit(procs: Any) -> No
         real = fetch_ranks(address)[0]
         peer = decode_untrusted(real.peer)
         current: list[Any] = []
-        fake = FakePrefill(lambda i: current)
+        fake = FakePrefill(lambda i: _side.Ranks(ranks=current))
         for case, (over, limit) in GEOMETRY.items():
             big = peer.spec.evolve(**over)
             meta = widen(peer.agent_metadata, peer.regions[0][0],
@@ -352,7 +315,8 @@ def test_bad_or_missing_pack_replies_fail_the_read_in_time(procs: Any) -> None:
             "never answered": None,
         }[mode[0]]
 
-    fake = FakePrefill(lambda i: [msgspec.structs.replace(real, address=fake.address)], pack)
+    fake = FakePrefill(lambda i: _side.Ranks(
+        ranks=[msgspec.structs.replace(real, address=fake.address)]), pack)
     try:
         D.call("connect", name=name, spec=spec, engine=engine_dict(f"D-{name}", 1, 0),
                address=fake.address, strategy="packed")
@@ -414,7 +378,8 @@ def test_a_packed_read_stops_waiting_when_its_slot_reservation_ends(tmp_path: Pa
             os.kill(P.proc.pid, signal.SIGSTOP)
             return msgspec.structs.replace(got, expires_in=1.0)
 
-        fake = FakePrefill(lambda i: [msgspec.structs.replace(real, address=fake.address)], pack)
+        fake = FakePrefill(lambda i: _side.Ranks(
+            ranks=[msgspec.structs.replace(real, address=fake.address)]), pack)
         D.call("connect", name=name, spec=spec, engine=engine_dict(f"D-{name}", 1, 0),
                address=fake.address, strategy="packed")
         local, remote = request_blocks(spec, spec, 9)

@@ -21,6 +21,9 @@ import fkv
 from fkv.connector import CurveKeys, EngineDesc, connect, curve_keypair, serve
 from fkv.errors import FkvError
 
+sys.path.insert(0, str(Path(__file__).parent))  # the tests' shared fakes
+from _fake_prefill import FakePrefill  # noqa: E402
+
 pytestmark = pytest.mark.transport
 
 SPEC = fkv.KVCacheSpec(layout="HND", num_blocks=8, block_size=4, num_kv_heads=2, head_size=8,
@@ -505,44 +508,6 @@ def test_read_refuses_a_repeated_local_block_before_anything_moves(prefill) -> N
                for i in range(SPEC.num_layers))
 
 
-class FakeRank0:
-    """A fake prefill rank 0 on a thread of this process: the i-th Fetch gets ``replies(i)``,
-    any other request ``other(msg)``."""
-
-    def __init__(self, replies, other=None) -> None:
-        import threading
-
-        from fkv.connector.transport import _side
-        from fkv.connector.transport._sidelimits import FrameServer
-
-        self._side = _side
-        self.server = FrameServer("tcp://127.0.0.1:0", max_frame=_side.MAX_SIDE_MESSAGE_BYTES)
-        self.address = self.server.address
-        self.replies, self.other, self.fetches = replies, other, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for conn, payload in self.server.poll(0.005):
-                msg = self._side.decode_request(payload)
-                if isinstance(msg, self._side.Fetch):
-                    reply = self.replies(self.fetches)
-                    self.fetches += 1
-                else:
-                    reply = self.other(msg)
-                self.server.reply(conn, self._side.encode_message(reply))
-
-    def __enter__(self) -> FakeRank0:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.server.close()
-
-
 def _rank(rank: int, engine_id: str = "p", tp: int = 2, spec=SPEC):
     from fkv.connector import wire
     from fkv.connector.transport import _side
@@ -561,7 +526,7 @@ def _connect_to(address: str, timeout: float = 10.0):
 def test_connect_refuses_ranks_listed_out_of_order() -> None:
     from fkv.connector.transport import SideChannelError, _side
 
-    with FakeRank0(lambda i: _side.Ranks(ranks=[_rank(1), _rank(0)])) as fake:
+    with FakePrefill(lambda i: _side.Ranks(ranks=[_rank(1), _rank(0)])) as fake:
         with pytest.raises(SideChannelError) as e:
             _connect_to(fake.address)
         assert str(e.value) == (f"prefill side channel at {fake.address} listed ranks [1, 0] out "
@@ -572,7 +537,7 @@ def test_connect_refuses_ranks_listed_out_of_order() -> None:
 def test_connect_refuses_ranks_that_disagree_naming_every_reason() -> None:
     from fkv.connector.transport import HandshakeRejected, _side
 
-    with FakeRank0(lambda i: _side.Ranks(ranks=[_rank(0), _rank(1, engine_id="q")])) as fake:
+    with FakePrefill(lambda i: _side.Ranks(ranks=[_rank(0), _rank(1, engine_id="q")])) as fake:
         with pytest.raises(HandshakeRejected) as e:
             _connect_to(fake.address)
         assert str(e.value).startswith(f"prefill side channel at {fake.address}: its ranks "
@@ -586,17 +551,17 @@ def test_connect_asks_again_while_ranks_join_and_not_after_a_refusal() -> None:
     from fkv.connector.transport import SideChannelError, _side
 
     joining = _side.Error(message="ranks [1] of tp_size 2 have not joined yet", retry=True)
-    with FakeRank0(lambda i: joining if i < 3 else _side.Ranks(ranks=[_rank(1), _rank(0)])
+    with FakePrefill(lambda i: joining if i < 3 else _side.Ranks(ranks=[_rank(1), _rank(0)])
                    ) as fake:
         with pytest.raises(SideChannelError, match="listed ranks \\[1, 0\\] out of order"):
             _connect_to(fake.address)
         assert fake.fetches == 4
-    with FakeRank0(lambda i: _side.Error(message="go away")) as fake:
+    with FakePrefill(lambda i: _side.Error(message="go away")) as fake:
         with pytest.raises(SideChannelError) as e:
             _connect_to(fake.address)
         assert str(e.value) == f"prefill side channel at {fake.address}: go away"
         assert fake.fetches == 1
-    with FakeRank0(lambda i: _side.Ok(engine_id="p")) as fake:
+    with FakePrefill(lambda i: _side.Ok(engine_id="p")) as fake:
         with pytest.raises(SideChannelError) as e:
             _connect_to(fake.address)
         assert str(e.value) == (f"prefill side channel at {fake.address}: "
@@ -609,7 +574,7 @@ def test_connect_stops_asking_a_rank_0_that_says_retry_for_ever_at_its_timeout()
     from fkv.connector.transport import SideChannelError, _side
 
     joining = _side.Error(message="ranks [1] of tp_size 2 have not joined yet", retry=True)
-    with FakeRank0(lambda i: joining) as fake:
+    with FakePrefill(lambda i: joining) as fake:
         with pytest.raises(SideChannelError) as e:
             _connect_to(fake.address, timeout=0.5)
         assert str(e.value) == (f"prefill side channel at {fake.address}: ranks [1] of tp_size 2 "
@@ -700,7 +665,7 @@ def test_a_connect_that_fails_closes_what_it_opened(monkeypatch: pytest.MonkeyPa
                        zctx is not None and zctx.closed and self._zctx is None))
 
     monkeypatch.setattr(Client, "close", close)
-    with FakeRank0(lambda i: _side.Error(message="go away")) as fake:
+    with FakePrefill(lambda i: _side.Error(message="go away")) as fake:
         with pytest.raises(SideChannelError):
             _connect_to(fake.address)
     assert closed == [(True, True)]
@@ -761,9 +726,9 @@ def test_a_reconnect_that_fails_after_loading_a_peers_metadata_replaces_the_nixl
     dst = fkv.allocate(SPEC)
     with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address
                  ) as client:
-        with FakeRank0(lambda i: _side.Ranks(ranks=[msgspec.structs.replace(
+        with FakePrefill(lambda i: _side.Ranks(ranks=[msgspec.structs.replace(
                            ranks.ranks[0], address=fake.address)]),
-                       lambda msg: _side.Error(message="not you")) as fake:
+                       other=lambda msg: _side.Error(message="not you")) as fake:
             agent = client._agent
             with pytest.raises(SideChannelError) as e:
                 client.reconnect(fake.address, timeout=5.0)
@@ -797,8 +762,8 @@ def test_a_streamed_read_refuses_a_prefill_announcing_more_layers_than_its_spec(
     dst = fkv.allocate(SPEC)
     for layer in dst:
         layer.fill_(7.0)
-    with FakeRank0(lambda i: _side.Ranks(ranks=[msgspec.structs.replace(
-                       ranks.ranks[0], address=fake.address)]), other) as fake, \
+    with FakePrefill(lambda i: _side.Ranks(ranks=[msgspec.structs.replace(
+                       ranks.ranks[0], address=fake.address)]), other=other) as fake, \
             connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=fake.address,
                     strategy="direct") as client:
         r = client.read("more", [1, 2], [3, 5], timeout=5.0, stream=True)
