@@ -297,8 +297,7 @@ def test_read_and_reconnect_refuse_timeouts_that_never_or_already_expire(prefill
                                                                           timeout: object) -> None:
     server, src = prefill
     dst = fkv.allocate(SPEC)
-    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address
-                 ) as client:
+    with _decode(server, dst) as client:
         server.hold("t1", [3, 1], lease=5.0)
         with pytest.raises(FkvError) as e:
             client.read("t1", [0, 5], [3, 1], timeout=timeout)
@@ -395,11 +394,8 @@ def test_a_full_prefix_hit_only_notifies_and_the_prefill_releases_the_request(pr
     """Both id lists empty: the decode rank has every token already. No READ, nothing written;
     the prefill ranks are notified and release the request; ``strategy`` says ``"none"``."""
     server, _ = prefill
-    dst = fkv.allocate(SPEC)
-    for layer in dst:
-        layer.fill_(7.0)
-    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address
-                 ) as client:
+    dst = _sevens()
+    with _decode(server, dst) as client:
         server.hold("hit", [3, 1], lease=30.0)
         result = client.read("hit", [], [])
         assert (result.ok, result.bytes, result.descriptors, result.strategy, result.error) == \
@@ -432,8 +428,7 @@ def test_connect_takes_a_zero_staging_buffer_and_pack_threshold(prefill) -> None
     """0 is a non-negative int: no staging buffer, pack every request (where packing applies)."""
     server, src = prefill
     dst = fkv.allocate(SPEC)
-    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address,
-                 staging_bytes=0, pack_threshold=0) as client:
+    with _decode(server, dst, staging_bytes=0, pack_threshold=0) as client:
         server.hold("z1", [2], lease=5.0)
         result = client.read("z1", [6], [2])
         assert result.ok, result.error
@@ -444,11 +439,8 @@ def test_connect_takes_a_zero_staging_buffer_and_pack_threshold(prefill) -> None
 def test_read_refuses_a_request_id_that_is_not_a_non_empty_str(prefill,
                                                                 request_id: object) -> None:
     server, _ = prefill
-    dst = fkv.allocate(SPEC)
-    for layer in dst:
-        layer.fill_(7.0)
-    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address
-                 ) as client:
+    dst = _sevens()
+    with _decode(server, dst) as client:
         server.hold("q1", [3], lease=5.0)
         with pytest.raises(FkvError) as e:
             client.read(request_id, [0], [3])
@@ -491,11 +483,8 @@ def test_read_refuses_a_repeated_local_block_before_anything_moves(prefill) -> N
     """Two remote blocks into one local block would land two tokens in one slot: refused
     before any READ (a repeated *remote* block is a legal read)."""
     server, src = prefill
-    dst = fkv.allocate(SPEC)
-    for layer in dst:
-        layer.fill_(7.0)
-    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address
-                 ) as client:
+    dst = _sevens()
+    with _decode(server, dst) as client:
         server.hold("dup1", [3, 1], lease=5.0)
         with pytest.raises(FkvError) as e:
             client.read("dup1", [4, 4], [3, 1])
@@ -506,6 +495,28 @@ def test_read_refuses_a_repeated_local_block_before_anything_moves(prefill) -> N
         assert result.ok, result.error
     assert all(torch.equal(dst[i][4], src[i][3]) and torch.equal(dst[i][5], src[i][3])
                for i in range(SPEC.num_layers))
+
+
+def _sevens() -> list:
+    """Decode caches of SPEC filled with 7.0 (a read that writes nothing leaves them so)."""
+    dst = fkv.allocate(SPEC)
+    for layer in dst:
+        layer.fill_(7.0)
+    return dst
+
+
+def _random(spec) -> list:
+    """Prefill caches of ``spec`` filled with normal random values."""
+    src = fkv.allocate(spec)
+    for layer in src:
+        layer.copy_(torch.randn(layer.shape))
+    return src
+
+
+def _decode(server, dst, **kwargs):
+    """A decode client of a new engine id on ``dst``, connected to ``server``."""
+    return connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address,
+                   **kwargs)
 
 
 def _rank(rank: int, engine_id: str = "p", tp: int = 2, spec=SPEC):
@@ -585,14 +596,8 @@ def test_a_read_maps_tokens_across_different_block_sizes() -> None:
     """Remote blocks of 8 tokens, local blocks of 4: token ``i`` comes from remote block
     ``rids[i // 8]`` and lands in local block ``lids[i // 4]`` (each list's own block size)."""
     p_spec = SPEC.evolve(block_size=8, num_blocks=4)
-    src, dst = fkv.allocate(p_spec), fkv.allocate(SPEC)
-    for layer in src:
-        layer.copy_(torch.randn(layer.shape))
-    for layer in dst:
-        layer.fill_(7.0)
-    with serve(engine("p8"), p_spec, src) as server, \
-            connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address
-                    ) as client:
+    src, dst = _random(p_spec), _sevens()
+    with serve(engine("p8"), p_spec, src) as server, _decode(server, dst) as client:
         server.hold("bs", [3, 1], lease=5.0)
         result = client.read("bs", [5, 0, 6], [3, 1], num_tokens=12)
         assert result.ok, result.error
@@ -724,8 +729,7 @@ def test_a_reconnect_that_fails_after_loading_a_peers_metadata_replaces_the_nixl
     ranks = _side.decode_reply(frame_request(server.address, _side.encode_message(_side.Fetch()),
                                              timeout=10.0, max_frame=_side.MAX_SIDE_MESSAGE_BYTES))
     dst = fkv.allocate(SPEC)
-    with connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address
-                 ) as client:
+    with _decode(server, dst) as client:
         with FakePrefill(lambda i: _side.Ranks(ranks=[msgspec.structs.replace(
                            ranks.ranks[0], address=fake.address)]),
                        other=lambda msg: _side.Error(message="not you")) as fake:
@@ -759,9 +763,7 @@ def test_a_streamed_read_refuses_a_prefill_announcing_more_layers_than_its_spec(
             return _side.Layers(token=msg.token, layers_ready=layers, held=True)
         return _side.Ok(engine_id="p")
 
-    dst = fkv.allocate(SPEC)
-    for layer in dst:
-        layer.fill_(7.0)
+    dst = _sevens()
     with FakePrefill(lambda i: _side.Ranks(ranks=[msgspec.structs.replace(
                        ranks.ranks[0], address=fake.address)]), other=other) as fake, \
             connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=fake.address,
@@ -828,14 +830,9 @@ def test_a_streamed_read_from_a_cross_layer_prefill_waits_for_every_layer() -> N
     of a request with 1 of 2 layers published fails at its timeout naming the missing layer,
     nothing reported done; once every layer is published the read lands it all."""
     p_spec = SPEC.evolve(backend="flash_attn", cross_layer=True)
-    src, dst = fkv.allocate(p_spec), fkv.allocate(SPEC)
-    for layer in src:
-        layer.copy_(torch.randn(layer.shape))
-    for layer in dst:
-        layer.fill_(7.0)
+    src, dst = _random(p_spec), _sevens()
     with serve(engine("px"), p_spec, src) as server, \
-            connect(engine(f"d{next(_DECODE_IDS)}"), SPEC, dst, remote_address=server.address,
-                    strategy="direct") as client:
+            _decode(server, dst, strategy="direct") as client:
         server.hold("half", [3, 1], lease=30.0, layers_ready=1)
         r = client.read("half", [0, 5], [3, 1], timeout=1.0, stream=True)
         assert (r.ok, r.bytes, r.layer_seconds) == (False, 0, ()), r
