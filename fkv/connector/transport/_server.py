@@ -26,6 +26,7 @@ in ``poll``.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import hashlib
@@ -34,6 +35,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +86,23 @@ MAX_OUTBOXES = 1024
 #: a done names a held request, so only stray records (late, duplicate) wait for it.
 OUTBOX_IDLE_LOOK = 0.05
 _PARK = object()  # _handle's answer to a Status that waits for news
+
+#: Servers not closed yet, each with the process that started it (a forked child inherits the
+#: table but not the servers' threads, and must not stop its parent's board).
+_OPEN: weakref.WeakKeyDictionary[Server, int] = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close this process's servers that are still open when the interpreter exits. Until then
+    a server thread may be inside a NIXL call that released the GIL; the interpreter's shutdown
+    ends such a daemon thread where it takes the GIL back, which unwinds through NIXL's C++ frames
+    and aborts the process (``terminate called without an active exception``, exit status 134).
+    Exit handlers run before that, while the thread can still be stopped and joined."""
+    for server, pid in list(_OPEN.items()):
+        if pid == os.getpid():
+            with contextlib.suppress(Exception):
+                server.close()
 
 
 class Server:
@@ -204,6 +223,7 @@ class Server:
         self._thread = threading.Thread(target=self._run, name=f"fkv-serve-{engine.engine_id}-"
                                         f"{engine.tp_rank}", daemon=True)
         self._thread.start()
+        _OPEN[self] = os.getpid()
 
     # -- public ------------------------------------------------------------------------------------
     def hold(self, request_id: str, block_ids: Any = None, *, lease: float | None = None,
@@ -448,7 +468,10 @@ class Server:
         return 0 if packer is None else len(packer.slots.held)
 
     def close(self) -> None:
-        """Stop serving, release NIXL resources. Idempotent."""
+        """Stop serving, release NIXL resources. Idempotent. A server still open when its
+        process exits through the interpreter (a script or notebook kernel that never closed it)
+        is closed by an exit handler."""
+        _OPEN.pop(self, None)
         self._stop.set()
         board = getattr(self, "_board", None)
         if board is not None:  # first: a same-host reader copying now must not trust its bytes
