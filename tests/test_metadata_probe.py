@@ -286,6 +286,39 @@ def test_probe_timeout_refuses_and_is_not_cached(peer):
     assert isinstance(M.check_each([peer], timeout=60)[0], M.AgentMetadata)
 
 
+def test_a_child_that_accepted_a_blob_leaves_by_itself_a_busy_one_is_killed(peer, monkeypatch):
+    """The peer's UCX worker answers a load by connecting back to the probe child's agent; a child
+    killed before that connection was accepted made the PEER print "UCX ERROR connect(...) failed:
+    Connection refused" (7 connects of 16). A child that accepted its blob is left to go by itself
+    (status 0, not a kill) after _LINGER seconds; one still busy when closed is killed at once."""
+    monkeypatch.setattr(M, "_LINGER", 2.0)
+    M._reap()
+    held = list(M._LINGERING)
+    assert M.probe_agent_metadata([peer], timeout=60) == [None]
+    (proc, until), = [e for e in M._LINGERING if e not in held]
+    assert proc.poll() is None and until - time.monotonic() > 1.0
+    assert proc.wait(timeout=60) == 0
+    M._reap()
+    assert (proc, until) not in M._LINGERING
+    assert isinstance(M.check_each([peer], timeout=0.05)[0], M.MetadataProbeTimeout)
+    assert [e for e in M._LINGERING if e not in held] == []
+
+
+def test_a_lingering_child_past_its_grace_is_killed_by_the_next_probe():
+    late = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    young = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    M._LINGERING.extend([(late, time.monotonic() - M._GRACE - 1.0), (young, time.monotonic())])
+    try:
+        M._reap()
+        assert late.returncode == -9 and young.poll() is None
+        assert [p for p, _ in M._LINGERING if p in (late, young)] == [young]
+    finally:
+        young.kill()
+        young.wait()
+        M._reap()
+    assert [p for p, _ in M._LINGERING if p in (late, young)] == []
+
+
 def test_structural_refusals_name_what_is_wrong(peer):
     with pytest.raises(FkvError, match=r"byte 11 starts b'Agenz.*expected field 'Agent'"):
         M.parse_agent_metadata(peer.replace(b"Agent", b"Agenz", 1))

@@ -43,6 +43,7 @@ fkv.errors.FkvError: peer NIXL agent metadata refused (nothing was added): the b
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import hashlib
@@ -482,7 +483,23 @@ while True:
         agent.invalidateRemoteMD(got)
     time.sleep(0.002)
     out.write("A\n")
+# the parent is done (stdin closed): stay a moment for the peers' UCX connections back to this
+# agent, started by the loads above, then leave without tearing anything down
+time.sleep(float(sys.argv[2]))
+os._exit(0)
 """
+
+#: Seconds a probe child that loaded metadata stays after the parent is done with it: the peer's
+#: UCX worker answers the load by connecting back to the child's agent, and a child killed before
+#: that connection is accepted made the PEER print ``UCX ERROR connect(...) failed: Connection
+#: refused`` to its stdout (a prefill process, once per decode connect: 7 of 16 connects on this
+#: host); the parent does not wait for it.
+_LINGER = 0.5
+#: A lingering child still there this long after its linger ended is killed by the next probe.
+_GRACE = 5.0
+#: Probe children past their verdicts, with when their linger ends: reaped by later probes.
+_LINGERING: list[tuple[Any, float]] = []
+_LINGER_LOCK = threading.Lock()
 
 
 #: Most descriptors of one section the probe prepares (a decode rank prepares its own subset).
@@ -534,7 +551,8 @@ def probe_agent_metadata(blobs: list[bytes], *, timeout: float,
     child serves blobs until one is refused or kills it; the rest go to a fresh child (started
     ahead while more than one blob is left, so a refusal costs little). Blobs must parse
     (:func:`parse_agent_metadata`). Raises :class:`MetadataProbeTimeout` when ``timeout``
-    seconds (the whole call) run out; every child is gone when it returns or raises.
+    seconds (the whole call) run out; when it returns or raises every child is gone, except those
+    that accepted a blob: they leave by themselves :data:`_LINGER` seconds later.
 
     >>> probe_agent_metadata([b"garbage"], timeout=30)  # doctest: +SKIP
     ["NIXL refused it: nixlBackendError: 'NIXL_ERR_...'"]
@@ -572,13 +590,15 @@ class _Child:
 
     def __init__(self, package: str) -> None:
         self.err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, package],
+        _reap()
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, package, str(_LINGER)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.err, close_fds=True)
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.proc.stdout, selectors.EVENT_READ)
         self.buf = b""
         self.ready = False
+        self.loaded = False  # it accepted a blob, and waits: peers may be connecting back to it
 
     def line(self, deadline: float, what: str) -> str | None:
         """The child's next line (None: it exited); MetadataProbeTimeout at the deadline."""
@@ -608,6 +628,7 @@ class _Child:
         meta = parse_agent_metadata(blob)
         name = meta.name.encode()
         secs = _encode_sections(meta) if prep is None else prep
+        self.loaded = False  # busy with this blob until it answers: killed if closed now
         with contextlib.suppress(BrokenPipeError):  # it died; reading says so
             self.proc.stdin.write(len(blob).to_bytes(8, "little") + blob
                                   + len(name).to_bytes(8, "little") + name
@@ -619,6 +640,7 @@ class _Child:
         if got is None:
             return f"it kills the process that adds it ({self.tail()})", False
         if got == "A":
+            self.loaded = True
             return None, True
         if got.startswith("E "):
             return f"NIXL refused it: {got[2:][:240]}", False
@@ -639,15 +661,51 @@ class _Child:
         return how + (f": {lines[-1].strip()[:200]}" if lines else "")
 
     def close(self) -> None:
+        """Kill the child, or, when it loaded metadata and is still alive, close its input and let
+        it leave by itself after :data:`_LINGER` seconds (reaped by a later probe)."""
         self.sel.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        lingers = self.loaded and self.proc.poll() is None
         for f in (self.proc.stdin, self.proc.stdout, self.err):
             try:
                 f.close()
             except OSError:
                 continue
+        if lingers:
+            with _LINGER_LOCK:
+                _LINGERING.append((self.proc, time.monotonic() + _LINGER))
+            return
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@atexit.register
+def _reap_at_exit() -> None:
+    """Wait for the lingering probe children (at most their linger) rather than leave them
+    running unreaped: a script that exits right after connecting waits up to :data:`_LINGER`."""
+    with _LINGER_LOCK:
+        for proc, until in _LINGERING:
+            try:
+                proc.wait(timeout=max(0.0, until - time.monotonic()) + 0.5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        _LINGERING.clear()
+
+
+def _reap() -> None:
+    """Collect the lingering probe children that left; kill those still there :data:`_GRACE`
+    seconds after their linger ended."""
+    now = time.monotonic()
+    with _LINGER_LOCK:
+        for entry in list(_LINGERING):
+            proc, until = entry
+            if proc.poll() is None and now < until + _GRACE:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            _LINGERING.remove(entry)
 
 
 # -- both, cached ---------------------------------------------------------------------------------
