@@ -853,6 +853,55 @@ def test_the_remote_descriptor_limit_is_inclusive_and_named(
                             "rank's limit of 15 (MAX_PREPARED_DESCRIPTORS); nothing was allocated")
 
 
+def _granule_state(link: Any) -> tuple:
+    return (link.granule, link.local_dlist, dict(link.remote_dlists), link.local_per_region,
+            link.staging_base, link.remote_per_region)
+
+
+def test_a_finer_granule_over_the_limit_keeps_the_prepared_lists(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row that needs a granule whose tables would pass the limit fails that read; the link
+    keeps its granule and its lists, and the next read's indices use them (it used to release
+    them first and keep the new granule: the next read found no remote descriptor list)."""
+    monkeypatch.setattr(_link, "MAX_PREPARED_DESCRIPTORS", 16)
+    agent = LinkAgent(progress="poll(1000 us)")
+    link = _make_link(monkeypatch, agent)
+    before = _granule_state(link)
+    del agent.log[:]
+    with pytest.raises(FkvError, match=r": 32 descriptors of 64 B to prepare, over this decode "
+                                       r"rank's limit of 16 \(MAX_PREPARED_DESCRIPTORS\); "
+                                       r"nothing was allocated$"):
+        link.ensure_granule(np.array([[0, 0, 64, -1, 0, 128]]))
+    assert agent.log == [] and _granule_state(link) == before
+    rows = np.array([[0, 0, 384, -1, 0, 128]])
+    link.ensure_granule(rows)
+    assert agent.log == []
+    assert [a.tolist() for a in link.indices(rows)] == [[32], [3]]
+
+
+def test_a_finer_granule_nixl_cannot_prepare_keeps_the_prepared_lists(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NIXL refuses one rank's list at the finer granule: the read fails, the lists prepared
+    for it are released, and the link's granule and lists stay those that worked."""
+    agent = LinkAgent(progress="poll(1000 us)")
+    link = _make_link(monkeypatch, agent)
+    before = _granule_state(link)
+    del agent.log[:]
+    agent.fail_prep = "agent-p2"
+    with pytest.raises(TransferFailed, match="'agent-p2'"):
+        link.ensure_granule(np.array([[0, 0, 64, -1, 0, 128]]))
+    assert [c[:2] for c in agent.log] == [("prep", None), ("prep", "agent-p0"),
+                                          ("prep", "agent-p2"), ("release_dlist", "dlist5"),
+                                          ("release_dlist", "dlist6")]
+    assert _granule_state(link) == before
+    agent.fail_prep = None
+    del agent.log[:]
+    link.ensure_granule(np.array([[0, 0, 64, -1, 0, 128]]))
+    assert link.granule == 64 and [c[:2] for c in agent.log] == [
+        ("prep", None), ("prep", "agent-p0"), ("prep", "agent-p2"),
+        ("release_dlist", "dlist2"), ("release_dlist", "dlist3"), ("release_dlist", "dlist4")]
+
+
 class Box:
     """A same-host outbox: ``put`` takes the message or not."""
 

@@ -200,17 +200,16 @@ class Link:
         self.local_dlist = None
 
     def _prep(self, granule: int) -> None:
+        """Prepare the local and remote descriptor lists at ``granule``, then release the old
+        ones. On any failure nothing changes: the lists prepared so far are released and the
+        link keeps its granule and lists (a later read must not find them half replaced)."""
         agent = self.local.agent
-        self._release_dlists()
-        self.granule = granule
         ls, rs = self.local.spec, self.remote_spec
         local = list(self.local.regions)
         if self.staging_path_bytes:
             local.append((self.staging.data_ptr(), self.staging_path_bytes))
-        self.local_per_region = ls.region_bytes // granule
-        self.staging_base = ls.num_regions * self.local_per_region
-        self.remote_per_region = rs.region_bytes // granule
-        count = self.remote_per_region * rs.num_regions
+        remote_per_region = rs.region_bytes // granule
+        count = remote_per_region * rs.num_regions
         if count > MAX_PREPARED_DESCRIPTORS:
             raise FkvError(f"prefill engine {self.engine_id!r} announced a cache of "
                            f"{rs.num_blocks} blocks x {rs.num_regions} region(s) "
@@ -218,13 +217,26 @@ class Link:
                            f"prepare, over this decode rank's limit of "
                            f"{MAX_PREPARED_DESCRIPTORS} (MAX_PREPARED_DESCRIPTORS); nothing was "
                            f"allocated")
-        self.local_dlist = agent.prep(None, granule_table(local, granule,
-                                                          device_id=self.local.device_id),
-                                      self.local.mem_type)
-        for rank in self.plan.remote_ranks:
-            peer = self.peers[rank]
-            table = granule_table(peer.regions, granule, device_id=peer.device_id)
-            self.remote_dlists[rank] = agent.prep(self.names[rank], table, self.mem_types[rank])
+        made: list[Any] = []
+        try:
+            made.append(agent.prep(None, granule_table(local, granule,
+                                                       device_id=self.local.device_id),
+                                   self.local.mem_type))
+            for rank in self.plan.remote_ranks:
+                peer = self.peers[rank]
+                table = granule_table(peer.regions, granule, device_id=peer.device_id)
+                made.append(agent.prep(self.names[rank], table, self.mem_types[rank]))
+        except BaseException:
+            for handle in made:
+                agent.release_dlist(handle)
+            raise
+        self._release_dlists()
+        self.granule = granule
+        self.local_dlist = made[0]
+        self.remote_dlists = dict(zip(self.plan.remote_ranks, made[1:], strict=True))
+        self.local_per_region = ls.region_bytes // granule
+        self.staging_base = ls.num_regions * self.local_per_region
+        self.remote_per_region = remote_per_region
 
     def ensure_granule(self, rows: np.ndarray) -> None:
         """Re-prepare with a finer granule if a row does not sit on the current one (rare)."""
