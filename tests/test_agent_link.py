@@ -741,18 +741,14 @@ def test_wait_reads_names_the_prefill_rank_of_the_read_that_failed_or_hung() -> 
     xfers = [Xfer("x0", "agent-p0", 64), Xfer("x1", "agent-p2", 64)]
     _link.wait_reads(agent, xfers, [0, 2], "p", time.monotonic() + 30, spin=0.25)
     assert agent.log == [("wait", ["x0", "x1"], 0.25)]
-    agent.stuck = (1, "ERR")
-    with pytest.raises(TransferFailed) as e:
-        _link.wait_reads(agent, xfers, [0, 2], "p", time.monotonic() + 30)
-    assert str(e.value) == ("READ from prefill rank 2 of engine 'p' (agent-p2) failed (NIXL "
-                            "state ERR): the prefill process may have died: reconnect once it "
-                            "is back (client.reconnect())")
-    agent.stuck = (1, "PROC")
-    with pytest.raises(TransferFailed) as e:
-        _link.wait_reads(agent, xfers, [0, 2], "p", time.monotonic() + 30)
-    assert str(e.value) == ("READ from prefill rank 2 of engine 'p' (agent-p2) did not finish "
-                            "before the read's timeout: the prefill process is hung, dead or "
-                            "unreachable")
+    for state, why in (("ERR", "failed (NIXL state ERR): the prefill process may have died: "
+                                "reconnect once it is back (client.reconnect())"),
+                       ("PROC", "did not finish before the read's timeout: the prefill process "
+                                "is hung, dead or unreachable")):
+        agent.stuck = (1, state)
+        with pytest.raises(TransferFailed) as e:
+            _link.wait_reads(agent, xfers, [0, 2], "p", time.monotonic() + 30)
+        assert str(e.value) == f"READ from prefill rank 2 of engine 'p' (agent-p2) {why}"
 
 
 def test_a_peer_whose_metadata_fails_its_check_fails_the_link_naming_it(
