@@ -58,13 +58,14 @@ class _Agent:
         self.waits: list[float] = []  # the deadline of every wait
         self.spins: list[float] = []  # and how long it busy-polls
         self.landed: list[tuple[str, int]] = []  # (remote, bytes) of every READ that landed
+        self.released_dlists: list[np.ndarray] = []
 
     # descriptor lists: a prepared list is its granule table
     def prep(self, name: Any, table: np.ndarray, mem_type: str) -> np.ndarray:
         return table
 
     def release_dlist(self, handle: Any) -> None:
-        pass
+        self.released_dlists.append(handle)
 
     def create_read(self, local: Any, local_idx: Any, remote: Any, remote_idx: Any,
                     remote_name: str, notif: bytes = b"") -> _Handle:
@@ -767,6 +768,46 @@ def test_rows_off_the_prepared_granule_prepare_a_finer_one() -> None:
     _read(s, [3, 6], [2, 5], 7)
     _landed(s, [3, 6], [2, 5], 7)
     assert s.link.granule == fine
+
+
+def test_reads_made_ahead_never_prepare_the_lists_again_under_a_running_read() -> None:
+    """A READ of a timed-out read still runs over the descriptor lists: a layer's READs made
+    ahead that need a finer granule are not made (the lists stay, nothing is created); once
+    NIXL ended that READ, the read of the layer releases it, prepares the finer lists and lands
+    the layer."""
+    s = _path()
+    fine = s.link.granule
+    s.link._prep(4 * fine)
+    s.agent.released_dlists.clear()
+    stuck = Xfer(_Handle(None, [], None, [], "p0"), "p0", 64)
+    s.path.quarantine.append(stuck)
+    rows = s.path.stream_rows(np.array([3, 6]), np.array([2, 5]), 7)
+    ahead = s.path.layer_reads(rows, 0)
+    assert (ahead.granule, ahead.reads, ahead.created) == (-1, (), None)
+    assert s.link.granule == 4 * fine and s.agent.released_dlists == [] and s.agent.created == []
+    assert s.path.quarantine == [stuck] and s.agent.released == []
+    stuck.state = "DONE"
+    _read(s, [3, 6], [2, 5], 7, rows=rows, layers=(0, 1), prepared=ahead)
+    _landed(s, [3, 6], [2, 5], 7, layers=(0, 1))
+    assert s.link.granule == fine and s.agent.released == [stuck.handle]
+    assert s.path.prepared_reads == 0 and len(s.agent.released_dlists) == 2
+    s.path.close()
+    assert s.agent.unreleased() == []
+
+
+def test_reads_made_ahead_on_the_prepared_granule_beside_a_running_read() -> None:
+    """With the rows on the prepared granule, READs made ahead need no new lists: they are made
+    while an older READ still runs (the read of the layer waits for it before posting them)."""
+    s = _path()
+    stuck = Xfer(_Handle(None, [], None, [], "p0"), "p0", 64)
+    s.path.quarantine.append(stuck)
+    rows = s.path.stream_rows(np.array([3, 6]), np.array([2, 5]), 8)
+    ahead = s.path.layer_reads(rows, 1)
+    assert ahead.granule == s.link.granule and len(ahead.created) == 1
+    stuck.state = "ERR"
+    _read(s, [3, 6], [2, 5], 8, rows=rows, layers=(1, 2), prepared=ahead)
+    _landed(s, [3, 6], [2, 5], 8, layers=(1, 2))
+    assert s.path.prepared_reads == 1 and s.agent.posted == s.agent.created
 
 
 def test_an_ended_read_is_released_when_the_next_chunk_starts() -> None:

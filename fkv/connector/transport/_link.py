@@ -238,15 +238,19 @@ class Link:
         self.staging_base = ls.num_regions * self.local_per_region
         self.remote_per_region = remote_per_region
 
-    def ensure_granule(self, rows: np.ndarray) -> None:
-        """Re-prepare with a finer granule if a row does not sit on the current one (rare)."""
+    def fits_granule(self, rows: np.ndarray) -> bool:
+        """Whether every row sits on the current granule (offsets and sizes multiples of it)."""
         g = self.granule
         if not rows.size:
-            return
+            return True
         if g & (g - 1) == 0:  # a power of two: one mask of the offsets' and sizes' low bits
             if not ((rows[:, 2] | rows[:, 4] | rows[:, 5]) & (g - 1)).any():
-                return
-        if np.any(rows[:, 2:6:2] % g) or np.any(rows[:, 5] % g):
+                return True
+        return not (np.any(rows[:, 2:6:2] % g) or np.any(rows[:, 5] % g))
+
+    def ensure_granule(self, rows: np.ndarray) -> None:
+        """Re-prepare with a finer granule if a row does not sit on the current one (rare)."""
+        if not self.fits_granule(rows):
             self._prep(math.gcd(self.granule, *rows[:, 2:6:2].ravel().tolist(),
                                 *rows[:, 5].tolist()))
 

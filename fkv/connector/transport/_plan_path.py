@@ -65,7 +65,8 @@ class LayerReads:
     """The READs of a request's remote ``layers`` (a range; None: every layer), ready to create:
     per prefill rank ``(rank, local descriptor indices, remote descriptor indices, bytes)``, for
     the descriptor ``granule`` they were computed with (0: same-host copies, whose entries hold
-    the local and remote iovec arrays instead of indices); ``rows``: plan rows (descriptors before
+    the local and remote iovec arrays instead of indices; -1: none, computed by the read itself);
+    ``rows``: plan rows (descriptors before
     NIXL merges them). ``created``: NIXL handles of ``reads`` already created, not posted (one
     per read; :meth:`PlanPath.layer_reads`), owned by this value until a read posts them or
     :meth:`PlanPath.discard_unposted` releases them."""
@@ -220,7 +221,9 @@ class PlanPath:
         only: nothing moves and the prefill rank sees nothing until the post.)"""
         if self.copier is not None:  # the copy's vectors: a post is then one system call
             return self._copies(rows, (layer, layer + 1))
-        reads = self._reads(rows, (layer, layer + 1))
+        reads = self._reads(rows, (layer, layer + 1), ahead=True)
+        if reads.granule != self.link.granule:  # the read itself prepares the lists again
+            return reads
         link = self.link
         agent = link.local.agent
         created: list[Any] = []
@@ -284,11 +287,21 @@ class PlanPath:
         finally:
             tally.transfer_seconds += time.perf_counter() - t0
 
-    def _reads(self, rows: np.ndarray, layers: tuple[int, int] | None) -> LayerReads:
+    def _reads(self, rows: np.ndarray, layers: tuple[int, int] | None, ahead: bool = False
+               ) -> LayerReads:
+        """The READs of ``rows`` (of ``layers``) on the link's granule, preparing the descriptor
+        lists again on a finer one when a row needs it. ``ahead`` (:meth:`layer_reads`, no
+        deadline to wait by): while READs of a timed-out read are still running over the lists,
+        none are prepared again; the answer then has granule -1 and no reads, which no read uses
+        (the read drains those READs first, then prepares)."""
         link = self.link
         if layers is not None:
             rows = rows[(rows[:, 1] >= layers[0]) & (rows[:, 1] < layers[1])]
         self._release_ended()  # before the descriptor lists may be prepared again
+        if ahead and self.quarantine and not link.fits_granule(rows):
+            self._release_quarantined()
+            if self.quarantine:
+                return LayerReads(layers, -1, int(rows.shape[0]), ())
         link.ensure_granule(rows)
         reads = []
         ranks = link.plan.remote_ranks
@@ -364,15 +377,19 @@ class PlanPath:
         for x in ended:
             self.link.local.agent.release(x)
 
+    def _release_quarantined(self) -> None:
+        """Release the quarantined READs NIXL has finished."""
+        agent = self.link.local.agent
+        for x in list(self.quarantine):
+            if agent.poll(x) != "PROC":
+                agent.release(x)
+                self.quarantine.remove(x)
+
     def _drain_quarantine(self, deadline: float) -> None:
         """Release quarantined READs NIXL has finished; wait for the others until ``deadline``
         (then TransferFailed: the staging buffer cannot be trusted yet)."""
-        agent = self.link.local.agent
         while self.quarantine:
-            for x in list(self.quarantine):
-                if agent.poll(x) != "PROC":
-                    agent.release(x)
-                    self.quarantine.remove(x)
+            self._release_quarantined()
             if not self.quarantine:
                 return
             if time.monotonic() > deadline:
