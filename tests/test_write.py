@@ -165,16 +165,26 @@ def test_fused_qkv_slices(device: str, layout: str) -> None:
     assert_same_bytes(out, ref)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["kv-fused", "kv-apart"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_transposed_inputs_with_non_unit_dim_stride(device: str, layout: str) -> None:
+def test_transposed_inputs_with_non_unit_dim_stride(device: str, layout: str, fused: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """K and V of different strides on every axis, read right by a program writing both halves
+    (the decode default) and by one program per half (fp8 caches, large T: the half picks its
+    strides in the kernel)."""
+    monkeypatch.setattr(write_mod, "_PREPARED", {})
+    monkeypatch.setattr(write_mod, "_FUSE_KV_TOKENS", 1 << 30 if fused else 0)
     spec = make_spec("triton", layout, dtype="float32")
     g = torch.Generator().manual_seed(12)
     key = torch.randn(24, 3, 9, generator=g).to(device).permute(2, 1, 0)   # [9, 3, 24]
     value = torch.randn(3, 9, 24, generator=g).to(device).transpose(0, 1)  # [9, 3, 24]
     assert key.stride(2) != 1
+    assert all(a != b for a, b in zip(key.stride(), value.stride()))
     slots = padded_slots(spec, 9, 9, device, seed=12)
     out, ref = run_both(spec, device, key, value, slots)
     assert_same_bytes(out, ref)
+    (prep,) = write_mod._PREPARED.values()
+    assert prep.by_class[(16, False)][3] == (1 if fused else 2)  # programs on grid axis 1
 
 
 def test_mla_accepts_2d_latent_and_ignores_value(device: str) -> None:
@@ -188,9 +198,13 @@ def test_mla_accepts_2d_latent_and_ignores_value(device: str) -> None:
 
 
 def test_slot_mapping_shorter_than_key_ignores_extra_rows(device: str) -> None:
+    """Slots past ``slot_mapping``'s length are never read: here the memory after it holds
+    valid, unused slots (the mapping is a prefix of a longer one), which must stay unwritten."""
     spec = make_spec("triton", "HND")
     key, value, _ = inputs(spec, 16, device, seed=4)
-    slots = padded_slots(spec, 10, 10, device, seed=4)
+    longer = padded_slots(spec, 16, 16, device, seed=4)
+    slots = longer[:10]
+    assert int(longer[10]) >= 0 and int(longer[10]) not in slots.tolist()
     out, ref = run_both(spec, device, key, value, slots)
     ref2 = poisoned(spec, device)
     reference.write_kv(key[:10], value[:10], ref2[1], slots, spec)
@@ -384,8 +398,10 @@ def test_fp8_division_is_torch_division_for_every_bf16_and_random_fp32(
     limits = (0, 1 << 30) if device == "cuda" else (0,)
     if device == "cpu":
         # Not the interpreter's: with a zero scale it stores 28 of the 65536 bf16 patterns as NaN
-        # where torch stores -448, with a subnormal one 488 as zero (its own rounding code, not
-        # the GPU's conversion; found by this test, left as is: neither scale quantizes anything).
+        # where torch stores -448, with a subnormal one 488 bytes differ (found by this test, left
+        # as is: neither scale quantizes anything). The cause is Triton's interpreter, not the
+        # kernel's code: its bf16 -> float32 conversion gets subnormal bf16 wrong (0x8001 becomes
+        # -0.0, 0x8003 -2**-127), which only shows when the scale is as tiny or zero.
         scales_tried = [v for v in DIVISION_SCALES if v != 0.0 and abs(v) >= 2.0 ** -126]
     for limit, (k_s, v_s) in itertools.product(limits, zip(scales_tried[0::2],
                                                            scales_tried[1::2])):
@@ -646,6 +662,27 @@ def test_fused_kv_programs_are_bit_exact(device: str, layout: str, dtype: str,
         site, block_t, head_tiles, halves = prep.by_class[(write_mod.token_class(tokens), False)]
         assert halves == (1 if fused else 2)
     assert sorted(f for _, f, *_ in prep.by_tiling) == [False, True]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_heads_split_over_programs_are_bit_exact(device: str, layout: str, dtype: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fewer heads per program than the cache has (grid axis 2 > 1, as for many heads at small
+    T): 5 heads in tiles of 2, the last tile half past the heads; K and V in one program (bf16)
+    and one per half (fp8). Every head lands at its own offset, nothing past the last one."""
+    monkeypatch.setattr(write_mod, "_PREPARED", {})
+    spec = make_spec("triton", layout, dtype=dtype, heads=5, num_layers=1)
+    write_mod._set_tiling_override(write_mod.WriteTiling(2, 2, 32, 1))
+    try:
+        key, value, scales = inputs(spec, 7, device, seed=13)
+        slots = padded_slots(spec, 7, 7, device, seed=13)
+        out, ref = run_both(spec, device, key, value, slots, layer=0, **scales)
+        (prep,) = write_mod._PREPARED.values()
+        assert prep.by_class[(8, False)][2] == 3  # head tiles on grid axis 2
+    finally:
+        write_mod._set_tiling_override(None)
+    assert_same_bytes(out, ref)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
