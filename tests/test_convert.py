@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fkv
 from fkv import FkvError, KVCacheSpec, rearrange_pattern
+from fkv.ops import _move_kernel as MK
 from fkv.ops import reference as R
 from fkv.testing import assert_kv_equal, token_major
 
@@ -500,6 +501,95 @@ def test_validation_default_checks_host_ids_only(device):
            torch.tensor([-1, 4], device=device), **kw)
     RC.move(cache[0], spec, [2], expected[1], spec, [4])
     assert all(_equal(x, y) for x, y in zip(dst, expected))
+
+
+GUARD = 2048  # bytes of random guard around a cache (4 blocks): a write or read past it shows
+
+
+def _guarded(spec: KVCacheSpec, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(raw, view)``: one layer of ``spec`` (per-layer, one layer) inside random guard bytes;
+    the cache's own bytes are random too."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (GUARD + spec.region_bytes + GUARD,), generator=g,
+                        dtype=torch.uint8).to(device)
+    (view,) = fkv.tensors.wrap(raw, spec, byte_offset=GUARD)
+    return raw, view
+
+
+@pytest.mark.parametrize("spec", [KV_SPECS[0], KV_SPECS[10], MLA_SPECS[0]], ids=_name)
+def test_unchecked_ids_past_either_end_touch_nothing_outside_the_cache(device, spec):
+    """validate=False: ids -1 and num_blocks (just past each end) and one far past it move
+    nothing. A gather leaves their staging blocks as they were (nothing read from the guard
+    bytes), a scatter writes only the good blocks' bytes (guard bytes around the cache kept)."""
+    spec = spec.evolve(num_layers=1)
+    nb = spec.num_blocks
+    raw, cache = _guarded(spec, device, seed=40)
+    heads = None if spec.is_mla else (1, 3)
+    ids = torch.tensor([nb, 2, -1, nb + 5], device=device)
+    staging = C.gather(cache, spec, torch.tensor([0, 2, 5, 7], device=device), heads=heads)
+    poison = _bits(staging).clone()
+    C.gather(cache, spec, ids, heads=heads, out=staging, validate=False)
+    want = poison.clone()
+    want[1] = _bits(R.gather(cache, spec, [2], heads=heads))[0]
+    assert torch.equal(_bits(staging), want)  # blocks of bad ids keep what they held
+    _fill([staging], seed=41)
+    expected = raw.clone()
+    (ref,) = fkv.tensors.wrap(expected, spec, byte_offset=GUARD)
+    C.scatter(staging, cache, spec, ids, heads=heads, validate=False)
+    R.scatter(staging[1:2], ref, spec, [2], heads=heads)
+    assert torch.equal(raw, expected)
+    # a move with both id lists: a bad id on either side drops the token, whatever the other
+    dst = _cache(spec, device, seed=44)
+    moved = _clone(dst, spec)
+    kw = {} if spec.is_mla else dict(src_heads=(0, 2), dst_heads=(2, 4))
+    C.move(cache, spec, torch.tensor([nb, 2, -1, 0], device=device), dst[0], spec,
+           torch.tensor([1, 3, 4, nb], device=device), validate=False, **kw)
+    RC.move(cache, spec, [2], moved[0], spec, [3], **kw)
+    assert _equal(dst[0], moved[0])
+    assert torch.equal(raw, expected)  # the source read only
+
+
+@pytest.mark.parametrize(("src_spec", "dst_spec"), [(KV_SPECS[0], KV_SPECS[2]),
+                                                    (MLA_SPECS[0], MLA_SPECS[0])],
+                         ids=["triton-NHD->triton-HND", "mla->mla"])
+def test_convert_with_a_partial_last_tile_writes_only_the_cache(device, src_spec, dst_spec):
+    """A whole-cache convert of 6 blocks x 4 = 24 tokens: fewer than the 32 of one tile, so the
+    tile's tail is masked (no ids: the only mask is the token count's). Guard bytes around the
+    output stay as they were."""
+    a, b = (s.evolve(num_blocks=6, num_layers=1) for s in (src_spec, dst_spec))
+    assert MK.tile_config(24, a.num_kv_heads, a.head_size, a.itemsize)[0] == 32
+    _, src = _guarded(a, device, seed=42)  # the tile's tail reads (unused) guard bytes
+    raw, out = _guarded(b, device, seed=43)
+    expected = raw.clone()
+    (ref,) = fkv.tensors.wrap(expected, b, byte_offset=GUARD)
+    C.convert([src], a, b, out=[out])
+    R.convert([src], a, b, out=[ref])
+    assert torch.equal(raw, expected)
+
+
+@pytest.mark.parametrize("kind", ["move", "convert"])
+def test_tiles_smaller_than_the_move_split_tokens_and_heads_over_programs(device, kind,
+                                                                           monkeypatch):
+    """32-byte tiles (the sweep's ``MAX_TILE_BYTES`` knob; big heads split like this by default):
+    one token and 2 of the heads per program, so grid axes 0 and 2 have many programs and the
+    last head tile of a 3-head move is half empty. Each program lands at its own offsets: the
+    bytes are the reference's."""
+    monkeypatch.setattr(MK, "MAX_TILE_BYTES", 32)
+    a = KV_SPECS[0].evolve(num_layers=1)                           # triton NHD
+    b = KV_SPECS[10].evolve(num_layers=1, block_size=8, num_blocks=5)  # flash_attn HND
+    src = _cache(a, device, seed=45)[0]
+    if kind == "convert":
+        b = b.evolve(block_size=a.block_size, num_blocks=a.num_blocks)
+        assert MK.tile_config(32, 4, a.head_size, a.itemsize, max_tile_bytes=32) == (1, 2, 8)
+        assert all(_equal(x, y) for x, y in zip(C.convert([src], a, b), R.convert([src], a, b)))
+        return
+    assert MK.tile_config(13, 3, a.head_size, a.itemsize, max_tile_bytes=32) == (1, 2, 8)
+    dst = _cache(b, device, seed=46)
+    expected = _clone(dst, b)
+    kw = dict(src_heads=(1, 4), dst_heads=(0, 3), num_tokens=13)
+    C.move(src, a, torch.tensor([5, 0, 3, 2], device=device), dst[0], b, [4, 1], **kw)
+    RC.move(src, a, [5, 0, 3, 2], expected[0], b, [4, 1], **kw)
+    assert _equal(dst[0], expected[0])
 
 
 def test_repeated_gather_scatter_take_the_fast_path(device):

@@ -190,6 +190,37 @@ def test_a_prepared_move_checks_its_ids_once_and_each_layer_range() -> None:
     assert torch.equal(dst[2].nan_to_num(7.0), before[2].nan_to_num(7.0))
 
 
+def test_launch_move_with_layers_at_a_fixed_stride_on_both_sides(device: str) -> None:
+    """The kernel's stride mode (a packed read's staging side): layer ``l`` of each side at
+    ``ptr + l * stride`` elements, not a table. Every layer lands where the per-layer reference
+    puts it (each layer's own source, the gaps between layers untouched)."""
+    from fkv.ops._move_kernel import launch_move
+
+    a, b = CASES["HND-NHD-rechunk"]
+    one_a, one_b = a.evolve(num_layers=1), b.evolve(num_layers=1)
+    step_a = one_a.region_bytes // one_a.itemsize + 8  # a gap after each layer
+    step_b = one_b.region_bytes // one_b.itemsize + 8
+    g = torch.Generator().manual_seed(6)
+    src_buf = torch.randn(a.num_layers * step_a, generator=g).to(torch.bfloat16)
+    dst_buf = torch.full((a.num_layers * step_b,), float("nan"), dtype=torch.bfloat16)
+    ref_buf = dst_buf.clone()
+
+    def layer(buf: torch.Tensor, spec: fkv.KVCacheSpec, step: int, i: int) -> torch.Tensor:
+        return buf.as_strided(spec.logical_shape, spec.element_strides, i * step)
+
+    src_ids, dst_ids, tokens = [5, 1, 3], [2, 0], 11
+    src_dev, dst_dev = src_buf.to(device), dst_buf.to(device)
+    launch_move(layer(src_dev, one_a, step_a, 0), one_a, torch.tensor(src_ids, device=device), 2,
+                layer(dst_dev, one_b, step_b, 0), one_b, torch.tensor(dst_ids, device=device), 0,
+                2, tokens, layers=(a.num_layers, step_a, step_b))
+    for i in range(a.num_layers):
+        fkv.ops.reference.move(layer(src_buf, one_a, step_a, i), one_a, src_ids,
+                               layer(ref_buf, one_b, step_b, i), one_b, dst_ids,
+                               src_heads=(2, 4), dst_heads=(0, 2), num_tokens=tokens)
+    assert torch.equal(dst_dev.cpu().view(torch.int16), ref_buf.view(torch.int16))
+    assert not ref_buf[:step_b].isnan().all() and ref_buf[-8:].isnan().all()
+
+
 @pytest.mark.gpu
 def test_a_prepared_move_launches_a_repeated_range_directly() -> None:
     """On a GPU the second call of a layer range goes straight to the compiled launcher (the
