@@ -113,7 +113,13 @@ class Connection:
                                                sizing.buffer_bytes if sizing else 0),
                              deadline=deadline)
             self._hello(entries, deadline)
-            self.plan_path = PlanPath(self.link, blocks, self._copier(strategy, deadline))
+            copier = self._copier(strategy, deadline)
+            try:
+                self.plan_path = PlanPath(self.link, blocks, copier)
+            except BaseException:  # the copier is the plan path's to close once it has one
+                if copier is not None:
+                    copier.close()
+                raise
             self._direct_sibling(strategy)
             if sizing is not None:
                 self.packed = PackedPath(self.link, sizing)
