@@ -91,7 +91,22 @@ class FakeLink:
         self.outboxes.clear()
 
 
-class FakeCopier:
+class _FakePart:
+    """A part a connection makes and closes: its ``describe()`` is ``text``, its close logged."""
+
+    tag = text = ""
+    rig: Rig
+
+    def describe(self) -> str:
+        return self.text
+
+    def close(self) -> None:
+        self.rig.log.append((f"{self.tag}.close",))
+
+
+class FakeCopier(_FakePart):
+    tag, text = "copier", COPIED
+
     def __init__(self, rig: Rig, regions: list, staging: Any, peers: dict, engine_id: str,
                  threads: int) -> None:
         if isinstance(rig.copy_fails, BaseException):
@@ -101,15 +116,10 @@ class FakeCopier:
         rig.log.append(("copier", staging, sorted(peers), engine_id, threads))
         self.rig = rig
 
-    def describe(self) -> str:
-        return COPIED
 
-    def close(self) -> None:
-        self.rig.log.append(("copier.close",))
-
-
-class FakePacked:
-    name = "packed"
+class FakePacked(_FakePart):
+    name = tag = "packed"
+    text = "packed: the fake"
 
     def __init__(self, rig: Rig, link: Any, sizing: Any) -> None:
         if rig.packed_fails:
@@ -117,25 +127,15 @@ class FakePacked:
         rig.log.append(("packed", sizing.buffer_bytes))
         self.rig = rig
 
-    def describe(self) -> str:
-        return "packed: the fake"
 
-    def close(self) -> None:
-        self.rig.log.append(("packed.close",))
+class FakeIpc(_FakePart):
+    tag, text = "ipc", "ipc: the fake"
 
-
-class FakeIpc:
     def __init__(self, rig: Rig, local: Local, plan: Any, peers: list, engine_id: str) -> None:
         if rig.ipc_fails:
             raise FkvError(rig.ipc_fails)
         rig.log.append(("ipc", engine_id))
         self.rig = rig
-
-    def describe(self) -> str:
-        return "ipc: the fake"
-
-    def close(self) -> None:
-        self.rig.log.append(("ipc.close",))
 
 
 class FakeOutbox:
