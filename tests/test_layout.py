@@ -466,6 +466,16 @@ def test_cli_show(capsys):
     assert "'layout' must be in ('NHD', 'HND')" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("name", "dtype"), [("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn"),
+                                             ("fp8_e5m2", "float8_e5m2"), ("fp8_inc", "float8_e4m3fn")])
+def test_cli_show_takes_the_engine_dtype_names(capsys, name, dtype):
+    from fkv.cli import main
+
+    assert main(["show", "--dtype", name, "--blocks", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"dtype='{dtype}')" in out and "32,768" in out  # one byte per element: 16 x 8 x 128 x 2
+
+
 def _exhaustive_atoms(sides, full):
     """The planner's search written out: every subset of ``full``'s axes to split, fewest atoms
     first (then fewer axes, then ``itertools.combinations`` order), the first whose atom is

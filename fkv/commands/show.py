@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from fkv.errors import FkvError
-from fkv.layout import BACKENDS, DTYPES, KVCacheSpec, Layout, rearrange_pattern
+from fkv.layout import BACKENDS, DTYPE_ALIASES, DTYPES, KVCacheSpec, Layout, rearrange_pattern
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -19,8 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     p.add_argument("--heads", type=int, default=8, help="KV heads held by this rank (default 8)")
     p.add_argument("--head-size", type=int, default=128, help="(default 128)")
-    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES),
-                   help="(default bfloat16; the engine names fp8, fp8_e4m3, fp8_e5m2 too)")
+    p.add_argument("--dtype", default="bfloat16", choices=(*DTYPES, *DTYPE_ALIASES),
+                   help="(default bfloat16; the engine names fp8, fp8_e4m3, fp8_e5m2, fp8_inc "
+                        "too)")
     p.add_argument("--layers", type=int, default=1, help="num_layers (default 1)")
     p.add_argument("--cross-layer", action="store_true",
                    help="one buffer for all layers (cross_layer=True)")
