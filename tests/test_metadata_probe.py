@@ -560,3 +560,197 @@ def test_ucx_walk_refuses_rkey(raw, mem, why):
 ])
 def test_ucx_walk_accepts_rkey(raw, mem):
     assert M.check_ucx_rkey(raw, mem) is None
+
+
+# -- remote keys and the rest of the parser: holes found by the second mutation pass
+# (2026-12-05: the remote-key mutations, never run before, and the functions around the parse)
+
+_BAD_KEY = _u64(1) + b"\x01\x00\xff\x00"  # a VRAM key, MD 0, no system device, 1 byte too many
+
+
+@pytest.mark.parametrize("sections, what", [
+    (((b"UCX", 1, (_desc(key=_BAD_KEY),)),), "VRAM"),
+    (((b"UCX", 0, (_desc(), _desc(key=_RKEY + b"\x00"))),), "DRAM"),   # the second descriptor
+    (((b"UCX", 4, (_desc(key=_RKEY[:8] + b"\x01\x00\xff\x00"),)),), "FILE"),
+])
+def test_parse_walks_the_remote_key_of_every_ucx_descriptor(sections, what):
+    with pytest.raises(FkvError) as e:
+        M.parse_agent_metadata(_blob(sections=sections))
+    assert str(e.value) == _refused(f"the peer's UCX remote key of a {what} descriptor (12 bytes) "
+                                    f"ends at byte 11 by its own lengths; 1 bytes are left over")
+
+
+def test_remote_keys_of_other_backends_are_not_walked():
+    blob = _blob(backends=((b"UCX", _ADDR), (b"POSIX", b"c")),
+                 sections=((b"POSIX", 1, (_desc(key=_BAD_KEY), _desc(2 << 20, 5, 1, b"\xff"))),))
+    assert M.parse_agent_metadata(blob).sections == (
+        M.Section("POSIX", "VRAM", ((0x1000, 4096, 0), (2 << 20, 5, 1))),)
+
+
+@pytest.mark.parametrize("raw, mem, left", [
+    (_RKEY + b"\x00", "DRAM", 1),                        # bytes after the system device
+    (_u64(0) + b"\x00\xff", "DRAM", 1),                  # no MD: no system device byte at all
+    (_u64(1) + b"\x01\x00\x03\x01ab\xff\x01\x02", "VRAM", 2),  # bytes after the distance list
+])
+def test_ucx_walk_refuses_rkey_left_over_bytes(raw, mem, left):
+    with pytest.raises(FkvError) as e:
+        M.check_ucx_rkey(raw, mem)
+    assert str(e.value) == _refused(
+        f"the peer's UCX remote key of a {mem} descriptor ({len(raw)} bytes) ends at byte "
+        f"{len(raw) - left} by its own lengths; {left} bytes are left over")
+
+
+@pytest.mark.parametrize("raw, mem", [
+    (_u64(0b100001) + b"\x00\x01k\x02kk\xff", "DRAM"),          # MDs 0 and 5: both keys taken
+    (_u64(0b110) + b"\x02\x00\x00\xff", "VRAM"),                 # MDs 1 and 2, empty keys
+    (_u64(1) + b"\x00\x00\xfe\x01ab\x02cd\xff", "DRAM"),         # system device 0xfe: 2 distances
+])
+def test_ucx_walk_accepts_rkey_of_several_mds_and_distances(raw, mem):
+    assert M.check_ucx_rkey(raw, mem) is None
+
+
+@pytest.mark.parametrize("raw, why", [
+    (_u64(0b100001) + b"\x00\x01k\x02k", "ends inside its remote key of MD 5 (byte 12, 2 bytes "
+                                         "needed)"),
+    (_u64(0b110) + b"\x00\x00", "ends inside its key size of MD 2 (byte 10, 1 bytes needed)"),
+    (_u64(1) + b"\x00\x00\xfe\x01ab\x02c", "ends inside its distance (byte 15, 2 bytes needed)"),
+    (_u64(1) + b"\x00\x00\xfe\x01ab", "ends inside its distance list (no 0xff terminator) "
+                                      "(byte 14, 1 bytes needed)"),
+])
+def test_ucx_walk_refuses_rkey_cut_short(raw, why):
+    with pytest.raises(FkvError) as e:
+        M.check_ucx_rkey(raw, "DRAM")
+    assert str(e.value) == _refused(f"the peer's UCX remote key of a DRAM descriptor "
+                                    f"({len(raw)} bytes) {why}")
+
+
+def test_ucx_walk_refuses_address_left_over_bytes():
+    raw = _V1 + b"\xff\x00\x00"
+    with pytest.raises(FkvError) as e:
+        M.check_ucx_address(raw)
+    assert str(e.value) == _refused("the peer's UCX worker address (12 bytes) ends at byte 10 by "
+                                    "its own lengths; 2 bytes are left over")
+
+
+@pytest.mark.parametrize("raw", [
+    _V1 + b"\x00\x9f" + bytes(31) + _v1_iface(),                      # v1: 31-byte device address
+    _V1 + b"\x00\x80" + _v1_iface(iface=0xBF, tail=bytes(63)),        # v1: 63-byte iface address
+    _V1 + b"\x80\x00" + b"\xff\x80",                                    # v1: empty device, MD 127
+])
+def test_ucx_walk_v1_lengths_equal_to_their_mask_are_lengths(raw):
+    """Only address v2 reads a value equal to its mask from the next byte; v1 takes it as is."""
+    assert M.check_ucx_address(raw) is None
+
+
+@pytest.mark.parametrize("value, walked", [
+    ("y", False), ("yes", False), ("on", False), ("1", False), ("true", False), ("TRUE", False),
+    ("n", True), ("0", True), ("off", True), ("", True),
+])
+def test_ucx_unified_mode_switches_the_address_walk_off(monkeypatch, value, walked):
+    monkeypatch.setenv("UCX_UNIFIED_MODE", value)
+    if not walked:
+        assert M.check_ucx_address(bytes([0xFF])) is None
+        return
+    with pytest.raises(FkvError, match=r"worker address \(1 bytes\) has version 15"):
+        M.check_ucx_address(bytes([0xFF]))
+
+
+_TAIL = "the peer sent it; nothing was added"
+_FF64 = bytes([0xFF]) * 64
+
+
+@pytest.mark.parametrize("raw, kw, text", [
+    (b"a" * 1024, {}, "a" * 1024),
+    (bytearray(b"ab"), {}, "ab"),
+    (memoryview(b"ab"), {}, "ab"),
+    ("\u00e9" * 512, {}, "\u00e9" * 512),                 # 1024 UTF-8 bytes
+    (b"abcd", {"max_bytes": 4}, "abcd"),
+    (" ~", {}, " ~"),                                      # 32 and 126: printable
+])
+def test_decode_peer_str_accepts(raw, kw, text):
+    assert M.decode_peer_str("f", raw, **kw) == text
+
+
+@pytest.mark.parametrize("raw, kw, msg", [
+    (b"a" * 1025, {}, f"'f' must be at most 1024 bytes (got 1025): {_TAIL}"),
+    (b"abcde", {"max_bytes": 4}, f"'f' must be at most 4 bytes (got 5): {_TAIL}"),
+    ("\u00e9" * 513, {}, f"'f' must be at most 1024 bytes (got 513 characters): {_TAIL}"),
+    ("abcde", {"max_bytes": 4}, f"'f' must be at most 4 bytes (got 5 characters): {_TAIL}"),
+    (b"\xff" * 100, {}, f"'f' must be UTF-8 text from the peer (got {_FF64!r}): {_TAIL}"),
+    (b"", {}, f"'f' must be non-empty printable text (got ''): {_TAIL}"),
+    ("", {}, f"'f' must be non-empty printable text (got ''): {_TAIL}"),
+    (b"a\x1fb", {}, f"'f' must be non-empty printable text (got 'a\\x1fb'): {_TAIL}"),
+    ("a\x7f", {}, f"'f' must be non-empty printable text (got 'a\\x7f'): {_TAIL}"),
+    ("a\ud800", {}, f"'f' must be non-empty printable text (got 'a\\ud800'): {_TAIL}"),
+    ("x" * 70 + "\n", {}, f"'f' must be non-empty printable text (got {'x' * 64!r}): {_TAIL}"),
+    (5, {}, "'f' must be text from the peer (got int); nothing was added"),
+    (None, {}, "'f' must be text from the peer (got NoneType); nothing was added"),
+])
+def test_decode_peer_str_refuses_exactly(raw, kw, msg):
+    with pytest.raises(FkvError) as e:
+        M.decode_peer_str("f", raw, **kw)
+    assert type(e.value) is FkvError and str(e.value) == msg
+
+
+def test_covers_needs_one_descriptor_of_the_memory_type_holding_the_whole_range():
+    meta = M.AgentMetadata("p", (("UCX", 10),), (
+        M.Section("UCX", "DRAM", ((0x1000, 0x100, 0),)),
+        M.Section("UCX", "VRAM", ((0x5000, 0x100, 0), (0x5100, 0x100, 0)))))
+    assert meta.covers(0x1000, 0x100, "DRAM") and meta.covers(0x10FF, 1, "DRAM")
+    assert not meta.covers(0x1000, 0x101, "DRAM") and not meta.covers(0xFFF, 2, "DRAM")
+    assert not meta.covers(0x5000, 0x10, "DRAM") and not meta.covers(0x1000, 0x10, "VRAM")
+    assert meta.covers(0x5000, 0x100, "VRAM") and meta.covers(0x5100, 0x100, "VRAM")
+    assert not meta.covers(0x50FF, 2, "VRAM")  # across two adjacent descriptors: refused
+
+
+@pytest.mark.parametrize("blob, what", [
+    (_B[:_CONNS], f"the blob ends at byte {_CONNS}, where field 'Conns' was expected"),
+    (_B[:_CONNS + 3], f"the blob ends at byte {_CONNS + 3}, where field 'Conns' was expected"),
+    (_B[:_CONNS] + b"Connx", f"byte {_CONNS} starts b'Connx', expected field 'Conns'"),
+    (_B[:_CONNS + 13], f"field 'Conns' at byte {_CONNS} says 8 bytes but only 0 follow"),
+    (_B + b"x", f"1 unexpected bytes follow the metadata at byte {len(_B)}"),
+    (b"nixlSerDes#" + _B[11:], "it starts b'nixlSerDes#Agent', not b'nixlSerDes|'"),
+])
+def test_structural_refusals_exact_at_the_ends(blob, what):
+    with pytest.raises(FkvError) as e:
+        M.parse_agent_metadata(blob)
+    assert str(e.value) == _refused(what)
+
+
+@pytest.mark.parametrize("blob, kind", [(_B.decode("latin-1"), "str"), (5, "int"),
+                                        (None, "NoneType")])
+def test_parse_refuses_what_is_not_bytes(blob, kind):
+    with pytest.raises(FkvError) as e:
+        M.parse_agent_metadata(blob)
+    assert str(e.value) == ("peer NIXL agent metadata refused (nothing was added): it is a "
+                            f"{kind}, not bytes; this is a bug in the caller")
+
+
+def test_parse_takes_bytearray_and_memoryview():
+    meta = M.parse_agent_metadata(_B)
+    assert M.parse_agent_metadata(bytearray(_B)) == meta == M.parse_agent_metadata(memoryview(_B))
+
+
+def test_probe_sections_encode_dram_and_vram_only_little_endian_cut_at_4096():
+    meta = M.AgentMetadata("p", (("UCX", 10), ("POSIX", 1)), (
+        M.Section("UCX", "DRAM", ((0x1000, 0x100, 2), (1 << 40, 7, 0))),
+        M.Section("POSIX", "FILE", ((0, 8, 0),)),
+        M.Section("UCX", "VRAM", tuple((k, 1, 3) for k in range(4097)))))
+    out = M._encode_sections(meta)
+    assert out[:53] == (b"\x00" + (2).to_bytes(4, "little") + _u64(0x1000) + _u64(0x100) + _u64(2)
+                        + _u64(1 << 40) + _u64(7) + _u64(0))
+    assert out[53:58] == b"\x01" + (4096).to_bytes(4, "little")
+    assert out[58:] == b"".join(_u64(k) + _u64(1) + _u64(3) for k in range(4096))
+
+
+def test_probe_prep_encodes_one_section_in_the_same_format():
+    import numpy as np
+
+    rows = np.array([[0x1000, 0x100, 2], [1 << 40, 7, 0]], dtype=np.uint64)
+    assert M._encode_prep("DRAM", rows) == (b"\x00" + (2).to_bytes(4, "little") + _u64(0x1000)
+                                            + _u64(0x100) + _u64(2) + _u64(1 << 40) + _u64(7)
+                                            + _u64(0))
+    assert M._encode_prep("VRAM", np.arange(3 * 5000).reshape(-1, 3))[:5] == (
+        b"\x01" + (4096).to_bytes(4, "little"))
+    assert len(M._encode_prep("VRAM", np.arange(3 * 5000).reshape(-1, 3))) == 5 + 4096 * 24
+    assert M._encode_prep("FILE", rows) == b"" and M._encode_prep("BLK", rows) == b""
