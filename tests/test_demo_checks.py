@@ -420,3 +420,13 @@ def test_plain_blocks_are_free_blocks_enough_for_the_prompt(cfg):
     assert len(plain) == cfg.decode_prompt_blocks() == len(set(plain))
     assert not set(plain) & set(request)
     assert max(plain) < cfg.spec("decode").num_blocks
+
+
+# -- bugs the audit found ---------------------------------------------------------------------------
+
+def test_compare_run_names_a_step_the_reference_has_no_token_for():
+    # Logits for every step, one reference token short: a divergence, not an IndexError.
+    v = compare_run([1, 0], _LOGITS, [1, 0, 2], _LOGITS, _KV_OK, "float32", 8)
+    assert (v["ok"], v["tokens_identical"]) == (False, False)
+    assert v["first_divergence"] == "step 2 (position 9, decode): generated token 2, reference None"
+

@@ -61,7 +61,8 @@ def compare_run(ref_tokens: list[int], ref_logits: list[np.ndarray], tokens: lis
         if first is None and (step >= len(tokens) or step >= len(ref_tokens)
                               or tokens[step] != ref_tokens[step]):
             got = tokens[step] if step < len(tokens) else None
-            first = f"{where}: generated token {got}, reference {ref_tokens[step]}"
+            want = ref_tokens[step] if step < len(ref_tokens) else None
+            first = f"{where}: generated token {got}, reference {want}"
         if first is None and not close:
             i = int(np.argmax(np.abs(a.astype(np.float64) - b)))
             first = (f"{where}: logits differ by up to {d:.3g} (token {i}: {a[i]:.6g} vs "
