@@ -430,3 +430,18 @@ def test_compare_run_names_a_step_the_reference_has_no_token_for():
     assert (v["ok"], v["tokens_identical"]) == (False, False)
     assert v["first_divergence"] == "step 2 (position 9, decode): generated token 2, reference None"
 
+
+def test_stream_run_fails_when_the_non_streamed_read_differs_from_the_streamed_one(monkeypatch):
+    # The streamed KV matches the reference, but the same KV read again non-streamed came back
+    # different: one of the two reads delivered wrong bytes, so the run does not pass.
+    cfg = DemoConfig(tokens=3, new_tokens=3, stream=True)
+    state = _state(cfg)
+    state["transfers"] = {r: {"ok": True, "plain": {"ok": True}, "plain_equal": r != 1}
+                          for r in range(2)}
+    v = _verdict(cfg, state)
+    assert (v["ok"], v["kv_ok"], v["tokens_identical"], v["logits_ok"]) == (False, False, True, True)
+    assert v["first_divergence"] == ("decode rank 1: the non-streamed read of the same KV differs "
+                                     "from the streamed read")
+    assert v["kv_max_abs_diff"] == 0.0  # the figure stays the streamed KV against the reference
+    state["transfers"][1]["plain_equal"] = True
+    assert _verdict(cfg, state)["ok"] is True

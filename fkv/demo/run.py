@@ -295,5 +295,10 @@ def _verdict(cfg: DemoConfig, state: dict[str, Any]) -> dict[str, Any]:
     if len(kv_checks) != cfg.decode_tp:
         kv_checks.append((float("inf"), f"received KV from {len(state['kv'])} of {cfg.decode_tp} "
                                         "decode ranks"))
+    if cfg.stream:  # the same KV read twice: when the reads disagree, one delivered wrong bytes
+        kv_checks += [(0.0, f"decode rank {rank}: the non-streamed read of the same KV differs "
+                            "from the streamed read")
+                      for rank in sorted(state["transfers"])
+                      if state["transfers"][rank].get("plain_equal") is False]
     state["tokens"], state["ref_tokens"] = tokens, ref_tokens
     return compare_run(ref_tokens, ref_logits, tokens, logits, kv_checks, cfg.dtype, cfg.tokens)
