@@ -111,6 +111,26 @@ def test_report_refuses_missing_documents_and_nothing_to_do(
         f"fkv bench report: error: argument --plots: must be a folder (got '{doc}': a file)")
 
 
+def test_report_refuses_missing_default_results_and_documents(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Without --results / --docs the checkout's bench/results, README.md and bench/NOTES.md
+    are used: when they are not there, a usage error names them (nothing is written)."""
+    from fkv.bench import report
+
+    monkeypatch.setattr(report.results, "_repo_root", lambda: tmp_path)
+    folder = tmp_path / "bench" / "results"
+    assert _error(capsys, ["bench", "report", "--check"]) == (
+        f"fkv bench report: error: --results: the default folder '{folder}' does not exist; "
+        f"name the folder of result files with --results DIR")
+    folder.mkdir(parents=True)
+    for p in SAMPLES:
+        shutil.copy(p, folder / p.name)
+    assert _error(capsys, ["bench", "report"]) == (
+        f"fkv bench report: error: --docs: '{tmp_path}/README.md', '{tmp_path}/bench/NOTES.md' "
+        f"not found; name the documents with --docs PATH ...")
+    assert sorted(p.name for p in tmp_path.rglob("*.md")) == []
+
+
 def test_report_still_renders_a_good_folder(sample_dir: Path, doc: Path,
                                             capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "report", "--results", str(sample_dir), "--docs", str(doc)]) == 0

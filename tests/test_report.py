@@ -225,3 +225,179 @@ def test_cpu_smoke_sets_the_interpreter_before_triton_is_imported(
     assert "TRITON_INTERPRET" not in os.environ
     assert _common.parse_args(parser, ["--cpu-smoke"]).cpu_smoke is True
     assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+# -- audited by mutation: each test below failed under a mutation of fkv/bench/report.py -----------
+
+def _file(bench: str, created: str, cases: dict[str, dict], env: dict | None = None,
+          ceilings: dict[str, float] | None = None, mode: str = "cuda") -> results.ResultFile:
+    run = results.Run(bench, env={"gpu": "G"} if env is None else env, config={"mode": mode})
+    run.created = created
+    for name, value in (ceilings or {}).items():
+        run.ceiling(name, value)
+    for case, metrics in cases.items():
+        error = metrics.pop("error", "")
+        run.add(case, metrics=metrics, error=error)
+    return run.to_file()
+
+
+def test_targets_met_exactly_at_their_bound_and_missing_figures_shown_as_dashes() -> None:
+    """Every target is inclusive (a figure equal to it meets it); a missing figure shows as
+    ``-`` and leaves the target unjudged; equal figures after rounding show once."""
+    t = "2026-02-01T00:00:00Z"
+    write = _file("write", t, {
+        **{f"prefill 65536 {lay} bfloat16": {"gbps": 3600.0, "baseline_gbps": 600.0,
+                                             "speedup_x": 6.0, "pct_of_copy": 90.0}
+           for lay in ("NHD", "HND")},
+        "decode 256 NHD bfloat16": {"graph_per_call_us": 2.2, "baseline_graph_per_call_us": None,
+                                    "graph_per_call_pdl_us": 2.0},
+        "decode 256 HND bfloat16": {"graph_per_call_us": 2.2, "baseline_graph_per_call_us": 10.0,
+                                    "graph_per_call_pdl_us": None}}, ceilings={"copy_gbps": 4000})
+    convert = _file("convert", t, {
+        "convert triton NHD -> triton HND": {"gbps": 3400.0, "baseline_gbps": 1500.0,
+                                             "pct_of_copy": 85.0},
+        "convert triton HND -> triton NHD": {"gbps": 3400.4, "baseline_gbps": 1500.0,
+                                             "pct_of_copy": 85.0}}, ceilings={"copy_gbps": 4000})
+    attention = _file("attention", t, {
+        **{f"decode B=64 x 8192 {lay}": {"gbps": 4000.0, "sdpa_gbps": 4350.0,
+                                         "gbps_vs_sdpa_x": 0.92, "pct_of_read_ceiling": 93.0}
+           for lay in ("NHD", "HND")},
+        **{f"prefill B=4 x 4096 {lay}": {"ms": 1.2, "sdpa_ms": 1.0, "time_vs_sdpa_x": 1.2}
+           for lay in ("NHD", "HND")}}, ceilings={"read_gbps": 4300})
+    plan = _file("plan", t, {
+        "handshake A: P1->D2 HND": {"warm_us": 50.0, "cold_us": 50.0},
+        "handshake B: P4->D2 HND": {"warm_us": 20.0, "cold_us": 30.0},
+        "segments A: P1->D2 HND, random ids, 100000 blocks": {"ms": 20.0, "speedup_x": 100.0}},
+        env={"cpu_count": 2})
+    out = report.sections([write, convert, attention, plan], plots=None)
+    link = "[G, 2026-02-01](bench/results/{}-20260201T000000Z.json)"
+    w = out["write"].splitlines()
+    assert w[2] == ("| write_kv | prefill 65536 tokens, NHD / HND | 3600 / 3600 GB/s | torch "
+                    "index_put_ 600 / 600 GB/s (6.0 / 6.0x) | 90 / 90% of copy (4000 GB/s) | "
+                    f">= 3600 GB/s, met | {link.format('write')} |")
+    assert w[3] == ("| write_kv | prefill 8192 tokens, NHD / HND | no committed result yet | | | "
+                    ">= 2500 GB/s | |")
+    assert w[4] == ("| write_kv | decode 256 tokens, per call in a CUDA graph, NHD / HND | 2.2 / "
+                    "2.2 us per call | torch - / 10.0 us |  | <= 2.2 us, met | "
+                    f"{link.format('write')} |")
+    assert w[5] == ("| write_kv | decode 256 tokens, per call in a CUDA graph, `pdl=True`, NHD / "
+                    "HND | 2.00 / - us per call | torch - / 10.0 us |  | <= 2.2 us | "
+                    f"{link.format('write')} |")
+    assert out["convert"].splitlines()[2] == (
+        f"| convert | whole cache (16384 blocks), {len(report._PAIRS)} layout pairs (NHD/HND x "
+        f"per-layer/cross-layer, flash_attn <-> triton) (2 of {len(report._PAIRS)} cases "
+        "measured) | 3400 GB/s | torch permute+copy 1500 GB/s | 85% of copy (4000 GB/s) | "
+        f">= 3400 GB/s, met | {link.format('convert')} |")
+    a = out["attention"].splitlines()
+    assert a[2] == ("| paged_attention | decode B=64 ctx 8192, NHD / HND | 4000 / 4000 GB/s | "
+                    "dense SDPA 4350 / 4350 GB/s (0.920 / 0.920x) | 93 / 93% of read (4300 GB/s) "
+                    f"| >= 0.92x dense SDPA, met | {link.format('attention')} |")
+    assert a[6] == ("| paged_attention | prefill B=4 x 4096 causal, NHD / HND | 1.200 / 1.200 ms "
+                    "| dense causal SDPA 1.000 / 1.000 ms | 1.20 / 1.20x SDPA's time | <= 1.2x "
+                    f"SDPA's time, met | {link.format('attention')} |")
+    plan_link = "[CPU (2 cores), 2026-02-01](bench/results/plan-20260201T000000Z.json)"
+    assert out["plan"].splitlines()[2:] == [
+        "| handshake | one call (CPU): warm (spec pair seen before) / cold (first contact), 7 "
+        "configurations (2 of 7 cases measured) | 20 - 50 us / 30 - 50 us |  |  | <= 50 us: "
+        f"warm met, first contact met | {plan_link} |",
+        "| plan.segments | 100k blocks (CPU, numpy), random and contiguous ids (1 of 14 cases "
+        "measured) | 20.0 ms | per-row Python loop 100x slower |  | <= 20 ms, met | "
+        f"{plan_link} |"]
+
+
+def test_a_row_from_two_runs_links_both_and_takes_the_ceiling_of_the_newest() -> None:
+    case = {"gbps": 3700.0, "baseline_gbps": 700.0, "speedup_x": 5.0, "pct_of_copy": 90.0}
+    old = _file("write", "2026-01-01T00:00:00Z", {"prefill 65536 NHD bfloat16": dict(case),
+                                                  "prefill 65536 HND bfloat16": dict(case)},
+                ceilings={"copy_gbps": 4000})
+    new = _file("write", "2026-02-01T00:00:00Z", {"prefill 65536 HND bfloat16": dict(case)},
+                ceilings={"copy_gbps": 4200})
+    row = report.sections([new, old], names={id(new): "write-20260201T000000Z-2.json"}
+                          )["write"].splitlines()[2]
+    assert row.endswith("| 90 / 90% of copy (4200 GB/s) | >= 3600 GB/s, met | "
+                        "[G, 2026-01-01](bench/results/write-20260101T000000Z.json) "
+                        "[G, 2026-02-01](bench/results/write-20260201T000000Z-2.json) |"), row
+
+
+def test_tests_table_takes_each_runs_newest_file_whatever_the_order_given() -> None:
+    old = _file("tests", "2026-01-01T00:00:00Z", {
+        "pytest -m gpu": {"passed_count": 10, "duration_s": 5.0},
+        "pytest -m cpu": {"passed_count": 5, "duration_s": 9.6}},
+        env={"gpu": "G", "git_commit": "abcdef0123456789"})
+    new = _file("tests", "2026-02-01T00:00:00Z", {"pytest -m gpu": {
+        "passed_count": 12, "failed_count": 1, "errors_count": 2, "skipped_count": 3,
+        "deselected_count": 4, "duration_s": 61.4}})
+    assert report.sections([new, old])["tests"].splitlines()[2:] == [
+        "| pytest -m cpu | G | 5 | 0 | 0 | 0 | 10 s | `abcdef012` | "
+        "[G, 2026-01-01](bench/results/tests-20260101T000000Z.json) |",
+        "| pytest -m gpu | G | 12 | 3 | 3 | 4 | 61 s | `?` | "
+        "[G, 2026-02-01](bench/results/tests-20260201T000000Z.json) |"]
+
+
+def test_a_transfer_case_with_an_error_shows_the_error_not_its_figure() -> None:
+    run = _file("transfer", "2026-01-01T00:00:00Z",
+                {"direct 16 blocks": {"gbps": 3.0, "error": "TimeoutError: half landed"}})
+    assert report.sections([run])["transfer"].splitlines()[2] == (
+        "| direct 16 blocks |  |  | error: TimeoutError: half landed |  | "
+        "[G, 2026-01-01](bench/results/transfer-20260101T000000Z.json) |")
+
+
+def test_a_convert_correctness_run_is_not_a_measurement() -> None:
+    """``fkv bench convert --cpu-smoke`` writes mode "cpu-smoke (correctness only)": no row."""
+    smoke = _file("convert", "2026-01-01T00:00:00Z", {"convert triton NHD -> triton HND": {}},
+                  mode="cpu-smoke (correctness only)")
+    rows = report.sections([smoke])["convert"].splitlines()[2:]
+    assert rows and all(report.NO_RESULT in r for r in rows) and "![" not in "\n".join(rows)
+
+
+def _stale_docs(sample_dir: Path) -> list[Path]:
+    docs = [sample_dir.parents[1] / "README.md", sample_dir.parents[1] / "NOTES.md"]
+    for d in docs:
+        d.write_text(DOC)
+    return docs
+
+
+def test_check_names_every_stale_document_and_writing_rewrites_them_all(
+        sample_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    a, b = _stale_docs(sample_dir)
+    args = ["bench", "report", "--results", str(sample_dir), "--docs", str(a), str(b)]
+    assert cli([*args, "--check"]) == 1
+    out = capsys.readouterr()
+    assert (out.out, out.err) == ("", f"out of date with {sample_dir}: {a}, {b}; run: fkv bench "
+                                      "report\n")
+    assert cli(args) == 0
+    assert capsys.readouterr().out == f"rewrote {a}, {b}\n"
+    assert a.read_text() == b.read_text() != DOC
+    assert cli([*args, "--check"]) == 0
+    assert capsys.readouterr().out == "up to date\n"
+
+
+def test_links_name_the_file_on_disk(sample_dir: Path) -> None:
+    """A result file written with ``--json`` under a name of its own: its link says that name."""
+    f = results.load(sample_dir / "tests-20260101T000000Z.json")
+    newer = results.ResultFile(**{**results.msgspec.structs.asdict(f),
+                                  "created": "2026-02-01T00:00:00Z"})
+    results.write(newer, json_path=sample_dir / "gpu-rerun.json")
+    doc = sample_dir.parents[1] / "README.md"
+    doc.write_text(DOC)
+    assert cli(["bench", "report", "--results", str(sample_dir), "--docs", str(doc)]) == 0
+    assert ("| pytest -m gpu | SAMPLE GPU (synthetic numbers, not a measurement) | 380 | 0 | 2 | "
+            "410 | 312 s | `000000000` | [SAMPLE GPU (synthetic numbers, not a measurement), "
+            "2026-02-01](bench/results/gpu-rerun.json) |") in doc.read_text()
+
+
+def test_plots_draw_the_newest_run_of_each_bench(sample_dir: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    f = results.load(sample_dir / "write-20260101T000000Z.json")
+    newer = results.ResultFile(**{**results.msgspec.structs.asdict(f),
+                                  "created": "2026-02-01T00:00:00Z"})
+    results.write(newer, results_dir=sample_dir)
+    drawn = {}
+    monkeypatch.setattr(plots, "plot_file", lambda run, path: drawn.setdefault(
+        run.bench, (run.created, path.name)) and path)
+    doc = tmp_path / "README.md"
+    doc.write_text("no sections\n")
+    assert cli(["bench", "report", "--results", str(sample_dir), "--docs", str(doc),
+                "--plots", str(tmp_path / "plots")]) == 0
+    assert drawn["write"] == ("2026-02-01T00:00:00Z", "write.png")
+    assert sorted(drawn) == ["attention", "convert", "plan", "transfer", "write"]

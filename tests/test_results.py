@@ -255,3 +255,206 @@ def test_a_copy_of_a_tree_names_its_commit_through_the_environment(
         results.environment("cpu")
     assert str(e.value) == ("'FKV_GIT_COMMIT' must be a commit id of 40 lowercase hex digits "
                             "(got '8e4c2b1')")
+
+
+# -- audited by mutation: each test below failed under a mutation of fkv/bench/results.py ----------
+
+def test_every_unit_suffix_is_read() -> None:
+    assert [results.unit_of(m) for m in ("loss_pct", "max_err", "blocks_count", "tflops",
+                                         "copy_bytes", "x")] == ["%", "1", "1", "TFLOP/s", "B", "x"]
+
+
+def test_a_ceiling_needs_a_unit_suffix() -> None:
+    run = _run()
+    with pytest.raises(FkvError) as e:
+        run.ceiling("copy", 4000)
+    assert str(e.value).startswith("'metric' must be a name ending in a unit suffix (_tflops, "
+                                   "_gbps, _bytes, _count, _ms, _us, _s, _x, _pct, _err) or "
+                                   "starting with 'pct_' (got 'copy')")
+    assert run.ceilings == {}
+
+
+def test_write_refuses_an_invalid_run_and_writes_nothing(tmp_path: Path) -> None:
+    run = _run()
+    run.created = "yesterday"
+    with pytest.raises(FkvError) as e:
+        results.write(run, results_dir=tmp_path)
+    assert str(e.value) == ("the 'write' run being written: 'created' must be UTC "
+                            "'YYYY-MM-DDTHH:MM:SSZ' (got 'yesterday')")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_never_overwrites_a_result_file(tmp_path: Path) -> None:
+    names = [results.write(_run(), results_dir=tmp_path).name for _ in range(3)]
+    assert names == ["write-20261201T102030Z.json", "write-20261201T102030Z-2.json",
+                     "write-20261201T102030Z-3.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+
+
+def _doc(run: results.Run) -> dict:
+    return json.loads(json.dumps(results.msgspec.to_builtins(run.to_file())))
+
+
+def test_check_reports_every_problem_at_once_with_its_index() -> None:
+    run = _run()
+    run.add("a", metrics={"gbps": 1.0})
+    doc = _doc(run)
+    doc["created"] = "2026-12-01T10:20:30"
+    doc["cases"].append({"case": "a", "metrics": {"gbps": 2.0}})
+    with pytest.raises(FkvError) as e:
+        results.check(doc, source="f.json")
+    assert str(e.value) == (
+        "f.json: 'created' must be UTC 'YYYY-MM-DDTHH:MM:SSZ' (got '2026-12-01T10:20:30'); "
+        "'cases[1].case' must be unique (got 'a' twice); 'cases[1].units' must name a unit for "
+        "every metric (missing ['gbps'] in case 'a')")
+
+
+@pytest.mark.parametrize(("doc", "got"), [([], "'list'"), ("x", "'str'"), ({"bench": "w"}, "None")])
+def test_check_refuses_what_is_not_a_result_file(doc, got) -> None:
+    with pytest.raises(FkvError) as e:
+        results.check(doc, source="f.json")
+    assert str(e.value) == (f"f.json: 'schema' must be 'fkv.bench/1' (got {got}); fkv reads "
+                            "only its own result files, version 1")
+
+
+@pytest.mark.parametrize("created", ["2026-12-01T10:20:30+0100", "2026-12-01T10:20:30+00:00",
+                                     "2026-12-01T10:20Z", "2026-12-01"])
+def test_check_refuses_a_created_time_that_is_not_utc_z(created: str) -> None:
+    run = _run()
+    doc = _doc(run)
+    doc["created"] = created
+    with pytest.raises(FkvError) as e:
+        results.check(doc, source="f.json")
+    assert str(e.value) == f"f.json: 'created' must be UTC 'YYYY-MM-DDTHH:MM:SSZ' (got {created!r})"
+
+
+def test_load_paths_sorts_by_creation_time_then_name_and_filters_by_bench(tmp_path: Path) -> None:
+    """Oldest first by ``created`` whatever the file names say (``fkv bench report --plots``
+    draws the last of each bench)."""
+    for name, bench, created in (("a.json", "write", "2026-12-03T00:00:00Z"),
+                                 ("z.json", "write", "2026-12-01T00:00:00Z"),
+                                 ("c.json", "plan", "2026-12-02T00:00:00Z"),
+                                 ("b.json", "write", "2026-12-02T00:00:00Z")):
+        run = results.Run(bench, env={})
+        run.created = created
+        results.write(run, json_path=tmp_path / name)
+    (tmp_path / "notes.txt").write_text("not a result")
+    assert [p.name for p, _ in results.load_paths(tmp_path)] == ["z.json", "b.json", "c.json",
+                                                                 "a.json"]
+    assert [(p.name, f.created) for p, f in results.load_paths(tmp_path, bench="write")] == [
+        ("z.json", "2026-12-01T00:00:00Z"), ("b.json", "2026-12-02T00:00:00Z"),
+        ("a.json", "2026-12-03T00:00:00Z")]
+    assert [f.bench for f in results.load_all(tmp_path, bench="plan")] == ["plan"]
+    assert results.load_all(tmp_path, bench="convert") == []
+
+
+def test_latest_cases_keeps_a_case_measured_only_with_an_error() -> None:
+    old, new = _run(), _run()
+    new.created = "2026-12-02T00:00:00Z"
+    old.add("a", metrics={"gbps": 1})
+    new.add("c", error="RuntimeError: boom")
+    latest = results.latest_cases([new.to_file(), old.to_file()])
+    assert {k: (c.error, f.created) for k, (c, f) in latest.items()} == {
+        ("write", "a"): ("", "2026-12-01T10:20:30Z"),
+        ("write", "c"): ("RuntimeError: boom", "2026-12-02T00:00:00Z")}
+
+
+def test_iter_metrics_yields_bench_case_metric_value() -> None:
+    run = _run()
+    run.add("a", metrics={"gbps": 1, "ms": None})
+    run.add("b", metrics={"speedup_x": 2})
+    assert list(results.iter_metrics([run.to_file()])) == [
+        ("write", "a", "gbps", 1.0), ("write", "a", "ms", None), ("write", "b", "speedup_x", 2.0)]
+
+
+def test_the_environment_records_nixl_variables_and_refuses_an_uppercase_commit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "INFO")
+    monkeypatch.setenv("FKV_AUDIT_FLAG", "1")
+    monkeypatch.setenv("FKVX_NOT_OURS", "1")
+    env_vars = results.environment("cpu")["env_vars"]
+    assert (env_vars["NIXL_LOG_LEVEL"], env_vars["FKV_AUDIT_FLAG"]) == ("INFO", "1")
+    assert "FKVX_NOT_OURS" not in env_vars
+    monkeypatch.setenv("FKV_GIT_COMMIT", "0123456789ABCDEF0123456789abcdef01234567")
+    with pytest.raises(FkvError) as e:
+        results.environment("cpu")
+    assert str(e.value) == ("'FKV_GIT_COMMIT' must be a commit id of 40 lowercase hex digits "
+                            "(got '0123456789ABCDEF0123456789abcdef01234567')")
+
+
+def test_git_stamp_is_the_checkouts_head_and_dirty_only_for_tracked_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c",
+                               "user.email=t@t", *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("1")
+    git("add", "a.txt")
+    git("commit", "-q", "-m", "one")
+    (tmp_path / "a.txt").write_text("2")
+    git("commit", "-q", "-am", "two")
+    head = git("rev-parse", "HEAD")
+    monkeypatch.delenv("FKV_GIT_COMMIT", raising=False)
+    monkeypatch.setattr(results, "_repo_root", lambda: tmp_path)
+    assert results._git() == {"git_commit": head, "git_dirty": False}
+    (tmp_path / "untracked.txt").write_text("x")
+    assert results._git() == {"git_commit": head, "git_dirty": False}
+    (tmp_path / "a.txt").write_text("3")
+    assert results._git() == {"git_commit": head, "git_dirty": True}
+    monkeypatch.setattr(results, "_repo_root", lambda: None)  # an installed wheel
+    assert results._git() == {"git_commit": None, "git_dirty": None}
+
+
+def test_a_cuda_device_by_index_records_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(results, "_nvidia_smi", lambda field: f"smi {field}")
+    env = results.environment("cuda:1")
+    assert {k: env[k] for k in ("device", "gpu", "gpu_count", "driver")} == {
+        "device": "cuda:1", "gpu": "NVIDIA H200", "gpu_count": 2, "driver": "smi driver_version"}
+    assert isinstance(env["mps"], bool)
+
+
+def test_versions_name_the_first_distribution_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    installed = {"nixl": "0.9.0", "nixl-cu12": "1.0.0", "msgspec": "0.19"}
+
+    def version(dist: str) -> str:
+        if dist not in installed:
+            raise metadata.PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert results._versions() == {"fkv": None, "torch": None, "triton": None, "nixl": "0.9.0",
+                                   "numpy": None, "pyzmq": None, "msgspec": "0.19"}
+
+
+def test_nvidia_smi_gives_the_first_gpus_answer_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    calls = []
+
+    def run(argv, **kw):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout=" 580.65 \n 570.10\n", stderr="")
+
+    monkeypatch.setattr(results.subprocess, "run", run)
+    assert results._nvidia_smi("driver_version") == "580.65"
+    assert calls == [["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]]
+    monkeypatch.setattr(results.subprocess, "run", lambda argv, **kw: subprocess.CompletedProcess(
+        argv, 0, stdout="\n", stderr=""))
+    assert results._nvidia_smi("driver_version") is None
+
+    def missing(argv, **kw):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(results.subprocess, "run", missing)
+    assert results._nvidia_smi("driver_version") is None
