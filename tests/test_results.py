@@ -458,3 +458,15 @@ def test_nvidia_smi_gives_the_first_gpus_answer_or_none(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(results.subprocess, "run", missing)
     assert results._nvidia_smi("driver_version") is None
+
+
+@pytest.mark.parametrize("created", ["2026-9-01T10:20:30Z", "2026-12-1T10:20:30Z",
+                                     "2026-12-01T9:20:30Z", "2026-12-01T10:2:3Z"])
+def test_check_refuses_a_created_time_that_is_not_zero_padded(created: str) -> None:
+    """The newest run is found by comparing ``created`` strings: "2026-9-01..." would sort after
+    "2026-10-01..." (strptime alone accepts single digits)."""
+    doc = _doc(_run())
+    doc["created"] = created
+    with pytest.raises(FkvError) as e:
+        results.check(doc, source="f.json")
+    assert str(e.value) == f"f.json: 'created' must be UTC 'YYYY-MM-DDTHH:MM:SSZ' (got {created!r})"

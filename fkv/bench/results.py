@@ -47,6 +47,7 @@ __all__ = ["SCHEMA", "Case", "ResultFile", "Run", "add_output_arguments", "check
            "load_all", "load_paths", "save", "unit_of", "write"]
 
 SCHEMA = "fkv.bench/1"
+_CREATED = "%Y-%m-%dT%H:%M:%SZ"  # ResultFile.created, UTC
 
 Scalar = str | int | float | bool | None
 Param = Scalar | list[Scalar] | dict[str, Scalar]
@@ -205,9 +206,11 @@ def check(doc: Any, source: str = "result") -> ResultFile:
     except msgspec.ValidationError as e:
         raise FkvError(f"{source}: {e} (schema {SCHEMA}, see docs/benchmarks.md)") from None
     problems = []
-    try:
-        _dt.datetime.strptime(res.created, "%Y-%m-%dT%H:%M:%SZ")
+    try:  # zero-padded as written: files are ordered by comparing these strings
+        padded = _dt.datetime.strptime(res.created, _CREATED).strftime(_CREATED) == res.created
     except ValueError:
+        padded = False
+    if not padded:
         problems.append(f"'created' must be UTC 'YYYY-MM-DDTHH:MM:SSZ' (got {res.created!r})")
     seen: set[str] = set()
     for i, c in enumerate(res.cases):
@@ -384,7 +387,7 @@ def _git() -> dict[str, Param]:
 
 
 def _utc_now() -> str:
-    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return _dt.datetime.now(_dt.UTC).strftime(_CREATED)
 
 
 def iter_metrics(files: Iterable[ResultFile]) -> Iterator[tuple[str, str, str, float | None]]:
