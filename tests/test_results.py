@@ -470,3 +470,17 @@ def test_check_refuses_a_created_time_that_is_not_zero_padded(created: str) -> N
     with pytest.raises(FkvError) as e:
         results.check(doc, source="f.json")
     assert str(e.value) == f"f.json: 'created' must be UTC 'YYYY-MM-DDTHH:MM:SSZ' (got {created!r})"
+
+
+def test_runs_written_in_the_same_second_load_in_the_order_written(tmp_path: Path) -> None:
+    """write() names them X.json, X-2.json ... X-10.json: the last written is the newest (the one
+    the report shows and plots), not whichever name sorts last."""
+    paths = []
+    for n in range(10):
+        run = _run()
+        run.add("a", metrics={"gbps": float(n)})
+        paths.append(results.write(run, results_dir=tmp_path))
+    assert [p for p, _ in results.load_paths(tmp_path)] == paths
+    assert paths[-1].name == "write-20261201T102030Z-10.json"
+    (case, f), = results.latest_cases(results.load_all(tmp_path)).values()
+    assert case.metrics["gbps"] == 9.0

@@ -32,6 +32,7 @@ import contextlib
 import datetime as _dt
 import os
 import platform
+import re
 import subprocess
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -251,7 +252,14 @@ def load_paths(folder: str | os.PathLike | None = None,
     folder = Path(folder) if folder is not None else default_results_dir()
     found = [(p, load(p)) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
     return sorted(((p, f) for p, f in found if bench is None or f.bench == bench),
-                  key=lambda pf: (pf[1].created, pf[0].name))
+                  key=lambda pf: (pf[1].created, *_written_order(pf[0].name)))
+
+
+def _written_order(name: str) -> tuple[str, int]:
+    """Files of one second in the order :func:`write` names them: ``X.json``, ``X-2.json``,
+    ``X-3.json`` ... ``X-10.json`` (by name, ``X-2`` and ``X-10`` would come before ``X``)."""
+    m = re.fullmatch(r"(.*?)(?:-(\d+))?\.json", name)
+    return (m.group(1), int(m.group(2) or 1)) if m else (name, 1)
 
 
 def latest_cases(files: Iterable[ResultFile]) -> dict[tuple[str, str], tuple[Case, ResultFile]]:
