@@ -401,3 +401,28 @@ def test_plots_draw_the_newest_run_of_each_bench(sample_dir: Path, tmp_path: Pat
                 "--plots", str(tmp_path / "plots")]) == 0
     assert drawn["write"] == ("2026-02-01T00:00:00Z", "write.png")
     assert sorted(drawn) == ["attention", "convert", "plan", "transfer", "write"]
+
+
+def test_a_row_whose_cases_carry_no_figure_renders_dashes_and_no_verdict() -> None:
+    """A valid result file may hold ``None`` (not measured) for any metric: the range rows
+    (convert pairs, handshake, segments) used to crash on ``min()`` of nothing, and would have
+    said "met" of no measurement."""
+    t = "2026-02-01T00:00:00Z"
+    convert = _file("convert", t, {"convert triton NHD -> triton HND": {
+        "gbps": None, "baseline_gbps": None, "pct_of_copy": None}}, ceilings={"copy_gbps": 4000})
+    plan = _file("plan", t, {
+        "handshake A: P1->D2 HND": {"warm_us": 20.0, "cold_us": None},
+        "segments A: P1->D2 HND, random ids, 100000 blocks": {"ms": None, "speedup_x": None}})
+    out = report.sections([convert, plan], plots=None)
+    assert out["convert"].splitlines()[2] == (
+        f"| convert | whole cache (16384 blocks), {len(report._PAIRS)} layout pairs (NHD/HND x "
+        f"per-layer/cross-layer, flash_attn <-> triton) (1 of {len(report._PAIRS)} cases "
+        "measured) | - GB/s | torch permute+copy - GB/s | -% of copy (4000 GB/s) | >= 3400 GB/s | "
+        "[G, 2026-02-01](bench/results/convert-20260201T000000Z.json) |")
+    link = "[G, 2026-02-01](bench/results/plan-20260201T000000Z.json)"
+    assert out["plan"].splitlines()[2:] == [
+        "| handshake | one call (CPU): warm (spec pair seen before) / cold (first contact), 7 "
+        "configurations (1 of 7 cases measured) | 20 us / - us |  |  | <= 50 us: warm met, "
+        f"first contact not measured | {link} |",
+        "| plan.segments | 100k blocks (CPU, numpy), random and contiguous ids (1 of 14 cases "
+        f"measured) | - ms | per-row Python loop -x slower |  | <= 20 ms | {link} |"]

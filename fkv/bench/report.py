@@ -59,6 +59,8 @@ def _slash(values: Sequence[float | None], fmt: str) -> str:
 
 
 def _range(values: Sequence[float], fmt: str) -> str:
+    if not values:  # the cases are there, none with this figure
+        return "-"
     lo, hi = min(values), max(values)
     return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{lo:{fmt}} - {hi:{fmt}}"
 
@@ -69,6 +71,11 @@ def _m(cases: list[Case], name: str) -> list[float | None]:
 
 def _all(values: Sequence[float | None], ok: Callable[[float], bool]) -> bool | None:
     return None if any(v is None for v in values) else all(ok(v) for v in values)
+
+
+def _measured(values: Sequence[float], ok: Callable[[float], bool]) -> bool | None:
+    """Every measured value ``ok``; None (not judged) when none was measured."""
+    return all(ok(v) for v in values) if values else None
 
 
 # -- the rows ---------------------------------------------------------------------------------------
@@ -95,7 +102,7 @@ def _convert_pairs(cases: list[Case], f: ResultFile) -> tuple[str, str, str, boo
     pct = [v for v in _m(cases, "pct_of_copy") if v is not None]
     return (f"{_range(gbps, '.0f')} GB/s", f"torch permute+copy {_range(base, '.0f')} GB/s",
             f"{_range(pct, '.0f')}% of copy ({f.ceilings.get('copy_gbps', 0):.0f} GB/s)",
-            all(v >= 3400 for v in gbps))
+            _measured(gbps, lambda v: v >= 3400))
 
 
 def _of_copy(base_name: str, target: float | None) -> Cells:
@@ -131,8 +138,10 @@ def _prefill(cases: list[Case], f: ResultFile) -> tuple[str, str, str, bool | No
 def _handshake(cases: list[Case], f: ResultFile) -> tuple[str, str, str, str]:
     warm = [v for v in _m(cases, "warm_us") if v is not None]
     cold = [v for v in _m(cases, "cold_us") if v is not None]
-    verdict = ", ".join(f"{what} {'met' if ok else '**missed**'}" for what, ok in (
-        ("warm", all(v <= 50 for v in warm)), ("first contact", all(v <= 50 for v in cold))))
+    shown = {True: "met", False: "**missed**", None: "not measured"}
+    verdict = ", ".join(f"{what} {shown[ok]}" for what, ok in (
+        ("warm", _measured(warm, lambda v: v <= 50)),
+        ("first contact", _measured(cold, lambda v: v <= 50))))
     return f"{_range(warm, '.0f')} us / {_range(cold, '.0f')} us", "", "", verdict
 
 
@@ -140,7 +149,7 @@ def _segments(cases: list[Case], f: ResultFile) -> tuple[str, str, str, bool | N
     ms = [v for v in _m(cases, "ms") if v is not None]
     speed = [v for v in _m(cases, "speedup_x") if v is not None]
     return (f"{_range(ms, '.1f')} ms", f"per-row Python loop {_range(speed, '.0f')}x slower", "",
-            all(v <= 20 for v in ms))
+            _measured(ms, lambda v: v <= 20))
 
 
 def _ids(fmt: str, *values: object) -> tuple[str, ...]:
