@@ -29,6 +29,12 @@ flush before each replay). Modes:
   dtype and layout pairs);
 - ``mix-*``: which part of the compare run's set-up gives its fast state (``mix``'s docstring);
   ``GRAPH_STATE_MODES=mix`` runs them all, with ``mix-engine`` (``engine``'s docstring).
+- ``recipe-<dtype>-<layout>`` / ``control-<dtype>-<layout>``: the library default and the
+  engine-style kernel in torch's graphs (``capture_graph``), with (``recipe``) or without a
+  one-node device-launch graph (an ``add_``) instantiated before their capture and launched once
+  after it, never timed (``recipe``'s docstring); ``recipe-engine`` / ``control-engine``: 40
+  torch graphs of the library's bf16 NHD writes on one shared pool, as an engine captures, with
+  and without it. ``GRAPH_STATE_MODES=recipe`` runs all ten, control before recipe.
 
     python bench/experiments/graph_state.py   # GPU; JSON to $OUT
 """
@@ -242,7 +248,61 @@ def engine(mode: str) -> None:
               flush=True)
 
 
+def _primer():
+    """A one-node graph (an ``add_`` on a scalar) captured by torch and instantiated here for
+    device launch (flag 4) and uploaded: the recipe's primer."""
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    return _RawGraph([lambda: x.add_(1)], 4)
+
+
+def recipe(mode: str) -> None:
+    """``mix-recipe`` as a start-up recipe for the library and the engine-style kernel: the
+    primer instantiated first, torch's graphs captured, the primer launched once (``recipe-*``)
+    or not at all (``control-*``), then every torch graph timed three times, interleaved."""
+    import torch
+
+    from fkv.bench._common import capture_graph
+
+    kind, rest = mode.split("-", 1)
+    if rest == "engine":
+        buf, calls = decode_calls(("default",))
+        primer = _primer() if kind == "recipe" else None
+        pool = torch.cuda.graph_pool_handle()
+        graphs = {}
+        for i in range(40):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                for call in calls["default"]:
+                    call()
+            graphs[f"write {i + 1}"] = g
+        timed = {k: graphs[k] for k in ("write 1", "write 20", "write 40")}
+        sizes = dict.fromkeys(timed, len(calls["default"]))
+        dtype, layout = "bfloat16", "NHD"
+    else:
+        dtype, layout = rest.split("-")
+        names = ("default", "engine-style")
+        buf, calls = decode_calls(names, dtype, layout)
+        primer = _primer() if kind == "recipe" else None
+        timed = {n: capture_graph(calls[n]) for n in names}
+        sizes = {n: len(calls[n]) for n in names}
+    if primer is not None:
+        primer.replay()
+        torch.cuda.synchronize()
+    us = {k: [] for k in timed}
+    for _ in range(3):
+        for k, g in timed.items():
+            us[k].append(_per_call_us(g.replay, sizes[k], buf))
+    for k, u in us.items():
+        print("ROW " + json.dumps({"mode": mode, "dtype": dtype, "layout": layout, "variant": k,
+                                   "graph": "torch", "us": u}), flush=True)
+
+
 def child(mode: str) -> None:
+    if mode.startswith(("recipe-", "control-")):
+        recipe(mode)
+        return
     if mode.startswith("compare-"):
         compare(mode)
         return
@@ -305,6 +365,10 @@ def main() -> None:
     if modes == ["compare"]:
         modes = [f"compare-{d}-{lay}" for d in ("bfloat16", "float8_e4m3fn")
                  for lay in ("NHD", "HND")]
+    if modes == ["recipe"]:
+        modes = [f"{kind}-{rest}" for rest in [f"{d}-{lay}" for d in ("bfloat16", "float8_e4m3fn")
+                                               for lay in ("NHD", "HND")] + ["engine"]
+                 for kind in ("control", "recipe")]
     if modes == ["mix"]:
         modes = ["mix-control", "mix-untimed", "mix-4first", "mix-1first", "mix-torch",
                  "mix-torch-untimed", "mix-engine"]
