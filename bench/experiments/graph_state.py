@@ -34,7 +34,9 @@ flush before each replay). Modes:
   one-node device-launch graph (an ``add_``) instantiated before their capture and launched once
   after it, never timed (``recipe``'s docstring); ``recipe-engine`` / ``control-engine``: 40
   torch graphs of the library's bf16 NHD writes on one shared pool, as an engine captures, with
-  and without it. ``GRAPH_STATE_MODES=recipe`` runs all ten, control before recipe.
+  and without it. ``GRAPH_STATE_MODES=recipe`` runs all ten, control before recipe;
+  ``helper-*``: ``control-*`` captured inside ``fkv.ops.graph_primer()`` (the same recipe as the
+  library ships it).
 
     python bench/experiments/graph_state.py   # GPU; JSON to $OUT
 """
@@ -259,37 +261,50 @@ def _primer():
 
 def recipe(mode: str) -> None:
     """``mix-recipe`` as a start-up recipe for the library and the engine-style kernel: the
-    primer instantiated first, torch's graphs captured, the primer launched once (``recipe-*``)
-    or not at all (``control-*``), then every torch graph timed three times, interleaved."""
+    primer instantiated first, torch's graphs captured, the primer launched once (``recipe-*``,
+    or ``helper-*`` through ``fkv.ops.graph_primer``) or not at all (``control-*``), then every
+    torch graph timed three times, interleaved."""
+    import contextlib
+
     import torch
 
     from fkv.bench._common import capture_graph
 
     kind, rest = mode.split("-", 1)
-    if rest == "engine":
-        buf, calls = decode_calls(("default",))
-        primer = _primer() if kind == "recipe" else None
-        pool = torch.cuda.graph_pool_handle()
-        graphs = {}
-        for i in range(40):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                for call in calls["default"]:
-                    call()
-            graphs[f"write {i + 1}"] = g
-        timed = {k: graphs[k] for k in ("write 1", "write 20", "write 40")}
-        sizes = dict.fromkeys(timed, len(calls["default"]))
-        dtype, layout = "bfloat16", "NHD"
+    dtype, layout = ("bfloat16", "NHD") if rest == "engine" else rest.split("-")
+    names = ("default",) if rest == "engine" else ("default", "engine-style")
+    buf, calls = decode_calls(names, dtype, layout)
+    if kind == "helper":
+        import fkv.ops
+
+        scope = fkv.ops.graph_primer()
+    elif kind == "recipe":
+        @contextlib.contextmanager
+        def scope():
+            primer = _primer()
+            yield
+            primer.replay()
+            torch.cuda.synchronize()
+            _KEEP.append(primer)
+
+        scope = scope()
     else:
-        dtype, layout = rest.split("-")
-        names = ("default", "engine-style")
-        buf, calls = decode_calls(names, dtype, layout)
-        primer = _primer() if kind == "recipe" else None
-        timed = {n: capture_graph(calls[n]) for n in names}
-        sizes = {n: len(calls[n]) for n in names}
-    if primer is not None:
-        primer.replay()
-        torch.cuda.synchronize()
+        scope = contextlib.nullcontext()
+    with scope:
+        if rest == "engine":
+            pool = torch.cuda.graph_pool_handle()
+            graphs = {}
+            for i in range(40):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    for call in calls["default"]:
+                        call()
+                graphs[f"write {i + 1}"] = g
+            timed = {k: graphs[k] for k in ("write 1", "write 20", "write 40")}
+            sizes = dict.fromkeys(timed, len(calls["default"]))
+        else:
+            timed = {n: capture_graph(calls[n]) for n in names}
+            sizes = {n: len(calls[n]) for n in names}
     us = {k: [] for k in timed}
     for _ in range(3):
         for k, g in timed.items():
@@ -299,8 +314,11 @@ def recipe(mode: str) -> None:
                                    "graph": "torch", "us": u}), flush=True)
 
 
+_KEEP: list = []
+
+
 def child(mode: str) -> None:
-    if mode.startswith(("recipe-", "control-")):
+    if mode.startswith(("recipe-", "control-", "helper-")):
         recipe(mode)
         return
     if mode.startswith("compare-"):

@@ -2,7 +2,8 @@
 
 ``write_kv``, ``convert``, ``gather``, ``scatter``, ``move`` (token copy between any two
 specs, with block re-chunking and head ranges), ``paged_attention``; ``fkv.ops.reference`` holds
-pure torch/einops versions of each with the same signatures.
+pure torch/einops versions of each with the same signatures. ``graph_primer`` is a measured
+start-up recipe for CUDA graphs (``fkv.ops.graphs``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["convert", "gather", "move", "paged_attention", "reference", "scatter", "write_kv"]
+__all__ = ["convert", "gather", "graph_primer", "move", "paged_attention", "reference", "scatter",
+           "write_kv"]
 
 _LAZY = {
     "write_kv": ("fkv.ops.write", "write_kv"),
@@ -20,6 +22,7 @@ _LAZY = {
     "move": ("fkv.ops.relayout", "move"),
     "paged_attention": ("fkv.ops.attention", "paged_attention"),
     "reference": ("fkv.ops.reference", None),
+    "graph_primer": ("fkv.ops.graphs", "graph_primer"),
 }
 
 

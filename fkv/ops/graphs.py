@@ -1,0 +1,106 @@
+"""A start-up recipe for CUDA graphs: :func:`graph_primer`.
+
+On an H200 (driver 580, CUDA 13, torch 2.11) a process's ``torch.cuda.graph`` replays settle in
+one of two states for their whole life: in the usual one an empty kernel node costs about 1.27 us
+and a 256-token decode ``write_kv`` 2.50 us per call; in the other 0.95 us and 2.14 us. Which
+one a process gets did not depend on clocks, stream priorities, ``CUDA_DEVICE_MAX_CONNECTIONS``,
+module loading or torch's instantiate flags (bench/NOTES.md, 2026-12-04 and 2026-12-05). One
+order reached the faster state in every process tried: a one-node graph instantiated for device
+launch before the process captures its graphs, then launched once after they were captured.
+:func:`graph_primer` is that order as a context manager::
+
+    with fkv.ops.graph_primer():
+        ...capture the decode graphs (torch.cuda.graph)...
+    # the primer has been launched once; replay the graphs as usual
+
+Why the driver behaves so is not known; the recipe is measured, not documented by NVIDIA, so
+check it on your GPU (``bench/experiments/graph_state.py``) before relying on it. The primer
+(one 4-byte tensor and one executable graph) lives until the process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from fkv.errors import FkvError
+
+__all__ = ["graph_primer"]
+
+# cudaGraphInstantiateFlagDeviceLaunch / CU_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH
+_DEVICE_LAUNCH = 4
+# Primers stay alive with the process: whether destroying one gives the state back is not known.
+_PRIMERS: list[Any] = []
+_LOCK = threading.Lock()
+
+
+class _Primer:
+    """A one-node graph (``add_`` on a scalar) captured by torch, instantiated through the CUDA
+    driver for device launch and uploaded."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.driver = ctypes.CDLL("libcuda.so.1")
+        self.driver.cuGraphInstantiateWithFlags.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong]
+        self.driver.cuGraphUpload.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.driver.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.device = device
+        with torch.cuda.device(device):
+            self.x = torch.zeros(1, device=device)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            self.graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(self.graph, stream=stream):
+                self.x.add_(1)
+            torch.cuda.synchronize()
+            exe = ctypes.c_void_p()
+            self._check("cuGraphInstantiateWithFlags", self.driver.cuGraphInstantiateWithFlags(
+                ctypes.byref(exe), self.graph.raw_cuda_graph(), _DEVICE_LAUNCH))
+            self.exe = exe
+            self._check("cuGraphUpload", self.driver.cuGraphUpload(
+                self.exe, torch.cuda.current_stream().cuda_stream))
+            torch.cuda.synchronize()
+
+    @staticmethod
+    def _check(call: str, rc: int) -> None:
+        if rc:
+            raise FkvError(f"graph_primer: {call} returned CUDA error {rc}, expected 0 "
+                           "(CUDA_SUCCESS)")
+
+    def launch(self) -> None:
+        import torch
+
+        with torch.cuda.device(self.device):
+            self._check("cuGraphLaunch", self.driver.cuGraphLaunch(
+                self.exe, torch.cuda.current_stream().cuda_stream))
+            torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def graph_primer(device: Any = None) -> Iterator[None]:
+    """Capture the process's CUDA graphs inside this block: a device-launch primer graph is
+    instantiated on entry and launched once on a clean exit (module docstring: the measured
+    effect and what is not known). ``device``: a CUDA device (default: the current one).
+
+    Raises FkvError without CUDA, or naming the driver call and its error code.
+    """
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        raise FkvError("graph_primer: needs torch with CUDA") from None
+    if not torch.cuda.is_available():
+        raise FkvError("graph_primer: needs a CUDA device (torch.cuda.is_available() is False)")
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
+        torch.device(device)
+    if device.type != "cuda":
+        raise FkvError(f"graph_primer: device must be a CUDA device (got {str(device)!r})")
+    primer = _Primer(device)
+    with _LOCK:
+        _PRIMERS.append(primer)
+    yield
+    primer.launch()
