@@ -36,7 +36,8 @@ flush before each replay). Modes:
   torch graphs of the library's bf16 NHD writes on one shared pool, as an engine captures, with
   and without it. ``GRAPH_STATE_MODES=recipe`` runs all ten, control before recipe;
   ``helper-*``: ``control-*`` captured inside ``fkv.ops.graph_primer()`` (the same recipe as the
-  library ships it).
+  library ships it); ``late-*``: ``helper-*`` after two graphs were captured and dropped
+  (``settle_graphs``); ``percase-<dtype>-<layout>``: ``percase``'s docstring.
 
     python bench/experiments/graph_state.py   # GPU; JSON to $OUT
 """
@@ -271,12 +272,19 @@ def recipe(mode: str) -> None:
     from fkv.bench._common import capture_graph
 
     kind, rest = mode.split("-", 1)
+    if kind == "percase":
+        percase(mode)
+        return
     dtype, layout = ("bfloat16", "NHD") if rest == "engine" else rest.split("-")
     names = ("default",) if rest == "engine" else ("default", "engine-style")
     buf, calls = decode_calls(names, dtype, layout)
-    if kind == "helper":
+    if kind in ("helper", "late"):
         import fkv.ops
 
+        if kind == "late":  # two graphs captured (and dropped) before the primer
+            from fkv.bench._common import settle_graphs
+
+            settle_graphs()
         scope = fkv.ops.graph_primer()
     elif kind == "recipe":
         @contextlib.contextmanager
@@ -317,8 +325,26 @@ def recipe(mode: str) -> None:
 _KEEP: list = []
 
 
+def percase(mode: str) -> None:
+    """As a bench measures: three rounds of (capture one graph of the library's writes inside its
+    own ``fkv.ops.graph_primer()``, time it three times at once); the process's first capture is
+    the first primer's."""
+    import fkv.ops
+    from fkv.bench._common import capture_graph
+
+    _, dtype, layout = mode.split("-")
+    buf, calls = decode_calls(("default",), dtype, layout)
+    for i in range(3):
+        with fkv.ops.graph_primer():
+            g = capture_graph(calls["default"])
+        us = [_per_call_us(g.replay, len(calls["default"]), buf) for _ in range(3)]
+        print("ROW " + json.dumps({"mode": mode, "dtype": dtype, "layout": layout,
+                                   "variant": f"round {i + 1}", "graph": "torch", "us": us}),
+              flush=True)
+
+
 def child(mode: str) -> None:
-    if mode.startswith(("recipe-", "control-", "helper-")):
+    if mode.startswith(("recipe-", "control-", "helper-", "late-", "percase-")):
         recipe(mode)
         return
     if mode.startswith("compare-"):
