@@ -9,9 +9,14 @@ order reached the faster state in every process tried: a one-node graph instanti
 launch before the process captures its graphs, then launched once after they were captured.
 :func:`graph_primer` is that order as a context manager::
 
-    with fkv.ops.graph_primer():
+    with fkv.ops.graph_primer():      # before the process captures any other graph
         ...capture the decode graphs (torch.cuda.graph)...
     # the primer has been launched once; replay the graphs as usual
+
+Measured (bench/results/raw/graph-recipe-20261205T0420/): 40 graphs of 32 decode writes on one
+pool, as an engine captures them, replayed at 2.44-2.46 us per write without the primer and
+2.09-2.11 us with it (two fresh processes each). A primer entered after other graphs had been
+captured did not help in an earlier experiment (``graph_prime.py``, 2026-12-04).
 
 Why the driver behaves so is not known; the recipe is measured, not documented by NVIDIA, so
 check it on your GPU (``bench/experiments/graph_state.py``) before relying on it. The primer
