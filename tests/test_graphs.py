@@ -12,12 +12,18 @@ import pytest
 import torch
 
 from fkv import FkvError
-from fkv.ops import graphs, reference
+from fkv.ops import graphs
 from fkv.ops.write import write_kv
 
 # the write tests' helpers (pytest runs with --import-mode=importlib)
 sys.path.insert(0, str(Path(__file__).parent))
-from test_write import assert_same_bytes, inputs, make_spec, padded_slots, poisoned  # noqa: E402
+from test_write import (  # noqa: E402
+    assert_replay_reads_new_inputs,
+    inputs,
+    make_spec,
+    padded_slots,
+    poisoned,
+)
 
 
 def test_graph_primer_needs_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,16 +71,7 @@ def test_graphs_captured_under_the_primer_replay_the_reference_bytes(layout: str
         with torch.cuda.graph(graph):
             write_kv(key, value, cache, slots, spec, validate=False)
     assert float(primer.x) == 1.0  # launched once, on exit
-    torch.cuda.synchronize()
-    new_key, new_value, _ = inputs(spec, 32, "cuda", seed=99)
-    key.copy_(new_key)
-    value.copy_(new_value)
-    slots.copy_(padded_slots(spec, 32, 32, "cuda", seed=99))
-    before = cache.clone()
-    graph.replay()
-    torch.cuda.synchronize()
-    reference.write_kv(key, value, before, slots, spec, validate=False)
-    assert_same_bytes([cache], [before])
+    assert_replay_reads_new_inputs(graph, spec, key, value, cache, slots)
     assert float(primer.x) == 1.0  # replaying the captured graphs does not run the primer
 
 

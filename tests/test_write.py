@@ -1068,6 +1068,14 @@ def test_decode_is_cuda_graph_capturable(layout: str) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         write_kv(key, value, cache, slots, spec, validate=False)
+    assert_replay_reads_new_inputs(graph, spec, key, value, cache, slots)
+
+
+def assert_replay_reads_new_inputs(graph: Any, spec: KVCacheSpec, key: torch.Tensor,
+                                   value: torch.Tensor, cache: torch.Tensor,
+                                   slots: torch.Tensor) -> None:
+    """New inputs (32 tokens, seed 99) copied into a captured decode write's tensors: its replay
+    writes the bytes the reference writes from them."""
     torch.cuda.synchronize()
     new_key, new_value, _ = inputs(spec, 32, "cuda", seed=99)
     key.copy_(new_key)
