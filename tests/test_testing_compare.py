@@ -234,3 +234,18 @@ def test_snapshot_value_of_scalars_reasons_plans_and_containers():
     Point = namedtuple("Point", "spec n")
     value = snapshot_value(Point(SPEC, 3))
     assert type(value) is tuple and value == (repr(SPEC), 3)
+
+
+def test_same_nonzero_head_offset_names_the_real_head():
+    # Comparing heads 2..3 of two 4-head caches: a difference in head 3 must not be reported as
+    # plain "head 1" (head 1 holds no difference in either cache).
+    four = SPEC.evolve(num_kv_heads=4)
+    a = _arange(four)
+    b = [a[0].clone()]
+    b[0][1, 0, 3, 3, 2] = -1.0
+    _fails("KV caches differ first at layer 0, token 7 (a: block 1 slot 3; b: block 1 slot 3), K, "
+           f"head 1 (a head 3, b head 3), channel 2: a={float(a[0][1, 0, 3, 3, 2])!r} b=-1.0 "
+           "(1 of 128 elements of layer 0 differ)", a, four, b, four, heads_a=(2, 4), heads_b=(2, 4))
+    # With whole-cache ranges on both sides the head is named once.
+    with pytest.raises(AssertionError, match=r", K, head 3, channel 2: "):
+        assert_kv_equal(a, four, b, four)

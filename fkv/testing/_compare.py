@@ -208,7 +208,7 @@ def assert_kv_equal(a: Any, spec_a: KVCacheSpec, b: Any, spec_b: KVCacheSpec, *,
                  f"b: block {ids_b[tok // spec_b.block_size]} slot {tok % spec_b.block_size})"]
         if not spec_a.is_mla:
             where.append("KV"[kv])
-            where.append(f"head {head}" if ha[0] == hb[0] else
+            where.append(f"head {head}" if ha[0] == hb[0] == 0 else
                          f"head {head} (a head {ha[0] + head}, b head {hb[0] + head})")
         where.append(f"channel {ch}")
         x, y = va[tok, kv, head, ch].item(), vb[tok, kv, head, ch].item()
