@@ -17,13 +17,7 @@ from fkv.ops.write import write_kv
 
 # the write tests' helpers (pytest runs with --import-mode=importlib)
 sys.path.insert(0, str(Path(__file__).parent))
-from test_write import (  # noqa: E402
-    assert_replay_reads_new_inputs,
-    inputs,
-    make_spec,
-    padded_slots,
-    poisoned,
-)
+from test_write import assert_replay_reads_new_inputs, decode_write_inputs  # noqa: E402
 
 
 def test_graph_primer_needs_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,12 +51,7 @@ def test_the_public_name() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_graphs_captured_under_the_primer_replay_the_reference_bytes(layout: str) -> None:
-    spec = make_spec("triton", layout, heads=8, head_size=128, block_size=16, num_blocks=64,
-                     num_layers=1)
-    key, value, _ = inputs(spec, 32, "cuda")
-    slots = padded_slots(spec, 32, 32, "cuda")
-    cache = poisoned(spec, "cuda")[0]
-    write_kv(key, value, cache, slots, spec, validate=False)  # compile outside the capture
+    spec, key, value, slots, cache = decode_write_inputs(layout)  # compiled outside the capture
     kept = len(graphs._PRIMERS)
     with graphs.graph_primer():
         primer = graphs._PRIMERS[-1]

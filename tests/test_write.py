@@ -1059,16 +1059,24 @@ def test_tiling_covers_every_shape_with_power_of_two_tiles() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_decode_is_cuda_graph_capturable(layout: str) -> None:
-    spec = make_spec("triton", layout, heads=8, head_size=128, block_size=16, num_blocks=64,
-                     num_layers=1)
-    key, value, _ = inputs(spec, 32, "cuda")
-    slots = padded_slots(spec, 32, 32, "cuda")
-    cache = poisoned(spec, "cuda")[0]
-    write_kv(key, value, cache, slots, spec, validate=False)  # compile outside the capture
+    spec, key, value, slots, cache = decode_write_inputs(layout)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         write_kv(key, value, cache, slots, spec, validate=False)
     assert_replay_reads_new_inputs(graph, spec, key, value, cache, slots)
+
+
+def decode_write_inputs(layout: str, device: str = "cuda") -> tuple[
+        KVCacheSpec, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 32-token decode write (8 heads of 128, 64 blocks of 16, padded slots) into a poisoned
+    cache, run once so nothing compiles inside a capture: ``(spec, key, value, slots, cache)``."""
+    spec = make_spec("triton", layout, heads=8, head_size=128, block_size=16, num_blocks=64,
+                     num_layers=1)
+    key, value, _ = inputs(spec, 32, device)
+    slots = padded_slots(spec, 32, 32, device)
+    cache = poisoned(spec, device)[0]
+    write_kv(key, value, cache, slots, spec, validate=False)
+    return spec, key, value, slots, cache
 
 
 def assert_replay_reads_new_inputs(graph: Any, spec: KVCacheSpec, key: torch.Tensor,

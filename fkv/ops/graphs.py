@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,7 +38,6 @@ __all__ = ["graph_primer"]
 _DEVICE_LAUNCH = 4
 # Primers stay alive with the process: whether destroying one gives the state back is not known.
 _PRIMERS: list[Any] = []
-_LOCK = threading.Lock()
 
 
 class _Primer:
@@ -94,10 +92,8 @@ def graph_primer(device: Any = None) -> Iterator[None]:
 
     Raises FkvError without CUDA, or naming the driver call and its error code.
     """
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        raise FkvError("graph_primer: needs torch with CUDA") from None
+    import torch
+
     if not torch.cuda.is_available():
         raise FkvError("graph_primer: needs a CUDA device (torch.cuda.is_available() is False)")
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
@@ -105,7 +101,6 @@ def graph_primer(device: Any = None) -> Iterator[None]:
     if device.type != "cuda":
         raise FkvError(f"graph_primer: device must be a CUDA device (got {str(device)!r})")
     primer = _Primer(device)
-    with _LOCK:
-        _PRIMERS.append(primer)
+    _PRIMERS.append(primer)
     yield
     primer.launch()
