@@ -258,66 +258,11 @@ class _Caches:
         return int((self.a.view(self.ints) != self.b.view(self.ints)).sum())
 
 
-def _engine_style_kernel():
-    """A re-implementation of the engine's reshape-and-cache structure (same-run baseline): one
-    program per token (padding tokens return early, so loads wait for the slot), K and V of all
-    heads in it, 16 warps; any layout through strides; fp8 by approximate division."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-               key_stride, value_stride, stride_block, stride_kv, stride_token, stride_head,
-               BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
-               H_PAD: tl.constexpr, FP8: tl.constexpr):
-        token = tl.program_id(0)
-        slot = tl.load(slot_ptr + token).to(tl.int64)
-        if slot < 0:
-            return
-        h = tl.arange(0, H_PAD)
-        d = tl.arange(0, HEAD_SIZE)
-        mask = (h < NUM_HEADS)[:, None]
-        blk = slot // BLOCK_SIZE
-        dst = blk * stride_block + (slot % BLOCK_SIZE) * stride_token + \
-            (h * stride_head)[:, None] + d[None, :]
-        src = (h * HEAD_SIZE)[:, None] + d[None, :]
-        k = tl.load(key_ptr + token * key_stride + src, mask=mask)
-        v = tl.load(value_ptr + token * value_stride + src, mask=mask)
-        if FP8:
-            k = k.to(tl.float32) / tl.load(k_scale_ptr)
-            v = v.to(tl.float32) / tl.load(v_scale_ptr)
-        tl.store(cache_ptr + dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(cache_ptr + stride_kv + dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
-
-    return kernel
-
-
-_ENGINE = None
-
-
 def _engine_call(spec: Any, cache: Any, key: Any, value: Any, slots: Any, scales: dict):
-    import triton
+    """The same-run engine-style baseline (``fkv.bench._engine_style``)."""
+    from fkv.bench._engine_style import engine_style_call
 
-    from fkv.ops._spec import cache_strides
-
-    global _ENGINE
-    if _ENGINE is None:
-        _ENGINE = _engine_style_kernel()
-    st = cache_strides(spec)
-    ks = scales.get("k_scale", key)
-    vs = scales.get("v_scale", key)
-    tokens = slots.shape[0]
-    kernel = _ENGINE
-
-    def run() -> None:
-        kernel[(tokens,)](key, value, cache, slots, ks, vs, key.stride(0), value.stride(0),
-                          st["stride_block"], st["stride_kv"], st["stride_token"],
-                          st["stride_head"], BLOCK_SIZE=spec.block_size,
-                          NUM_HEADS=spec.num_kv_heads, HEAD_SIZE=spec.head_size,
-                          H_PAD=triton.next_power_of_2(spec.num_kv_heads), FP8=spec.is_fp8,
-                          num_warps=16 if spec.num_kv_heads * spec.head_size >= 1024 else 4,
-                          num_stages=10 if os.environ.get("TRITON_INTERPRET") != "1" else 1)
-    return run
+    return engine_style_call(spec, cache, key, value, slots, scales)
 
 
 def _time_graph_us(calls: list, device: str, rep: int) -> float:

@@ -8,7 +8,10 @@ Every case is checked byte-for-byte against ``fkv.ops.reference.write_kv`` (cach
 before timing. Reported per case: GB/s, % of a device copy ceiling measured in the same run, and
 the ratio to a torch ``index_put_`` baseline timed in the same run. Decode also reports the eager
 cost per call with the launch overhead included (a back-to-back loop), and the replay cost inside
-CUDA graphs (one call per graph, and per call in a graph of many calls).
+CUDA graphs (one call per graph, and per call in a graph of many calls), beside an engine-style
+kernel (``fkv.bench._engine_style``) in the same graphs; and once more with every decode graph
+captured inside ``fkv.ops.graph_primer()`` in a fresh child process (``primed_decode``: the
+graph state the primer gives; ``write_kv``'s bytes checked against the reference there too).
 
     python bench/bench_write.py                              # full run (CUDA) -> bench/results/
     python bench/bench_write.py --json write.json --plot write.png
@@ -214,9 +217,13 @@ def _run_case(case: Case, shape: Shape, ceiling: float, rep: int, device: str = 
     case.extra["eager_gbps"] = case.bytes / case.extra["eager_us"] / 1e3
     case.extra["baseline_eager_us"] = eager_us([baseline_call(x) for x in sets], device, calls)
     if case.kind == "decode" and device == "cuda":
-        graph_sets = sets[: min(len(sets), 32)]
+        from fkv.bench._engine_style import engine_style_call
+
+        graph_sets = sets[: min(len(sets), GRAPH_CALLS)]
         case.extra["graph1_us"], case.extra["graph_per_call_us"] = _graph_us(
             kernel_call, graph_sets, rep)
+        case.extra["engine_graph_per_call_us"] = graph_us(
+            [engine_style_call(spec, cache, k, v, s, scales) for k, v, s in graph_sets], rep)
         case.extra.update(_decode_graph_variants(kernel_call, pdl_call, graph_sets, rep, device))
         try:
             case.extra["baseline_graph_per_call_us"] = _graph_us(baseline_call, graph_sets, rep)[1]
@@ -225,6 +232,124 @@ def _run_case(case: Case, shape: Shape, ceiling: float, rep: int, device: str = 
             case.extra["baseline_graph_error"] = str(e).splitlines()[0]
     _judge(case)
     del cache, data, slots, sets
+
+
+GRAPH_CALLS = 32  # decode calls per timed graph (input sets rotate through them)
+
+
+def _decode_setup(case: Case, shape: Shape, device: str) -> tuple[Any, Any, list, dict]:
+    """(spec, a poisoned cache, ``GRAPH_CALLS`` input sets (key, value, slots), scales) of a
+    decode case, seeded as ``_run_case`` seeds them."""
+    import fkv
+
+    spec = fkv.KVCacheSpec(layout=case.layout, num_blocks=shape.num_blocks,
+                           block_size=shape.block_size, num_kv_heads=shape.heads,
+                           head_size=shape.head_size, dtype=case.dtype)
+    data = _inputs(spec, case.tokens, GRAPH_CALLS, device, seed=1)
+    slots = _slot_sets(case.kind, case.tokens, shape, GRAPH_CALLS, device, seed=2)
+    (cache,) = fkv.allocate(spec, device=device)
+    _poison(cache)
+    return spec, cache, [(k, v, s) for (k, v), s in zip(data, slots)], _scales(spec, device)
+
+
+def primed_decode(names: list[str], shape: Shape, rep: int) -> dict[str, dict[str, Any]]:
+    """The decode cases ``names`` with every graph captured inside one
+    :func:`fkv.ops.graph_primer` block, as the library documents the recipe: this must be the
+    process's first capture (``fkv bench write`` runs it in a child process, ``_primed_child``).
+
+    Per case, two graphs of ``GRAPH_CALLS`` calls over rotating inputs: ``write_kv`` and the
+    engine-style kernel (``fkv.bench._engine_style``). After the primer has launched, the
+    ``write_kv`` graph is replayed once on its poisoned cache and the cache compared byte for
+    byte with ``fkv.ops.reference.write_kv`` applied to a copy in the same order (a mismatch
+    raises); then every graph is timed three times, interleaved over all graphs of all cases
+    (do_bench medians), and each figure is the median of its three. Returns, per case name,
+    ``graph_per_call_primed_us``, ``engine_graph_per_call_primed_us`` and the rounds."""
+    import statistics
+
+    import torch
+    import triton.testing
+
+    import fkv.ops
+    from fkv.bench._common import capture_graph
+    from fkv.bench._engine_style import engine_style_call
+    from fkv.ops import reference, write_kv
+
+    todo = []
+    with fkv.ops.graph_primer():
+        for name in names:
+            kind, tokens, layout, dtype = name.split()
+            case = Case(kind, int(tokens), layout, dtype)
+            spec, cache, sets, scales = _decode_setup(case, shape, "cuda")
+            own = capture_graph([(lambda k=k, v=v, s=s: write_kv(k, v, cache, s, spec,
+                                                                 validate=False, **scales))
+                                 for k, v, s in sets])
+            engine = capture_graph([engine_style_call(spec, cache, k, v, s, scales)
+                                    for k, v, s in sets])
+            todo.append((name, spec, cache, sets, scales, own, engine))
+    for name, spec, cache, sets, scales, own, _ in todo:
+        before = cache.clone()
+        own.replay()
+        for k, v, s in sets:
+            reference.write_kv(k, v, before, s, spec, validate=False, **scales)
+        torch.cuda.synchronize()
+        ints = torch.int8 if spec.itemsize == 1 else torch.int16
+        bad = int((cache.view(ints) != before.view(ints)).sum())
+        if bad:
+            raise SystemExit(f"MISMATCH: the primed write_kv graph differs from "
+                             f"fkv.ops.reference.write_kv in {bad} elements ({name})")
+        del before
+    rounds: dict[tuple[str, str], list[float]] = {}
+    for _ in range(3):
+        for name, *_, own, engine in todo:
+            for what, graph in (("own", own), ("engine", engine)):
+                us = triton.testing.do_bench(graph.replay, rep=rep, return_mode="median") * 1e3
+                rounds.setdefault((name, what), []).append(us / GRAPH_CALLS)
+    return {name: {"graph_per_call_primed_us": statistics.median(rounds[name, "own"]),
+                   "engine_graph_per_call_primed_us": statistics.median(rounds[name, "engine"]),
+                   "primed_rounds_us": rounds[name, "own"],
+                   "engine_primed_rounds_us": rounds[name, "engine"]}
+            for name, *_ in todo}
+
+
+def _primed_child(request: str) -> None:
+    """Child-process entry of :func:`primed_decode`: ``request`` is JSON ``{"names", "shape",
+    "rep"}``; the answer is one JSON line on stdout, prefixed ``PRIMED ``."""
+    import json
+
+    req = json.loads(request)
+    out = primed_decode(req["names"], Shape(**{k: tuple(v) if isinstance(v, list) else v
+                                               for k, v in req["shape"].items()}), req["rep"])
+    print("PRIMED " + json.dumps(out), flush=True)
+
+
+def _run_primed(cases: list[Case], shape: Shape, rep: int) -> None:
+    """:func:`primed_decode` for the decode cases of ``cases`` in a fresh process (whose first
+    graph capture is the primer's); its figures go into each case's ``extra``, or
+    ``primed_error`` when the child failed."""
+    import json
+    import subprocess
+
+    decode = [c for c in cases if c.kind == "decode"]
+    if not decode:
+        return
+    request = json.dumps({"names": [c.name for c in decode], "shape": asdict(shape), "rep": rep})
+    code = f"from fkv.bench.write import _primed_child; _primed_child({request!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PRIMED ")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        error = f"child exited {proc.returncode}: {' | '.join(tail)}"
+        print(f"  primed decode graphs: {error}", file=sys.stderr, flush=True)
+        for c in decode:
+            c.extra["primed_error"] = error
+        return
+    found = json.loads(lines[-1][len("PRIMED "):])
+    for c in decode:
+        c.extra.update(found[c.name])
+        print(f"  {c.name}: primed graph {found[c.name]['graph_per_call_primed_us']:.2f} us "
+              f"per call (engine-style "
+              f"{found[c.name]['engine_graph_per_call_primed_us']:.2f})", flush=True)
 
 
 def _decode_graph_variants(kernel_call, pdl_call, sets: list, rep: int, device: str
@@ -416,7 +541,11 @@ def _table(cases: list[Case], ceiling: float) -> str:
         dec = f"eager {e['eager_us']:.1f} (torch {e['baseline_eager_us']:.1f}), kernel {e['kernel_us']:.1f}"
         if "graph1_us" in e:
             dec += (f", graph {e['graph1_us']:.1f}, per call in a graph "
-                    f"{e['graph_per_call_us']:.2f}")
+                    f"{e['graph_per_call_us']:.2f} (engine-style "
+                    f"{e['engine_graph_per_call_us']:.2f})")
+        if "graph_per_call_primed_us" in e:
+            dec += (f", primed {e['graph_per_call_primed_us']:.2f} (engine-style "
+                    f"{e['engine_graph_per_call_primed_us']:.2f})")
         if "graph_per_call_pdl_us" in e:
             dec += (f" (pdl {e['graph_per_call_pdl_us']:.2f}; one input set "
                     f"{e['graph_per_call_warm_us']:.2f}, pdl {e['graph_per_call_warm_pdl_us']:.2f};"
@@ -458,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     host = _host_profile(device) if args.host_profile else {}
     ceiling = copy_ceiling_gbps(rep, device, ceiling_bytes)
     cases = [c for c in _cases(shape, args.quick) if args.only in c.name]
+    if device == "cuda":
+        _run_primed(cases, shape, rep)
     for case in cases:
         _run_case(case, shape, ceiling, rep, device)
         print(f"  {case.name}: {case.gbps:.0f} GB/s ({case.pct_of_copy:.1f}% of copy, "
@@ -481,7 +612,8 @@ _METRICS = ("ms", "gbps", "pct_of_copy", "baseline_ms", "baseline_gbps")
 _EXTRA_METRICS = ("kernel_us", "eager_us", "eager_gbps", "baseline_eager_us", "graph1_us",
                   "graph_per_call_us", "baseline_graph_per_call_us", "graph_per_call_pdl_us",
                   "graph_per_call_warm_us", "graph_per_call_warm_pdl_us", "plain_kernel_us",
-                  "after_plain_us", "after_plain_pdl_us")
+                  "after_plain_us", "after_plain_pdl_us", "engine_graph_per_call_us",
+                  "graph_per_call_primed_us", "engine_graph_per_call_primed_us")
 
 
 def to_run(cases: list[Case], shape: Shape, ceiling: float, device: str,
