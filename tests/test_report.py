@@ -435,3 +435,40 @@ def test_a_row_whose_cases_carry_no_figure_renders_dashes_and_no_verdict() -> No
         f"first contact not measured | {link} |",
         "| plan.segments | 100k blocks (CPU, numpy), random and contiguous ids (1 of 14 cases "
         f"measured) | - ms | per-row Python loop -x slower |  | <= 20 ms | {link} |"]
+
+
+def test_a_newer_run_on_another_gpu_never_replaces_the_h200s_in_the_kernel_tables() -> None:
+    """The targets are an H200's: an H100 run shows in ``other-gpus``, and in the kernel tables
+    only for a case the H200 never ran."""
+    h200 = _file("write", "2026-01-01T00:00:00Z", {
+        f"prefill 65536 {lay} bfloat16": {"gbps": 3700.0, "baseline_gbps": 700.0,
+                                          "speedup_x": 5.3, "pct_of_copy": 88.0}
+        for lay in ("NHD", "HND")}, env={"gpu": "NVIDIA H200"}, ceilings={"copy_gbps": 4200})
+    h100 = _file("write", "2026-02-01T00:00:00Z", {
+        **{f"prefill 65536 {lay} bfloat16": {"gbps": 2900.0, "baseline_gbps": 600.0,
+                                             "speedup_x": 4.8, "pct_of_copy": 96.0}
+           for lay in ("NHD", "HND")},
+        "prefill 8192 NHD bfloat16": {"gbps": 2600.0, "baseline_gbps": 500.0, "speedup_x": 5.2,
+                                      "pct_of_copy": 86.0}},
+        env={"gpu": "NVIDIA H100 80GB HBM3"}, ceilings={"copy_gbps": 3000})
+    out = report.sections([h100, h200], plots=None)
+    w = out["write"].splitlines()
+    assert w[2] == ("| write_kv | prefill 65536 tokens, NHD / HND | 3700 / 3700 GB/s | torch "
+                    "index_put_ 700 / 700 GB/s (5.3 / 5.3x) | 88 / 88% of copy (4200 GB/s) | "
+                    ">= 3600 GB/s, met | [NVIDIA H200, 2026-01-01](bench/results/"
+                    "write-20260101T000000Z.json) |")
+    assert w[3] == ("| write_kv | prefill 8192 tokens, NHD / HND (1 of 2 cases measured) | 2600 "
+                    "GB/s | torch index_put_ 500 GB/s (5.2x) | 86% of copy (3000 GB/s) | >= 2500 "
+                    "GB/s, met | [NVIDIA H100 80GB HBM3, 2026-02-01](bench/results/"
+                    "write-20260201T000000Z.json) |")
+    link = "[NVIDIA H100 80GB HBM3, 2026-02-01](bench/results/write-20260201T000000Z.json)"
+    assert out["other-gpus"] == "\n".join([
+        "**NVIDIA H100 80GB HBM3** (the targets are the NVIDIA H200's, shown for reference)",
+        "", report.KERNEL_HEAD,
+        "| write_kv | prefill 65536 tokens, NHD / HND | 2900 / 2900 GB/s | torch index_put_ 600 / "
+        f"600 GB/s (4.8 / 4.8x) | 96 / 96% of copy (3000 GB/s) | >= 3600 GB/s, **missed** | {link} |",
+        "| write_kv | prefill 8192 tokens, NHD / HND (1 of 2 cases measured) | 2600 GB/s | torch "
+        "index_put_ 500 GB/s (5.2x) | 86% of copy (3000 GB/s) | >= 2500 GB/s, met | "
+        f"{link} |"])
+    assert report.sections([h200], plots=None)["other-gpus"] == (
+        "No kernel run on a GPU other than the NVIDIA H200 is committed.")

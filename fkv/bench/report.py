@@ -33,6 +33,11 @@ END = "<!-- /fkv-report -->"
 KERNEL_HEAD = ("| op | case | fkv | same-run baseline | of the same-run ceiling | target | run |\n"
                "|---|---|---|---|---|---|---|")
 PLOTTED = ("write", "convert", "attention", "plan", "transfer")
+# The kernel targets are an H200's: in the kernel tables a case measured on it is shown from its
+# newest run there, even when a run on another GPU is newer; runs on other GPUs render in the
+# ``other-gpus`` section (and fill the kernel tables only for cases never run on the H200).
+TARGET_GPU = "NVIDIA H200"
+GPU_BENCHES = ("write", "convert", "attention")
 
 # (fkv, baseline, ceiling, verdict): verdict True/False = target met/missed, None = not judged,
 # a str = a verdict of its own (e.g. two halves of a target).
@@ -281,6 +286,29 @@ def _kernel_row(row: Row, latest: dict, prefix: str, names: Mapping[int, str]) -
     return f"| {row.op} | {label} | {fkv} | {base} | {ceiling} | {target} | {run} |"
 
 
+def _on_target(f: ResultFile) -> bool:
+    """Not a GPU kernel run, or one on ``TARGET_GPU``."""
+    return f.bench not in GPU_BENCHES or f.env.get("gpu") == TARGET_GPU
+
+
+def _other_gpus(files: list[ResultFile], prefix: str, names: Mapping[int, str]) -> str:
+    """The kernel rows measured on GPUs other than ``TARGET_GPU``, one table per GPU (newest
+    run of each case on that GPU; rows with no case measured there are left out)."""
+    others = sorted({str(f.env.get("gpu")) for f in files if not _on_target(f)})
+    if not others:
+        return f"No kernel run on a GPU other than the {TARGET_GPU} is committed."
+    parts = []
+    for gpu in others:
+        latest = results.latest_cases([f for f in files if not _on_target(f)
+                                       and str(f.env.get("gpu")) == gpu])
+        rows = [_kernel_row(r, latest, prefix, names) for rows in KERNEL_ROWS.values()
+                for r in rows if r.bench in GPU_BENCHES
+                and any((r.bench, c) in latest for c in r.cases)]
+        parts.append(f"**{gpu}** (the targets are the {TARGET_GPU}'s, shown for reference)\n\n"
+                     + "\n".join([KERNEL_HEAD] + rows))
+    return "\n\n".join(parts)
+
+
 def _transfer(files: list[ResultFile], prefix: str, names: Mapping[int, str]) -> str:
     runs = [f for f in files if f.bench == "transfer"]
     head = ("| case | path | request | GB/s | ratios (same run) | run |\n"
@@ -334,12 +362,14 @@ def sections(files: list[ResultFile], prefix: str = "bench/results/",
     ``names`` maps ``id(file)`` to its file name when it is not the default one."""
     names = names or {}
     files = sorted(_usable(files), key=lambda f: f.created)
-    latest = results.latest_cases(files)
+    latest = results.latest_cases(files) | results.latest_cases(
+        [f for f in files if f.bench in GPU_BENCHES and f.env.get("gpu") == TARGET_GPU])
     out = {}
     for name, rows in KERNEL_ROWS.items():
         out[name] = "\n".join([KERNEL_HEAD] + [_kernel_row(r, latest, prefix, names) for r in rows])
     out["standing"] = "\n".join([KERNEL_HEAD] + [_kernel_row(r, latest, prefix, names)
                                                  for rows in KERNEL_ROWS.values() for r in rows])
+    out["other-gpus"] = _other_gpus(files, prefix, names)
     out["transfer"] = _transfer(files, prefix, names)
     out["tests"] = _tests(files, prefix, names)
     if plots is not None:
