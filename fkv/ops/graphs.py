@@ -13,10 +13,16 @@ launch before the process captures its graphs, then launched once after they wer
         ...capture the decode graphs (torch.cuda.graph)...
     # the primer has been launched once; replay the graphs as usual
 
-Measured (bench/results/raw/graph-recipe-20261205T0420/): 40 graphs of 32 decode writes on one
-pool, as an engine captures them, replayed at 2.44-2.46 us per write without the primer and
-2.09-2.11 us with it (two fresh processes each). A primer entered after other graphs had been
-captured did not help in an earlier experiment (``graph_prime.py``, 2026-12-04).
+Measured on the H200 (bench/results/raw/graph-recipe-20261205T0420/): 40 graphs of 32 decode
+writes on one pool, as an engine captures them, replayed at 2.44-2.46 us per write without the
+primer and 2.09-2.11 us with it (two fresh processes each). On an H100 (80GB HBM3, same driver)
+``fkv bench write`` captures its decode graphs inside one primer in a child process: 2.21-2.28 us
+per write against 2.57-2.62 in its usual state (bench/results/write-20261205T054338Z.json).
+Capture every graph inside one block: on that H100, three captures each inside a primer of its
+own gave two fast graphs and a slow third (2.27, 2.27, 2.64 us), while a primer entered after
+two other graphs had been captured and dropped still gave 40 fast ones (2.27-2.28 us;
+bench/results/raw/graph-primer-late-20261205T0543/); on the H200 a primer entered late did not
+help in an earlier, different experiment (``graph_prime.py``, 2026-12-04).
 
 Why the driver behaves so is not known; the recipe is measured, not documented by NVIDIA, so
 check it on your GPU (``bench/experiments/graph_state.py``) before relying on it. The primer
