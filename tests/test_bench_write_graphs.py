@@ -131,3 +131,25 @@ def test_a_primed_graph_that_writes_one_wrong_element_stops_the_bench(
                                          r"([1-9]|[12][0-9]|3[0-2]) elements "
                                          r"\(decode 16 NHD bfloat16\)$"):
         write.primed_decode(["decode 16 NHD bfloat16"], SMALL, rep=5)
+
+
+def test_wrong_bytes_in_the_primed_child_stop_the_bench_with_its_message(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    line = ("MISMATCH: the primed write_kv graph differs from fkv.ops.reference.write_kv in 3 "
+            "elements (decode 16 NHD bfloat16)")
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: subprocess.CompletedProcess(
+        args, 1, "", f"Traceback (most recent call last):\n{line}\n"))
+    with pytest.raises(SystemExit) as stopped:
+        write._run_primed(_decode_cases(), SMALL, rep=1)
+    assert stopped.value.code == line
+
+
+def test_a_primed_child_that_never_answers_is_named_timed_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def hang(args: list[str], **kw: object) -> subprocess.CompletedProcess:
+        raise subprocess.TimeoutExpired(args, kw["timeout"])  # type: ignore[arg-type]
+
+    monkeypatch.setattr(subprocess, "run", hang)
+    cases = _decode_cases()
+    write._run_primed(cases, SMALL, rep=1)
+    assert cases[0].extra == {"primed_error": "child timed out: no answer in 900 s"}

@@ -235,6 +235,7 @@ def _run_case(case: Case, shape: Shape, ceiling: float, rep: int, device: str = 
 
 
 GRAPH_CALLS = 32  # decode calls per timed graph (input sets rotate through them)
+PRIMED_TIMEOUT_S = 900  # the primed child's whole run (compiles, captures, checks, timings)
 
 
 def _decode_setup(case: Case, shape: Shape, device: str) -> tuple[Any, Any, list, dict]:
@@ -334,12 +335,19 @@ def _run_primed(cases: list[Case], shape: Shape, rep: int) -> None:
         return
     request = json.dumps({"names": [c.name for c in decode], "shape": asdict(shape), "rep": rep})
     code = f"from fkv.bench.write import _primed_child; _primed_child({request!r})"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=900)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=PRIMED_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc = subprocess.CompletedProcess([], None, "", f"no answer in {PRIMED_TIMEOUT_S} s")
+    mismatch = [line for line in proc.stderr.splitlines() if line.startswith("MISMATCH: ")]
+    if mismatch:  # wrong bytes stop the bench, as in the parent's own checks
+        raise SystemExit(mismatch[-1])
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PRIMED ")]
     if proc.returncode or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        error = f"child exited {proc.returncode}: {' | '.join(tail)}"
+        exited = "timed out" if proc.returncode is None else f"exited {proc.returncode}"
+        error = f"child {exited}: {' | '.join(tail)}"
         print(f"  primed decode graphs: {error}", file=sys.stderr, flush=True)
         for c in decode:
             c.extra["primed_error"] = error
