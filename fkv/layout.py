@@ -544,6 +544,35 @@ def fewest_contiguous_atoms(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[st
 
     if fits():  # nothing split: the usual answer, before any sorting
         return (), 1
+    # Every split that works on a side splits at least the named axes of extent > 1 outside
+    # the side's innermost axis that is not whole (splitting an axis further in only moves that
+    # point inwards), so every answer holds their union: when the union alone works, it is the
+    # answer (the fewest atoms; a larger split of as many atoms has more axes).
+    must = set()
+    for span in (first, *others):
+        outside = False
+        for axis, size, _stride in span:
+            extent = ext.get(axis, 1 if axis in ("L", "B") else size)
+            if outside and extent != 1:
+                if axis not in ext:  # an axis no split can shrink: only the search decides
+                    must = set()
+                    break
+                must.add(axis)
+            if extent != size:
+                outside = True
+        else:
+            continue
+        break
+    if must:
+        for axis in must:
+            ext[axis] = 1
+        if fits():
+            subset = [i for i, a in enumerate(names) if a in must]
+            count = 1
+            for i in subset:
+                count *= sizes[i]
+            return tuple(names[i] for i in subset), count
+        ext.update(full)
     subsets = _SUBSETS[len(names)]
     candidates = []
     for k, subset in enumerate(subsets):
