@@ -5,8 +5,11 @@ untrusted peers, and ZMQ CURVE with a client allow-list."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pathlib
+import select
+import selectors
 import socket
 import struct
 import subprocess
@@ -628,3 +631,276 @@ def test_frame_server_a_sent_reply_restarts_the_idle_clock(monkeypatch):
         clock.now += 0.6
         server.poll(0.01)
         assert (server.stats()["connections"], server.stats()["closed_idle"]) == (0, 1)
+
+
+# -- holes found by mutation (second pass) ------------------------------------------------------------
+
+class _Sized(bytes):
+    """Empty bytes that report a length of ``n``: a 4 GiB payload without allocating it."""
+
+    n: int
+
+    def __new__(cls, n: int) -> _Sized:
+        self = super().__new__(cls)
+        self.n = n
+        return self
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_encode_frame_takes_a_u32_length_and_refuses_4_gib():
+    assert S.encode_frame(b"") == b"\0\0\0\0"
+    assert S.encode_frame(_Sized((1 << 32) - 1)) == b"\xff\xff\xff\xff"
+    with pytest.raises(S.FkvError) as e:
+        S.encode_frame(_Sized(1 << 32))
+    assert str(e.value) == "'payload' must be shorter than 4 GiB (got '<4294967296 bytes>')"
+
+
+@pytest.mark.parametrize(("address", "shown"), [
+    (None, "<NoneType>"), (5555, "<int>"), (b"tcp://127.0.0.1:1", "<bytes>"),
+    ("tcp://" + "a" * 291 + "!:1", "tcp://" + "a" * 291 + "!:1"),     # 300 characters: shown
+    ("tcp://" + "a" * 292 + "!:1", "<str>"),                           # 301: not shown
+])
+def test_split_address_shows_the_value_only_when_short(address, shown):
+    with pytest.raises(S.FkvError) as e:
+        S._split_address(address)
+    assert str(e.value) == ("'address' must be a 'tcp://host:port' str (host: a name or IPv4 "
+                            f"address, or an IPv6 address in brackets) (got {shown!r})")
+
+
+def test_split_address_pattern_boundaries():
+    """IPv6 in brackets: 2 to 45 characters; labels: no hyphen at either end; ports: 1 to 5
+    digits (a 5-digit port over 65535 is refused by the range check, a 6-digit one by the
+    pattern); nothing after the port, not even a newline."""
+    v6 = "1" * 45
+    assert S._split_address(f"tcp://[{v6}]:1") == (v6, 1)
+    assert S._split_address("tcp://[::]:1") == ("::", 1)
+    assert S._split_address("tcp://a-b.c-d:0") == ("a-b.c-d", 0)
+    for bad in (f"tcp://[{v6}1]:1", "tcp://[:]:1", "tcp://a:123456", "tcp://a.b-:1",
+                "tcp://a-.b:1", "tcp://a.-b:1", "tcp://a:1\n", "tcp://" + "a" * 64 + ":1"):
+        with pytest.raises(S.FkvError, match="'address' must be a 'tcp://host:port' str"):
+            S._split_address(bad)
+    with pytest.raises(S.FkvError, match=r"'address' must be a port in \[0, 65535\]"):
+        S._split_address("tcp://a-b.c-d:99999")
+
+
+def test_frame_server_serves_an_ipv6_address():
+    with S.FrameServer("tcp://[::1]:0", max_frame=100) as server:
+        host, port = S._split_address(server.address)
+        assert server.address == f"tcp://[::1]:{port}" and host == "::1"
+        with socket.create_connection(("::1", port), timeout=2) as c:
+            c.sendall(S.encode_frame(b"six"))
+            ((conn, request),) = _poll_until(server, lambda s: s["requests"] == 1)
+            assert request == b"six" and server.reply(conn, b"ok") is True
+            assert S.FrameDecoder().feed(c.recv(100)) == [b"ok"]
+
+
+def test_frame_server_names_an_address_it_cannot_bind():
+    with S.FrameServer() as taken:
+        fds = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(S.FkvError) as e:
+            S.FrameServer(taken.address)
+        assert len(os.listdir("/proc/self/fd")) == fds   # the socket that could not bind: closed
+    assert str(e.value) == (f"'address' must be an address to bind ([Errno {errno.EADDRINUSE}] "
+                            f"{os.strerror(errno.EADDRINUSE)}) (got {taken.address!r})")
+
+
+def _reset(c: socket.socket) -> None:
+    """Close ``c`` with a TCP reset (SO_LINGER 0) instead of a FIN."""
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    c.close()
+
+
+def test_frame_server_counts_each_way_a_connection_ends():
+    """A FIN and a reset are ``closed_by_peer`` (a reset is not an error out of ``poll``), a
+    header over ``max_frame`` is ``closed_oversize``; every connection was ``accepted``."""
+    with S.FrameServer(max_frame=10) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        fin, rst, big = (socket.create_connection((host, int(port)), timeout=2)
+                         for _ in range(3))
+        _poll_until(server, lambda s: s["accepted"] == 3)
+        fin.close()
+        _reset(rst)
+        big.sendall((11).to_bytes(4, "big"))
+        _poll_until(server, lambda s: not s["connections"])
+        s = server.stats()
+        assert (s["accepted"], s["closed_by_peer"], s["closed_oversize"], s["connections"]) == \
+            (3, 2, 1, 0)
+        big.close()
+
+
+def test_frame_server_a_reply_to_a_reset_peer_closes_its_connection():
+    with S.FrameServer(max_frame=100) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        c = socket.create_connection((host, int(port)), timeout=2)
+        c.sendall(S.encode_frame(b"q"))
+        ((conn, _),) = _poll_until(server, lambda s: s["requests"] == 1)
+        _reset(c)
+        assert server.reply(conn, b"a") is True   # it was there when asked; the send failed
+        s = server.stats()
+        assert (s["replies"], s["closed_by_peer"], s["connections"]) == (1, 1, 0)
+        assert server.reply(conn, b"a") is False
+
+
+def test_frame_server_a_reply_larger_than_the_socket_buffers_goes_out_whole():
+    """A reply the socket cannot take at once stays pending, leaves as the peer reads (the
+    server watches the connection for writing), and the connection is read again after."""
+    payload = bytes(range(256)) * (32 << 10)   # 8 MiB
+    with S.FrameServer(max_frame=len(payload)) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        with socket.socket() as c:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            c.connect((host, int(port)))
+            c.sendall(S.encode_frame(b"big?"))
+            ((conn, _),) = _poll_until(server, lambda s: s["requests"] == 1)
+            assert server.reply(conn, payload) is True
+            assert server._conns[conn].out                 # did not fit: pending
+            c.setblocking(False)
+            decoder, got = S.FrameDecoder(max_frame=len(payload)), []
+            for _ in range(100_000):
+                assert server.poll(0) == []
+                with contextlib.suppress(BlockingIOError):
+                    got += decoder.feed(c.recv(1 << 20))
+                if got:
+                    break
+            assert got == [payload] and not server._conns[conn].out
+            c.setblocking(True)
+            c.sendall(S.encode_frame(b"next"))
+            assert _poll_until(server, lambda s: s["requests"] == 2) == [(conn, b"next")]
+
+
+def test_frame_server_watches_a_connection_only_when_it_may_act():
+    """Not at all while its request is out (a parked request costs no wake-ups), for writing
+    only while its reply is pending (a peer that never reads is not read either), for reading
+    after."""
+    with S.FrameServer(max_frame=8 << 20) as server:
+        host, port = server.address[6:].rsplit(":", 1)
+        with socket.socket() as c:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            c.connect((host, int(port)))
+            _poll_until(server, lambda s: s["accepted"] == 1)
+            (sock,) = (conn.sock for conn in server._conns.values())
+            assert server._sel.get_key(sock).events == selectors.EVENT_READ
+            c.sendall(S.encode_frame(b"q"))
+            _poll_until(server, lambda s: s["requests"] == 1)
+            with pytest.raises(KeyError):
+                server._sel.get_key(sock)
+            assert server.reply(1, b"\0" * (8 << 20)) is True
+            assert server._sel.get_key(sock).events == selectors.EVENT_WRITE
+
+
+def test_frame_server_reading_a_frame_is_progress_for_the_idle_clock(monkeypatch):
+    """A frame arriving a byte every 0.75 s with ``idle_timeout=1``: not idle (each byte is
+    progress), and not slow before ``frame_timeout``."""
+    with _clocked(monkeypatch, idle_timeout=1, frame_timeout=100) as (clock, server, c):
+        c.sendall((50).to_bytes(4, "big"))
+        _poll_until(server, lambda s: s["reserved"] == 50)
+        for sent in range(1, 5):
+            clock.now += 0.75
+            c.sendall(b"a")
+            _poll_until(server, lambda s, n=sent: s["buffered"] == n or not s["connections"])
+        s = server.stats()
+        assert (s["connections"], s["buffered"], s["closed_idle"]) == (1, 4, 0)
+
+
+def test_frame_server_deadlines_are_exclusive(monkeypatch):
+    """A connection is closed once *more* than ``frame_timeout`` (a frame in progress) or
+    ``idle_timeout`` (none) passed: at exactly the limit it stays."""
+    with _clocked(monkeypatch, idle_timeout=4, frame_timeout=2) as (clock, server, c):
+        c.sendall((50).to_bytes(4, "big"))
+        _poll_until(server, lambda s: s["reserved"] == 50)
+        clock.now += 2
+        server.poll(0)
+        assert server.stats()["connections"] == 1
+        clock.now += 0.5
+        server.poll(0)
+        assert (server.stats()["connections"], server.stats()["closed_slow"]) == (0, 1)
+    with _clocked(monkeypatch, idle_timeout=4, frame_timeout=2) as (clock, server, c):
+        _poll_until(server, lambda s: s["accepted"] == 1)
+        clock.now += 4
+        server.poll(0)
+        assert server.stats()["connections"] == 1
+        clock.now += 0.5
+        server.poll(0)
+        assert (server.stats()["connections"], server.stats()["closed_idle"]) == (0, 1)
+
+
+def test_waker_drops_extra_wake_ups_and_drains():
+    """Wake-ups past what the socket pair buffers (a few hundred) are dropped, not raised; a
+    drain empties it; after close a wake-up is a no-op; ``poll`` drains its waker."""
+    w = S.Waker()
+    try:
+        for _ in range(2000):
+            w.wake()
+        assert select.select([w.sock], [], [], 0)[0] == [w.sock]
+        w.drain()
+        assert select.select([w.sock], [], [], 0)[0] == []
+        w.drain()                                    # nothing pending: returns
+    finally:
+        w.close()
+    w.wake()
+    with S.FrameServer() as server:
+        server.wake()
+        assert server.poll(10) == []
+        assert select.select([server._waker.sock], [], [], 0)[0] == []
+
+
+def test_frame_client_errors_name_the_address_and_close_the_socket():
+    with socket.socket() as bound:                  # bound, not listening: refused
+        bound.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{bound.getsockname()[1]}"
+        with pytest.raises(S.SideLimitError) as e:
+            S.FrameClient(address, timeout=2)
+    assert str(e.value) == f"could not reach the side channel at {address}: Connection refused"
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        client = S.FrameClient(address, timeout=2)
+        _reset(listener.accept()[0])
+        with pytest.raises(S.SideLimitError) as e:
+            client.request(b"hi", timeout=2)
+        assert str(e.value) == f"the side channel at {address} dropped the connection"
+        assert client._sock.fileno() == -1
+        for timeout, sent in ((0.1, b""), (2, S.encode_frame(b"x" * 5))):
+            client = S.FrameClient(address, timeout=2, max_frame=4)
+            conn = listener.accept()[0]
+            conn.sendall(sent)                       # nothing, or a reply over max_frame
+            with pytest.raises(S.SideLimitError):
+                client.request(b"hi", timeout=timeout)
+            assert client._sock.fileno() == -1
+            conn.close()
+
+
+class _Ticking:
+    """A monotonic clock one second later at each reading."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        self.now += 1
+        return self.now
+
+
+def test_frame_request_bounds_the_whole_call(monkeypatch):
+    """The time connecting took is taken from the request's; a deadline reached exactly is
+    a timeout (the clock moves 1 s per reading: 1 s left after connecting, 0 at the first
+    receive)."""
+    monkeypatch.setattr(S, "time", _Ticking())
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(S.SideLimitError) as e:
+            S.frame_request(address, b"hi", timeout=2)
+        assert str(e.value) == f"no answer from the side channel at {address} within 1 s"
+
+
+def test_frame_client_reads_no_further_than_its_reply():
+    """A server that follows its reply with a header announcing 2 GiB: the reply is returned,
+    the header never read (the client reads the frame in progress only)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        with S.FrameClient(address, timeout=2, max_frame=100) as client:
+            conn = listener.accept()[0]
+            conn.sendall(S.encode_frame(b"ok") + (1 << 31).to_bytes(4, "big"))
+            assert client.request(b"hi", timeout=2) == b"ok"
+            conn.close()
