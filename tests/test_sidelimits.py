@@ -904,3 +904,18 @@ def test_frame_client_reads_no_further_than_its_reply():
             conn.sendall(S.encode_frame(b"ok") + (1 << 31).to_bytes(4, "big"))
             assert client.request(b"hi", timeout=2) == b"ok"
             conn.close()
+
+
+@pytest.mark.parametrize("address", ["tcp://[..]:1", "tcp://[1..2]:1", "tcp://[.:]:1"])
+def test_frame_client_an_address_the_resolver_refuses_is_a_side_limit_error(address):
+    """Dots and colons in brackets pass the address pattern (and the wire's) but the resolver's
+    IDNA codec refuses them with a UnicodeError: a SideLimitError naming the address (before:
+    AttributeError, a UnicodeError has no ``strerror``)."""
+    host, port = S._split_address(address)
+    with pytest.raises(UnicodeError) as codec:
+        socket.getaddrinfo(host, port)
+    with pytest.raises(S.SideLimitError) as e:
+        S.FrameClient(address, timeout=1)
+    assert str(e.value) == f"could not reach the side channel at {address}: {codec.value}"
+    with pytest.raises(S.SideLimitError, match="could not reach the side channel"):
+        S.frame_request(address, b"hi", timeout=1)

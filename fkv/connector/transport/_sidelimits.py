@@ -137,8 +137,9 @@ class FrameDecoder:
 #: A side-channel address: ``tcp://`` then a host name or IPv4 address (labels of 1-63 letters,
 #: digits and inner hyphens), or an IPv6 address in brackets, then ``:`` and a decimal port. An
 #: address comes from peers (a rank's published entry), so nothing else reaches the resolver
-#: (a 64-character label, say, raised UnicodeError from the IDNA codec there). Unanchored: the
-#: wire's ``_side._Address`` embeds it too.
+#: (a 64-character label, say, raised UnicodeError from the IDNA codec there; brackets of dots and
+#: colons, ``[..]``, still reach it and get that UnicodeError, which :class:`FrameClient` reports
+#: as a :class:`SideLimitError`). Unanchored: the wire's ``_side._Address`` embeds it too.
 ADDRESS_PATTERN = (r"tcp://(?:\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}"
                    r"[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*)"
                    r":[0-9]{1,5}")
@@ -453,8 +454,9 @@ class FrameClient:
         try:
             self._sock = socket.create_connection((host, port), timeout=max(0.001, timeout))
         except (OSError, ValueError) as e:  # ValueError: UnicodeError from the resolver too
+            reason = getattr(e, "strerror", None) or e  # a ValueError has no strerror
             raise SideLimitError(f"could not reach the side channel at {address}: "
-                                 f"{e.strerror or e}") from None
+                                 f"{reason}") from None
         self._decoder = FrameDecoder(max_frame=max_frame)
 
     def request(self, payload: bytes, *, timeout: float) -> bytes:
