@@ -919,3 +919,19 @@ def test_frame_client_an_address_the_resolver_refuses_is_a_side_limit_error(addr
     assert str(e.value) == f"could not reach the side channel at {address}: {codec.value}"
     with pytest.raises(S.SideLimitError, match="could not reach the side channel"):
         S.frame_request(address, b"hi", timeout=1)
+
+
+def test_frame_client_checks_max_frame_before_connecting():
+    """A bad ``max_frame`` is refused before a connection is opened (before: the connection was
+    made, then left open to the server until garbage collection)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        for bad in (0, True):
+            with pytest.raises(S.FkvError) as e:
+                S.FrameClient(address, timeout=2, max_frame=bad)
+            assert str(e.value) == f"'max_frame' must be a positive int (bytes) (got {bad!r})"
+            with pytest.raises(S.FkvError):
+                S.frame_request(address, b"hi", timeout=2, max_frame=bad)
+        with pytest.raises(BlockingIOError):
+            listener.accept()                        # no connection was ever opened

@@ -451,13 +451,13 @@ class FrameClient:
     def __init__(self, address: str, *, timeout: float, max_frame: int = MAX_FRAME) -> None:
         host, port = _split_address(address)
         self.address, self.max_frame = address, max_frame
+        self._decoder = FrameDecoder(max_frame=max_frame)  # checks max_frame before connecting
         try:
             self._sock = socket.create_connection((host, port), timeout=max(0.001, timeout))
         except (OSError, ValueError) as e:  # ValueError: UnicodeError from the resolver too
             reason = getattr(e, "strerror", None) or e  # a ValueError has no strerror
             raise SideLimitError(f"could not reach the side channel at {address}: "
                                  f"{reason}") from None
-        self._decoder = FrameDecoder(max_frame=max_frame)
 
     def request(self, payload: bytes, *, timeout: float) -> bytes:
         deadline = time.monotonic() + timeout
