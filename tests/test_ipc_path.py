@@ -29,6 +29,10 @@ from fkv.errors import FkvError
 from fkv.ops import reference
 from fkv.ops.layers import LayerMove
 
+# the plan-path tests' caches of distinct finite values (pytest runs with --import-mode=importlib)
+sys.path.insert(0, os.path.dirname(__file__))
+from test_plan_path import _caches  # noqa: E402
+
 SPEC = fkv.KVCacheSpec(layout="HND", num_blocks=6, block_size=4, num_kv_heads=2, head_size=8,
                        num_layers=3)
 ONE = SPEC.evolve(num_kv_heads=1)  # one rank of a TP-2 prefill engine of SPEC's heads
@@ -83,8 +87,8 @@ class Rig:
                               (EngineDesc(engine_id="p", tp_size=ranks, tp_rank=0,
                                           total_num_kv_heads=total), remote)).plan
         self.remote, self.local = remote, local
-        self.theirs = [self._filled(remote, 100 + r) for r in range(ranks)]
-        self.mine = self._filled(local, 1)
+        self.theirs = [_caches(remote, 100 + r) for r in range(ranks)]
+        self.mine = _caches(local, 1)
         self.before = [t.clone() for t in self.mine]
         self.peers = []
         for r, caches in enumerate(self.theirs):
@@ -101,15 +105,6 @@ class Rig:
                                 mem_type="DRAM", device_id=3, device=device, agent=None,
                                 zctx=None, strategy="ipc", staging_bytes_max=0, pack_threshold=0)
         self._patch(monkeypatch)
-
-    @staticmethod
-    def _filled(spec: fkv.KVCacheSpec, seed: int) -> list[torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed)
-        caches = fkv.allocate(spec)
-        for layer in caches:
-            layer.view(torch.int16).copy_(torch.randint(0, 0x3F00, layer.shape, generator=gen,
-                                                        dtype=torch.int16))
-        return caches
 
     def _patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
         rig, log = self, self.log
