@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from fkv.demo.config import DemoConfig
-from fkv.demo.model import DemoModel, DenseKV, ModelConfig, head_ranges
+from fkv.demo.model import DemoModel, DenseKV, ModelConfig, _rms, head_ranges
 from fkv.demo.verify import compare_kv, compare_run
 from fkv.errors import FkvError
 
@@ -79,6 +80,117 @@ def test_tensor_parallel_ranks_reproduce_the_whole_model(tp):
         lo, hi = head_ranges(SMALL, tp, r)[1]
         torch.testing.assert_close(kvs[r].k[1], want_kv.k[1][:, lo:hi], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(kvs[r].v[1], want_kv.v[1][:, lo:hi], rtol=1e-5, atol=1e-5)
+
+
+def _textbook(model: DemoModel, tokens: torch.Tensor):
+    """The model's weights through a transformer written out step by step in float64: RMSNorm,
+    rotate-half RoPE (angle ``p * theta ** (-2i / D)``), causal attention per query head and
+    token over its group's KV head, SiLU-gated MLP. Returns the logits and each layer's K and V."""
+    cfg = model.cfg
+    D, H, Hk, T = cfg.head_size, cfg.num_q_heads, cfg.num_kv_heads, tokens.shape[0]
+    w = {name: t.double() for name, t in (("embed", model.embed), ("norm_f", model.norm_f),
+                                          ("lm_head", model.lm_head))}
+    freqs = torch.tensor([cfg.rope_theta ** (-2 * i / D) for i in range(D // 2)],
+                         dtype=torch.float64)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * freqs[None, :]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+
+    def rope(t):
+        a, b = t[..., : D // 2], t[..., D // 2:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    def rms(x, g):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * g
+
+    x = w["embed"][tokens]
+    ks, vs = [], []
+    for layer in model.layers:
+        lw = {name: t.double() for name, t in layer.items()}
+        h = rms(x, lw["norm1"])
+        q = rope((h @ lw["wq"]).view(T, H, D))
+        k = rope((h @ lw["wk"]).view(T, Hk, D))
+        v = (h @ lw["wv"]).view(T, Hk, D)
+        ks.append(k)
+        vs.append(v)
+        out = torch.zeros(T, H, D, dtype=torch.float64)
+        for head in range(H):
+            kh = head // (H // Hk)
+            for t in range(T):
+                scores = torch.stack([q[t, head] @ k[j, kh] for j in range(t + 1)]) / math.sqrt(D)
+                p = torch.softmax(scores, 0)
+                out[t, head] = sum(p[j] * v[j, kh] for j in range(t + 1))
+        x = x + out.reshape(T, H * D) @ lw["wo"]
+        h = rms(x, lw["norm2"])
+        gate = h @ lw["w_gate"]
+        x = x + (gate * torch.sigmoid(gate) * (h @ lw["w_up"])) @ lw["w_down"]
+    return rms(x, w["norm_f"]) @ w["lm_head"], ks, vs
+
+
+_TOKENS = torch.tensor([3, 17, 0, 31, 8, 8, 21])
+
+
+def test_model_is_the_transformer_its_docstring_describes():
+    model = DemoModel(SMALL)
+    kv = DenseKV(SMALL.num_layers, torch.float32)
+    logits = model.forward(_TOKENS, torch.arange(7), kv)
+    want, ks, vs = _textbook(model, _TOKENS)
+    assert logits.dtype == torch.float32 and logits.shape == (7, SMALL.vocab)
+    torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-5)
+    for i in range(SMALL.num_layers):  # K and V too: RoPE on absolute positions
+        torch.testing.assert_close(kv.k[i].double(), ks[i], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv.v[i].double(), vs[i], rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_keeps_a_zero_row_finite():
+    assert torch.equal(_rms(torch.zeros(2, 4), torch.ones(4)), torch.zeros(2, 4))
+    torch.testing.assert_close(_rms(torch.tensor([[3.0, 4.0]]), torch.tensor([1.0, 2.0])),
+                               torch.tensor([[3.0, 8.0]]) / math.sqrt(12.5 + 1e-6))
+
+
+def test_layer_callback_comes_after_the_layers_kv_is_written():
+    # --stream publishes a layer from this callback: its K/V must be in the cache by then.
+    seen = []
+    kv = DenseKV(SMALL.num_layers, torch.float32)
+    DemoModel(SMALL).forward(_TOKENS[:3], torch.arange(3), kv,
+                             on_layer=lambda i: seen.append((i, [k is not None for k in kv.k])))
+    assert seen == [(0, [True, False]), (1, [True, True])]
+
+
+def test_incremental_decode_matches_the_whole_sequence():
+    model = DemoModel(SMALL)
+    full_kv, kv = DenseKV(SMALL.num_layers, torch.float32), DenseKV(SMALL.num_layers, torch.float32)
+    want = model.forward(_TOKENS, torch.arange(7), full_kv)
+    got = [model.forward(_TOKENS[:4], torch.arange(4), kv)]
+    for p in (4, 5, 6):
+        got.append(model.forward(_TOKENS[p:p + 1], torch.tensor([p]), kv))
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
+    for layer in range(SMALL.num_layers):  # the cache keeps the tokens in position order
+        torch.testing.assert_close(kv.k[layer], full_kv.k[layer], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(kv.v[layer], full_kv.v[layer], rtol=1e-6, atol=1e-6)
+
+
+def test_dense_attention_rounds_q_k_v_and_its_output_to_the_cache_dtype():
+    # One KV head of 4 channels, two tokens. Query 1 is 1 + 2**-9 (1 in bfloat16) on key 0's
+    # channel and 1 on key 1's; key 0 is 1024.125 (1024 in bfloat16). Rounded, both scores are
+    # 1024 / sqrt(4) = 512 and the output is exactly half of each value; unrounded, key 0 would
+    # weigh more.
+    kv = DenseKV(1, torch.bfloat16)
+    q = torch.tensor([[[1.0, 0, 0, 0]], [[1 + 2**-9, 1.0, 0, 0]]])
+    k = torch.tensor([[[1024.0 + 2**-3, 0, 0, 0]], [[0, 1024.0, 0, 0]]])
+    v = torch.tensor([[[1.0, 0, 0, 0]], [[0, 1.0, 0, 0]]])
+    out = kv.attend(0, q, k, v, torch.arange(2))
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.tensor([[[1.0, 0, 0, 0]], [[0.5, 0.5, 0, 0]]],
+                                         dtype=torch.bfloat16))
+    assert torch.equal(kv.k[0], k.to(torch.bfloat16)) and torch.equal(kv.v[0], v.to(torch.bfloat16))
+
+
+def test_a_bfloat16_cache_gives_float32_logits_near_the_float32_ones():
+    model = DemoModel(SMALL)
+    want = model.forward(_TOKENS, torch.arange(7), DenseKV(SMALL.num_layers, torch.float32))
+    got = model.forward(_TOKENS, torch.arange(7), DenseKV(SMALL.num_layers, torch.bfloat16))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)  # verify.tolerance("bfloat16")
 
 
 # -- configuration --------------------------------------------------------------------------------
