@@ -485,3 +485,31 @@ def test_reporter_events_reach_the_loopback_collector_in_order_with_their_fields
         assert col.poll(0.01) == []
     finally:
         col.close()
+
+# -- bugs the audit found --------------------------------------------------------------------------
+
+@pytest.mark.transport
+@pytest.mark.interpreter
+def test_corrupt_damages_a_received_value_of_a_prompt_shorter_than_6_tokens(ranks_env, monkeypatch,
+                                                                             tmp_path):
+    # --corrupt adds 1 to token 5's K (layer 1, head 0, channel 3), the last prompt token's when
+    # the prompt is shorter: the KV the decode rank reports is the prefill's, exactly, but there.
+    # (It damaged token 5 whatever the prompt: `fkv demo --corrupt --tokens 4` passed with exit 0,
+    # nothing checked having changed, and with 1-token blocks the decode rank raised IndexError.)
+    cfg = attrs.evolve(CFG, tokens=3, corrupt=True)
+    pspec = cfg.spec("prefill")
+    prefill = _filled(pspec)
+    ev = _Events()
+    try:
+        with fkv.connector.serve(cfg.engine("prefill", 0), pspec, prefill) as server:
+            server.hold(REQUEST_ID, cfg.block_ids("prefill"))
+            _stdin(monkeypatch, {"address": server.address, "first_token": 1})
+            assert worker.main(ev.argv("decode", cfg, str(tmp_path))) == 0
+        ev.wait("decode", "exit")
+    finally:
+        ev.collector.close()
+    want = np.stack([token_major(c, pspec, cfg.block_ids("prefill"), num_tokens=3).numpy()
+                     for c in prefill])
+    diff = unpack_array(ev.wait("decode", "kv")["kv"]) - want
+    assert [tuple(int(i) for i in at) for at in np.argwhere(diff)] == [(1, 2, 0, 0, 3)]
+    assert diff[1, 2, 0, 0, 3] == 1.0  # layer 1, token 2, K, head 0, channel 3

@@ -247,11 +247,12 @@ def run_decode(cfg: DemoConfig, rank: int, workdir: str, rep: Reporter) -> int:
         go = json.loads(sys.stdin.readline())  # the first token, once the prefill finished
     if cfg.corrupt and rank == 0:
         # --corrupt: damage one received value to show the verification catches it.
-        # Token 5's K, head 0, channel 3 in layer 1 (a view in canonical axis order).
+        # Token 5's K (the last token's, of a shorter prompt), head 0, channel 3 in layer 1 (a
+        # view in canonical axis order).
         axes = spec.logical_axes
         canon = caches[1].permute(*[axes.index(a) for a in ("B", "N", "two", "H", "C")])
-        n = spec.block_size
-        canon[local_ids[5 // n], 5 % n, 0, 0, 3] += 1.0
+        n, tok = spec.block_size, min(5, cfg.tokens - 1)
+        canon[local_ids[tok // n], tok % n, 0, 0, 3] += 1.0
     heads = head_ranges(cfg.model, tp, rank)[1]
     dump = torch.stack([token_major(c, spec, local_ids, num_tokens=cfg.tokens) for c in caches])
     rep.send("kv", heads=list(heads), kv=pack_array(dump.float()))
