@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 import fkv.demo.run as demo_run
-from fkv.demo.channel import pack_array
+from fkv.demo.channel import Collector, Reporter, pack_array
 from fkv.demo.config import DemoConfig, ModelConfig
 from fkv.demo.run import _verdict, precheck, run_demo
 from fkv.demo.summary import print_summary, summary_dict
@@ -445,3 +445,42 @@ def test_stream_run_fails_when_the_non_streamed_read_differs_from_the_streamed_o
     assert v["kv_max_abs_diff"] == 0.0  # the figure stays the streamed KV against the reference
     state["transfers"][1]["plain_equal"] = True
     assert _verdict(cfg, state)["ok"] is True
+
+
+def test_drive_stops_as_soon_as_a_rank_reports_a_failed_exit():
+    # A decode rank whose read failed reports its transfer and exits 1 (worker.run_decode). The
+    # prefill rank, never notified, holds the request until its lease runs out (120 s): the run
+    # stops at once, naming the rank, instead of waiting for that (or for --timeout).
+    class Children:  # the ranks' processes: their events come from the reporters below
+        def start(self, role: str, rank: int) -> None:
+            pass
+
+        def tell(self, role: str, rank: int, message: dict) -> None:
+            pass
+
+        def failed(self) -> list:
+            return []
+
+        def running(self) -> bool:
+            return True
+
+    cfg = DemoConfig(decode_tp=1, tokens=3, new_tokens=3, timeout=5.0)
+    collector = Collector()
+    try:
+        reporters = {role: Reporter(collector.address, role, 0)
+                     for role in ("reference", "prefill", "decode")}
+        reporters["reference"].send("exit", code=0)
+        reporters["prefill"].send("prefilled", token=5, logits=pack_array(_LOGITS[0]))
+        reporters["prefill"].send("serving", address="tcp://127.0.0.1:1")
+        reporters["decode"].send("transferred", ok=False, bytes=0)
+        reporters["decode"].send("exit", code=1)
+        for r in reporters.values():
+            r.close()
+        state = {"transfers": {}, "kv": {}, "steps": {}, "ref_steps": {}, "errors": [],
+                 "exited_ok": set()}
+        demo_run._drive(cfg, Children(), collector, Console(file=io.StringIO()), state)
+    finally:
+        collector.close()
+    assert state["errors"] == [{"role": "decode", "rank": 0, "error": "exited with code 1",
+                                "log": None}]
+    assert state["exited_ok"] == {("reference", 0)} and not state["transfers"][0]["ok"]

@@ -178,6 +178,10 @@ def _drive(cfg: DemoConfig, children: _Children, collector: Collector, console: 
                     exited.add((role, rank))
                     if ev["code"] == 0:
                         state["exited_ok"].add((role, rank))
+                    else:  # a decode rank whose read failed: the prefill ranks wait for it
+                        state["errors"].append({"role": role, "rank": rank,
+                                                "error": f"exited with code {ev['code']}",
+                                                "log": None})
                 elif kind == "error":
                     exited.add((role, rank))
                     state["errors"].append({"role": role, "rank": rank, "error": ev["error"],
