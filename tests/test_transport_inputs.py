@@ -163,7 +163,7 @@ def test_hold_refuses_block_ids_that_are_not_this_ranks_blocks(block_ids: object
             server.hold("r1", block_ids)
         assert str(e.value) == message
         assert server.pending() == set() and server.layers_ready("r1") is None
-        server.hold("r1", [2, 5], lease=0.05)  # nothing of the refused hold was recorded
+        server.hold("r1", [2, 5], lease=60.0)  # nothing of the refused hold was recorded
         assert server.pending() == {"r1"}
         with pytest.raises(FkvError) as e:  # a renewal's ids are checked the same way
             server.hold("r1", block_ids)
