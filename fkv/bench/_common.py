@@ -117,7 +117,9 @@ def eager_us(fns: Sequence[Callable[[], Any]], device: str = "cuda", calls: int 
 def settle_graphs(count: int = 2) -> None:
     """Capture and drop ``count`` throwaway CUDA graphs. On the H200 the first two graphs a process
     captures replayed 32 decode writes 0.35 us per call faster than every graph captured after
-    them, for as long as they lived (clocks unchanged; bench/NOTES.md, 2026-12-02 tenth session):
+    them, for as long as they lived (clocks unchanged;
+    bench/results/raw/write-decode-state-*-exp-20261202T1117.json; bench/NOTES.md, 2026-12-02 tenth
+    session):
     a bench that captures these first times every graph of its run in the later, steady state."""
     import torch
 

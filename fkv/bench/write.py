@@ -439,7 +439,7 @@ def _sweep(shape: Shape, ceiling: float, rep: int, device: str) -> list[dict]:
 
 def _host_profile(device: str) -> dict[str, float]:
     """µs per call of the pieces of a decode write_kv's host path (the host's speed matters: the
-    same code costs 2-3x more on a slow host), printed as a table and returned for the JSON."""
+    same code costs more on a slower host), printed as a table and returned for the JSON."""
     import time
 
     import torch

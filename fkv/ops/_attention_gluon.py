@@ -17,7 +17,8 @@ FlashAttention-3 arranges a tile:
 - the two consumers take turns to issue their MMAs (two mbarriers pass the turn), so one's
   softmax runs under the other's tensor-core work.
 
-Measured on an H200 (B=4 x 4096 causal, bench/NOTES.md): 1.218-1.228 ms against the Triton
+Measured on an H200 (B=4 x 4096 causal,
+bench/results/raw/prefill-gluon-ws16-exp-20261202T0500.json): 1.218-1.228 ms against the Triton
 tile's 1.249-1.259 ms in the same run. Used by :func:`fkv.ops.attention.paged_attention` when
 the launch qualifies (:func:`eligible`); any failure to compile falls back to the Triton kernel.
 The CPU interpreter does not run Gluon, so this path is tested on the GPU only.

@@ -169,9 +169,11 @@ class AttentionConfig:
       and queries of its dtype, block size 8 to 64, no window, softcap nor ``pdl``) runs as a
       warp-specialized Gluon kernel (``fkv.ops._attention_gluon``: a producer warp gathering
       pages, two consumer warp groups of 128 rows taking turns at the tensor cores) instead of
-      the Triton kernel: the same bytes, 0.5-3 % faster on an H200. Any other launch, a Triton
-      without Gluon, or a kernel that fails to compile keeps the Triton kernel. The default turns
-      it on for that tile unless ``FKV_ATTENTION_GLUON=0`` was set when fkv was imported.
+      the Triton kernel: the same bytes, 0.4-5 % faster on an H200 over nine runs
+      (bench/results/attention-*.json from 2026-12-02 on, ``ms`` against ``triton_tile_ms``).
+      Any other launch, a Triton without Gluon, or a kernel that fails to compile keeps the
+      Triton kernel. The default turns it on for that tile unless ``FKV_ATTENTION_GLUON=0`` was
+      set when fkv was imported.
     """
 
     block_q: int = attrs.field(validator=attrs.validators.ge(1))
@@ -629,7 +631,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, spec: KVCacheSpec,
       before reading anything and lets the next PDL kernel launch early (a split launch's merge
       kernel is launched plainly after it). Same bytes. On an H200 a decode step's write and
       attention per layer, both with PDL, came within -2 % .. +1 % of the plain launches
-      (bench/NOTES.md): off by default, for engines whose other kernels use PDL.
+      (bench/results/raw/pdl-decode-step-exp-20261201T1915.json): off by default, for engines whose
+      other kernels use PDL.
 
     >>> import torch, fkv
     >>> spec = fkv.KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=2,

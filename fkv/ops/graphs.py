@@ -4,7 +4,8 @@ On an H200 (driver 580, CUDA 13, torch 2.11) a process's ``torch.cuda.graph`` re
 one of two states for their whole life: in the usual one an empty kernel node costs about 1.27 us
 and a 256-token decode ``write_kv`` 2.50 us per call; in the other 0.95 us and 2.14 us. Which
 one a process gets did not depend on clocks, stream priorities, ``CUDA_DEVICE_MAX_CONNECTIONS``,
-module loading or torch's instantiate flags (bench/NOTES.md, 2026-12-04 and 2026-12-05). One
+module loading or torch's instantiate flags (bench/results/raw/graph-state-20261204T2140/ for the
+figures above; bench/NOTES.md, 2026-12-04 and 2026-12-05). One
 order reached the faster state in every process tried: a one-node graph instantiated for device
 launch before the process captures its graphs, then launched once after they were captured.
 :func:`graph_primer` is that order as a context manager::
@@ -17,7 +18,8 @@ Measured on the H200 (bench/results/raw/graph-recipe-20261205T0420/): 40 graphs 
 writes on one pool, as an engine captures them, replayed at 2.44-2.46 us per write without the
 primer and 2.09-2.11 us with it (two fresh processes each). On an H100 (80GB HBM3, same driver)
 ``fkv bench write`` captures its decode graphs inside one primer in a child process: 2.21-2.28 us
-per write against 2.57-2.62 in its usual state (bench/results/write-20261205T054338Z.json).
+per write against 2.57-2.62 in its usual state (one case, bf16 NHD, read 2.27 unprimed;
+bench/results/write-20261205T054338Z.json).
 Capture every graph inside one block: on that H100, three captures each inside a primer of its
 own gave two fast graphs and a slow third (2.27, 2.27, 2.64 us), while a primer entered after
 two other graphs had been captured and dropped still gave 40 fast ones (2.27-2.28 us;

@@ -598,7 +598,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, cache: torch.Tensor,
       the bytes are the same. It pays off when the kernel before is itself launched with PDL
       (another ``write_kv(pdl=True)``, or an engine's PDL kernels): on an H200, 256 tokens per call
       in a CUDA graph of such calls took 1.87 us instead of 2.50 (bf16 NHD); right after a plain
-      kernel it costs about 0.2 us more than without (bench/NOTES.md, write bench). Off by
+      kernel it costs about 0.2 us more than without (bench/results/write-20261203T220331Z.json;
+      bench/NOTES.md, write bench). Off by
       default.
 
     Repeated calls with the same input signature (spec, shapes but T, strides, dtypes, devices)
