@@ -47,19 +47,21 @@ _MIN_SPLIT_TOKENS = 512
 #: H200 sweeps of issue 14, bench/NOTES.md). ``resident`` programs per SM run at once (by decode
 #: tile, _DECODE_RESIDENT: without splits, with splits): grids beyond that run in waves. A wave of
 #: n concurrent programs streams at the fraction ``1 - (1 - n / S)**2`` of the full bandwidth, S =
-#: _SATURATING_PER_SM * num_sms (the measured curve: 64 programs 0.31, 128 0.54, 256 0.88, >= 384
-#: 1.0); each program costs _PROGRAM_OVERHEAD_KEYS keys of its slot's time (start-up latency,
-#: partial output).
+#: _SATURATING_PER_SM * num_sms (round 2, B=8 x 32768, 8 splits' time over that of n programs:
+#: 64 0.32, 128 0.53-0.54, 256 0.88-0.89, 384 0.98-0.99;
+#: bench/results/kernels-sweep-20261201T022307Z.json); each program costs _PROGRAM_OVERHEAD_KEYS
+#: keys of its slot's time (start-up latency, partial output).
 _RESIDENT_PER_SM = 3
 _RESIDENT_PER_SM_SPLIT = 4
 _SATURATING_PER_SM = 3
 _PROGRAM_OVERHEAD_KEYS = 48
 #: decode tile (tile_n, num_warps, num_stages) -> resident programs per SM (no splits, splits).
-#: Round-2 H200 sweep (Triton 3.6, padded tables): (64, 2, 3) runs 512 programs (B=64 x 8192,
+#: Round-2 H200 sweep (Triton 3.6, padded tables, NHD;
+#: bench/results/kernels-sweep-20261201T022307Z.json): (64, 2, 3) runs 512 programs (B=64 x 8192,
 #: no split) in one wave (0.486 ms vs 0.610 on 4 warps) and 576 split programs in two (B=8 x 32768:
 #: 9 splits 0.356 ms, 8 splits 0.256); (128, 4, 2) fits about 2 per SM (B=8 x 32768: 4 splits =
-#: 256 programs 0.257 ms, 8 = 512 0.292; B=16 x 4096: 2 splits 0.0815, 4 splits 0.0925). Tiles
-#: not listed: the fit of round 1 ((64, 4, 3): 3 without, 4 with splits).
+#: 256 programs 0.257 ms, 8 = 512 0.292; B=16 x 4096: 2 splits 0.0815 HND (0.0816 NHD), 4 splits
+#: 0.0925). Tiles not listed: the fit of round 1 ((64, 4, 3): 3 without, 4 with splits).
 #: Round 4 (bench/results/kernels-sweep-20261201T052909Z.json): (128, 4, 5) double-buffers K/V
 #: (3 buffers of 64 KiB): one program per SM; B=16 x 4096 unsplit 0.0789 ms (0.954x SDPA) vs 2
 #: splits 0.0891, B=8 x 32768 2 splits 0.2549 (0.990x) vs 4 splits 0.2628.
@@ -76,7 +78,7 @@ _FUSED_MERGE = False
 _LAZY_RESCALE = False
 #: default of AttentionConfig.row_halves: 16-bit tiles without splits of at least
 #: _HALVES_MIN_ROWS[tuning key] rows (query tokens x heads, rounded up to a power of two). H200:
-#: the 256-row prefill tile, B=4 x 4096 causal, 1.253 / 1.262 ms against 1.374 / 1.371 ms without
+#: the 256-row prefill tile, B=4 x 4096 causal, 1.254 / 1.262 ms against 1.374 / 1.371 ms without
 #: (same run; bench/results/raw/prefill-halves2-masked-exp-20261201T2124.json); the 128-row mid
 #: tile on 4 warps (chunked prefill, 32 queries x 4 heads of 128; 64 x 4096) 0.385 / 0.385 ms
 #: against 0.461 / 0.464 ms, the same bytes there (bench/results/raw/mid-halves-exp-20261201T2300
@@ -88,9 +90,10 @@ _ROW_HALVES = True
 _HALVES_MIN_ROWS = {(32, False): 256, (128, False): 128}
 #: default of AttentionConfig.warp_specialized for the 256-row prefill tile (head size 128,
 #: 16-bit, no splits): the Gluon kernel of fkv.ops._attention_gluon on sm_90. H200, B=4 x 4096
-#: causal: 1.218 / 1.228 ms against the Triton tile's 1.249 / 1.259 in the same run, the same bytes
-#: (bench/results/raw/prefill-gluon-ws16-exp-20261202T0500.json). ``FKV_ATTENTION_GLUON=0`` in
-#: the environment when fkv is imported turns it off (every launch then runs the Triton kernel).
+#: causal: 1.228 / 1.218 ms (NHD / HND) against the Triton tile's 1.249 / 1.259 in the same run,
+#: the same bytes (bench/results/raw/prefill-gluon-ws16-exp-20261202T0500.json).
+#: ``FKV_ATTENTION_GLUON=0`` in the environment when fkv is imported turns it off (every launch
+#: then runs the Triton kernel).
 _WARP_SPECIALIZED = os.environ.get("FKV_ATTENTION_GLUON", "1").strip() != "0"
 #: grid order: the KV heads of one (query tile, split) are consecutive programs, so they stream
 #: neighbouring bytes of the same pages together (NHD interleaves heads within a token row).
@@ -98,20 +101,22 @@ _HEADS_FIRST = True
 #: (head_pad up to, 32-bit inputs) -> (max rows (query token x head pairs) per program,
 #: (tile_n, num_warps, num_stages) for: decode-like tiles (<= 16 rows), mid tiles (<= half the
 #: max rows), full tiles[, decode-like tiles of a small grid]). Rows bound the fp32 accumulator's
-#: registers. D <= 128, 16-bit: measured on the H200 (Triton 3.6, bench/NOTES.md; issue 14 round-2
-#: sweep, padded block tables, ms NHD / HND):
+#: registers. D <= 128, 16-bit: measured on the H200 (Triton 3.6, bench/NOTES.md; issue 14 sweeps,
+#: padded block tables, ms NHD / HND; round 2: bench/results/kernels-sweep-20261201T022307Z.json,
+#: round 4: bench/results/kernels-sweep-20261201T052909Z.json):
 #: - decode, grids of >= num_sms programs without splits: 64 keys on 2 warps, 3 stages (B=64 x
 #:   8192, no split: 0.486 / 0.486 vs 0.495 / 0.497 for (64, 4, 3) with 2 splits; B=256 x 2048:
 #:   0.485 / 0.486 vs 0.519 / 0.519).
 #: - decode, smaller grids (the 4th entry): 128 keys on 4 warps, 5 stages (the block-table ids
 #:   take two, so K/V are double-buffered; one program per SM), splits filling one wave (round
 #:   4: B=16 x 4096 unsplit 0.0789 / 0.0784 vs 0.0817 / 0.0824 for round 2's (128, 4, 2) with 2
-#:   splits; B=8 x 32768, 2 splits: 0.2549 / 0.2546 vs 0.2577 / 0.2573).
+#:   splits; B=8 x 32768, 2 splits: 0.2549 / 0.2546 vs 0.2577 / 0.2573 with 4 splits).
 #: - prefill B=4 x 4096 causal: 256 rows (64 queries x 4 heads) x 64 keys on 8 warps, 5 stages
-#:   (round 4: 1.368 / 1.370 vs 4 stages 1.481 / 1.474; 128-row tiles of one head or 32 queries
-#:   and a lazy rescale lost 5-30 %). 128-row tiles (mid) keep (64, 4, 3). With row halves
-#:   (_ROW_HALVES, 2026-12-01 evening): 1.247-1.263 ms; 3, 4 and 6 stages 1.29 / 1.29 / 1.25,
-#:   128-row tiles with halves 1.37 (4 warps) and 2.55 (8 warps), heads-last grid 1.29
+#:   (round 4: 1.368 / 1.370 vs 4 stages 1.481 / 1.474; 128-row tiles of 1, 2 or 4 heads and a
+#:   lazy rescale took 12-37 % longer than it). 128-row tiles (mid) keep (64, 4, 3). With row
+#:   halves (_ROW_HALVES, 2026-12-01 evening): 1.247-1.262 ms; 3, 4 and 6 stages 1.29 / 1.29 /
+#:   1.25 (bench/results/raw/prefill-halves2-masked-exp-20261201T2124.json), 128-row tiles with
+#:   halves 1.37 (4 warps) and 2.55 (8 warps), heads-last grid 1.29
 #:   (bench/results/raw/prefill-halves3-exp-20261201T2127.json).
 #: ``bench/gpu_kernels_sweep.py`` times alternatives on the GPU.
 _TUNING = {

@@ -44,10 +44,11 @@ __all__ = ["WriteTiling", "write_constexprs", "write_kv", "write_tiling"]
 # would only multiply variants (the token count changes every step, num_slots with the cache size).
 _DO_NOT_SPECIALIZE = ("num_tokens", "num_slots")
 # Elements of one program's tile (one K or V half). bf16/fp16/fp32 caches: 16384 (32 KiB of bf16
-# read + written; H200 sweep: HND 65536 tokens 3658 GB/s vs 3611 at 8192, NHD 3685 vs 3665). fp8
-# caches: 4096 on 4 warps (the quantizing kernel loses occupancy with bigger tiles; round-2 H200
-# sweep, NHD / HND GB/s: 65536 tokens 3323 / 3309 vs 3025 / 2970 for 8192 elements on 4 warps and
-# 3150 / 3136 on 8; 8192 tokens 2537 / 2525 vs 2146 / 2140). bench/NOTES.md has the runs.
+# read + written; round-5 H200 sweep, 65536 tokens: HND 3589 GB/s vs 3564 for 8192 elements on 4
+# warps, NHD 3654 vs 3651; bench/results/kernels-sweep-20261201T082902Z.json). fp8 caches: 4096 on
+# 4 warps (the quantizing kernel loses occupancy with bigger tiles; round-2 H200 sweep, NHD / HND
+# GB/s: 65536 tokens 3323 / 3309 vs 3025 / 2970 for 8192 elements on 4 warps and 3150 / 3136 on 8;
+# 8192 tokens 2537 / 2525 vs 2146 / 2140; bench/results/kernels-sweep-20261201T022307Z.json).
 _TILE_ELEMENTS = 16384
 _TILE_ELEMENTS_FP8 = 4096
 # One warp per this many tile elements (1..8 warps): 2048 bf16 elements = 4 KiB, 16 B a lane;
@@ -57,15 +58,17 @@ _FP8_WARP_FACTOR = 2
 # Small T (decode): tiles shrink until the grid has about this many programs (K and V halves
 # together), down to this many elements (one token of 8 heads x 128), one warp per
 # _SMALL_ELEMENTS_PER_WARP elements. A 256-token decode of 8 x 128 then runs 512 programs of one
-# token each instead of 32 of 16 tokens (2.95 us per call in a graph, 4.47 for fp8, H200).
+# token each instead of 32 of 16 tokens (faster per call in a graph, bf16 and fp8, in a by-hand
+# H200 run before results were committed; no committed file times the 16-token tiles).
 _TARGET_PROGRAMS = 512
 _MIN_TILE_ELEMENTS = 1024
 _SMALL_ELEMENTS_PER_WARP = 512
 _SMALL_MAX_WARPS = 4
 # Token classes up to _FEW_TOKENS (a grid of a few programs): one warp per
-# _FEW_ELEMENTS_PER_WARP elements (bf16 one token of 8 x 128 on 4 warps; round-2 H200 sweep, us
-# per call in a graph, NHD / HND: T=16 2.20 / 2.20 vs 2.28 / 2.27 on 2 warps, T=1 2.03 / 2.03 vs
-# 2.03 / 2.05; at T=256 2 warps stay: 2.45 / 2.79 vs 2.76 / 2.75 on 4).
+# _FEW_ELEMENTS_PER_WARP elements (bf16 one token of 8 x 128 on 4 warps; round-2 H200 sweep,
+# bench/results/kernels-sweep-20261201T022307Z.json, us per call in a graph, NHD / HND: T=16
+# 2.20 / 2.20 vs 2.28 / 2.27 on 2 warps, T=1 2.03 / 2.03 vs 2.03 / 2.05; at T=256 2 warps stay:
+# 2.45 / 2.79 vs 2.76 / 2.75 on 4).
 _FEW_TOKENS = 16
 _FEW_ELEMENTS_PER_WARP = 256
 # fp8 caches (quantizing): one warp per _SMALL_ELEMENTS_PER_WARP_FP8 elements of a small tile, up
@@ -102,10 +105,11 @@ _MIN_FP8_ELEMENTS_PER_THREAD = 4
 # the slot load and address math shared; its warps counted over both halves) instead of one
 # program per half; 0 = never. Caches that are not fp8: once every load was issued before the slot
 # math, one token of 8 x 128 x 2 halves on 4 warps led every other tiling at T = 1, 16 and 256 in
-# both layouts (H200, us per call in a graph, rotating / one input set, NHD; the probe's raw JSON
-# above): T=256 2.50 / 1.97 against 2.80 / 2.07 for a program per half; T=16 1.95 / 1.52 against
-# 2.21 / 1.67; T=1 1.76 / 1.44 against 2.03 / 1.57. fp8 caches (_FUSE_KV_TOKENS_FP8): a program
-# per half stayed ahead (T=256 2.53 / 2.05 against 2.61 / 2.07 fused).
+# both layouts (H200, us per call in a graph, rotating / one input set, NHD;
+# bench/results/raw/write-decode-probe-exp-20261202T0759.json): T=256 2.50 / 1.97 against 2.80
+# / 2.07 for a program per half; T=16 1.95 / 1.52 against 2.21 / 1.67; T=1 1.76 / 1.44 against
+# 2.03 / 1.57. fp8 caches (_FUSE_KV_TOKENS_FP8): a program per half stayed ahead (T=256 2.53 /
+# 2.05 against 2.61 / 2.07 fused).
 _FUSE_KV_TOKENS = 256
 _FUSE_KV_TOKENS_FP8 = 0
 
@@ -165,8 +169,8 @@ def _fp8_bits(y, FP8_TYPE: tl.constexpr, NATIVE_FP8: tl.constexpr, FP8_MAX: tl.c
     if NATIVE_FP8:
         # The conversion keeps every sign but NaN's (canonical 0x7F): OR-ing the sign of y into
         # every byte is exact for finite values and +-inf (already signed) and restores -NaN's, with
-        # no NaN test and no widening of the bytes (which cost the fp8 prefill 25 %: a layout
-        # conversion through shared memory on Triton 3.6).
+        # no NaN test and no widening of the bytes (which slowed the fp8 prefill: a layout
+        # conversion through shared memory on Triton 3.6; a by-hand H200 round, no committed file).
         x = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         sign8 = ((u >> 24) & 0x80).to(tl.uint8)
         return x.to(FP8_TYPE).to(tl.uint8, bitcast=True) | sign8

@@ -68,15 +68,16 @@ IOV_MAX = 1024
 #: Bytes read from each end of every announced region when the connection is checked.
 _PROBE_BYTES = 8
 #: A copy of at least this many bytes is split between threads (``FKV_CMA_THREADS``, default
-#: 4), each taking at least ``_SPLIT_BYTES // 2``: one thread copies cold rows at 4-5 GB/s on
-#: the H200 host, four at 7-8; under 1 MiB the hand-off costs more than it saves
-#: (bench/NOTES.md, seventeenth session).
+#: 4), each taking at least ``_SPLIT_BYTES // 2``: one thread copies 8 MiB of cold rows at
+#: 4.0-4.5 GB/s on the H200 host, four at 7.4-7.8; under 1 MiB the hand-off costs more than it
+#: saves (bench/results/raw/cma-threads-exp-20261203T1021.json; bench/NOTES.md, seventeenth
+#: session).
 _SPLIT_BYTES = 4 << 20
 _DEFAULT_THREADS = 4
 #: :meth:`SameHostCopy.prime` touches a copy's pages only when the copy is at most this many
 #: bytes: what it warms (page-table walks on both sides, a line per page) must still be in the
-#: caches when the copy runs; a copy of 8 MiB gained nothing from it (bench/NOTES.md,
-#: seventeenth session), one of 0.5-1 MiB copied in half the time.
+#: caches when the copy runs; a copy of 8 MiB gained 1-4 % from it, one of 0.5-1 MiB copied in
+#: half the time (the same raw file; bench/NOTES.md, seventeenth session).
 _PRIME_BYTES = 2 << 20
 #: The page size a prime steps by (the kernel's base page).
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

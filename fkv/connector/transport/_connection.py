@@ -46,11 +46,12 @@ __all__ = ["DIRECT_ROWS_PER_LAYER", "Connection"]
 
 #: Under ``"auto"``, with same-host copies and a staging plan: the most rows per layer of the
 #: direct plan for which a request copies those rows instead of staging whole pages. From the
-#: CPU transfer bench on a 16-core host (P TP=1 -> D TP=2, 8 layers): a direct row costs 0.9-1.1
-#: us (1 KiB) or 0.6 us (256 B), a staging read about 0.6 ms per layer plus 0.02 ms per block;
-#: the two cross at about 1200 rows per layer for NHD heads split in two (32 rows of 1 KiB a
-#: block) and 700 for HND -> NHD (128 rows of 256 B a block). bench/NOTES.md, twenty-first
-#: session.
+#: CPU transfer bench on a 16-core host (P TP=1 -> D TP=2, 8 layers, 16 and 256 blocks): a direct
+#: row costs 1.0-1.2 us (1 KiB) or 0.7-0.9 us (256 B), an NHD staging read about 0.6 ms per layer
+#: plus 0.02 ms per block; the two cross at about 1200 rows per layer for NHD heads split in two
+#: (32 rows of 1 KiB a block) and 700 for HND -> NHD (128 rows of 256 B a block).
+#: bench/results/raw/transfer-cpu-direct-vs-staging-20261203T221541Z.json (read_ms over 8
+#: layers); bench/NOTES.md, twenty-first session.
 #: ``FKV_CMA_DIRECT_ROWS`` changes it for the connections made after (0: always the plan's).
 DIRECT_ROWS_PER_LAYER = 1024
 

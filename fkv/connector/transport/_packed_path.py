@@ -89,11 +89,12 @@ MAX_DEPTH = 4
 #: On CUDA, a request larger than this (packed bytes per decode rank, all prefill ranks read
 #: together) goes in chunks of about this size, so that it pipelines (``FKV_PACK_CHUNK_BYTES``; 0:
 #: chunks as large as the buffers allow, the default on CPU). A chunk pays a pack round trip, a
-#: READ post and a launch on the host (tens of µs each); its READ must outlast the next chunk's
-#: pack round trip for the link to stay busy at depth 2 (32 MiB: ~0.15 ms over NVLink), and
-#: requests up to this size keep one chunk (one round trip, nothing to overlap). On CPU the
-#: torch reference's per-call cost and the cores the gather, READ and scatter share make smaller
-#: chunks slower (measured: a 256-block request in 4 chunks took 1.7-3x as long as in one).
+#: READ post and a launch on the host (two GPUs, 16 and 256 blocks: round trip 1.0-1.2 ms, post
+#: 0.11 ms; bench/results/transfer-20261201T101116Z.json's profile); its READ must outlast the next
+#: chunk's pack round trip for the link to stay busy at depth 2, and requests up to this size
+#: keep one chunk (one round trip, nothing to overlap). On CPU the torch reference's per-call
+#: cost and the cores the gather, READ and scatter share make smaller chunks slower (a 256-block
+#: request in 4 chunks took longer than in one in a by-hand run on 2 cores, no committed file).
 DEFAULT_CHUNK_BYTES = 32 << 20
 #: Frames one :meth:`_Dealer.drain` takes at most (replies of the packs in flight are far fewer).
 MAX_DRAIN = 4096

@@ -41,8 +41,10 @@ BOARD_SLEEP = 0.002
 #: Spinning ahead of the next publish (boards with a futex): once a request's layers have come
 #: at a steady pace, the wait for the next layer sleeps until a lead before the time that pace
 #: predicts, then reads the boards without sleeping (yielding the GIL between reads) until the
-#: layer comes or as long after the predicted time as the lead. A futex wake-up costs the news
-#: 0.07-0.13 ms on the hosts measured (bench/NOTES.md); a read of the board in a loop, a few us.
+#: layer comes or as long after the predicted time as the lead. News heard through a futex wake-up
+#: came 0.10-0.14 ms after the publish on the H200 host's 16 cores, heard spinning 0.04-0.05 ms
+#: (medians; bench/results/raw/stream-tail-ab-16cores-exp-20261203T0513.json,
+#: bench/results/raw/stream-tail-ab-paced-16cores-exp-20261203T0530.json; bench/NOTES.md).
 #: The lead: this fraction of the pace, within [SPIN_AHEAD_MIN, SPIN_AHEAD_MAX] seconds.
 SPIN_AHEAD_FRACTION = 0.1
 SPIN_AHEAD_MIN = 0.0002
