@@ -34,8 +34,8 @@ from fkv.ops._spec import cache_constexprs, cache_strides
 
 __all__ = ["launch_move", "move_site", "tile_config"]
 
-#: Bytes one program moves (upper bound). 16 KiB is 128 bytes (32 payload registers) per thread at 4 warps
-#: and enough programs resident per SM to cover DRAM latency.
+#: Bytes one program moves (upper bound). 16 KiB is 128 bytes (32 payload registers) per thread
+#: at 4 warps, and leaves enough programs resident per SM to cover DRAM latency.
 MAX_TILE_BYTES = 16384
 #: Upper bound on the tokens of one tile.
 MAX_TILE_T = 32
