@@ -18,6 +18,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fkv.connector.transport import _metadata as M
 from fkv.errors import FkvError
@@ -572,6 +574,7 @@ _BAD_KEY = _u64(1) + b"\x01\x00\xff\x00"  # a VRAM key, MD 0, no system device, 
     (((b"UCX", 1, (_desc(key=_BAD_KEY),)),), "VRAM"),
     (((b"UCX", 0, (_desc(), _desc(key=_RKEY + b"\x00"))),), "DRAM"),   # the second descriptor
     (((b"UCX", 4, (_desc(key=_RKEY[:8] + b"\x01\x00\xff\x00"),)),), "FILE"),
+    (((b"UCX", 0, (_desc(),)), (b"UCX", 1, (_desc(key=_BAD_KEY),))), "VRAM"),  # second section
 ])
 def test_parse_walks_the_remote_key_of_every_ucx_descriptor(sections, what):
     with pytest.raises(FkvError) as e:
@@ -754,3 +757,188 @@ def test_probe_prep_encodes_one_section_in_the_same_format():
         b"\x01" + (4096).to_bytes(4, "little"))
     assert len(M._encode_prep("VRAM", np.arange(3 * 5000).reshape(-1, 3))) == 5 + 4096 * 24
     assert M._encode_prep("FILE", rows) == b"" and M._encode_prep("BLK", rows) == b""
+
+
+# -- holes found by the third mutation pass (2026-12-05: 92 mutations, 37 of them of the remote
+# key and its call site; 68 caught, 1 equivalent, 23 closed here): the distance list's terminator,
+# the remote keys of every section, and the bounds pinned only through a message or not at all
+
+@pytest.mark.parametrize("raw, mem", [
+    (_u64(1) + b"\x00\x00\x03\x00ab\xff", "DRAM"),      # a distance to system device 0
+    (_u64(1) + b"\x01\x00\x00\x00ab\x00cd\xff", "VRAM"),  # system device 0, distances to 0
+])
+def test_ucx_walk_reads_distances_up_to_their_terminator_only(raw, mem):
+    assert M.check_ucx_rkey(raw, mem) is None
+
+
+def _ucx_sections(*codes):
+    """One UCX section per NIXL memory type code: one descriptor, a host key for DRAM only."""
+    return tuple((b"UCX", code, (_desc(0x1000 * (code + 1), 16, code,
+                                       _RKEY[:8] + bytes([code != 0]) + _RKEY[9:]),))
+                 for code in codes)
+
+
+def test_every_nixl_memory_type_parses_to_its_name():
+    meta = M.parse_agent_metadata(_blob(sections=_ucx_sections(0, 1, 2, 3, 4)))
+    assert [(s.backend, s.mem_type, s.descs) for s in meta.sections] == [
+        ("UCX", "DRAM", ((0x1000, 16, 0),)), ("UCX", "VRAM", ((0x2000, 16, 1),)),
+        ("UCX", "BLK", ((0x3000, 16, 2),)), ("UCX", "OBJ", ((0x4000, 16, 3),)),
+        ("UCX", "FILE", ((0x5000, 16, 4),))]
+
+
+def test_structural_limits_accept_their_bounds():
+    """64 sections, 64-byte backend names of letters, digits and '_', 64 KiB of connection info."""
+    assert len(M.parse_agent_metadata(_blob(sections=((b"UCX", 0, ()),) * 64)).sections) == 64
+    meta = M.parse_agent_metadata(_blob(
+        backends=((b"UCX", _ADDR), (b"GDS_MT", b"c" * (1 << 16)), (b"B" * 63 + b"9", b"x")),
+        sections=((b"GDS_MT", 2, ()), (b"B" * 63 + b"9", 3, ()))))
+    assert meta.backends == (("UCX", 10), ("GDS_MT", 1 << 16), ("B" * 63 + "9", 1))
+    assert [(s.backend, s.mem_type) for s in meta.sections] == [("GDS_MT", "BLK"),
+                                                                 ("B" * 63 + "9", "OBJ")]
+
+
+def _with_count(blob, count):
+    """``blob``, whose last field is a u64 count, saying ``count``."""
+    return blob[:-9] + _u64(count) + b"|"
+
+
+# where the second backend's 't' and 'c' fields start, and the first section's 'bknd' field
+_AT_C = _blob(backends=((b"UCX", _ADDR), (b"P", b"x"))).index(b"c" + _u64(1) + b"x|")
+_AT_T = _AT_C - len(_fld(b"t", b"P"))
+_AT_BKND = len(_blob(sections=()))
+
+
+@pytest.mark.parametrize("blob, what", [
+    (_blob(sections=((b"UCX", 0, ()),) * 65), "field 'nixlSecElms' counts 65; at most 64 are "
+                                              "accepted"),
+    (_with_count(_blob(sections=((b"UCX", 0, ()),)), (1 << 20) + 1),
+     "field 'n' counts 1048577; at most 1048576 are accepted"),
+    (_with_count(_blob(sections=((b"UCX", 0, ()),)), 1 << 20),   # the count passes: the blob ends
+     f"the blob ends at byte {len(_blob(sections=((b'UCX', 0, ()),)))} inside the length of ''"),
+    (_blob(backends=((b"UCX", _ADDR), (b"P", b"x" * ((1 << 16) + 1)))),
+     f"field 'c' at byte {_AT_C} says 65537 bytes; it must be 1..65536"),
+    (_blob(backends=((b"UCX", _ADDR), (b"P", b""))),
+     f"field 'c' at byte {_AT_C} says 0 bytes; it must be 1..65536"),
+    (_blob(backends=((b"UCX", _ADDR), (b"B" * 65, b"x"))),
+     f"field 't' at byte {_AT_T} says 65 bytes; it must be 1..64"),
+    (_blob(sections=((b"B" * 65, 0, ()),)),
+     f"field 'bknd' at byte {_AT_BKND} says 65 bytes; it must be 1..64"),
+    (_blob(backends=((b"UCX", _ADDR), (b"a" * 39 + b"-", b"x"))),
+     f"backend name {b'a' * 32!r} is not a name of ASCII letters, digits and '_'"),
+    (_blob(backends=((b"UCX", _ADDR), (b"UCX 2", b"x"))),
+     "backend name b'UCX 2' is not a name of ASCII letters, digits and '_'"),
+    (_B.replace(b"Conns", b"Connx", 1),
+     f"byte {_CONNS} starts {b'Connx' + bytes([8]) + bytes(6)!r}, expected field 'Conns'"),
+    (_blob(marker=b"MemSect"), f"field '' at byte {_MARK + 1} says 7 bytes; it must be 10..10"),
+    (_blob(marker=b"MemSectionX"),
+     f"field '' at byte {_MARK + 1} says 11 bytes; it must be 10..10"),
+    (_blob(dlist=b"nixlSD"), f"field 'nixlDList' at byte {_AT_BKND + len(_fld(b'bknd', b'UCX'))} "
+                             f"says 6 bytes; it must be 10..10"),
+])
+def test_structural_limits_refuse_one_past_exactly(blob, what):
+    with pytest.raises(FkvError) as e:
+        M.parse_agent_metadata(blob)
+    assert str(e.value) == _refused(what)
+
+
+@pytest.mark.parametrize("raw", [
+    bytes([0x01, 0x08, 0xFF]),                  # v2: flag 0x08 (AM only) carries no bytes
+    bytes([0x80]) + bytes(8) + b"\xff",          # v1: the same flag in the header's high nibble
+    bytes([0x01, 0x0F, 0x00]) + bytes(16) + b"\xff",  # v2: every flag, an empty worker name
+])
+def test_ucx_walk_accepts_every_known_header_flag(raw):
+    assert M.check_ucx_address(raw) is None
+
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("raw, why", [
+    (bytes([0x02]) + bytes(8) + b"\xff", "has version 2 in its first byte (UCX knows 0 and 1)"),
+    (bytes([0x0E, 0x00, 0xFF]), "has version 14 in its first byte (UCX knows 0 and 1)"),
+    (_V1 + b"\x00\x80\x00\x00" + struct.pack("<3f", _NAN, 1, 1) + bytes(4) + b"\x80",
+     "announces interface attributes (nan, 1.0, 1.0) (finite numbers and a bandwidth other than "
+     "0 expected)"),
+    (_V1 + b"\x00\x80\x00\x00" + struct.pack("<3f", 1, _INF, 1) + bytes(4) + b"\x80",
+     "announces interface attributes (1.0, inf, 1.0) (finite numbers and a bandwidth other than "
+     "0 expected)"),
+    (_V1 + b"\x00\x80\x00\x00" + struct.pack("<3f", 1, 1, -_INF) + bytes(4) + b"\x80",
+     "announces interface attributes (1.0, 1.0, -inf) (finite numbers and a bandwidth other than "
+     "0 expected)"),
+])
+def test_ucx_walk_refuses_address_version_and_attributes_exactly(raw, why):
+    with pytest.raises(FkvError) as e:
+        M.check_ucx_address(raw)
+    assert str(e.value) == _refused(f"the peer's UCX worker address ({len(raw)} bytes) {why}")
+
+
+# Totality: whatever a peer's bytes become, the parse answers AgentMetadata or FkvError, never
+# another exception (an IndexError, a struct.error, a KeyError of a memory type...).
+
+_RICH_ADDR = _V1 + b"\x00\xa0\x07" + _v1_iface(iface=0xC0, tail=b"\x01a\x00\x00\x80")
+_RICH = _blob(backends=((b"UCX", _RICH_ADDR), (b"POSIX", b"xyz")),
+              sections=((b"UCX", 0, (_desc(key=_u64(0b100001) + b"\x00\x01k\x02kk\xff"),
+                                     _desc(1 << 40, 7, 3))),
+                        (b"UCX", 1, (_desc(key=_u64(1) + b"\x01\x00\xfe\x01ab\x02cd\xff"),)),
+                        (b"POSIX", 4, (_u64(0) + _u64(8) + _u64(0),))))
+_EDITS = st.lists(st.tuples(st.sampled_from(("set", "flip", "insert", "delete", "cut")),
+                            st.integers(0, 1 << 16), st.binary(min_size=1, max_size=9)),
+                  min_size=1, max_size=4)
+
+
+def _edit(blob, edits):
+    b = bytearray(blob)
+    for op, at, data in edits:
+        at %= len(b) + 1
+        if op == "set":
+            b[at:at + len(data)] = data
+        elif op == "flip" and at < len(b):
+            b[at] ^= data[0] or 1
+        elif op == "insert":
+            b[at:at] = data
+        elif op == "delete":
+            del b[at:at + len(data)]
+        elif op == "cut":
+            del b[at:]
+        if not b:
+            break
+    return bytes(b)
+
+
+def _parse_or_refuse(blob):
+    try:
+        meta = M.parse_agent_metadata(blob)
+    except FkvError as e:
+        assert type(e) is FkvError and "nothing was added" in str(e), repr(e)
+        return
+    assert [n for _, n in meta.backends] == [n for _, n in meta.conn_spans]
+    assert all(a + n <= len(blob) for a, n in meta.conn_spans)
+
+
+def test_the_rich_synthetic_blob_parses():
+    meta = M.parse_agent_metadata(_RICH)
+    assert [(s.backend, s.mem_type, len(s.descs)) for s in meta.sections] == [
+        ("UCX", "DRAM", 2), ("UCX", "VRAM", 1), ("POSIX", "FILE", 1)]
+
+
+@settings(max_examples=1000)
+@given(_EDITS)
+def test_corrupted_synthetic_blobs_parse_or_raise_fkverror_only(edits):
+    _parse_or_refuse(_edit(_RICH, edits))
+
+
+@settings(max_examples=300)
+@given(edits=_EDITS)
+def test_corrupted_real_blobs_parse_or_raise_fkverror_only(peer, edits):
+    _parse_or_refuse(_edit(peer, edits))
+
+
+@settings(max_examples=1000)
+@given(st.binary(max_size=40), st.sampled_from(sorted(M._MEM_TYPES.values())),
+       st.sampled_from((b"", _u64(1), _u64(1) + b"\x00", _u64(0b11) + b"\x01\x02k")))
+def test_ucx_walks_take_any_bytes(tail, mem, head):
+    for walk in (M.check_ucx_address, lambda raw: M.check_ucx_rkey(raw, mem)):
+        try:
+            assert walk(head + tail) is None
+        except FkvError as e:
+            assert type(e) is FkvError and "nothing was added" in str(e), repr(e)
