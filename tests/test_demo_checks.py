@@ -15,10 +15,11 @@ from rich.console import Console
 
 import fkv.demo.run as demo_run
 from fkv.demo.channel import Collector, Reporter, pack_array
-from fkv.demo.config import DemoConfig, ModelConfig
+from fkv.demo.config import DemoConfig, ModelConfig, head_ranges
 from fkv.demo.run import _verdict, precheck, run_demo
-from fkv.demo.summary import print_summary, summary_dict
+from fkv.demo.summary import print_reject, print_summary, summary_dict
 from fkv.demo.verify import compare_kv, compare_run, tolerance
+from fkv.errors import FkvError
 
 # -- verify: tolerance and compare_kv ---------------------------------------------------------------
 
@@ -484,3 +485,626 @@ def test_drive_stops_as_soon_as_a_rank_reports_a_failed_exit():
     assert state["errors"] == [{"role": "decode", "rank": 0, "error": "exited with code 1",
                                 "log": None}]
     assert state["exited_ok"] == {("reference", 0)} and not state["transfers"][0]["ok"]
+
+
+# == second audit: exact values a second mutation pass found unpinned ================================
+
+# -- config -----------------------------------------------------------------------------------------
+
+def test_head_ranges_refuses_a_rank_outside_the_engine_and_a_tp_the_query_heads_do_not_split():
+    with pytest.raises(FkvError) as e:
+        head_ranges(ModelConfig(), 2, 2)
+    assert str(e.value) == "'rank' must be in [0, 2) (got 2)"
+    with pytest.raises(FkvError) as e:
+        head_ranges(ModelConfig(), 2, -1)
+    assert str(e.value) == "'rank' must be in [0, 2) (got -1)"
+    # 32 is a multiple of the 8 KV heads (the handshake accepts it), but 16 query heads do not split.
+    with pytest.raises(FkvError) as e:
+        head_ranges(ModelConfig(), 32, 0)
+    assert str(e.value) == ("'tp' must divide num_q_heads=16 and divide or be a multiple of "
+                            "num_kv_heads=8 (got 32)")
+
+
+def test_default_config_is_the_documented_one():
+    # docs/cli.md's defaults and fkv.demo's docstring example.
+    cfg = DemoConfig()
+    assert (cfg.prefill_tp, cfg.decode_tp, cfg.tokens, cfg.new_tokens, cfg.timeout) == (
+        1, 2, 64, 16, 600.0)
+    assert repr(cfg.spec("decode")) == (
+        "KVCacheSpec(backend='triton', layout='HND', num_blocks=13, block_size=16, num_kv_heads=4, "
+        "head_size=64, dtype='float32', num_layers=4)")
+    assert cfg.spec("prefill").num_blocks == 11  # 2 * 4 used + 3
+
+
+def test_engines_are_named_by_side_and_carry_the_models_total_kv_heads():
+    from fkv.connector.handshake import EngineDesc
+
+    cfg = DemoConfig(prefill_tp=2, decode_tp=4)
+    assert cfg.engine("prefill", 1) == EngineDesc(
+        engine_id="prefill-engine", tp_size=2, tp_rank=1, total_num_kv_heads=8,
+        model="fkv-demo-transformer", model_dtype="float32")
+    assert cfg.engine("decode", 3) == EngineDesc(
+        engine_id="decode-engine", tp_size=4, tp_rank=3, total_num_kv_heads=8,
+        model="fkv-demo-transformer", model_dtype="float32")
+
+
+def test_seed_picks_the_prompt_and_the_block_tables():
+    cfg, other = DemoConfig(tokens=40), DemoConfig(tokens=40, seed=1)
+    prompt = cfg.prompt()
+    assert len(prompt) == 40 and all(0 <= t < cfg.model.vocab for t in prompt)
+    assert prompt == DemoConfig(tokens=40).prompt() != other.prompt()
+    assert cfg.block_ids("decode") != other.block_ids("decode")
+    assert cfg.block_ids("prefill") != other.block_ids("prefill")
+
+
+# -- summary: the JSON ------------------------------------------------------------------------------
+
+def test_summary_json_holds_the_options_tokens_errors_and_every_ranks_plan():
+    cfg = DemoConfig()
+    xfer = [_transfer(r, nbytes=1, descriptors=1, seconds=0.5, nixl=0.25) for r in range(2)]
+    xfer[1]["error"] = "late"
+    errors = [{"role": "decode", "rank": 1, "error": "boom", "log": None}]
+    s = _summary(cfg, xfer, errors=errors, code=1, tokens=[5, 7], ref_tokens=[5, 8])
+    assert s["config"] == {"prefill_tp": 1, "decode_tp": 2, "prefill_layout": "HND",
+                           "decode_layout": "HND", "backend": "triton", "prefill_block_size": 16,
+                           "decode_block_size": 16, "tokens": 64, "new_tokens": 16,
+                           "device": "cpu", "dtype": "float32", "decode_head_size": None,
+                           "corrupt": False, "seed": 0, "timeout": 600.0,
+                           "same_host_copies": False}  # no "stream" key unless --stream
+    assert s["model"] == {"vocab": 256, "hidden": 128, "num_layers": 4, "num_q_heads": 16,
+                          "num_kv_heads": 8, "head_size": 64, "mlp": 256, "seed": 0,
+                          "rope_theta": 10000.0}
+    assert s["prefill"]["engine"] == ("TP=1 (1 process), triton HND, block 16, "
+                                      "8 KV head(s)/rank, float32")
+    assert s["decode"]["engine"] == ("TP=2 (2 processes), triton HND, block 16, "
+                                     "4 KV head(s)/rank, float32")
+    assert s["tokens"] == {"prompt": 64, "new": 16, "generated": [5, 7], "reference": [5, 8]}
+    assert s["errors"] == [{"role": "decode", "rank": 1, "error": "boom"}]  # no null log
+    assert (s["wall_seconds"], s["exit_code"], "stream" in s) == (2.5, 1, False)
+    assert s["transfer"]["per_rank"][1] == {
+        "rank": 1, "ok": True, "bytes": 1, "descriptors": 1, "seconds": 0.5, "nixl_seconds": 0.25,
+        "path": "direct", "moved_by": "NIXL", "stats": {}, "error": "late"}
+    results, _ = precheck(cfg)
+    assert len(results) == 2
+    assert s["handshake"] == {"decision": "accept", "strategy": "direct",
+                              "plans": [h.plan.describe() for h in results]}
+    assert s["handshake"]["plans"][1].startswith("decode rank 1 of tp 2 <- prefill tp 1")
+    assert _summary(_STREAM_CFG, xfer)["config"]["stream"] is True
+
+
+def test_summary_json_of_a_refusal_names_each_reasons_local_and_remote_values():
+    cfg = DemoConfig(decode_head_size=32)
+    s = summary_dict(cfg, precheck(cfg)[0], None, None, None, exit_code=3)
+    assert s["handshake"] == {"decision": "reject", "reasons": [
+        {"code": "head_size", "path": "remote.spec.head_size", "local": "32", "remote": "64",
+         "message": "head sizes differ",
+         "fix": "both engines must serve the same model (same head_size)"}]}
+    assert s["exit_code"] == 3 and "transfer" not in s and "verification" not in s
+
+
+def test_summary_names_every_mover_of_the_bytes():
+    cfg = DemoConfig()
+    xfer = [_transfer(r, nbytes=1, descriptors=1, seconds=0.5, nixl=0.25) for r in range(2)]
+    xfer[0]["moved_by"] = "process_vm_readv"
+    s = _summary(cfg, xfer)
+    assert s["transfer"]["moved_by"] == "NIXL and process_vm_readv"
+    assert _rows(s)["transfer"] == ("ok: 2 bytes in 2 descriptors over 2 read(s); read 500.0 ms, "
+                                    "of which NIXL and process_vm_readv 250.0 ms (slowest rank)")
+    xfer[0]["moved_by"] = None  # not reported: NIXL
+    assert _summary(cfg, xfer)["transfer"]["moved_by"] == "NIXL"
+
+
+# -- summary: the printed table ----------------------------------------------------------------------
+
+def _printed(s: dict) -> str:
+    buf = io.StringIO()
+    print_summary(Console(file=buf, width=400, color_system=None), s)
+    return buf.getvalue()
+
+
+def test_summary_table_of_a_passing_run_row_by_row():
+    cfg = DemoConfig()
+    xfer = [_transfer(r, nbytes=1, descriptors=1, seconds=0.5, nixl=0.25) for r in range(2)]
+    s = _summary(cfg, xfer, wall_seconds=12.25)
+    assert _rows(s) == {
+        "model": "4 layers, 16 query / 8 KV heads of 64, hidden 128, vocab 256 (seed 0)",
+        "prefill": "TP=1 (1 process), triton HND, block 16, 8 KV head(s)/rank, float32",
+        "decode": "TP=2 (2 processes), triton HND, block 16, 4 KV head(s)/rank, float32",
+        "handshake": "Accept, strategy direct",
+        "transfer": "ok: 2 bytes in 2 descriptors over 2 read(s); read 500.0 ms, of which NIXL "
+                    "250.0 ms (slowest rank)",
+        "tokens": "prompt 64, generated 2: [5, 7]",
+        "verification": "PASS: tokens identical; logits max |diff| 1.5e-05; KV after transfer "
+                        "max |diff| 0 (rtol 0.0001, atol 0.0001)",
+        "wall time": "12.2 s",
+        "exit code": "0"}
+    out = _printed(s)
+    assert " plan of decode rank 0 " in out
+    assert "│ decode rank 0 of tp 2 <- prefill tp 1: 8 KV heads total" in out
+
+
+def test_summary_table_prints_each_ranks_stats_when_it_has_any():
+    cfg = DemoConfig()
+    xfer = [_transfer(r, nbytes=1, descriptors=1, seconds=0.5, nixl=0.25) for r in range(2)]
+    xfer[0]["stats"] = {"reads": 2, "failures": {}, "gbps": 1.23456}
+    xfer[1]["stats"] = {"reads": 1, "failures": {"timeout": 1}, "gbps": None}
+    rows = _rows(_summary(cfg, xfer))
+    assert rows["rank 0 stats"] == "path direct, 2 read(s), failures none, 1.23 GB/s"
+    assert rows["rank 1 stats"] == "path direct, 1 read(s), failures {'timeout': 1}"
+    xfer[1]["stats"] = {}
+    assert "rank 1 stats" not in _rows(_summary(cfg, xfer))
+
+
+def test_summary_table_without_any_transfer_reported():
+    s = _summary(DemoConfig(), [])
+    assert (s["transfer"]["ok"], s["transfer"]["seconds"]) == (False, None)
+    assert _rows(s)["transfer"] == "FAILED: 0 bytes in 0 descriptors over 0 read(s); n/a"
+
+
+def test_summary_table_shows_a_failed_ranks_log():
+    cfg = DemoConfig()
+    errors = [{"role": "decode", "rank": 1, "error": "exited with code 7", "log": "last words"}]
+    out = _printed(_summary(cfg, [], _PASS, errors, code=1))
+    assert " decode rank 1 log (tail) " in out and "│ last words" in out
+
+
+def test_stream_table_compares_both_reads_and_times_each_layer():
+    st = _stream_state()
+    for t in st["transfers"]:
+        t["plain"]["seconds"] = 1.5  # the non-streamed read: twice the streamed tail
+    rows = _rows(_stream_summary(st))
+    assert rows["transfer"] == ("ok: 300 bytes in 4 descriptors over 2 read(s); streamed read "
+                                "(from before the forward) 2500.0 ms, of which NIXL 250.0 ms "
+                                "(slowest rank)")
+    assert rows["last layer -> KV"] == (
+        "streamed 750.00 ms, non-streamed 1500.00 ms (2.0x shorter streamed) (prefill's last layer "
+        "published -> complete KV at decode, slowest rank)")
+    assert rows["layer 0"] == ("published at 500.0 ms into the forward, landed +250.00 ms after "
+                               "its publish")
+    assert rows["layer 1"] == ("published at 1000.0 ms into the forward, landed +500.00 ms after "
+                               "its publish")
+    st = _stream_state()
+    st["transfers"][0]["plain"] = {"ok": False, "seconds": 0.25, "bytes": 0, "error": "timeout"}
+    assert _rows(_stream_summary(st))["last layer -> KV"].startswith(
+        "streamed 750.00 ms, non-streamed n/a (prefill's last layer")
+
+
+def _two_prefill_ranks() -> tuple[DemoConfig, dict]:
+    cfg = DemoConfig(stream=True, prefill_tp=2, model=ModelConfig(num_layers=2))
+    st = _stream_state()
+    st["prefill_ranks"][1] = {"forward_start": 9.75, "published": [10.25, 11.125], "seconds": 1.5}
+    return cfg, st
+
+
+def test_stream_summary_takes_the_earliest_start_and_the_latest_publish_of_the_prefill_ranks():
+    cfg, st = _two_prefill_ranks()
+    s = _summary(cfg, st.pop("transfers"), **st)["stream"]
+    assert s["prefill_forward_seconds"] == 1.5
+    assert s["streamed"]["tail_seconds"] == 0.625  # 11.75 - rank 1's 11.125
+    assert s["layers"] == [{"layer": 0, "published_seconds": 0.75, "landed_seconds": 1.0,
+                            "after_publish_seconds": 0.25},
+                           {"layer": 1, "published_seconds": 1.375, "landed_seconds": 1.75,
+                            "after_publish_seconds": 0.375}]
+
+
+def test_stream_summary_is_incomplete_without_every_prefill_ranks_layers():
+    cfg, st = _two_prefill_ranks()
+    del st["prefill_ranks"][1]
+    assert _summary(cfg, st.pop("transfers"), **st)["stream"] is None
+    cfg, st = _two_prefill_ranks()
+    st["prefill_ranks"][1]["published"] = [10.25]  # one of two layers
+    assert _summary(cfg, st.pop("transfers"), **st)["stream"] is None
+
+
+def test_print_reject_prints_every_reason_then_the_refusal():
+    cfg = DemoConfig(decode_head_size=32)
+    buf = io.StringIO()
+    print_reject(Console(file=buf, width=400, color_system=None), cfg, precheck(cfg)[1])
+    assert buf.getvalue().splitlines() == [
+        "prefill: TP=1 (1 process), triton HND, block 16, 8 KV head(s)/rank, float32",
+        "decode:  TP=2 (2 processes), triton HND, block 16, 4 KV head(s)/rank, float32",
+        "fkv refuses this pairing: 1 reason",
+        "  - remote.spec.head_size (head_size): head sizes differ (local 32, remote 64)",
+        "    fix: both engines must serve the same model (same head_size)",
+        "Reject: no process was started, no byte moved (exit code 3)"]
+
+
+# -- verify ----------------------------------------------------------------------------------------
+
+def test_compare_kv_tolerance_is_relative_to_the_reference():
+    # want 1.0, received 1.75: |diff| 0.75 > rtol 0.5 * |reference| (though <= 0.5 * |received|).
+    ref = np.ones((1, 1, 2, 1, 1), np.float32)
+    got = ref.copy()
+    got[0, 0, 1, 0, 0] = 1.75
+    assert compare_kv(ref, got, (0, 1), 0.5, 0.0) == (
+        0.75, "KV after transfer differs first at layer 0, token 0, V, head 0, channel 0: "
+              "received 1.75, reference 1.0 (1 of 2 values differ)")
+
+
+def test_compare_kv_never_matches_nan_or_infinity():
+    ref = np.ones((1, 1, 2, 1, 1), np.float32)
+    ref[0, 0, 0, 0, 0] = np.nan  # a NaN in the reference is not matched by a NaN received
+    got = ref.copy()
+    worst, msg = compare_kv(ref, got, (0, 1), 1e-4, 1e-4)
+    assert worst == float("inf") and msg == (
+        "KV after transfer differs first at layer 0, token 0, K, head 0, channel 0: received nan, "
+        "reference nan (1 of 2 values differ)")
+    got = np.full((1, 1, 2, 1, 1), np.inf, np.float32)  # no finite difference at all
+    worst, msg = compare_kv(np.ones_like(got), got, (0, 1), 1e-4, 1e-4)
+    assert worst == float("inf")
+    assert msg.endswith("received inf, reference 1.0 (2 of 2 values differ)")
+
+
+def test_compare_run_logits_tolerance_is_relative_to_the_reference():
+    # bfloat16: |diff| 0.5625 > 0.05 + 0.05 * 10 (though <= 0.05 + 0.05 * 10.5625).
+    ref = [np.array([10.0, 0.0], np.float32)]
+    v = compare_run([0], ref, [0], [np.array([10.5625, 0.0], np.float32)], _KV_OK, "bfloat16", 8)
+    assert (v["ok"], v["logits_ok"]) == (False, False)
+    assert v["first_divergence"] == (
+        "step 0 (position 7, prefill): logits differ by up to 0.562 (token 0: 10.5625 vs reference "
+        "10; tolerance rtol=0.05, atol=0.05)")
+
+
+def test_compare_run_never_matches_nan_logits_and_counts_extra_steps():
+    nan = [np.array([np.nan, 1.0], np.float32)]
+    v = compare_run([1], nan, [1], [x.copy() for x in nan], _KV_OK, "float32", 8)
+    assert (v["ok"], v["logits_ok"], v["logits_max_abs_diff"]) == (False, False, float("inf"))
+    # One logits step more than the reference has: not the reference's logits.
+    v = compare_run([1, 0], _LOGITS[:2], [1, 0], _LOGITS, _KV_OK, "float32", 8)
+    assert (v["ok"], v["logits_ok"], v["tokens_identical"]) == (False, False, True)
+
+
+# -- run: the verdict, the exit status, the JSON file ---------------------------------------------
+
+def test_verdict_orders_the_steps_by_number_not_by_arrival():
+    cfg = DemoConfig(tokens=3, new_tokens=3)
+    state = _state(cfg)
+    state["steps"] = dict(reversed(state["steps"].items()))
+    state["ref_steps"] = dict(reversed(state["ref_steps"].items()))
+    v = _verdict(cfg, state)
+    assert (state["tokens"], state["ref_tokens"], v["ok"]) == ([5, 7, 1], [5, 7, 1], True)
+
+
+def test_verdict_checks_16_bit_kv_at_the_16_bit_tolerance():
+    cfg = DemoConfig(tokens=3, new_tokens=3, dtype="bfloat16")
+    state = _state(cfg)
+    state["kv"][1][1][0, 0, 0, 0, 0] += 1e-3  # within 5e-2 + 5e-2 * 1.0
+    v = _verdict(cfg, state)
+    assert (v["ok"], v["kv_max_abs_diff"], v["rtol"]) == (True, 0.0010000467300415039, 5e-2)
+
+
+def test_verdict_names_a_missing_reference_kv():
+    # The reference rank sent no KV (it failed): not "received KV from 2 of 2 decode ranks".
+    cfg = DemoConfig(tokens=3, new_tokens=3)
+    state = _state(cfg)
+    del state["ref_kv"]
+    v = _verdict(cfg, state)
+    assert (v["ok"], v["kv_ok"], v["kv_max_abs_diff"]) == (False, False, float("inf"))
+    assert v["first_divergence"] == "the reference sent no KV"
+
+
+def test_run_demo_reports_a_failed_rank_once_with_its_log(monkeypatch):
+    cfg = DemoConfig(tokens=3, new_tokens=3)
+    state = _state(cfg)
+    # decode 1 reported its error, then exited 1; prefill 1 exited 9 without a word.
+    state["errors"] = [{"role": "decode", "rank": 1, "error": "boom", "log": None}]
+    code, out = _fake_run(monkeypatch, cfg, state, [("decode", 1, 1), ("prefill", 1, 9)])
+    assert code == 1
+    assert [ln.split("│")[2].strip() for ln in out.splitlines() if ln.startswith("│ error ")] == [
+        "decode rank 1: boom", "prefill rank 1: exited with code 9"]
+    assert " prefill rank 1 log (tail) " in out and "│ prefill1 log" in out
+
+
+def test_run_demo_refuses_a_pairing_with_exit_3_before_any_process(monkeypatch, tmp_path):
+    def no_children(*args):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(demo_run, "_Children", no_children)
+    monkeypatch.setattr(demo_run, "Collector", no_children)
+    path = tmp_path / "refused.json"
+    buf = io.StringIO()
+    cfg = DemoConfig(decode_head_size=32)
+    code = run_demo(cfg, console=Console(file=buf, width=400, color_system=None),
+                    json_path=str(path))
+    assert code == 3
+    assert buf.getvalue().splitlines()[-1] == (
+        "Reject: no process was started, no byte moved (exit code 3)")
+    s = json.loads(path.read_text())
+    assert (s["exit_code"], s["handshake"]["decision"]) == (3, "reject")
+    assert path.read_text().endswith("}\n")
+
+
+def test_run_demo_writes_the_printed_summary_as_json(monkeypatch, tmp_path):
+    cfg = DemoConfig(tokens=3, new_tokens=3)
+    path = tmp_path / "demo.json"
+    monkeypatch.setattr(demo_run, "Collector", _NoCollector)
+    waits = []
+
+    class Children:
+        def __init__(self, *args) -> None:
+            pass
+
+        def wait(self, timeout_s: float) -> None:
+            waits.append(timeout_s)
+
+        def failed(self) -> list:
+            return []
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(demo_run, "_Children", Children)
+    monkeypatch.setattr(demo_run, "_drive", lambda cfg, ch, co, con, into: into.update(_state(cfg)))
+    code = run_demo(cfg, console=Console(file=io.StringIO()), json_path=str(path))
+    s = json.loads(path.read_text())
+    assert code == 0 and s["exit_code"] == 0 and s["verification"]["ok"] is True
+    assert s["tokens"] == {"prompt": 3, "new": 3, "generated": [5, 7, 1], "reference": [5, 7, 1]}
+    assert waits == [30.0]  # the ranks that reported their exit get to finish tearing down
+    bad = _state(cfg)
+    bad["errors"] = [{"role": "decode", "rank": 0, "error": "boom", "log": None}]
+    monkeypatch.setattr(demo_run, "_drive", lambda cfg, ch, co, con, into: into.update(bad))
+    assert run_demo(cfg, console=Console(file=io.StringIO()), json_path=None) == 1
+    assert waits == [30.0]  # not after a failure: the others are stopped at once
+
+
+# -- run: the parent's event loop and its children ---------------------------------------------------
+
+class _World:
+    """The ranks of a run, scripted: ``failed()`` (called once per turn of the parent's loop) sends
+    the next pending event once the last one was received, so what the parent has seen when it
+    tells a rank something is fixed, and returns ``failures`` once every event is in; ``tell``
+    may queue the ranks' answers. ``log`` is the sequence of events sent and messages told."""
+
+    def __init__(self, collector: Collector, pending: list, on_tell=None) -> None:
+        self.collector, self.pending, self.on_tell = collector, list(pending), on_tell
+        self.rep = Reporter(collector.address, "reference", 0)
+        self.sent = self.received = 0
+        self.log: list = []
+        self.started: list = []
+        self.failures: list = []
+        real_poll = collector.poll
+
+        def poll(timeout_s: float) -> list:
+            events = real_poll(timeout_s)
+            self.received += len(events)
+            return events
+        collector.poll = poll
+
+    def start(self, role: str, rank: int) -> None:
+        self.started.append((role, rank))
+
+    def tell(self, role: str, rank: int, message: dict) -> None:
+        self.log.append(("tell", role, rank, message))
+        if self.on_tell:
+            self.pending += self.on_tell(role, rank, message)
+
+    def failed(self) -> list:
+        if self.pending and self.received == self.sent:
+            role, rank, kind, fields = self.pending.pop(0)
+            self.rep.role, self.rep.rank = role, rank
+            self.rep.send(kind, **fields)
+            self.sent += 1
+            self.log.append(("event", role, rank, kind))
+            return []
+        return self.failures if self.received == self.sent else []  # once every event is in
+
+    def running(self) -> bool:
+        return True
+
+    def log_tail(self, role: str, rank: int) -> str:
+        return f"{role}{rank} log"
+
+
+def _drive_world(cfg: DemoConfig, pending: list, on_tell=None, **world) -> tuple[_World, dict]:
+    collector = Collector()
+    state = {"transfers": {}, "kv": {}, "steps": {}, "ref_steps": {}, "errors": [],
+             "exited_ok": set()}
+    try:
+        w = _World(collector, pending, on_tell)
+        for k, v in world.items():
+            setattr(w, k, v)
+        try:
+            demo_run._drive(cfg, w, collector, Console(file=io.StringIO()), state)
+        finally:
+            w.rep.close()
+    finally:
+        collector.close()
+    return w, state
+
+
+def _ev(role: str, rank: int, kind: str, **fields) -> tuple:
+    return (role, rank, kind, fields)
+
+
+_REF = _ref_kv()
+
+
+def _decode_answer(rank: int) -> list:
+    """A decode rank's events once told where to read: its read, its KV, its step, its exit."""
+    h = (2 * rank, 2 * rank + 2)
+    out = [_ev("decode", rank, "transferred", ok=True, bytes=8),
+           _ev("decode", rank, "kv", heads=list(h), kv=pack_array(_REF[:, :, :, h[0]:h[1]]))]
+    if rank == 0:
+        out.append(_ev("decode", 0, "step", step=1, token=7, logits=pack_array(_LOGITS[1])))
+    return out
+
+
+def test_drive_tells_the_decode_ranks_rank_0s_address_and_token_once_every_prefill_rank_serves():
+    cfg = DemoConfig(prefill_tp=2, decode_tp=2, tokens=3, new_tokens=2, timeout=30.0)
+    pending = [
+        _ev("reference", 0, "prefilled", token=5, logits=pack_array(_LOGITS[0])),
+        _ev("reference", 0, "kv", heads=[0, 4], kv=pack_array(_REF)),
+        _ev("reference", 0, "step", step=1, token=7, logits=pack_array(_LOGITS[1])),
+        _ev("reference", 0, "exit", code=0),
+        _ev("prefill", 1, "serving", address="tcp://p1"),
+        _ev("prefill", 0, "prefilled", token=5, logits=pack_array(_LOGITS[0]), seconds=0.25),
+        _ev("prefill", 1, "prefilled", token=6, logits=pack_array(_LOGITS[2]), seconds=0.5),
+        _ev("prefill", 0, "serving", address="tcp://p0")]
+
+    def answer(role, rank, message):
+        if rank == 0:
+            return _decode_answer(0) + [_ev("decode", 0, "exit", code=0)]
+        # Decode rank 1 finishes last: its KV comes after every other rank exited.
+        return [_ev("prefill", 0, "exit", code=0), _ev("prefill", 1, "exit", code=0),
+                *_decode_answer(1), _ev("decode", 1, "exit", code=0)]
+
+    w, state = _drive_world(cfg, pending, answer)
+    assert w.started == [("reference", 0), ("prefill", 0), ("prefill", 1), ("decode", 0),
+                         ("decode", 1)]
+    told = {"address": "tcp://p0", "first_token": 5}
+    assert w.log[7:10] == [("event", "prefill", 0, "serving"), ("tell", "decode", 0, told),
+                           ("tell", "decode", 1, told)]
+    assert [e for e in w.log if e[0] == "tell"] == [("tell", "decode", 0, told),
+                                                    ("tell", "decode", 1, told)]
+    assert state["errors"] == [] and len(state["exited_ok"]) == 5
+    assert state["prefill"]["token"] == 5 and sorted(state["prefill_ranks"]) == [0, 1]
+    assert state["prefill_ranks"][1] == {"forward_start": None, "published": None, "seconds": 0.5}
+    assert sorted(state["transfers"]) == [0, 1] and list(state["steps"]) == [1]
+    assert {r: heads for r, (heads, _) in state["kv"].items()} == {0: (0, 2), 1: (2, 4)}
+    assert np.array_equal(state["ref_kv"], _REF)
+    v = _verdict(cfg, state)
+    assert (v["ok"], state["tokens"], v["first_divergence"]) == (True, [5, 7], None)
+
+
+def test_drive_streams_address_first_then_go_once_every_decode_rank_connected_then_the_token():
+    cfg = DemoConfig(prefill_tp=2, decode_tp=2, tokens=3, new_tokens=2, timeout=30.0, stream=True)
+    pending = [_ev("prefill", 1, "serving", address="tcp://p1"),
+               _ev("prefill", 0, "serving", address="tcp://p0")]
+
+    def answer(role, rank, message):
+        if role == "decode" and "address" in message:
+            return [_ev("decode", rank, "connected")]
+        if (role, rank) == ("prefill", 0):
+            return [_ev("prefill", 0, "prefilled", token=5, logits=pack_array(_LOGITS[0]))]
+        if role == "decode":  # the first token: finish (every rank, to end the loop)
+            return [_ev(*who, "exit", code=0) for who in (("reference", 0), ("prefill", 0),
+                                                          ("prefill", 1), ("decode", 0),
+                                                          ("decode", 1))] if rank == 1 else []
+        return []
+
+    w, state = _drive_world(cfg, pending, answer)
+    assert w.log == [
+        ("event", "prefill", 1, "serving"), ("event", "prefill", 0, "serving"),
+        ("tell", "decode", 0, {"address": "tcp://p0"}),
+        ("tell", "decode", 1, {"address": "tcp://p0"}),
+        ("event", "decode", 0, "connected"), ("event", "decode", 1, "connected"),
+        ("tell", "prefill", 0, {"go": True}), ("tell", "prefill", 1, {"go": True}),
+        ("event", "prefill", 0, "prefilled"),
+        ("tell", "decode", 0, {"first_token": 5}), ("tell", "decode", 1, {"first_token": 5}),
+        *[("event", role, rank, "exit") for role, rank in (("reference", 0), ("prefill", 0),
+                                                           ("prefill", 1), ("decode", 0),
+                                                           ("decode", 1))]]
+    assert state["errors"] == []
+
+
+def test_drive_stops_at_a_ranks_error_event():
+    cfg = DemoConfig(decode_tp=1, tokens=3, new_tokens=2, timeout=30.0)
+    _, state = _drive_world(cfg, [_ev("prefill", 0, "error", error="RuntimeError: boom"),
+                                  _ev("reference", 0, "exit", code=0)])
+    assert state["errors"] == [{"role": "prefill", "rank": 0, "error": "RuntimeError: boom",
+                                "log": None}]
+
+
+def test_drive_stops_at_a_child_that_exited_without_a_word():
+    cfg = DemoConfig(decode_tp=1, tokens=3, new_tokens=2, timeout=30.0)
+    _, state = _drive_world(cfg, [_ev("reference", 0, "exit", code=0)],
+                            failures=[("reference", 0, 1), ("prefill", 0, -11)])
+    # A rank that reported its exit is not counted again.
+    assert state["errors"] == [{"role": "prefill", "rank": 0, "error": "exited with code -11",
+                                "log": "prefill0 log"}]
+
+
+def test_drive_names_its_timeout_and_a_process_that_exited_without_reporting():
+    cfg = DemoConfig(decode_tp=1, tokens=3, new_tokens=2, timeout=0.25)
+    _, state = _drive_world(cfg, [])
+    assert state["errors"] == [{"role": "demo", "rank": 0, "error": "timed out after 0.25 s"}]
+    cfg = DemoConfig(decode_tp=1, tokens=3, new_tokens=2, timeout=30.0)
+    _, state = _drive_world(cfg, [], running=lambda: False)
+    assert state["errors"] == [{"role": "demo", "rank": 0,
+                                "error": "a process exited without reporting"}]
+
+
+class _Popen:
+    def __init__(self, argv, **kwargs) -> None:
+        self.argv, self.kwargs, self.returncode, self.stdin = argv, kwargs, None, None
+
+    def poll(self):
+        return self.returncode
+
+
+def test_children_run_the_worker_with_nixl_moving_the_bytes_unless_told(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(demo_run.subprocess, "Popen", _Popen)
+    monkeypatch.delenv("FKV_CMA", raising=False)
+    cfg = DemoConfig(decode_tp=1)
+    ch = demo_run._Children(cfg, "tcp://parent", str(tmp_path))
+    for role in ("reference", "prefill", "decode"):
+        ch.start(role, 0)
+    p = ch.procs[("decode", 0)]
+    assert p.argv == [sys.executable, "-m", "fkv.demo.worker", "decode", "0", "tcp://parent",
+                      str(tmp_path), cfg.to_json()]
+    assert p.kwargs["env"]["FKV_CMA"] == "0" and p.kwargs["env"]["TRITON_INTERPRET"] == "1"
+    # Only the ranks the parent talks to get a stdin: decode ranks (and prefill ranks --stream).
+    assert [ch.procs[(r, 0)].kwargs["stdin"] for r in ("reference", "prefill", "decode")] == [
+        subprocess.DEVNULL, subprocess.DEVNULL, subprocess.PIPE]
+    ch.procs[("reference", 0)].returncode = 0
+    ch.procs[("prefill", 0)].returncode = 3
+    assert ch.failed() == [("prefill", 0, 3)] and ch.running()
+    stream = demo_run._Children(DemoConfig(stream=True, same_host_copies=True), "tcp://parent",
+                                str(tmp_path))
+    stream.start("prefill", 0)
+    assert stream.procs[("prefill", 0)].kwargs["stdin"] == subprocess.PIPE
+    assert "FKV_CMA" not in stream.env
+
+
+# -- the command line's options ---------------------------------------------------------------
+
+def _main_config(monkeypatch, argv: list[str]) -> tuple[int, list]:
+    """``fkv demo ARGV`` with run_demo replaced: the exit code and the (config, json_path) it got."""
+    from fkv.cli import main
+
+    got = []
+    monkeypatch.setattr(demo_run, "run_demo",
+                        lambda cfg, console, json_path: got.append((cfg, json_path)) or 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    return main(["demo", *argv]), got
+
+
+def test_demo_options_reach_the_config(monkeypatch, tmp_path):
+    import os
+
+    code, got = _main_config(monkeypatch, [])
+    assert (code, got) == (0, [(DemoConfig(), None)])  # the flags' defaults are the config's
+    assert os.environ["TRITON_INTERPRET"] == "1"  # before any child imports triton
+    path = str(tmp_path / "s.json")
+    code, got = _main_config(monkeypatch, [
+        "--prefill-tp", "2", "--decode-tp", "4", "--prefill-layout", "NHD", "--decode-layout",
+        "HND", "--backend", "flashinfer", "--prefill-block-size", "8", "--decode-block-size",
+        "32", "--tokens", "24", "--new-tokens", "3", "--device", "cuda", "--dtype", "bfloat16",
+        "--decode-head-size", "32", "--corrupt", "--stream", "--same-host-copies", "--seed", "7",
+        "--timeout", "12.5", "--json", path])
+    assert (code, got) == (0, [(DemoConfig(
+        prefill_tp=2, decode_tp=4, prefill_layout="NHD", decode_layout="HND",
+        backend="flashinfer", prefill_block_size=8, decode_block_size=32, tokens=24, new_tokens=3,
+        device="cuda", dtype="bfloat16", decode_head_size=32, corrupt=True, stream=True,
+        same_host_copies=True, seed=7, timeout=12.5), path)])
+    assert os.environ["TRITON_INTERPRET"] == "0"  # CUDA: the kernels compile
+
+
+def test_demo_refuses_an_mla_backend_and_more_ranks_than_the_models_query_heads(monkeypatch,
+                                                                              capsys):
+    code, got = _main_config(monkeypatch, ["--backend", "mla"])
+    assert (code, got) == (2, [])
+    assert "argument --backend: invalid choice: 'mla'" in capsys.readouterr().err
+    # 24 and 32 are multiples of the 8 KV heads (the handshake accepts them), but the model's 16
+    # query heads do not split into them: a usage error, before any process starts.
+    for flag, tp in (("--decode-tp", 32), ("--prefill-tp", 24), ("--decode-tp", 17)):
+        code, got = _main_config(monkeypatch, [flag, str(tp)])
+        assert (code, got) == (2, [])
+        assert " ".join(capsys.readouterr().err.split()) == (
+            f"fkv demo: error: argument {flag}: must be at most 16, the demo model's query heads "
+            f"(got {tp})")
+    code, got = _main_config(monkeypatch, ["--decode-tp", "16", "--prefill-tp", "16"])
+    assert code == 0 and [c.decode_tp for c, _ in got] == [16]

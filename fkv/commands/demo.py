@@ -80,6 +80,12 @@ def run(args: argparse.Namespace) -> int:
                          seed=args.seed, timeout=args.timeout, stream=args.stream,
                          same_host_copies=args.same_host_copies)
         cfg.spec("prefill"), cfg.spec("decode")  # validates layouts and sizes
+        for flag, tp in (("--prefill-tp", cfg.prefill_tp), ("--decode-tp", cfg.decode_tp)):
+            # Beyond 16 the handshake accepts multiples of the 8 KV heads (24, 32, ...) that the
+            # model's query heads cannot be split into: every rank would start, then fail.
+            if tp > cfg.model.num_q_heads:
+                raise FkvError(f"argument {flag}: must be at most {cfg.model.num_q_heads}, the "
+                               f"demo model's query heads (got {tp})")
     except FkvError as e:
         Console(stderr=True).print(f"[red]fkv demo: error: {e}[/]")
         return 2

@@ -296,7 +296,9 @@ def _verdict(cfg: DemoConfig, state: dict[str, Any]) -> dict[str, Any]:
         for rank in sorted(state["kv"]):
             heads, got = state["kv"][rank]
             kv_checks.append(compare_kv(state["ref_kv"], got, heads, rtol, atol))
-    if len(kv_checks) != cfg.decode_tp:
+    if "ref_kv" not in state:
+        kv_checks.append((float("inf"), "the reference sent no KV"))
+    elif len(kv_checks) != cfg.decode_tp:
         kv_checks.append((float("inf"), f"received KV from {len(state['kv'])} of {cfg.decode_tp} "
                                         "decode ranks"))
     if cfg.stream:  # the same KV read twice: when the reads disagree, one delivered wrong bytes
