@@ -223,6 +223,11 @@ def test_every_bench_checks_its_output_paths_before_it_runs(
     ("cross-layer=1,cross_layer=0",
      "--local: key 'cross_layer' given twice (cross-layer=1, then cross_layer=0); give each key once"),
     ("engine=", "--local: engine= must have a value (drop the key for its default)"),
+    ("tp=0", "--local: tp=0 must be a positive integer"),
+    ("block_size=0", "--local: block_size=0 must be a positive integer"),
+    ("layers=0", "--local: layers=0 must be a positive integer"),
+    ("num_blocks=0", "--local: num_blocks=0 must be a positive integer"),
+    ("layout=", "--local: layout= must have a value (drop the key for its default)"),
 ])
 def test_plan_refuses_zero_and_repeated_keys(local: str, message: str,
                                              capsys: pytest.CaptureFixture) -> None:
@@ -395,3 +400,232 @@ def test_build_parser_skips_only_a_missing_command_module(monkeypatch: pytest.Mo
     with pytest.raises(ModuleNotFoundError) as e:
         cli.build_parser()
     assert e.value.name == "zmq"
+
+
+# -- holes found by mutation in fkv.commands (plan, show, demo, bench) ----------------------------
+
+def test_plan_defaults_of_each_side() -> None:
+    from fkv import KVCacheSpec
+    from fkv.commands.plan import parse_side
+    from fkv.connector.handshake import PROTOCOL_VERSION, EngineDesc
+
+    engine, spec = parse_side("local", "")
+    assert engine == EngineDesc(engine_id="decode", tp_size=1, tp_rank=0, total_num_kv_heads=8,
+                                model="", model_dtype="", protocol=PROTOCOL_VERSION)
+    assert spec == KVCacheSpec(backend="triton", layout="HND", num_blocks=1024, block_size=16,
+                               num_kv_heads=8, head_size=128, dtype="bfloat16", num_layers=1,
+                               cross_layer=False)
+    engine, spec = parse_side("remote", "backend=mla")
+    assert (engine.engine_id, engine.total_num_kv_heads) == ("prefill", 1)
+    assert (spec.num_kv_heads, spec.head_size) == (1, 576)
+    _, spec = parse_side("local", "tp=16,rank=15,heads=8")  # more ranks than heads: one each
+    assert spec.num_kv_heads == 1
+    engine, _ = parse_side("local", "protocol=7,model=,model_dtype=float16,engine=d3")
+    assert (engine.protocol, engine.model, engine.model_dtype, engine.engine_id) == (
+        7, "", "float16", "d3")
+
+
+def test_plan_reads_spaces_case_and_a_trailing_comma() -> None:
+    from fkv.commands.plan import parse_side
+
+    engine, spec = parse_side("local", " tp = 2 , rank=1, layout= NHD ,cross-layer=ON,layers=2,")
+    assert (engine.tp_size, engine.tp_rank, spec.layout, spec.cross_layer, spec.num_layers) == (
+        2, 1, "NHD", True, 2)
+    engine, _ = parse_side("local", "model= llama ,engine= d3 ,tp=1")
+    assert (engine.model, engine.engine_id) == ("llama", "d3")
+    for raw, value in [("1", True), ("true", True), ("yes", True), ("on", True), ("TRUE", True),
+                       ("0", False), ("false", False), ("no", False), ("off", False), ("Off", False)]:
+        assert parse_side("local", f"cross_layer={raw}")[1].cross_layer is value, raw
+
+
+def _plan(capsys: pytest.CaptureFixture, *argv: str) -> list[str]:
+    assert main(["plan", *argv]) == 0
+    out = capsys.readouterr()
+    assert out.err == ""
+    return out.out.splitlines()
+
+
+def test_plan_prints_a_single_reason_in_full(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--local", "tp=2,rank=1,dtype=float16", "--remote", "tp=1"]) == 3
+    assert capsys.readouterr().out == (
+        "Reject: 1 reason\n"
+        "  - remote.spec.dtype (cache_dtype): cache dtypes differ; local 'float16', remote "
+        "'bfloat16'\n"
+        "    fix: use the same kv-cache dtype on both engines\n")
+
+
+def test_plan_example_request_is_bounded_by_both_caches(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # no title broken over two lines
+
+    def title(*argv: str) -> str:
+        return next(ln for ln in _plan(capsys, *argv) if ln.startswith("example request"))
+
+    d, p = "tp=2,rank=1", "tp=1"
+    assert title("--local", d, "--remote", p) == (
+        "example request: 64 tokens, remote blocks 0..3 -> local blocks 0..3: 8 rows, 131072 B")
+    assert title("--local", d, "--remote", p + ",num_blocks=2") == (  # the remote cache's 2 blocks
+        "example request: 32 tokens, remote blocks 0..1 -> local blocks 0..1: 4 rows, 65536 B")
+    assert title("--local", d + ",num_blocks=1", "--remote", p) == (  # the local cache's 1 block
+        "example request: 16 tokens, remote blocks 0..0 -> local blocks 0..0: 2 rows, 32768 B")
+    assert title("--local", d + ",block_size=32", "--remote", p, "--blocks", "1") == (
+        "example request: 16 tokens, remote blocks 0..0 -> local blocks 0..0: 8 rows, 32768 B")
+
+
+def test_plan_prints_rows_as_asked(monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    argv = ("--local", "tp=2,rank=1", "--remote", "tp=1", "--blocks", "2")  # 4 rows
+
+    def table(rows: str) -> tuple[list[list[str]], list[str]]:
+        lines = _plan(capsys, *argv, "--rows", rows)
+        body = [ln.strip("│ ").split() for ln in lines if ln.startswith("│")]
+        return body, [ln for ln in lines if ln.startswith("...")]
+
+    rows, caption = table("4")
+    assert [" ".join(r) for r in rows] == [
+        "0 │ 0 │ 16384 │ 0 │ 0 │ 16384", "0 │ 0 │ 49152 │ 0 │ 16384 │ 16384",
+        "0 │ 0 │ 81920 │ 0 │ 32768 │ 16384", "0 │ 0 │ 114688 │ 0 │ 49152 │ 16384"]
+    assert caption == []
+    rows, caption = table("1")
+    assert len(rows) == 1 and caption == ["... 3 more rows"]
+    rows, caption = table("0")
+    assert rows == [] and caption == ["... 4 more rows"]
+    assert _error(capsys, ["plan", *argv, "--rows", "-1"]) == (
+        "error: --blocks must be >= 1 and --rows >= 0 (got 2, -1)")
+
+
+def test_plan_strategy_is_passed_to_the_handshake(capsys: pytest.CaptureFixture) -> None:
+    lines = _plan(capsys, "--local", "tp=2,rank=1", "--remote", "tp=1", "--strategy", "staging",
+                  "--blocks", "1", "--rows", "0")
+    assert any(ln.startswith("strategy staging: ") for ln in lines)
+    assert lines[-1] == ("move: staging[0] (+0 B) layer 0 heads (4, 8) -> local heads (0, 4), "
+                         "16 tokens")
+
+
+def _show(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+          *argv: str) -> tuple[str, dict[str, str], list[str]]:
+    """``fkv show ARGV``: its spec line, its info rows and the labels of its pattern table."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["show", *argv]) == 0
+    out = capsys.readouterr()
+    assert out.err == ""
+    lines = out.out.splitlines()
+    cells = [[c.strip() for c in ln.strip("│").split("│")] for ln in lines if ln.startswith("│")]
+    info = {c[0]: c[1] for c in cells[:8]}
+    return lines[0], info, [c[0] for c in cells[8:]]
+
+
+def test_show_defaults_and_every_row(monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture) -> None:
+    line, _, labels = _show(monkeypatch, capsys)
+    assert line == ("KVCacheSpec(backend='triton', layout='NHD', num_blocks=32768, block_size=16, "
+                    "num_kv_heads=8, head_size=128, dtype='bfloat16')")
+    assert labels == ["triton NHD + layers", "triton HND", "triton HND + layers", "flashinfer NHD",
+                      "flashinfer NHD + layers", "flashinfer HND", "flashinfer HND + layers",
+                      "flash_attn NHD", "flash_attn NHD + layers", "flash_attn HND",
+                      "flash_attn HND + layers"]
+    line, info, labels = _show(monkeypatch, capsys, "--layout", "HND", "--blocks", "4", "--layers",
+                               "2", "--cross-layer", "--dtype", "float32")
+    assert line == ("KVCacheSpec(backend='triton', layout='HND', num_blocks=4, block_size=16, "
+                    "num_kv_heads=8, head_size=128, dtype='float32', num_layers=2, cross_layer=True)")
+    assert info == {"logical axes": "B two N H C", "logical shape": "(4, 2, 16, 8, 128)",
+                    "stride order": "(1, 2, 4, 0, 3, 5)", "physical axes": "B two H L N C",
+                    "physical shape": "(4, 2, 8, 2, 16, 128)",
+                    "strides (elements)": "(65536, 32768, 128, 4096, 1)",
+                    "page bytes": "131,072", "regions": "1 × 1,048,576 B"}
+    assert labels[:3] == ["triton NHD", "triton NHD + layers", "triton HND"]
+    assert "triton HND + layers" not in labels and len(labels) == 11
+    _, info, labels = _show(monkeypatch, capsys, "--backend", "mla", "--heads", "1",
+                            "--head-size", "8", "--blocks", "2")
+    assert (info["logical axes"], info["regions"], labels) == ("B N C", "1 × 512 B", ["mla + layers"])
+
+
+@pytest.mark.parametrize("flag", ["--blocks", "--block-size", "--heads", "--head-size", "--layers"])
+def test_show_refuses_counts_below_one(flag: str, capsys: pytest.CaptureFixture) -> None:
+    assert _error(capsys, ["show", flag, "0"]) == (
+        f"fkv show: error: argument {flag}: must be a positive integer (got 0)")
+
+
+def test_show_reports_a_bad_spec_on_stderr(capsys: pytest.CaptureFixture) -> None:
+    assert _error(capsys, ["show", "--layout", "NDH"]).startswith(
+        "error: 'layout' must be in ('NHD', 'HND') or an alias in (")
+    assert _error(capsys, ["show", "--backend", "mla"]) == (
+        "error: 'num_kv_heads' must be 1 for backend 'mla' (one latent vector per token) (got 8); "
+        "pass num_kv_heads=1 and the latent width (e.g. 576) as head_size")
+
+
+@pytest.fixture
+def demo_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """``fkv demo`` with ``run_demo`` replaced: records ``(cfg, json_path, TRITON_INTERPRET)``."""
+    import os
+
+    from fkv.demo import run as demo_run
+
+    seen: list[tuple] = []
+
+    def fake(cfg, *, console, json_path):
+        seen.append((cfg, json_path, os.environ.get("TRITON_INTERPRET")))
+        return 7
+
+    monkeypatch.setattr(demo_run, "run_demo", fake)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return seen
+
+
+def test_demo_defaults_reach_the_run(demo_runs: list[tuple]) -> None:
+    from fkv.demo.config import DemoConfig
+
+    assert main(["demo"]) == 7
+    assert demo_runs == [(DemoConfig(
+        prefill_tp=1, decode_tp=2, prefill_layout="HND", decode_layout="HND", backend="triton",
+        prefill_block_size=16, decode_block_size=16, tokens=64, new_tokens=16, device="cpu",
+        dtype="float32", decode_head_size=None, corrupt=False, seed=0, timeout=600.0,
+        stream=False, same_host_copies=False), None, "1")]
+
+
+def test_demo_passes_every_flag_to_the_run(tmp_path: Path, demo_runs: list[tuple]) -> None:
+    from fkv.demo.config import DemoConfig
+
+    path = str(tmp_path / "s.json")
+    assert main(["demo", "--prefill-tp", "2", "--decode-tp", "4", "--prefill-layout", "NHD",
+                 "--decode-layout", "LBHNC", "--backend", "flashinfer", "--prefill-block-size", "8",
+                 "--decode-block-size", "32", "--tokens", "40", "--new-tokens", "3", "--device",
+                 "cuda", "--dtype", "bfloat16", "--decode-head-size", "32", "--corrupt", "--stream",
+                 "--same-host-copies", "--seed", "5", "--timeout", "12.5", "--json", path]) == 7
+    assert demo_runs == [(DemoConfig(
+        prefill_tp=2, decode_tp=4, prefill_layout="NHD", decode_layout="LBHNC",
+        backend="flashinfer", prefill_block_size=8, decode_block_size=32, tokens=40, new_tokens=3,
+        device="cuda", dtype="bfloat16", decode_head_size=32, corrupt=True, seed=5, timeout=12.5,
+        stream=True, same_host_copies=True), path, None)]  # cuda: no interpreter
+
+
+def test_demo_checks_the_prefill_layout_too(capsys: pytest.CaptureFixture,
+                                            demo_runs: list[tuple]) -> None:
+    assert main(["demo", "--prefill-layout", "NDH"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and " ".join(out.err.split()) == (
+        "fkv demo: error: 'layout' must be in ('NHD', 'HND') or an alias in ('NHD', 'HND', "
+        "'LBNHC', 'LBHNC', 'LHBNC', 'BLNHC', 'BLHNC', 'BHLNC') (got 'NDH')")
+    assert demo_runs == []
+
+
+def test_bench_runs_the_named_benchmark_with_the_rest_of_the_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from fkv import cli
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    names = next(a for a in sub.choices["bench"]._actions if a.dest == "name").choices
+    assert sorted(names) == ["attention", "convert", "plan", "report", "transfer", "write"]
+    for name in names:  # every choice is a benchmark module with a main
+        assert callable(importlib.import_module(f"fkv.bench.{name}").main)
+    from fkv.bench import write
+
+    seen = []
+    monkeypatch.setattr(write, "main", lambda argv: seen.append(argv) or 5)
+    assert main(["bench", "write", "--cpu-smoke", "--reps", "1"]) == 5
+    monkeypatch.setattr(write, "main", lambda argv: seen.append(argv))
+    assert main(["bench", "write"]) == 0
+    assert seen == [["--cpu-smoke", "--reps", "1"], []]

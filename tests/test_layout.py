@@ -463,7 +463,7 @@ def test_cli_show(capsys):
     assert "(0, 1, 3, 2, 4)" in out and "(4, 2, 8, 16, 128)" in out and "65,536" in out
     assert "L B two H N C -> L two B N H C" in out
     assert main(["show", "--layout", "NDH"]) == 2
-    assert "'layout' must be in ('NHD', 'HND')" in capsys.readouterr().out
+    assert "'layout' must be in ('NHD', 'HND')" in capsys.readouterr().err  # a usage error: stderr
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn"),

@@ -354,3 +354,104 @@ def test_specs_take_cross_layer_from_an_alias_that_names_it(alias, cross):
         assert spec.layout is fkv.Layout.parse(alias)
 
     check()
+
+
+# -- holes found by mutation (fkv.testing audit) ------------------------------------------------
+
+def _find(strategy, condition=lambda value: True):
+    """The first value of ``strategy`` that meets ``condition`` (hypothesis.find)."""
+    from hypothesis import find
+
+    return find(strategy, condition, settings=settings(max_examples=2000, database=None))
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("num_blocks", 1), ("num_blocks", 8), ("block_size", 1), ("block_size", 16),
+    ("num_kv_heads", 8), ("head_size", 1), ("head_size", 128), ("num_layers", 3),
+    ("cross_layer", True), ("backend", "mla"), ("dtype", "float8_e5m2"),
+])
+def test_unconstrained_specs_reach_each_end_of_their_defaults(field, value):
+    assert getattr(_find(specs(), lambda s: getattr(s, field) == value), field) == value
+
+
+@settings(max_examples=60)
+@given(specs())
+def test_unconstrained_specs_stay_within_their_defaults(spec):
+    assert 1 <= spec.num_blocks <= 8 and 1 <= spec.num_layers <= 3
+    assert spec.block_size in (1, 2, 4, 8, 16) and spec.num_kv_heads in (1, 2, 4, 8)
+    assert spec.head_size in (1, 2, 8, 16, 64, 128)
+
+
+def test_max_bytes_bounds_every_region_inclusively():
+    fixed = dict(backend="triton", layout="NHD", num_blocks=2, block_size=4, num_kv_heads=2,
+                 head_size=8, dtype="float32", num_layers=2, cross_layer=False)
+    spec = KVCacheSpec(**fixed)
+    assert (spec.region_bytes, spec.num_regions) == (1024, 2)
+    assert _find(specs(max_bytes=2048, **fixed)) == spec
+    from hypothesis.errors import Unsatisfiable
+
+    with pytest.raises(Unsatisfiable):
+        _find(specs(max_bytes=2047, **fixed))
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: heads_per_rank(8, 0), "'tp_size' must be a positive int (got 0)"),
+    (lambda: heads_per_rank(8, True), "'tp_size' must be a positive int (got True)"),
+    (lambda: heads_per_rank("8", 2), "'total_num_kv_heads' must be a positive int (got '8')"),
+    (lambda: heads_per_rank(-8, 2), "'total_num_kv_heads' must be a positive int (got -8)"),
+    (lambda: specs(max_bytes="1MiB"), "'max_bytes' must be a positive int (got '1MiB')"),
+    (lambda: specs(max_bytes=0), "'max_bytes' must be a positive int (got 0)"),
+    (lambda: _find(engine_pairs(prefill_tp=0)), "'prefill_tp' must be a positive int (got 0)"),
+    (lambda: _find(engine_pairs(decode_tp="2")), "'decode_tp' must be a positive int (got '2')"),
+    (lambda: _find(engine_pairs(decode_tp=-1, divisible=False)),
+     "'decode_tp' must be a positive int (got -1)"),
+], ids=lambda v: None if callable(v) else v)
+def test_bad_strategy_arguments_are_fkv_errors(make, message):
+    with pytest.raises(FkvError) as e:
+        make()
+    assert str(e.value) == message  # (hypothesis adds a note when the error comes from a draw)
+
+
+def test_heads_per_rank_is_an_int_floor():
+    import numpy as np
+
+    assert [heads_per_rank(6, tp) for tp in (1, 2, 4, 8)] == [6, 3, 1, 1]
+    assert all(type(heads_per_rank(6, tp)) is int for tp in (1, 4))
+    assert heads_per_rank(np.int64(8), np.int64(2)) == 4
+
+
+def test_engine_pairs_name_the_engines_the_model_and_every_decode_rank():
+    from fkv.connector.handshake import EngineDesc
+
+    pair = _find(engine_pairs(backend="triton", dtype="float8_e4m3fn", model="llama",
+                              total_num_kv_heads=8, prefill_tp=1, decode_tp=4),
+                 lambda p: p.decode[0].tp_rank == 3)
+    (p_engine, p_spec), (d_engine, d_spec) = pair
+    assert p_engine == EngineDesc(engine_id="prefill-engine", tp_size=1, tp_rank=0,
+                                  total_num_kv_heads=8, model="llama", model_dtype="bfloat16")
+    assert d_engine == EngineDesc(engine_id="decode-engine", tp_size=4, tp_rank=3,
+                                  total_num_kv_heads=8, model="llama", model_dtype="bfloat16")
+    assert (p_spec.num_kv_heads, d_spec.num_kv_heads, d_spec.dtype) == (8, 2, "float8_e4m3fn")
+    assert _find(engine_pairs(dtype="float16")).prefill[0].model_dtype == "float16"
+
+
+def test_engine_pairs_take_per_side_block_sizes_and_cross_layer_choices():
+    pairs = engine_pairs(backend="triton", block_size=16, prefill_block_size=4,
+                         decode_block_size=8, cross_layer=(False, True))
+    pair = _find(pairs, lambda p: p.decode[1].cross_layer and not p.prefill[1].cross_layer)
+    assert (pair.prefill[1].block_size, pair.decode[1].block_size) == (4, 8)
+    _find(pairs, lambda p: p.prefill[1].cross_layer and not p.decode[1].cross_layer)
+    alias = _find(engine_pairs(backend="triton", layout="BLNHC", cross_layer=False))
+    assert alias.prefill[1].cross_layer and alias.decode[1].cross_layer
+
+
+@settings(max_examples=30)
+@given(engine_pairs(prefill_tp=(2, 3), decode_tp=(2, 3)))
+def test_divisible_pairs_have_tp_sizes_that_divide(pair):
+    assert pair.prefill[0].tp_size == pair.decode[0].tp_size  # 2 and 3 divide only themselves
+
+
+def test_divisible_false_draws_any_tp_sizes():
+    pair = _find(engine_pairs(prefill_tp=(2, 3), decode_tp=(2, 3), divisible=False),
+                 lambda p: p.prefill[0].tp_size != p.decode[0].tp_size)
+    assert {pair.prefill[0].tp_size, pair.decode[0].tp_size} == {2, 3}

@@ -15,7 +15,7 @@ import torch
 
 import fkv
 from fkv import FkvError, KVCacheSpec
-from fkv.testing import assert_kv_equal, snapshot_value
+from fkv.testing import assert_kv_equal, snapshot_value, token_major
 
 # NHD logical layer view: [block, two, slot, head, channel].
 SPEC = KVCacheSpec(layout="NHD", num_blocks=2, block_size=4, num_kv_heads=2, head_size=4,
@@ -249,3 +249,104 @@ def test_same_nonzero_head_offset_names_the_real_head():
     # With whole-cache ranges on both sides the head is named once.
     with pytest.raises(AssertionError, match=r", K, head 3, channel 2: "):
         assert_kv_equal(a, four, b, four)
+
+
+# -- holes found by mutation (fkv.testing audit) ------------------------------------------------
+
+def test_specs_are_checked_and_layer_counts_match_both_ways():
+    a = _arange(SPEC)
+    with pytest.raises(FkvError, match=r"^'spec_a' must be a KVCacheSpec \(got 'NHD'\)$"):
+        assert_kv_equal(a, "NHD", a, SPEC)
+    with pytest.raises(FkvError, match=r"^'spec_b' must be a KVCacheSpec \(got None\)$"):
+        assert_kv_equal(a, SPEC, a, None)
+    two = SPEC.evolve(num_layers=2)
+    _geometry("assert_kv_equal: 'a' has 1 layer view(s) but spec_a has num_layers=2; pass the list "
+              "fkv.allocate(spec) returns", a, two, _arange(two), two)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(block_ids_a=[0, 5, 7]), "'block_ids_a' must be a block id in [0, 2) (got 5)"),
+    (dict(atol=True), "'atol' must be a finite number >= 0 (got True)"),
+    (dict(rtol=False), "'rtol' must be a finite number >= 0 (got False)"),
+], ids=lambda v: ",".join(v) if isinstance(v, dict) else None)
+def test_first_bad_id_and_bool_tolerances_are_refused(kwargs, message):
+    a = _arange(SPEC)
+    with pytest.raises(FkvError, match="^" + re.escape(message) + "$"):
+        assert_kv_equal(a, SPEC, a, SPEC, **kwargs)
+
+
+def test_tolerance_compares_in_float64_with_rtol_relative_to_b():
+    a = _arange(SPEC)
+    b = [a[0].clone()]
+    a[0][0, 0, 0, 0, 0] = 0.0
+    b[0][0, 0, 0, 0, 0] = 0.1  # float32(0.1) = 0.10000000149..., just above atol=0.1 in float64
+    _fails("KV caches differ first at layer 0, token 0 (a: block 0 slot 0; b: block 0 slot 0), K, "
+           "head 0, channel 0: a=0.0 b=0.10000000149011612 (1 of 128 elements of layer 0 differ; "
+           "max abs diff 0.1)", a, SPEC, b, SPEC, atol=0.1)
+    assert_kv_equal(a, SPEC, b, SPEC, atol=0.11)
+    # rtol scales |b|, as torch.isclose(a, b) does: |100 - 120| = 20 <= 0.18 * 120, > 0.18 * 100.
+    a[0][0, 0, 0, 0, 0], b[0][0, 0, 0, 0, 0] = 100.0, 120.0
+    assert_kv_equal(a, SPEC, b, SPEC, rtol=0.18)
+    _fails("KV caches differ first at layer 0, token 0 (a: block 0 slot 0; b: block 0 slot 0), K, "
+           "head 0, channel 0: a=120.0 b=100.0 (1 of 128 elements of layer 0 differ; max abs diff "
+           "20)", b, SPEC, a, SPEC, rtol=0.18)
+
+
+def test_tolerance_message_when_no_pair_is_finite():
+    a = _arange(SPEC)
+    a[0].fill_(float("inf"))
+    b = [a[0].clone()]
+    b[0][0, 1, 0, 1, 3] = 1.0
+    _fails("KV caches differ first at layer 0, token 0 (a: block 0 slot 0; b: block 0 slot 0), V, "
+           "head 1, channel 3: a=inf b=1.0 (1 of 128 elements of layer 0 differ)",
+           a, SPEC, b, SPEC, atol=1e-3)
+
+
+def test_token_major_checks_its_arguments_and_maps_tokens_exactly():
+    a = _arange(SPEC)
+    with pytest.raises(FkvError, match=r"^'spec' must be a KVCacheSpec \(got 'NHD'\)$"):
+        token_major(a[0], "NHD")
+    with pytest.raises(FkvError, match=r"^'layer' must be a torch.Tensor \(one layer's view from "
+                       r"fkv.allocate\) \(got 'list'\)$"):
+        token_major(a, SPEC)
+    # A view of another geometry is refused, never sliced into a wrong answer (or a RuntimeError).
+    for shape in [(128,), (2, 2, 4, 3, 4), (3, 2, 4, 2, 4)]:
+        with pytest.raises(FkvError) as e:
+            token_major(torch.zeros(shape), SPEC)
+        assert str(e.value) == (f"'layer' must be one layer's view of shape (2, 2, 4, 2, 4) (the "
+                                f"logical_shape of spec {SPEC!r}) (got 'shape {shape}')")
+    t = token_major(a[0], SPEC, [1], heads=(1, 2), num_tokens=3)
+    assert tuple(t.shape) == (3, 2, 1, 4)
+    assert torch.equal(t[2, 1, 0], a[0][1, 1, 2, 1])  # token 2 = block 1 slot 2, V, head 1
+
+
+def test_snapshot_value_returns_plain_python_values():
+    import enum
+
+    import numpy as np
+
+    from fkv.connector.handshake import EngineDesc
+
+    class Color(enum.StrEnum):
+        RED = "red"
+
+    for value, plain in [(Color.RED, "red"), (fkv.Layout.HND, "HND"), (np.float32(0.5), 0.5),
+                         (np.int64(3), 3)]:
+        assert snapshot_value(value) == plain and type(snapshot_value(value)) is type(plain)
+    flat = snapshot_value(np.arange(3))
+    assert flat == [0, 1, 2] and [type(x) for x in flat] == [int] * 3
+    rows = snapshot_value(np.arange(4).reshape(2, 2))
+    assert rows == [(0, 1), (2, 3)] and type(rows[0][0]) is int
+    assert snapshot_value(np.zeros((1, 2, 2), dtype=np.int64)) == [[[0, 0], [0, 0]]]
+    with pytest.raises(FkvError) as e:
+        snapshot_value(b"x")
+    assert str(e.value) == ("snapshot_value: no plain form for a 'bytes' (b'x'); pass a spec, "
+                            "layout, handshake result, plan, numpy array, attrs value or a "
+                            "container of them")
+    # A dict keyed by an attrs value: its plain form (a dict) cannot be a key.
+    desc = EngineDesc(engine_id="x", tp_size=1, tp_rank=0, total_num_kv_heads=8)
+    with pytest.raises(FkvError) as e:
+        snapshot_value({desc: 1})
+    assert str(e.value) == (f"snapshot_value: the dict key {desc!r} has no hashable plain form "
+                            f"({snapshot_value(desc)!r}); key the dict by specs, layouts, strings "
+                            f"or numbers")

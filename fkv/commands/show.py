@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from fkv.cli import positive_int
 from fkv.errors import FkvError
 from fkv.layout import BACKENDS, DTYPE_ALIASES, DTYPES, KVCacheSpec, Layout, rearrange_pattern
 
@@ -15,14 +16,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        "layout of the same geometry.")
     p.add_argument("--backend", default="triton", choices=BACKENDS, help="(default triton)")
     p.add_argument("--layout", default="NHD", help="NHD, HND or an alias (LBNHC, LBHNC, ...; default NHD)")
-    p.add_argument("--blocks", type=int, default=32768, help="num_blocks (default 32768)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--heads", type=int, default=8, help="KV heads held by this rank (default 8)")
-    p.add_argument("--head-size", type=int, default=128, help="(default 128)")
+    p.add_argument("--blocks", type=positive_int, default=32768, help="num_blocks (default 32768)")
+    p.add_argument("--block-size", type=positive_int, default=16,
+                   help="tokens per block (default 16)")
+    p.add_argument("--heads", type=positive_int, default=8,
+                   help="KV heads held by this rank (default 8)")
+    p.add_argument("--head-size", type=positive_int, default=128, help="(default 128)")
     p.add_argument("--dtype", default="bfloat16", choices=(*DTYPES, *DTYPE_ALIASES),
                    help="(default bfloat16; the engine names fp8, fp8_e4m3, fp8_e5m2, fp8_inc "
                         "too)")
-    p.add_argument("--layers", type=int, default=1, help="num_layers (default 1)")
+    p.add_argument("--layers", type=positive_int, default=1, help="num_layers (default 1)")
     p.add_argument("--cross-layer", action="store_true",
                    help="one buffer for all layers (cross_layer=True)")
     return p
@@ -56,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
                            block_size=args.block_size, num_kv_heads=args.heads,
                            head_size=args.head_size, dtype=args.dtype, num_layers=args.layers,
                            cross_layer=args.cross_layer)
-    except FkvError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False)
+    except FkvError as e:  # a usage error: on stderr, as argparse's own and the other commands'
+        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
     console.print(repr(spec), highlight=False, soft_wrap=True)
     info = Table(show_header=False)

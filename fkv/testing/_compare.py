@@ -109,6 +109,9 @@ def token_major(layer: Any, spec: KVCacheSpec, block_ids: Any = None,
     if not isinstance(layer, torch.Tensor):
         raise field_error("layer", type(layer).__name__, "a torch.Tensor (one layer's view from "
                           "fkv.allocate)")
+    if tuple(layer.shape) != spec.logical_shape:
+        raise field_error("layer", f"shape {tuple(layer.shape)}", f"one layer's view of shape "
+                          f"{spec.logical_shape} (the logical_shape of spec {spec!r})")
     axes = spec.logical_axes
     present = [a for a in _CANONICAL if a in axes]
     t = layer.permute(*[axes.index(a) for a in present])

@@ -51,7 +51,17 @@ def snapshot_value(value: Any) -> Any:
         data = value.tolist()
         return [tuple(row) for row in data] if value.ndim == 2 else data
     if isinstance(value, dict):
-        return {snapshot_value(k): snapshot_value(v) for k, v in value.items()}
+        out = {}
+        for k, v in value.items():
+            key = snapshot_value(k)
+            try:
+                hash(key)
+            except TypeError:  # an attrs key becomes a dict, an array key a list
+                raise FkvError(f"snapshot_value: the dict key {k!r} has no hashable plain form "
+                               f"({key!r}); key the dict by specs, layouts, strings or "
+                               f"numbers") from None
+            out[key] = snapshot_value(v)
+        return out
     if isinstance(value, (list, tuple)):
         return type(value)(snapshot_value(v) for v in value) if type(value) in (list, tuple) \
             else tuple(snapshot_value(v) for v in value)

@@ -5,9 +5,10 @@ Every keyword takes a fixed value, a collection of allowed values, or a hypothes
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
-from fkv.errors import FkvError
+from fkv.errors import FkvError, field_error
 from fkv.layout import BACKENDS, DTYPES, KVCacheSpec, Layout, names_cross_layer
 
 __all__ = ["EnginePair", "engine_pairs", "specs"]
@@ -47,6 +48,18 @@ def _strategy(name: str, value: Any) -> Any:
     return st.sampled_from(values)
 
 
+def _positive_int(name: str, value: Any) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise field_error(name, value, "a positive int") from None
+    if n < 1:
+        raise field_error(name, value, "a positive int")
+    return n
+
+
 def _total_bytes(spec: KVCacheSpec) -> int:
     return spec.region_bytes * spec.num_regions
 
@@ -60,14 +73,16 @@ def specs(*, max_bytes: int | None = 1 << 20, **constraints: Any) -> Any:
     (see ``_DEFAULTS``). ``num_kv_heads`` is 1 whenever the backend drawn is ``"mla"``, and
     ``cross_layer`` is True whenever the layout drawn is an alias naming one buffer of all layers
     (``"BLNHC"``, ``"BHLNC"``).
-    ``max_bytes`` (default 1 MiB, ``None`` for no limit) bounds the whole cache, so tests that
-    allocate and run kernels stay fast under the Triton interpreter.
+    ``max_bytes`` (a positive int, default 1 MiB; ``None`` for no limit) bounds the whole cache,
+    so tests that allocate and run kernels stay fast under the Triton interpreter.
 
     >>> from hypothesis import given
     >>> @given(specs(backend="triton", layout=("NHD", "HND"), dtype="bfloat16"))
     ... def test_round_trip(spec): ...
     """
     st = _hypothesis()
+    if max_bytes is not None:
+        _positive_int("max_bytes", max_bytes)
     unknown = set(constraints) - set(_DEFAULTS)
     if unknown:
         raise FkvError(f"specs: unknown constraint(s) {sorted(unknown)}; fields are "
@@ -106,7 +121,8 @@ def heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
     >>> heads_per_rank(8, 2), heads_per_rank(8, 16), heads_per_rank(1, 4)
     (4, 1, 1)
     """
-    return max(1, total_num_kv_heads // tp_size)
+    total = _positive_int("total_num_kv_heads", total_num_kv_heads)
+    return max(1, total // _positive_int("tp_size", tp_size))
 
 
 def _divides(a: int, b: int) -> bool:
@@ -156,6 +172,8 @@ def engine_pairs(*, total_num_kv_heads: Any = (1, 2, 4, 8), prefill_tp: Any = (1
     @st.composite
     def draw_pair(draw: Any) -> EnginePair:
         v = {k: draw(strategy) for k, strategy in s.items()}
+        for name in ("prefill_tp", "decode_tp"):
+            _positive_int(name, v[name])
         if divisible:
             from hypothesis import assume
 
