@@ -406,8 +406,9 @@ def test_export_names_each_regions_allocation_and_offset(monkeypatch) -> None:
                            offsets=(96, 0), pid=os.getpid())
     assert cuda.log == [("enter", dev), ("sync", dev), ("range", a + 96), ("get handle", a),
                         ("range", b), ("get handle", b), ("exit", dev)]
+    # a device without an index: the current device's uuid (the fake's current device is 1)
     assert _ipc.export_regions([(b, 1)], types.SimpleNamespace(type="cuda", index=None)) \
-        .device_uuid == "GPU-0"
+        .device_uuid == "GPU-1"
     with pytest.raises(FkvError) as e:
         _ipc.export_regions([(a, 4097)], dev)
     assert str(e.value) == (f"CUDA IPC: region 0x{a:x}+4097 is not inside one allocation "

@@ -87,6 +87,7 @@ def export_regions(regions: list[tuple[int, int]], device: Any) -> IpcInfo:
     handles, offsets = [], []
     with torch.cuda.device(device):
         torch.cuda.synchronize(device)  # makes the device's primary context current
+        index = torch.cuda.current_device() if device.index is None else device.index
         for ptr, nbytes in regions:
             base, size = ctypes.c_uint64(), ctypes.c_size_t()
             _check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
@@ -99,7 +100,7 @@ def export_regions(regions: list[tuple[int, int]], device: Any) -> IpcInfo:
                    f"cuIpcGetMemHandle(0x{base.value:x})")
             handles.append(bytes(handle))  # all 64 bytes (``.reserved`` stops at a NUL byte)
             offsets.append(ptr - base.value)
-    return IpcInfo(host=host_identity(), device_uuid=_uuid(device.index or 0),
+    return IpcInfo(host=host_identity(), device_uuid=_uuid(index),
                    handles=tuple(handles), offsets=tuple(offsets), pid=os.getpid())
 
 
