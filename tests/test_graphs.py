@@ -71,3 +71,10 @@ def test_graph_primer_does_not_launch_when_the_block_raises() -> None:
         raise RuntimeError("boom")
     torch.cuda.synchronize()
     assert float(primer.x) == 0.0
+
+
+def test_the_primer_is_instantiated_for_device_launch() -> None:
+    """``cuGraphInstantiateWithFlags`` gets CUDA's CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH (4 in
+    cuda.h; 1 is auto-free, 2 upload, 8 node priority): the flag the measured recipe needs, which
+    no replay's bytes reveal."""
+    assert graphs._DEVICE_LAUNCH == 4

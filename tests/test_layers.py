@@ -76,7 +76,8 @@ def test_layer_move_refuses_mismatched_sides() -> None:
         LayerMove(src, a, fkv.allocate(b.evolve(head_size=16)), b.evolve(head_size=16))
 
 
-@pytest.mark.parametrize("layers", [(0.5, 1), (1,), "ab", 1, (False, True), (0, 1, 2), (2, 1)])
+@pytest.mark.parametrize("layers", [(0.5, 1), (1,), "ab", 1, (False, True), (0, 1, 2), (2, 1),
+                                    (-1, 2)])
 def test_layer_move_refuses_a_bad_layer_range(layers: object) -> None:
     a, b = CASES["NHD-HND"]
     dst = fkv.allocate(b)
@@ -277,3 +278,153 @@ def test_prepared_layer_ranges_in_any_order_land_the_reference_bytes(
                                num_tokens=tokens)
     for layer in range(3):
         assert torch.equal(dst[layer].nan_to_num(7.0), ref[layer].nan_to_num(7.0)), layer
+
+
+# -- the checks of the two sides, each message exact (mutation audit of fkv/ops/layers.py) -------
+
+def _refusal(*args, **kwargs) -> str:
+    with pytest.raises(FkvError) as e:
+        LayerMove(*args, **kwargs)
+    return str(e.value)
+
+
+def test_layer_move_names_each_bad_side_exactly() -> None:
+    a, b = CASES["NHD-HND"]
+    src, dst = fkv.allocate(a), fkv.allocate(b)
+    assert _refusal(src, "NHD", dst, b) == "'src_spec' must be a KVCacheSpec (got 'str')"
+    assert _refusal(src, a, dst, None) == "'dst_spec' must be a KVCacheSpec (got 'NoneType')"
+    assert _refusal([], a, dst, b) == "'src' must be a non-empty list of layer views (got 'list')"
+    assert _refusal(src, a, "dst", b) == "'dst' must be a non-empty list of layer views (got 'str')"
+    assert _refusal([src[0], "x"], a, dst, b) == "'src[1]' must be a tensor (got 'str')"
+    hnd_as_nhd = fkv.allocate(a)[2]
+    assert _refusal(src, a, [dst[0], dst[1], hnd_as_nhd], b).startswith(
+        f"'dst[2]' has strides {tuple(hnd_as_nhd.stride())} but spec ")
+    assert _refusal(src, a, fkv.allocate(b.evolve(dtype="float16")), b.evolve(dtype="float16")) == (
+        "LayerMove: src and dst must agree on dtype: src_spec.dtype is 'bfloat16', dst_spec.dtype "
+        "is 'float16'")
+    mla = a.evolve(backend="mla", num_kv_heads=1)
+    not_mla = a.evolve(num_kv_heads=1)
+    assert _refusal(fkv.allocate(mla), mla, fkv.allocate(not_mla), not_mla) == (
+        "LayerMove: src and dst must agree on is_mla: src_spec.is_mla is True, dst_spec.is_mla "
+        "is False")
+
+
+def test_layer_move_refuses_layers_on_other_devices() -> None:
+    """Every layer of a side on one device, and both sides on the same one (``meta`` stands in
+    for a second device on a CPU-only machine)."""
+    a, b = CASES["NHD-HND"]
+    src, meta = fkv.allocate(a), fkv.allocate(a, "meta")
+    assert _refusal([src[0], meta[1], src[2]], a, fkv.allocate(b), b) == (
+        "'src': layer 1 is on meta but layer 0 on cpu; all layers must be on one device")
+    assert _refusal(src, a, fkv.allocate(b, "meta"), b) == (
+        "'src' is on cpu but 'dst' on meta; map or move the source to the destination's device "
+        "first")
+
+
+def test_layer_move_of_one_tensor_is_a_one_layer_move(device: str) -> None:
+    """A single view (not a list) is one layer."""
+    a, b = (s.evolve(num_layers=1) for s in CASES["NHD-HND"])
+    host, src, dst, ref = _sides(a, b, device, 8)
+    mover = LayerMove(src[0], a, dst[0], b)
+    assert mover.num_layers == 1
+    mover([5, 1], [2, 0], 7)
+    fkv.ops.reference.move(host[0], a, [5, 1], ref[0], b, [2, 0], num_tokens=7)
+    assert torch.equal(dst[0].cpu().nan_to_num(7.0), ref[0].nan_to_num(7.0))
+
+
+def test_layer_tables_hold_element_offsets_from_layer_zero() -> None:
+    """The device tables hold each layer's offset from layer 0 in elements of its own dtype
+    (int64: peer mappings may lie far apart); views a fraction of an element apart are refused."""
+    a = BASE.evolve(backend="flash_attn", cross_layer=True, dtype="float32")  # layers 256 apart
+    b = BASE.evolve(dtype="float32")
+    src, dst = fkv.allocate(a), fkv.allocate(b)
+    mover = LayerMove(src, a, dst, b)
+    assert [t.dtype for t in mover._tables] == [torch.int64, torch.int64]
+    assert mover._tables[0].tolist() == [0, 256, 512]
+    assert mover._tables[1].tolist() == [(v.data_ptr() - dst[0].data_ptr()) // 4 for v in dst]
+    one = b.evolve(num_layers=2)
+    buf = bytearray(2 * one.region_bytes + 8)
+    count = one.region_bytes // 4
+    apart = [torch.frombuffer(buf, dtype=torch.float32, offset=o, count=count).as_strided(
+        one.logical_shape, one.element_strides) for o in (0, one.region_bytes + 2)]
+    assert _refusal(apart, one, fkv.allocate(one), one) == (
+        "LayerMove: layer views must lie a whole number of elements apart")
+
+
+def test_disjoint_heads_of_one_view_may_move_either_way() -> None:
+    """A dst view that is a src view itself is aliased only where the head ranges overlap:
+    heads (2, 4) -> (0, 2) of the same blocks may move, as (0, 2) -> (2, 4) may."""
+    a = CASES["NHD-HND"][0]
+    src = fkv.allocate(a)
+    for v in src:
+        v.copy_(torch.randn(v.shape))
+    before = [v.clone() for v in src]
+    mover = LayerMove(src, a, src, a, src_heads=(2, 4), dst_heads=(0, 2))
+    assert mover._aliased is False
+    mover([1, 2], [2, 1])
+    for layer in range(a.num_layers):
+        expected = before[layer].clone()
+        fkv.ops.reference.move(before[layer], a, [1, 2], expected, a, [2, 1],
+                               src_heads=(2, 4), dst_heads=(0, 2))
+        assert torch.equal(src[layer], expected), layer
+    assert LayerMove(src, a, src, a, src_heads=(1, 3), dst_heads=(0, 2))._aliased is True
+
+
+def test_default_token_count_is_the_source_blocks_capacity(device: str) -> None:
+    """Without ``num_tokens`` every token of the source blocks moves (3 blocks of 4 into 2 of 8);
+    destination blocks too few for them are refused, not silently filled."""
+    a, b = CASES["HND-NHD-rechunk"]
+    host, src, dst, ref = _sides(a, b, device, 9)
+    LayerMove(src, a, dst, b)([5, 1, 3], [2, 0])
+    for layer in range(a.num_layers):
+        fkv.ops.reference.move(host[layer], a, [5, 1, 3], ref[layer], b, [2, 0], num_tokens=12)
+        assert torch.equal(dst[layer].cpu().nan_to_num(7.0), ref[layer].nan_to_num(7.0)), layer
+    with pytest.raises(FkvError) as e:
+        LayerMove(src, a, dst, b)([5, 1, 3], [2])
+    assert str(e.value) == ("'num_tokens' is 12 but the 1 dst_block_ids hold only 8 tokens; pass "
+                            "more block ids or fewer tokens")
+
+
+def test_a_range_of_bools_never_reuses_the_launch_of_its_ints() -> None:
+    a, b = CASES["NHD-HND"]
+    prepared = LayerMove(fkv.allocate(a), a, fkv.allocate(b), b).prepare([3], [0])
+    prepared((0, 1))
+    for layers in [(0, True), (False, 1)]:
+        with pytest.raises(FkvError) as e:
+            prepared(layers)
+        assert str(e.value) == (f"'layers' must be (start, stop) ints with 0 <= start <= stop <= "
+                                f"3 (got {layers!r})")
+
+
+def test_the_interpreter_runs_the_kernel_not_the_reference_loop() -> None:
+    """Under ``TRITON_INTERPRET=1`` a CPU LayerMove launches the Triton kernel (its launch kept
+    per layer range), so the kernel tests above compare the kernel, not the reference, against
+    the reference."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs under the CPU interpreter")
+    a, b = CASES["NHD-HND"]
+    mover = LayerMove(fkv.allocate(a), a, fkv.allocate(b), b)
+    assert mover.triton is True
+    prepared = mover.prepare([3], [0])
+    prepared((1, 3))
+    assert list(prepared._launches) == [(1, 3)]
+
+
+def test_cpu_without_the_interpreter_loops_over_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU outside ``TRITON_INTERPRET=1`` each layer of the range goes through
+    ``fkv.ops.reference.move`` (heads, token count and range kept; nothing launched or kept)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    a, b = CASES["HND-NHD-rechunk"]
+    host, src, dst, ref = _sides(a, b, "cpu", 10)
+    mover = LayerMove(src, a, dst, b, src_heads=(1, 3), dst_heads=(2, 4))
+    assert mover.triton is False
+    prepared = mover.prepare([5, 1, 3], [2, 0], 9)
+    prepared((1, 2))
+    assert prepared._launches == {}
+    fkv.ops.reference.move(host[1], a, [5, 1, 3], ref[1], b, [2, 0], src_heads=(1, 3),
+                           dst_heads=(2, 4), num_tokens=9)
+    for layer in range(3):
+        assert torch.equal(dst[layer].nan_to_num(7.0), ref[layer].nan_to_num(7.0)), layer
+    assert torch.isnan(dst[0]).all() and torch.isnan(dst[2]).all()
