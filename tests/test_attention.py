@@ -510,6 +510,65 @@ def test_prefill_tile_variants(device: str, block_q: int, heads: int, tile_n: in
     case.check(config=cfg, sliding_window=13)
 
 
+@pytest.mark.parametrize("row_halves", [False, True])
+def test_unmasked_tile_bounds_at_tile_edges(device: str, row_halves: bool) -> None:
+    """The unmasked key range of a 32-query tile ends exactly at its edges: the last row's window
+    starts one key past a tile start (81 keys, window 48: key 32 is out for the last row, in for
+    the first; a tile visible to every row starts at 48, not 32), and the first row's last key
+    is a tile's second-to-last (46 keys, first row at 14: key 15 is the next tile's, masked)."""
+    case = Case(device, hq=2, hkv=1, head_size=16, block_size=4, seq_lens=(81, 46),
+                q_lens=(32, 32), seed=13)
+    cfg = AttentionConfig(block_q=32, heads_per_program=1, tile_n=16, row_halves=row_halves)
+    case.check(config=cfg, sliding_window=48)
+    case.check(config=cfg)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_dead_cache_slots_are_never_read(device: str, layout: str) -> None:
+    """Slots past each sequence's length and blocks outside its table may hold anything (an
+    engine's stale or never-written memory): poisoned with NaN, nothing changes. A key tile's
+    loads stop at the split's end (masked scores times NaN values would be NaN; keys past it read
+    block 0, dead here) and a padded head (80 of 128) loads no column past the head size (in HND
+    that is the next slot)."""
+    case = Case(device, hq=4, hkv=2, head_size=80, layout=layout, block_size=4,
+                seq_lens=(70, 33, 17, 48), q_lens=(9, 33, 2, 20), seed=14)
+    keys, values = RA._keys_values(case.cache, case.spec)
+    used = case.block_table[:, :-1]  # the last column is past every sequence's blocks
+    free = sorted(set(range(case.spec.num_blocks)) - set(used.flatten().tolist()))[0]
+    keys[free], values[free] = keys[0], values[0]
+    used[used == 0] = free  # block 0 (where an out-of-range or masked-off id reads) is dead too
+    live = torch.zeros(keys.shape[:2], dtype=torch.bool, device=device)
+    for b, length in enumerate(case.seq_lens.tolist()):
+        for t in range(length):
+            live[case.block_table[b, t // 4].long(), t % 4] = True
+    keys[~live] = float("nan")
+    values[~live] = float("nan")
+    assert case.cache.isnan().any()
+    for cfg in (AttentionConfig(block_q=4, heads_per_program=2, tile_n=16, num_splits=3),
+                AttentionConfig(block_q=16, heads_per_program=2, tile_n=16, row_halves=True)):
+        case.check(config=cfg, sliding_window=21)
+        case.check(config=cfg)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_window_starts_at_a_tile_last_key(device: str, splits: int) -> None:
+    """Decode whose window starts at the last key of a key tile (20, 36 and 52 keys, windows 5
+    and 21: key 15, 31 or 47 is the first visible): that tile is still read, masked."""
+    case = Case(device, hq=4, hkv=2, head_size=16, block_size=4, seq_lens=(20, 36, 52), seed=16)
+    cfg = AttentionConfig(block_q=1, heads_per_program=2, tile_n=16, num_splits=splits)
+    for window in (5, 21):
+        case.check(config=cfg, sliding_window=window)
+
+
+def test_row_halves_of_one_query_token(device: str) -> None:
+    """Decode of a 32-head group in row halves (one query token, 16 heads a half): the second
+    half's rows are heads 16..31 and take their own ALiBi slopes and sinks."""
+    case = Case(device, hq=32, hkv=1, head_size=16, block_size=4, seq_lens=(23, 9), seed=17)
+    kw = _alibi_sinks(device, 32, "alibi sinks")
+    case.check(config=AttentionConfig(block_q=1, heads_per_program=32, tile_n=16,
+                                      row_halves=True), **kw)
+
+
 @pytest.mark.parametrize("q_scale", [1.0, 12.0])
 @pytest.mark.parametrize(("dtype", "mode"), [("float32", "prefill"), ("bfloat16", "prefill"),
                                              ("bfloat16", "decode")])
@@ -527,6 +586,17 @@ def test_lazy_rescale(device: str, dtype: str, mode: str, q_scale: float) -> Non
         case.check(config=cfg)
         case.check(config=cfg, sliding_window=29)
         case.check(config=cfg, softcap=5.0)  # softcapped scores: the eager path
+
+
+def test_lazy_rescale_keeps_float16_probabilities_finite(device: str) -> None:
+    """A stale row max is kept only while the scores stay within 2**8 of it: P rounded to
+    float16 (max 65504 = 2**16) stays finite. Large scores whose tile maxima jump by 16..100
+    (base 2) would overflow P to inf under a looser bound."""
+    case = Case(device, dtype="float16", hq=2, hkv=1, head_size=32, block_size=4,
+                seq_lens=(70,), q_lens=(70,), seed=15)
+    case.q.mul_(12.0)
+    case.check(config=AttentionConfig(block_q=8, heads_per_program=1, tile_n=16,
+                                      lazy_rescale=True))
 
 
 def test_config_override(device: str) -> None:
@@ -690,6 +760,24 @@ def test_noncontiguous_q_and_out(device: str) -> None:
                           query_start_loc=case.query_start_loc, out=out)
     assert res is out
     assert torch.allclose(out.double().cpu(), case.expected().cpu(), atol=2e-2, rtol=2e-2)
+
+
+def test_noncontiguous_q_and_out_with_splits(device: str) -> None:
+    """Strided head dims (q every other element, out transposed) through split launches: the
+    partial outputs merged by the second kernel and in the same launch."""
+    case = Case(device, q_lens=(1, 7, 2, 4), seq_lens=(1, 30, 13, 4), seed=18)
+    big = torch.randn(*case.q.shape[:2], 64).to(case.q.dtype).to(device)
+    big[:, :, ::2] = case.q
+    q = big[:, :, ::2]
+    want = case.expected().cpu()
+    for fused in (False, True):
+        out = torch.full((case.q.shape[0], 48, case.q.shape[1] * 3), float("nan"),
+                         dtype=case.q.dtype, device=device).transpose(1, 2)[:, 1::3, :32]
+        cfg = AttentionConfig(block_q=2, heads_per_program=2, tile_n=16, num_splits=2,
+                              fused_merge=fused)
+        paged_attention(q, case.cache, case.spec, case.block_table, case.seq_lens,
+                        query_start_loc=case.query_start_loc, out=out, config=cfg)
+        assert torch.allclose(out.double().cpu(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_reference_float32_matches_float64(device: str) -> None:
@@ -1126,6 +1214,31 @@ def test_unvalidated_bad_values_stay_in_bounds(device: str, mode: str) -> None:
         lo, hi = (b, b + 1) if qsl is None else (int(qsl[b]), int(qsl[b + 1]))
         assert torch.allclose(got[lo:hi], want[lo:hi], atol=2e-2, rtol=2e-2)
     assert torch.isfinite(got[:total]).all()
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_unvalidated_ids_at_the_cache_edges_read_block_0(device: str, mode: str) -> None:
+    """validate=False: a block id of num_blocks (one past the end) or -1 reads block 0, not the
+    memory beside the cache (NaN here): the bad sequences' results stay finite, the others are
+    exact."""
+    q_lens = None if mode == "decode" else (1, 3, 1, 4)
+    case = Case(device, q_lens=q_lens, seed=19)
+    want = case.expected().cpu()
+    nb = case.spec.num_blocks
+    big = torch.full((nb + 2, *case.cache.shape[1:]), float("nan"), dtype=case.cache.dtype,
+                     device=device)
+    big[1:nb + 1] = case.cache
+    cache = big[1:nb + 1]
+    bt = case.block_table.clone()
+    bt[1, 0] = nb
+    bt[2, 1] = -1
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention(case.q, cache, case.spec, bt, case.seq_lens,
+                    query_start_loc=case.query_start_loc, out=out, validate=False)
+    got = out.double().cpu()
+    assert not got.isnan().any()
+    rows = [0, 3] if q_lens is None else [0, *range(5, 9)]  # sequences 0 and 3
+    assert torch.allclose(got[rows], want[rows], atol=2e-2, rtol=2e-2)
 
 
 def test_empty_batch() -> None:
