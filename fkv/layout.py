@@ -542,27 +542,27 @@ def fewest_contiguous_atoms(sides: tuple[KVCacheSpec, ...], full: tuple[tuple[st
         order = _box_order(first, ext)
         return order is not None and all(_box_order(span, ext) == order for span in others)
 
-    if fits():  # nothing split: the usual answer, before any sorting
-        return (), 1
     # Every split that works on a side splits at least the named axes of extent > 1 outside
     # the side's innermost axis that is not whole (splitting an axis further in only moves that
-    # point inwards), so every answer holds their union: when the union alone works, it is the
-    # answer (the fewest atoms; a larger split of as many atoms has more axes).
-    must = set()
+    # point inwards), so every answer holds their union: when it is empty, nothing split is the
+    # only candidate worth a look first; when the union alone works, it is the answer (the
+    # fewest atoms; a larger split of as many atoms has more axes).
+    must: set[str] | None = set()
     for span in (first, *others):
         outside = False
         for axis, size, _stride in span:
             extent = ext.get(axis, 1 if axis in ("L", "B") else size)
             if outside and extent != 1:
                 if axis not in ext:  # an axis no split can shrink: only the search decides
-                    must = set()
+                    must = None
                     break
                 must.add(axis)
             if extent != size:
                 outside = True
-        else:
-            continue
-        break
+        if must is None:
+            break
+    if not must and fits():  # nothing split: the usual answer, before any sorting
+        return (), 1
     if must:
         for axis in must:
             ext[axis] = 1
