@@ -30,6 +30,10 @@ from fkv.connector.transport._ipc_probe import _Handle
 from fkv.connector.wire import IpcInfo
 from fkv.errors import FkvError, FkvWireError
 
+# the plan-path tests' caches of distinct finite values (pytest runs with --import-mode=importlib)
+sys.path.insert(0, os.path.dirname(__file__))
+from test_plan_path import _caches as _filled  # noqa: E402
+
 SPEC = fkv.KVCacheSpec(layout="HND", num_blocks=4, block_size=16, num_kv_heads=8, head_size=128,
                        num_layers=2)
 ENGINE = EngineDesc(engine_id="p", tp_size=1, tp_rank=0, total_num_kv_heads=8)
@@ -246,15 +250,6 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda i: types.SimpleNamespace(uuid=f"GPU-{i}", name="not a uuid"))
         monkeypatch.setattr(torch, "from_dlpack", from_dlpack)
-
-
-def _filled(spec: fkv.KVCacheSpec, seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    caches = fkv.allocate(spec)
-    for layer in caches:
-        layer.view(torch.int16).copy_(torch.randint(0, 0x3F00, layer.shape, generator=gen,
-                                                    dtype=torch.int16))
-    return caches
 
 
 def _exported(spec: fkv.KVCacheSpec, where: list[tuple[bytes, int]], sizes: dict[bytes, int],
