@@ -504,7 +504,7 @@ def test_mps_is_looked_for_in_its_default_pipe_directory(monkeypatch, env) -> No
     asked = []
     monkeypatch.setattr(_ipc.os.path, "exists", lambda path: asked.append(path) or True)
     assert _ipc.mps_running() is True
-    assert asked == ["/tmp/nvidia-mps/control"]
+    assert asked == [os.path.join("/tmp/nvidia-mps", "control")]  # the default pipe directory
 
 
 FUZZ_WORKER = Path(__file__).with_name("_ipc_fuzz_worker.py")
