@@ -396,14 +396,11 @@ def test_a_range_of_bools_never_reuses_the_launch_of_its_ints() -> None:
                                 f"3 (got {layers!r})")
 
 
+@pytest.mark.interpreter  # CPU only: with CUDA, conftest deselects it (no interpreter there)
 def test_the_interpreter_runs_the_kernel_not_the_reference_loop() -> None:
-    """Under ``TRITON_INTERPRET=1`` a CPU LayerMove launches the Triton kernel (its launch kept
-    per layer range), so the kernel tests above compare the kernel, not the reference, against
-    the reference."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs under the CPU interpreter")
+    """Under ``TRITON_INTERPRET=1`` (conftest sets it without CUDA) a CPU LayerMove launches the
+    Triton kernel (its launch kept per layer range), so the kernel tests above compare the
+    kernel, not the reference, against the reference."""
     a, b = CASES["NHD-HND"]
     mover = LayerMove(fkv.allocate(a), a, fkv.allocate(b), b)
     assert mover.triton is True
