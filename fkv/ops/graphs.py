@@ -16,9 +16,10 @@ launch before the process captures its graphs, then launched once after they wer
 
 Measured on the H200 (bench/results/raw/graph-recipe-20261205T0420/): 40 graphs of 32 decode
 writes on one pool, as an engine captures them, replayed at 2.44-2.46 us per write without the
-primer and 2.09-2.11 us with it (two fresh processes each). On an H100 (80GB HBM3, same driver)
-``fkv bench write`` captures its decode graphs inside one primer in a child process: 2.21-2.28 us
-per write against 2.57-2.62 in its usual state (one case, bf16 NHD, read 2.27 unprimed;
+primer and 2.09-2.11 us with it (two fresh processes each). ``fkv bench write`` captures its
+decode graphs inside one primer in a child process: on the H200 2.10-2.13 us per write, bf16 and
+fp8 (bench/results/write-20261205T104625Z.json); on an H100 (80GB HBM3, same driver) 2.21-2.28 us
+against 2.57-2.62 in its usual state (one case, bf16 NHD, read 2.27 unprimed;
 bench/results/write-20261205T054338Z.json).
 Capture every graph inside one block: on that H100, three captures each inside a primer of its
 own gave two fast graphs and a slow third (2.27, 2.27, 2.64 us), while a primer entered after
