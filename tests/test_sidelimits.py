@@ -804,26 +804,23 @@ def test_frame_server_reading_a_frame_is_progress_for_the_idle_clock(monkeypatch
         assert (s["connections"], s["buffered"], s["closed_idle"]) == (1, 4, 0)
 
 
-def test_frame_server_deadlines_are_exclusive(monkeypatch):
+@pytest.mark.parametrize(("in_frame", "limit", "counter"),
+                         [(True, 2, "closed_slow"), (False, 4, "closed_idle")])
+def test_frame_server_deadlines_are_exclusive(monkeypatch, in_frame, limit, counter):
     """A connection is closed once *more* than ``frame_timeout`` (a frame in progress) or
     ``idle_timeout`` (none) passed: at exactly the limit it stays."""
     with _clocked(monkeypatch, idle_timeout=4, frame_timeout=2) as (clock, server, c):
-        c.sendall((50).to_bytes(4, "big"))
-        _poll_until(server, lambda s: s["reserved"] == 50)
-        clock.now += 2
+        if in_frame:
+            c.sendall((50).to_bytes(4, "big"))
+            _poll_until(server, lambda s: s["reserved"] == 50)
+        else:
+            _poll_until(server, lambda s: s["accepted"] == 1)
+        clock.now += limit
         server.poll(0)
         assert server.stats()["connections"] == 1
         clock.now += 0.5
         server.poll(0)
-        assert (server.stats()["connections"], server.stats()["closed_slow"]) == (0, 1)
-    with _clocked(monkeypatch, idle_timeout=4, frame_timeout=2) as (clock, server, c):
-        _poll_until(server, lambda s: s["accepted"] == 1)
-        clock.now += 4
-        server.poll(0)
-        assert server.stats()["connections"] == 1
-        clock.now += 0.5
-        server.poll(0)
-        assert (server.stats()["connections"], server.stats()["closed_idle"]) == (0, 1)
+        assert (server.stats()["connections"], server.stats()[counter]) == (0, 1)
 
 
 def test_waker_drops_extra_wake_ups_and_drains():
